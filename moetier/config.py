@@ -1,0 +1,155 @@
+"""Frozen configuration dataclasses: the one place that reads raw HF config dicts.
+
+`ModelConfig.from_hf` normalises a Hugging Face `config.json` into the few facts moetier's own
+code needs; model code never reads raw HF config dicts. `EngineConfig` holds the runtime knobs
+(device, dtype, expert cache budget); CLI flags are derived from its fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Families whose transformers experts class carries `@use_experts_implementation` and that the
+# oracle tests cover. Others may work but are refused until a test covers them.
+SUPPORTED_MODEL_TYPES = (
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "glm_moe_dsa",
+    "deepseek_v4",
+)
+
+# The activation applied between the gate/up and the down projection of a routed expert.
+#   silu:          silu(gate) * up
+#   silu_clamped:  silu(min(gate, limit)) * clamp(up, -limit, limit)           (DeepSeek-V4)
+#   gpt_oss:       g = min(gate, limit); (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+ACTIVATIONS = ("silu", "silu_clamped", "gpt_oss")
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How a routed expert combines its gate and up projections (see ACTIVATIONS)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What moetier needs to know about a model, normalised from its HF config."""
+
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    expert_has_bias: bool
+    activation: ExpertActivation
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Normalise a HF `config.json` dict; raises ValueError for non-MoE or unknown families."""
+        model_type = hf.get("model_type")
+        if model_type is None and isinstance(hf.get("text_config"), dict):
+            hf = hf["text_config"]
+            model_type = hf.get("model_type")
+        num_experts = _first(hf, "num_experts", "num_local_experts", "n_routed_experts")
+        if not num_experts:
+            raise ValueError(
+                f"model_type {model_type!r} has no routed experts (no num_experts / "
+                "num_local_experts / n_routed_experts in config.json): moetier runs Mixture-of-"
+                "Experts models only; use a dense-model runtime (transformers, llama.cpp) for it."
+            )
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported yet. Supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}. Open an issue with the model's config.json."
+            )
+        if model_type == "gpt_oss":
+            activation = ExpertActivation("gpt_oss", alpha=1.702, limit=float(hf.get("swiglu_limit", 7.0)))
+        elif model_type == "deepseek_v4":
+            activation = ExpertActivation("silu_clamped", limit=float(hf.get("swiglu_limit", 10.0)))
+        else:
+            act = hf.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):
+                raise ValueError(f"expert activation {act!r} of {model_type} is not supported")
+            activation = ExpertActivation("silu")
+        intermediate = _first(hf, "moe_intermediate_size")
+        if model_type in ("mixtral", "gpt_oss") or not intermediate:
+            intermediate = hf["intermediate_size"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            hidden_size=int(hf["hidden_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            vocab_size=int(hf["vocab_size"]),
+            num_experts=int(num_experts),
+            top_k=int(_first(hf, "num_experts_per_tok", "experts_per_token") or 0),
+            expert_intermediate_size=int(intermediate),
+            expert_has_bias=model_type == "gpt_oss",
+            activation=activation,
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"{config_path} not found: point at a Hugging Face model directory")
+        return cls.from_hf(json.loads(config_path.read_text()))
+
+
+def _first(d: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if d.get(key) is not None:
+            return d[key]
+    return None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime settings. Each field becomes a CLI flag (`--expert-cache-mb` ...)."""
+
+    device: str = field(
+        default="auto", metadata={"help": "cuda, cpu, or auto (cuda when available)"}
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "compute dtype: float32, bfloat16, float16, or auto "
+                  "(the checkpoint's dtype on CUDA, float32 on CPU)"},
+    )
+    expert_cache_mb: float = field(
+        default=0.0,
+        metadata={"help": "memory budget of the expert slot cache in MiB (0 = room for every expert)"},
+    )
+    expert_cache_slots: int = field(
+        default=0, metadata={"help": "cap the expert cache at this many experts (0 = no cap)"}
+    )
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self, checkpoint_dtype: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return checkpoint_dtype if self.resolved_device().startswith("cuda") else "float32"
+
+
+def replace(config: Any, **changes: Any) -> Any:
+    """dataclasses.replace, re-exported so callers need not import dataclasses."""
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,69 @@
+"""Plain-torch reference MoE kernel: experts read through an expert->slot table.
+
+This is the CPU path and the twin every Triton kernel is tested against. Written for clarity,
+not speed: a Python loop over the experts that have a slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetier.config import ExpertActivation
+from moetier.core.layout import BlobFormat, blob_view
+
+
+def expert_activation_ref(gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
+    """gate, up: [n, I] -> [n, I], the family's gated activation (config.ACTIVATIONS)."""
+    if act.kind == "silu":
+        return F.silu(gate) * up
+    if act.kind == "silu_clamped":
+        return F.silu(gate.clamp(max=act.limit)) * up.clamp(min=-act.limit, max=act.limit)
+    if act.kind == "gpt_oss":
+        gate = gate.clamp(max=act.limit)
+        up = up.clamp(min=-act.limit, max=act.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+    raise ValueError(f"unknown expert activation {act.kind!r}")
+
+
+def moe_slots_ref(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_table: torch.Tensor,
+    pool: torch.Tensor,
+    fmt: BlobFormat,
+    act: ExpertActivation,
+    out: torch.Tensor,
+) -> None:
+    """Compute the routed pairs whose expert has a slot, writing each into `out`.
+
+    hidden:       [T, H] float (compute dtype)
+    topk_ids:     [T, k] int64, expert of each (token, k) pair
+    topk_weights: [T, k] float, routing weight of each pair
+    slot_table:   [E] int32, slot of each expert in `pool`, -1 = not part of this call
+    pool:         [S, slot_bytes] uint8, each slot one expert blob laid out as `fmt`
+    out:          [T, k, H] float32; out[t, j] = w[t, j] * expert(hidden[t]) for every pair
+                  whose expert has a slot; other rows are left untouched
+    """
+    if hidden.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"bad shapes: hidden {tuple(hidden.shape)}, ids {tuple(topk_ids.shape)}, "
+                         f"weights {tuple(topk_weights.shape)}")
+    if out.shape != (*topk_ids.shape, hidden.shape[1]):
+        raise ValueError(f"out must be [T, k, H], got {tuple(out.shape)}")
+    pair_slots = slot_table.long()[topk_ids]  # [T, k]
+    has_bias = any(spec.name == "down_bias" for spec in fmt.tensors)
+    for expert in torch.unique(topk_ids[pair_slots >= 0]).tolist():
+        token_idx, k_idx = torch.where(topk_ids == expert)
+        blob = pool[int(slot_table[expert])]
+        gate_up = blob_view(blob, fmt.tensor("gate_up")).to(hidden.dtype)  # [2I, H]
+        down = blob_view(blob, fmt.tensor("down")).to(hidden.dtype)  # [H, I]
+        x = hidden[token_idx]  # [n, H]
+        h = F.linear(x, gate_up)  # [n, 2I]
+        if has_bias:
+            h = h + blob_view(blob, fmt.tensor("gate_up_bias")).to(hidden.dtype)
+        gate, up = h.chunk(2, dim=-1)
+        y = F.linear(expert_activation_ref(gate, up, act), down)  # [n, H]
+        if has_bias:
+            y = y + blob_view(blob, fmt.tensor("down_bias")).to(hidden.dtype)
+        out[token_idx, k_idx] = y.to(out.dtype) * topk_weights[token_idx, k_idx, None].to(out.dtype)

@@ -1,0 +1,70 @@
+"""The experts op: the one place that knows about expert residency and formats.
+
+transformers' MoE families decorate their experts class with `@use_experts_implementation`,
+which dispatches `forward` through `ALL_EXPERTS_FUNCTIONS[config._experts_implementation]`.
+We register "moetier" there; each experts module carries a `moetier_experts` handle (set by the
+loader) naming its layer and the shared `ExpertsRuntime`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetier.config import ExpertActivation
+from moetier.core.layout import BlobFormat
+from moetier.kernels.moe_ref import moe_slots_ref
+from moetier.residency.slot_pool import SlotPool
+
+IMPLEMENTATION_NAME = "moetier"
+
+
+class ExpertsRuntime:
+    """Routes each MoE layer's (hidden, top-k) through the slot pool and the kernel."""
+
+    def __init__(self, residency: SlotPool, formats: dict[int, BlobFormat], activation: ExpertActivation) -> None:
+        self.residency = residency
+        self.formats = formats  # layer -> base-plane format
+        self.activation = activation
+
+    def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype."""
+        topk_ids = topk_ids.long()
+        tokens, k = topk_ids.shape
+        out = torch.zeros(tokens, k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+        needed = sorted(set(topk_ids.flatten().tolist()))  # host sync: the reference path only
+        # Experts are computed in chunks the pool can hold; each pair's result lands in its own
+        # row of `out`, so the sum below is identical whatever the chunking (cache size).
+        capacity = self.residency.capacity
+        for start in range(0, len(needed), capacity):
+            slot_table = self.residency.ensure(layer, needed[start : start + capacity])
+            moe_slots_ref(hidden, topk_ids, topk_weights, slot_table, self.residency.pool,
+                          self.formats[layer], self.activation, out)
+        return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+
+
+@dataclass(frozen=True)
+class ExpertsHandle:
+    runtime: ExpertsRuntime
+    layer: int
+
+
+def moetier_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
+                            top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Signature of transformers' experts implementations (`self, hidden, ids, weights`)."""
+    handle: ExpertsHandle | None = getattr(module, "moetier_experts", None)
+    if handle is None:
+        raise RuntimeError(
+            f"{type(module).__name__} uses experts_implementation='moetier' but was not loaded by "
+            "moetier (load models with moetier.loader.load_model)"
+        )
+    return handle.runtime.forward(handle.layer, hidden_states, top_k_index, top_k_weights)
+
+
+def register_experts_implementation() -> None:
+    """Make 'moetier' a valid `experts_implementation` in transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION_NAME, moetier_experts_forward)

@@ -1,0 +1,125 @@
+"""The moetier store: what `moetier convert` writes and everything else reads.
+
+    STORE/
+      config.json, generation_config.json, tokenizer files, chat template   (copied)
+      dense.safetensors   every tensor that is not a routed expert, under the HF module names
+      experts.bin         one contiguous, 4 KiB-aligned blob per (layer, expert, plane)
+      experts.json        the index: formats, and per blob layer, expert, plane, offset, bytes,
+                          format, shape, crc32 checksum
+
+A blob holds all tensors of one expert for one plane ("base" now; "delta" planes come with the
+low-bit formats) back to back, each sub-tensor 256-byte aligned, in the canonical layout:
+  gate_up       [2*I, H]  rows 0..I-1 are the gate projection, rows I..2I-1 the up projection
+  down          [H, I]
+  gate_up_bias  [2*I]     (gpt-oss only; same split as gate_up)
+  down_bias     [H]       (gpt-oss only)
+so a GPU slot is just `blob bytes` and tensors are views into it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moetier.config import ModelConfig
+from moetier.core.layout import DTYPES, BlobFormat
+
+STORE_VERSION = 1
+BLOB_ALIGN = 4096
+INDEX_FILE = "experts.json"
+EXPERTS_FILE = "experts.bin"
+DENSE_FILE = "dense.safetensors"
+
+
+@dataclass(frozen=True)
+class BlobEntry:
+    layer: int
+    expert: int
+    plane: str
+    offset: int
+    nbytes: int
+    format: str
+    crc32: int
+
+
+class Store:
+    """A converted model on disk; the experts file is memory-mapped, never read whole."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index_path = self.path / INDEX_FILE
+        if not index_path.is_file():
+            raise ValueError(
+                f"{self.path} is not a moetier store ({INDEX_FILE} missing). "
+                f"Convert a Hugging Face checkpoint first: moetier convert HF_DIR {self.path}"
+            )
+        self.index: dict[str, Any] = json.loads(index_path.read_text())
+        if self.index.get("version") != STORE_VERSION:
+            raise ValueError(
+                f"{self.path} was written by store version {self.index.get('version')}, this "
+                f"moetier reads version {STORE_VERSION}: convert the model again"
+            )
+        self.hf_config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
+        self.model_config = ModelConfig.from_hf(self.hf_config)
+        self.source_dtype: str = self.index["source_dtype"]
+        self.formats = {k: BlobFormat.from_json(k, v) for k, v in self.index["formats"].items()}
+        # layer -> dotted path of the experts module in the transformers model
+        self.moe_modules: dict[int, str] = {int(k): v for k, v in self.index["moe_modules"].items()}
+        self.blobs: dict[tuple[int, int, str], BlobEntry] = {}
+        for b in self.index["blobs"]:
+            entry = BlobEntry(b["layer"], b["expert"], b["plane"], b["offset"], b["bytes"],
+                              b["format"], b["crc32"])
+            self.blobs[(entry.layer, entry.expert, entry.plane)] = entry
+        experts_path = self.path / EXPERTS_FILE
+        expected = max((e.offset + e.nbytes for e in self.blobs.values()), default=0)
+        size = experts_path.stat().st_size if experts_path.exists() else -1
+        if size < expected:
+            raise ValueError(
+                f"{experts_path} is missing or truncated ({size} bytes, index needs {expected}): "
+                "convert the model again"
+            )
+        self._file = open(experts_path, "rb")  # noqa: SIM115 - lives as long as the store
+        # ACCESS_COPY: a private mapping torch may wrap without a read-only warning; nothing writes it.
+        self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        # One uint8 tensor over the whole mapping; blobs are slices of it (no copy, no read).
+        self._bytes = (
+            torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8) if self._mmap is not None
+            else torch.empty(0, dtype=torch.uint8)
+        )
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return sorted(self.moe_modules)
+
+    def blob(self, layer: int, expert: int, plane: str = "base") -> torch.Tensor:
+        """The bytes of one blob as a read-only uint8 CPU tensor backed by the mmap."""
+        entry = self.blobs[(layer, expert, plane)]
+        return self._bytes[entry.offset : entry.offset + entry.nbytes]
+
+    def blob_format(self, layer: int, plane: str = "base") -> BlobFormat:
+        entry = self.blobs[(layer, 0, plane)]
+        return self.formats[entry.format]
+
+    def verify(self) -> list[tuple[int, int, str]]:
+        """Recompute every blob's crc32; returns the keys that do not match."""
+        bad = []
+        for key, entry in self.blobs.items():
+            if crc32(self.blob(*key)) != entry.crc32:
+                bad.append(key)
+        return bad
+
+    def close(self) -> None:
+        # Views into the mmap may still be alive in tensors; closing it would make them dangle.
+        self._file.close()
+
+
+def crc32(data: torch.Tensor | bytes | memoryview) -> int:
+    if isinstance(data, torch.Tensor):
+        data = data.contiguous().numpy().data
+    return zlib.crc32(data) & 0xFFFFFFFF
