@@ -383,7 +383,7 @@ def _copy_aux_files(src: Path, dst: Path) -> None:
         if not path.is_file() or path.name in SKIP_AUX:
             continue
         if path.suffix in AUX_SUFFIXES or path.name in AUX_NAMES:
-            shutil.copy2(path, dst / path.name)
+            shutil.copyfile(path, dst / path.name)
 
 
 class _Reader:

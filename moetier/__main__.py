@@ -1,0 +1,5 @@
+import sys
+
+from moetier.cli.main import main
+
+sys.exit(main())

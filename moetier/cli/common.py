@@ -1,0 +1,25 @@
+"""Flags and loading shared by the verbs that run a model."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from moetier.cli.flags import add_dataclass_arguments, dataclass_from_args
+from moetier.config import EngineConfig
+from moetier.engine.sampler import SamplingParams
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", help="a moetier store (output of `moetier convert`)")
+    add_dataclass_arguments(parser, EngineConfig, "engine")
+    add_dataclass_arguments(parser, SamplingParams, "sampling")
+
+
+def load(args: argparse.Namespace) -> tuple[Any, SamplingParams]:
+    from moetier.engine.generate import Generator
+    from moetier.loader.load import load_model
+
+    engine_config = dataclass_from_args(EngineConfig, args)
+    params = dataclass_from_args(SamplingParams, args)
+    return Generator(load_model(args.store, engine_config)), params

@@ -1,0 +1,41 @@
+"""`moetier <verb>`: each verb is a module with `add_arguments(parser)` and `run(args)`,
+imported only when that verb runs (so `moetier --help` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+VERBS = {
+    "convert": "convert a Hugging Face MoE checkpoint into a moetier store",
+    "generate": "generate text from a store, streamed to stdout",
+    "serve": "serve a store over an OpenAI-compatible HTTP API",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="moetier", description="Run MoE LLMs larger than your GPU.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for verb, help_text in VERBS.items():
+        sub.add_parser(verb, help=help_text, add_help=False)
+    if not argv or argv[0] not in VERBS:
+        args = parser.parse_args(argv)  # prints help or the error for an unknown verb
+        parser.print_help()
+        return 2
+    module = importlib.import_module(f"moetier.cli.{argv[0]}")
+    verb_parser = argparse.ArgumentParser(prog=f"moetier {argv[0]}", description=VERBS[argv[0]])
+    module.add_arguments(verb_parser)
+    args = verb_parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"moetier {argv[0]}: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

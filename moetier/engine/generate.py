@@ -1,0 +1,157 @@
+"""The generation loop: prefill, then one token at a time with a KV cache; streaming text out.
+
+One sequence at a time (continuous batching comes with the serving issue). Stops at an
+end-of-sequence token, a stop string (never emitted), or `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetier.engine.sampler import SamplingParams, sample
+from moetier.loader.load import LoadedModel
+
+# Tokens that end an assistant turn in common chat templates, added to the stop ids in chat mode.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<|endoftext|>")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of streamed output. The last one carries finish_reason ("stop" or "length")."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+
+class Generator:
+    """Generates text from a loaded model."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.eos_ids = self._eos_ids()
+        self.chat_end_ids = self.eos_ids | self._vocab_ids(END_OF_TURN_TOKENS)
+
+    def _vocab_ids(self, tokens: tuple[str, ...]) -> set[int]:
+        vocab = self.tokenizer.get_vocab()
+        return {vocab[t] for t in tokens if t in vocab}
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.loaded.model_config.eos_token_ids)
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: use a plain prompt instead")
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool = False) -> Iterator[Delta]:
+        """Yield text deltas as tokens are generated; the last delta has a finish_reason."""
+        from transformers import DynamicCache
+
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        device = self.loaded.device
+        stop_ids = self.chat_end_ids if chat else self.eos_ids
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(params.seed)
+        cache = DynamicCache(config=self.model.config)
+        input_ids = torch.tensor([prompt_ids], device=device)
+        detok = _StreamingDetokenizer(self.tokenizer, params.stop)
+        unsent: list[int] = []  # tokens whose text is not out yet (partial UTF-8, held back)
+        finish = "length"
+        for _ in range(params.max_new_tokens):
+            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                             logits_to_keep=1)
+            token = int(sample(out.logits[:, -1], params, generator)[0])
+            if token in stop_ids:
+                finish = "stop"
+                break
+            unsent.append(token)
+            text, stopped = detok.push(token)
+            if text:
+                yield Delta(text, tuple(unsent))
+                unsent = []
+            if stopped:
+                finish = "stop"
+                break
+            input_ids = torch.tensor([[token]], device=device)
+        yield Delta("" if detok.stopped else detok.flush(), tuple(unsent), finish)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool = False) -> Completion:
+        pieces, ids, finish = [], [], "length"
+        for delta in self.stream(prompt_ids, params, chat=chat):
+            pieces.append(delta.text)
+            ids.extend(delta.token_ids)
+            finish = delta.finish_reason or finish
+        return Completion("".join(pieces), ids, finish, len(prompt_ids))
+
+
+class _StreamingDetokenizer:
+    """Turns tokens into text deltas: holds back incomplete UTF-8 and possible stop-string starts."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the decoded text already handed out
+        self.stopped = False
+
+    def push(self, token: int) -> tuple[str, bool]:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return "", False  # a multi-byte character is not complete yet
+        pending = text[self.emitted :]
+        for s in self.stop:
+            at = text.find(s, max(0, self.emitted - len(s) + 1))
+            if at != -1:
+                self.stopped = True
+                out = text[self.emitted : at]
+                self.emitted = len(text)
+                return out, True
+        # Keep back a tail that could still grow into a stop string.
+        hold = max((_overlap(pending, s) for s in self.stop), default=0)
+        out = pending[: len(pending) - hold]
+        self.emitted += len(out)
+        return out, False
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        out = text[self.emitted :]
+        self.emitted = len(text)
+        return out
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-n:]):
+            return n
+    return 0
