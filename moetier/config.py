@@ -76,7 +76,9 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}. Open an issue with the model's config.json."
             )
         if model_type == "gpt_oss":
-            activation = ExpertActivation("gpt_oss", alpha=1.702, limit=float(hf.get("swiglu_limit", 7.0)))
+            activation = ExpertActivation(
+                "gpt_oss", alpha=1.702, limit=float(hf.get("swiglu_limit", 7.0))
+            )
         elif model_type == "deepseek_v4":
             activation = ExpertActivation("silu_clamped", limit=float(hf.get("swiglu_limit", 10.0)))
         else:
@@ -126,12 +128,16 @@ class EngineConfig:
     )
     dtype: str = field(
         default="auto",
-        metadata={"help": "compute dtype: float32, bfloat16, float16, or auto "
-                  "(the checkpoint's dtype on CUDA, float32 on CPU)"},
+        metadata={
+            "help": "compute dtype: float32, bfloat16, float16, or auto "
+            "(the checkpoint's dtype on CUDA, float32 on CPU)"
+        },
     )
     expert_cache_mb: float = field(
         default=0.0,
-        metadata={"help": "memory budget of the expert slot cache in MiB (0 = room for every expert)"},
+        metadata={
+            "help": "memory budget of the expert slot cache in MiB (0 = room for every expert)"
+        },
     )
     expert_cache_slots: int = field(
         default=0, metadata={"help": "cap the expert cache at this many experts (0 = no cap)"}

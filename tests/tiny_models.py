@@ -16,32 +16,100 @@ CHAT_TEMPLATE = (
     "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=0, pad_token_id=0,
-              bos_token_id=None)
-MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-           num_key_value_heads=4)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=0,
+    pad_token_id=0,
+    bos_token_id=None,
+)
+MLA = dict(
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    num_key_value_heads=4,
+)
 CONFIGS: dict[str, dict] = {
-    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                      num_experts_per_tok=2, head_dim=16, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3_moe": dict(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        head_dim=16,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
     "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
-    "deepseek_v3": dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
-                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                        n_group=2, topk_group=1, num_hidden_layers=3, **MLA),
-    "glm4_moe": dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
-                     num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-                     topk_group=1, head_dim=16, num_hidden_layers=3),
-    "gpt_oss": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
-                    sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
-    "glm_moe_dsa": dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
-                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                        n_group=1, topk_group=1, index_n_heads=2, index_head_dim=16, index_topk=8,
-                        num_hidden_layers=3, **MLA),
-    "deepseek_v4": dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                        n_shared_experts=1, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
-                        o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16,
-                        index_topk=4, sliding_window=8, num_hidden_layers=3,
-                        mlp_layer_types=["hash_moe", "moe", "moe"]),
+    "deepseek_v3": dict(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        num_hidden_layers=3,
+        **MLA,
+    ),
+    "glm4_moe": dict(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        head_dim=16,
+        num_hidden_layers=3,
+    ),
+    "gpt_oss": dict(
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "glm_moe_dsa": dict(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=8,
+        num_hidden_layers=3,
+        **MLA,
+    ),
+    "deepseek_v4": dict(
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+        sliding_window=8,
+        num_hidden_layers=3,
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+    ),
 }
 MODEL_TYPES = tuple(CONFIGS)
 TEXT = (
@@ -60,13 +128,19 @@ def build_tokenizer():  # type: ignore[no-untyped-def]
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([TEXT] * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

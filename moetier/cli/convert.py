@@ -21,7 +21,10 @@ def run(args: argparse.Namespace) -> int:
     out = convert(args.hf_dir, args.out_dir, force=args.force, progress=sys.stderr.isatty())
     store = Store(out)
     expert_bytes = sum(b.nbytes for b in store.blobs.values())
-    print(f"wrote {out}: {len(store.moe_layers)} MoE layers x {store.model_config.num_experts} experts "
-          f"({expert_bytes / 2**20:.1f} MiB of experts, {store.source_dtype}) "
-          f"in {time.perf_counter() - start:.1f} s")
+    print(
+        f"wrote {out}: {len(store.moe_layers)} MoE layers x "
+        f"{store.model_config.num_experts} experts "
+        f"({expert_bytes / 2**20:.1f} MiB of experts, {store.source_dtype}) "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
     return 0

@@ -20,13 +20,19 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: s
         help_text = f.metadata.get("help", "")
         default = f.default
         if typing.get_origin(hint) is tuple:  # repeatable flag
-            group.add_argument(flag, action="append", default=None, dest=f.name,
-                               help=f"{help_text} (default: none)")
+            group.add_argument(
+                flag,
+                action="append",
+                default=None,
+                dest=f.name,
+                help=f"{help_text} (default: none)",
+            )
             continue
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         kind = args[0] if args else hint
-        group.add_argument(flag, type=kind, default=default, dest=f.name,
-                           help=f"{help_text} (default: {default})")
+        group.add_argument(
+            flag, type=kind, default=default, dest=f.name, help=f"{help_text} (default: {default})"
+        )
 
 
 def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:

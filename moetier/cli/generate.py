@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     generator, params = load(args)
     if args.chat is not None:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.chat})
         prompt_ids = generator.chat_prompt_ids(messages)
     else:

@@ -16,7 +16,9 @@ VERBS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="moetier", description="Run MoE LLMs larger than your GPU.")
+    parser = argparse.ArgumentParser(
+        prog="moetier", description="Run MoE LLMs larger than your GPU."
+    )
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for verb, help_text in VERBS.items():
         sub.add_parser(verb, help=help_text, add_help=False)

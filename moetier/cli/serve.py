@@ -9,9 +9,13 @@ from moetier.cli.common import add_model_arguments, load
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    parser.add_argument("--model-name", help="model id reported by /v1/models (default: the store's name)")
+    parser.add_argument(
+        "--model-name", help="model id reported by /v1/models (default: the store's name)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,5 +26,7 @@ def run(args: argparse.Namespace) -> int:
     generator, params = load(args)
     name = args.model_name or generator.loaded.name
     print(f"serving {name} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(create_app(generator, name, params), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(
+        create_app(generator, name, params), host=args.host, port=args.port, log_level="info"
+    )
     return 0

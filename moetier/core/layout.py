@@ -93,5 +93,3 @@ def blob_view(blob: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A typed view of one tensor inside a blob's bytes (uint8 [nbytes], any device)."""
     raw = blob[spec.offset : spec.offset + spec.nbytes]
     return raw.view(DTYPES[spec.dtype]).view(spec.shape)
-
-

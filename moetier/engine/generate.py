@@ -59,18 +59,23 @@ class Generator:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: use a plain prompt instead")
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
     @torch.inference_mode()
-    def stream(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool = False) -> Iterator[Delta]:
+    def stream(
+        self, prompt_ids: list[int], params: SamplingParams, *, chat: bool = False
+    ) -> Iterator[Delta]:
         """Yield text deltas as tokens are generated; the last delta has a finish_reason."""
         from transformers import DynamicCache
 
@@ -87,8 +92,9 @@ class Generator:
         unsent: list[int] = []  # tokens whose text is not out yet (partial UTF-8, held back)
         finish = "length"
         for _ in range(params.max_new_tokens):
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                             logits_to_keep=1)
+            out = self.model(
+                input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
             token = int(sample(out.logits[:, -1], params, generator)[0])
             if token in stop_ids:
                 finish = "stop"
@@ -104,8 +110,12 @@ class Generator:
             input_ids = torch.tensor([[token]], device=device)
         yield Delta("" if detok.stopped else detok.flush(), tuple(unsent), finish)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, *, chat: bool = False) -> Completion:
-        pieces, ids, finish = [], [], "length"
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, chat: bool = False
+    ) -> Completion:
+        pieces: list[str] = []
+        ids: list[int] = []
+        finish = "length"
         for delta in self.stream(prompt_ids, params, chat=chat):
             pieces.append(delta.text)
             ids.extend(delta.token_ids)
@@ -114,7 +124,7 @@ class Generator:
 
 
 class _StreamingDetokenizer:
-    """Turns tokens into text deltas: holds back incomplete UTF-8 and possible stop-string starts."""
+    """Tokens -> text deltas; holds back incomplete UTF-8 and possible stop-string starts."""
 
     def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer

@@ -15,7 +15,9 @@ class SamplingParams:
     temperature: float = field(default=0.7, metadata={"help": "0 = greedy"})
     top_p: float = field(default=0.95, metadata={"help": "nucleus sampling mass (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})
-    seed: int | None = field(default=None, metadata={"help": "random seed for reproducible sampling"})
+    seed: int | None = field(
+        default=None, metadata={"help": "random seed for reproducible sampling"}
+    )
     stop: tuple[str, ...] = field(default=(), metadata={"help": "stop string (repeatable)"})
 
     def __post_init__(self) -> None:
@@ -29,7 +31,9 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (int64, same device)."""
     logits = logits.float()
     if params.temperature == 0:

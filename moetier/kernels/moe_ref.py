@@ -13,7 +13,9 @@ from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat, blob_view
 
 
-def expert_activation_ref(gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
+def expert_activation_ref(
+    gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation
+) -> torch.Tensor:
     """gate, up: [n, I] -> [n, I], the family's gated activation (config.ACTIVATIONS)."""
     if act.kind == "silu":
         return F.silu(gate) * up
@@ -46,9 +48,15 @@ def moe_slots_ref(
     out:          [T, k, H] float32; out[t, j] = w[t, j] * expert(hidden[t]) for every pair
                   whose expert has a slot; other rows are left untouched
     """
-    if hidden.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"bad shapes: hidden {tuple(hidden.shape)}, ids {tuple(topk_ids.shape)}, "
-                         f"weights {tuple(topk_weights.shape)}")
+    if (
+        hidden.dim() != 2
+        or topk_ids.shape != topk_weights.shape
+        or topk_ids.shape[0] != hidden.shape[0]
+    ):
+        raise ValueError(
+            f"bad shapes: hidden {tuple(hidden.shape)}, ids {tuple(topk_ids.shape)}, "
+            f"weights {tuple(topk_weights.shape)}"
+        )
     if out.shape != (*topk_ids.shape, hidden.shape[1]):
         raise ValueError(f"out must be [T, k, H], got {tuple(out.shape)}")
     pair_slots = slot_table.long()[topk_ids]  # [T, k]

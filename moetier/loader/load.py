@@ -8,7 +8,6 @@ stay views of the mapping: no second host copy); the experts modules lose their 
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,14 @@ from moetier.models.experts import (
 from moetier.quant.store import DENSE_FILE, Store
 from moetier.residency.slot_pool import SlotPool
 
-EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias", "up_proj", "up_proj_bias")
+EXPERT_PARAMS = (
+    "gate_up_proj",
+    "down_proj",
+    "gate_up_proj_bias",
+    "down_proj_bias",
+    "up_proj",
+    "up_proj_bias",
+)
 
 
 @dataclass
@@ -66,16 +72,26 @@ def load_model(store_path: str | Path, engine_config: EngineConfig | None = None
     _init_non_persistent_buffers(model, device)
     _check_nothing_on_meta(model)
 
-    residency = SlotPool.for_budget(store, device, int(engine_config.expert_cache_mb * 2**20),
-                                    engine_config.expert_cache_slots)
+    residency = SlotPool.for_budget(
+        store, device, int(engine_config.expert_cache_mb * 2**20), engine_config.expert_cache_slots
+    )
     formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
     runtime = ExpertsRuntime(residency, formats, store.model_config.activation)
     for layer, module in experts_modules.items():
-        module.moetier_experts = ExpertsHandle(runtime, layer)
+        setattr(module, "moetier_experts", ExpertsHandle(runtime, layer))  # noqa: B010
 
     tokenizer = AutoTokenizer.from_pretrained(store.path)
-    return LoadedModel(model, tokenizer, store, runtime, store.model_config, engine_config,
-                       device, dtype, store.path.name)
+    return LoadedModel(
+        model,
+        tokenizer,
+        store,
+        runtime,
+        store.model_config,
+        engine_config,
+        device,
+        dtype,
+        store.path.name,
+    )
 
 
 def _detach_experts(model: torch.nn.Module, store: Store) -> dict[int, torch.nn.Module]:
@@ -85,26 +101,44 @@ def _detach_experts(model: torch.nn.Module, store: Store) -> dict[int, torch.nn.
         try:
             module = model.get_submodule(path)
         except AttributeError as err:
-            raise ValueError(f"store names experts module {path} which the model does not have: "
-                             "convert the model again with this moetier version") from err
+            raise ValueError(
+                f"store names experts module {path} which the model does not have: "
+                "convert the model again with this moetier version"
+            ) from err
         for name in EXPERT_PARAMS:
             if name in module._parameters:
                 del module._parameters[name]
         modules[layer] = module
     found = {name for name, m in model.named_modules() if hasattr(m, "is_concatenated")}
     if found != set(store.moe_modules.values()):
-        raise ValueError(f"experts modules of the model {sorted(found)} differ from the store's "
-                         f"{sorted(store.moe_modules.values())}: convert the model again")
+        raise ValueError(
+            f"experts modules of the model {sorted(found)} differ from the store's "
+            f"{sorted(store.moe_modules.values())}: convert the model again"
+        )
     return modules
 
 
-def _keeps_fp32(model: torch.nn.Module, name: str) -> bool:
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) | set(
-        getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    return any(re.search(rf"(^|\.){re.escape(k)}(\.|$)", name) for k in keep)
+def _dtype_rule(model: Any, dtype: torch.dtype) -> Any:
+    """key -> dtype for a floating tensor, as from_pretrained decides: the model's keep-in-fp32
+    plan for this dtype first, else the dtype of the meta tensor built by from_config."""
+    from transformers.core_model_loading import build_glob_alternation
+
+    plan = model._get_dtype_plan(dtype)
+    meta = model.state_dict()
+    alternation, by_group, _ = build_glob_alternation(list(plan)) if plan else (None, {}, None)
+
+    def rule(key: str) -> torch.dtype:
+        match = alternation.search(key) if alternation is not None else None
+        if match is None or match.lastgroup is None:
+            return meta[key].dtype
+        return plan[by_group[match.lastgroup]]
+
+    return rule
 
 
-def _assign_dense(model: torch.nn.Module, path: Path, device: torch.device, dtype: torch.dtype) -> None:
+def _assign_dense(
+    model: torch.nn.Module, path: Path, device: torch.device, dtype: torch.dtype
+) -> None:
     from safetensors import safe_open
 
     # Tied parameters are one Parameter under several names: assign it once, to all of them.
@@ -113,15 +147,18 @@ def _assign_dense(model: torch.nn.Module, path: Path, device: torch.device, dtyp
         aliases[id(param)].append(name)
     names_of = {name: names for names in aliases.values() for name in names}
     state_names = set(model.state_dict())
+    dtype_of = _dtype_rule(model, dtype)
     done: set[str] = set()
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
             if key not in state_names:
-                raise ValueError(f"{path.name} holds {key}, which the model does not have: "
-                                 "convert the model again with this moetier version")
+                raise ValueError(
+                    f"{path.name} holds {key}, which the model does not have: "
+                    "convert the model again with this moetier version"
+                )
             tensor = f.get_tensor(key)  # a view of the memory-mapped file
-            if tensor.is_floating_point() and not _keeps_fp32(model, key):
-                tensor = tensor.to(dtype)
+            if tensor.is_floating_point():
+                tensor = tensor.to(dtype_of(key))
             tensor = tensor.to(device)
             if key in names_of:
                 param = torch.nn.Parameter(tensor, requires_grad=False)
@@ -132,10 +169,13 @@ def _assign_dense(model: torch.nn.Module, path: Path, device: torch.device, dtyp
                 _set(model, key, tensor, is_param=False)
                 done.add(key)
     missing = [n for n in names_of if n not in done] + [
-        n for n in state_names if n not in names_of and n not in done]
+        n for n in state_names if n not in names_of and n not in done
+    ]
     if missing:
-        raise ValueError(f"{path.name} lacks {len(missing)} tensor(s), e.g. {missing[:4]}: "
-                         "the store is incomplete, convert the model again")
+        raise ValueError(
+            f"{path.name} lacks {len(missing)} tensor(s), e.g. {missing[:4]}: "
+            "the store is incomplete, convert the model again"
+        )
 
 
 def _set(model: torch.nn.Module, name: str, value: torch.Tensor, *, is_param: bool) -> None:

@@ -23,13 +23,16 @@ IMPLEMENTATION_NAME = "moetier"
 class ExpertsRuntime:
     """Routes each MoE layer's (hidden, top-k) through the slot pool and the kernel."""
 
-    def __init__(self, residency: SlotPool, formats: dict[int, BlobFormat], activation: ExpertActivation) -> None:
+    def __init__(
+        self, residency: SlotPool, formats: dict[int, BlobFormat], activation: ExpertActivation
+    ) -> None:
         self.residency = residency
         self.formats = formats  # layer -> base-plane format
         self.activation = activation
 
-    def forward(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype."""
         topk_ids = topk_ids.long()
         tokens, k = topk_ids.shape
@@ -40,8 +43,16 @@ class ExpertsRuntime:
         capacity = self.residency.capacity
         for start in range(0, len(needed), capacity):
             slot_table = self.residency.ensure(layer, needed[start : start + capacity])
-            moe_slots_ref(hidden, topk_ids, topk_weights, slot_table, self.residency.pool,
-                          self.formats[layer], self.activation, out)
+            moe_slots_ref(
+                hidden,
+                topk_ids,
+                topk_weights,
+                slot_table,
+                self.residency.pool,
+                self.formats[layer],
+                self.activation,
+                out,
+            )
         return out.sum(dim=1).to(hidden.dtype)  # [T, H]
 
 
@@ -51,8 +62,12 @@ class ExpertsHandle:
     layer: int
 
 
-def moetier_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
-                            top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def moetier_experts_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
     """Signature of transformers' experts implementations (`self, hidden, ids, weights`)."""
     handle: ExpertsHandle | None = getattr(module, "moetier_experts", None)
     if handle is None:

@@ -25,18 +25,36 @@ from tqdm import tqdm
 
 from moetier.config import ModelConfig
 from moetier.core.layout import DTYPES, BlobFormat, align_up, raw_expert_format
-from moetier.quant.store import BLOB_ALIGN, DENSE_FILE, EXPERTS_FILE, INDEX_FILE, STORE_VERSION, crc32
+from moetier.quant.store import (
+    BLOB_ALIGN,
+    DENSE_FILE,
+    EXPERTS_FILE,
+    INDEX_FILE,
+    STORE_VERSION,
+    crc32,
+)
 
-SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16",
-                      "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                      "BOOL": "bool"}
+SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 # Per-expert projection names -> role in the canonical blob.
 EXPERT_ROLES = {
-    "gate_proj": "gate", "w1": "gate",
-    "up_proj": "up", "w3": "up",
-    "down_proj": "down", "w2": "down",
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
 }
 PER_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -83,7 +101,9 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
         if 8 + header_len > size:
             raise ConvertError(f"{path} is truncated inside its header: download it again")
         header = json.loads(f.read(header_len))
-    data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    data_end = max(
+        (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+    )
     if 8 + header_len + data_end > size:
         raise ConvertError(
             f"{path} is truncated: {size} bytes, its header needs {8 + header_len + data_end}. "
@@ -121,10 +141,12 @@ def scan_sources(shards: list[Path]) -> list[SourceTensor]:
             if info["dtype"] not in SAFETENSORS_DTYPES:
                 raise ConvertError(
                     f"{shard.name}: tensor {key} has dtype {info['dtype']}; this version converts "
-                    "bf16, fp16 and fp32 checkpoints (FP8/FP4 sources come with the low-bit formats)"
+                    "bf16, fp16 and fp32 checkpoints (FP8/FP4 sources come with the low-bit "
+                    "formats)"
                 )
-            tensors.append(SourceTensor(shard, key, SAFETENSORS_DTYPES[info["dtype"]],
-                                        tuple(info["shape"])))
+            tensors.append(
+                SourceTensor(shard, key, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
+            )
     return tensors
 
 
@@ -147,8 +169,9 @@ def experts_modules(model: torch.nn.Module) -> dict[str, ExpertsModule]:
         layer = LAYER_RE.search(name + ".")
         if layer is None:
             raise ConvertError(f"cannot tell the layer of experts module {name}")
-        found[name] = ExpertsModule(name, int(layer.group(1)), module.is_transposed,
-                                    module.is_concatenated, module.has_bias)
+        found[name] = ExpertsModule(
+            name, int(layer.group(1)), module.is_transposed, module.is_concatenated, module.has_bias
+        )
     return found
 
 
@@ -157,7 +180,7 @@ def _key_mapper(model: torch.nn.Module):  # type: ignore[no-untyped-def]
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     meta_state = model.state_dict()
@@ -186,16 +209,23 @@ def plan_conversion(src: Path) -> ConversionPlan:
     """Read headers only and decide where every checkpoint tensor goes; raise on any gap."""
     if not (src / "config.json").is_file():
         raise ConvertError(f"{src}/config.json not found: point at a Hugging Face model directory")
-    model_config = ModelConfig.from_dir(src)
+    try:
+        model_config = ModelConfig.from_dir(src)
+    except ValueError as err:
+        raise ConvertError(str(err)) from None
     shards = find_shards(src)
     sources = scan_sources(shards)
     model = build_meta_model(src)
     modules = experts_modules(model)
     if not modules:
-        raise ConvertError(f"{model_config.model_type}: the transformers model has no experts modules")
+        raise ConvertError(
+            f"{model_config.model_type}: the transformers model has no experts modules"
+        )
     mapped = _key_mapper(model)
     meta_state = model.state_dict()
-    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    ignore = [
+        re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    ]
     experts_params = {}
     for path in modules:
         for pname in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
@@ -235,30 +265,43 @@ def plan_conversion(src: Path) -> ConversionPlan:
 
     _check_dense_complete(model, dense, set(experts_params))
     expert_dtypes = set()
-    n_exp, inter, hidden = model_config.num_experts, model_config.expert_intermediate_size, model_config.hidden_size
+    n_exp, inter, hidden = (
+        model_config.num_experts,
+        model_config.expert_intermediate_size,
+        model_config.hidden_size,
+    )
     for module in modules.values():
         _check_experts_complete(module, n_exp, inter, hidden)
         expert_dtypes |= {t.dtype for t in module.per_expert.values()}
         expert_dtypes |= {t.dtype for t in module.fused.values()}
     if not expert_dtypes <= set(FLOAT_DTYPES):
-        raise ConvertError(f"routed experts have dtype {sorted(expert_dtypes)}; this version converts "
-                           "bf16, fp16 and fp32 experts")
+        raise ConvertError(
+            f"routed experts have dtype {sorted(expert_dtypes)}; this version converts "
+            "bf16, fp16 and fp32 experts"
+        )
     if len(expert_dtypes) != 1:
         raise ConvertError(f"routed experts mix dtypes {sorted(expert_dtypes)}; expected one")
-    return ConversionPlan(model_config, dense, {m.layer: m for m in modules.values()},
-                          expert_dtypes.pop(), skipped)
+    return ConversionPlan(
+        model_config, dense, {m.layer: m for m in modules.values()}, expert_dtypes.pop(), skipped
+    )
 
 
-def _check_dense_complete(model: torch.nn.Module, dense: dict[str, SourceTensor],
-                          experts_params: set[str]) -> None:
+def _check_dense_complete(
+    model: torch.nn.Module, dense: dict[str, SourceTensor], experts_params: set[str]
+) -> None:
     # Tied parameters share one Parameter object: any of its names being present fills it.
     groups: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         groups[id(param)].append(name)
     persistent = set(model.state_dict())
-    buffers = [[name] for name, _ in model.named_buffers(remove_duplicate=False) if name in persistent]
-    missing = [names[0] for names in [*groups.values(), *buffers]
-               if not any(n in dense or n in experts_params for n in names)]
+    buffers = [
+        [name] for name, _ in model.named_buffers(remove_duplicate=False) if name in persistent
+    ]
+    missing = [
+        names[0]
+        for names in [*groups.values(), *buffers]
+        if not any(n in dense or n in experts_params for n in names)
+    ]
     if missing:
         raise ConvertError(
             f"{len(missing)} model tensor(s) are not in the checkpoint, e.g. {missing[:4]}: "
@@ -267,28 +310,34 @@ def _check_dense_complete(model: torch.nn.Module, dense: dict[str, SourceTensor]
 
 
 def _check_experts_complete(module: ExpertsModule, n_exp: int, inter: int, hidden: int) -> None:
-    needed = ["gate_up_proj", "down_proj"] + (["gate_up_proj_bias", "down_proj_bias"] if module.has_bias else [])
+    needed = ["gate_up_proj", "down_proj"] + (
+        ["gate_up_proj_bias", "down_proj_bias"] if module.has_bias else []
+    )
     if module.fused:
         missing = [p for p in needed if p not in module.fused]
         if missing or module.per_expert:
-            raise ConvertError(f"{module.path}: fused expert tensors incomplete (missing {missing})")
-        for pname, tensor in module.fused.items():
+            raise ConvertError(
+                f"{module.path}: fused expert tensors incomplete (missing {missing})"
+            )
+        for tensor in module.fused.values():
             if tensor.shape[0] != n_exp:
                 raise ConvertError(f"{tensor.key}: {tensor.shape[0]} experts, config says {n_exp}")
         return
     if module.has_bias:
-        raise ConvertError(f"{module.path}: per-expert checkpoints with expert biases are not supported")
+        raise ConvertError(
+            f"{module.path}: per-expert checkpoints with expert biases are not supported"
+        )
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
     for e in range(n_exp):
         for role, shape in shapes.items():
-            tensor = module.per_expert.get((e, role))
-            if tensor is None:
+            found = module.per_expert.get((e, role))
+            if found is None:
                 raise ConvertError(
                     f"{module.path}: expert {e} has no {role} projection in the checkpoint: "
                     "the checkpoint is incomplete"
                 )
-            if tensor.shape != shape:
-                raise ConvertError(f"{tensor.key}: shape {tensor.shape}, expected {shape}")
+            if found.shape != shape:
+                raise ConvertError(f"{found.key}: shape {found.shape}, expected {shape}")
 
 
 def canonical_expert(module: ExpertsModule, expert: int, read) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -296,10 +345,17 @@ def canonical_expert(module: ExpertsModule, expert: int, read) -> dict[str, torc
     if not module.fused:
         gate = read(module.per_expert[(expert, "gate")])
         up = read(module.per_expert[(expert, "up")])
-        return {"gate_up": torch.cat([gate, up], dim=0), "down": read(module.per_expert[(expert, "down")])}
+        return {
+            "gate_up": torch.cat([gate, up], dim=0),
+            "down": read(module.per_expert[(expert, "down")]),
+        }
     out = {}
-    for pname, name in (("gate_up_proj", "gate_up"), ("down_proj", "down"),
-                        ("gate_up_proj_bias", "gate_up_bias"), ("down_proj_bias", "down_bias")):
+    for pname, name in (
+        ("gate_up_proj", "gate_up"),
+        ("down_proj", "down"),
+        ("gate_up_proj_bias", "gate_up_bias"),
+        ("down_proj_bias", "down_bias"),
+    ):
         if pname not in module.fused:
             continue
         t = read(module.fused[pname])[expert]
@@ -321,8 +377,11 @@ class _SafetensorsWriter:
             nbytes = DTYPES[dtype].itemsize
             for d in shape:
                 nbytes *= d
-            header[name] = {"dtype": TO_SAFETENSORS[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": TO_SAFETENSORS[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -333,7 +392,9 @@ class _SafetensorsWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if name != self.order[self.written]:
-            raise RuntimeError(f"safetensors writer: expected {self.order[self.written]}, got {name}")
+            raise RuntimeError(
+                f"safetensors writer: expected {self.order[self.written]}, got {name}"
+            )
         self.file.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
         self.written += 1
 
@@ -341,15 +402,20 @@ class _SafetensorsWriter:
         self.file.close()
 
 
-def convert(src: str | Path, dst: str | Path, *, force: bool = False, progress: bool = True) -> Path:
+def convert(
+    src: str | Path, dst: str | Path, *, force: bool = False, progress: bool = True
+) -> Path:
     """Convert the HF checkpoint in `src` into a moetier store at `dst`; returns `dst`."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
-        raise ConvertError(f"{dst} already exists: choose another directory or pass --force to replace it")
+        raise ConvertError(
+            f"{dst} already exists: choose another directory or pass --force to replace it"
+        )
     plan = plan_conversion(src)
     cfg = plan.model_config
-    fmt = raw_expert_format(plan.expert_dtype, cfg.hidden_size, cfg.expert_intermediate_size,
-                            cfg.expert_has_bias)
+    fmt = raw_expert_format(
+        plan.expert_dtype, cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias
+    )
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -403,32 +469,50 @@ class _Reader:
 
 def _write_dense(plan: ConversionPlan, path: Path, progress: bool) -> None:
     names = sorted(plan.dense)
-    writer = _SafetensorsWriter(path, [(n, plan.dense[n].dtype, plan.dense[n].shape) for n in names])
+    writer = _SafetensorsWriter(
+        path, [(n, plan.dense[n].dtype, plan.dense[n].shape) for n in names]
+    )
     read = _Reader()
     for name in tqdm(names, desc="dense tensors", disable=not progress, unit="tensor"):
         writer.write(name, read(plan.dense[name]))
     writer.close()
 
 
-def _write_experts(plan: ConversionPlan, fmt: BlobFormat, path: Path, progress: bool) -> list[dict[str, Any]]:
+def _write_experts(
+    plan: ConversionPlan, fmt: BlobFormat, path: Path, progress: bool
+) -> list[dict[str, Any]]:
     n_exp = plan.model_config.num_experts
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
     read = _Reader()
     blobs = []
     keys = [(layer, e) for layer in sorted(plan.experts) for e in range(n_exp)]
     with open(path, "wb") as f:
-        for i, (layer, e) in enumerate(tqdm(keys, desc="experts", disable=not progress, unit="expert")):
+        for i, (layer, e) in enumerate(
+            tqdm(keys, desc="experts", disable=not progress, unit="expert")
+        ):
             tensors = canonical_expert(plan.experts[layer], e, read)
             blob = torch.zeros(stride, dtype=torch.uint8)
             for spec in fmt.tensors:
                 t = tensors[spec.name]
                 if tuple(t.shape) != spec.shape:
-                    raise ConvertError(f"layer {layer} expert {e} {spec.name}: shape {tuple(t.shape)}, "
-                                       f"expected {spec.shape}")
-                blob[spec.offset : spec.offset + spec.nbytes] = t.contiguous().view(-1).view(torch.uint8)
+                    raise ConvertError(
+                        f"layer {layer} expert {e} {spec.name}: shape {tuple(t.shape)}, "
+                        f"expected {spec.shape}"
+                    )
+                blob[spec.offset : spec.offset + spec.nbytes] = (
+                    t.contiguous().view(-1).view(torch.uint8)
+                )
             f.write(blob.numpy().tobytes())
-            blobs.append({"layer": layer, "expert": e, "plane": "base", "offset": i * stride,
-                          "bytes": fmt.nbytes, "format": fmt.name,
-                          "shape": {s.name: list(s.shape) for s in fmt.tensors},
-                          "crc32": crc32(blob[: fmt.nbytes])})
+            blobs.append(
+                {
+                    "layer": layer,
+                    "expert": e,
+                    "plane": "base",
+                    "offset": i * stride,
+                    "bytes": fmt.nbytes,
+                    "format": fmt.name,
+                    "shape": {s.name: list(s.shape) for s in fmt.tensors},
+                    "crc32": crc32(blob[: fmt.nbytes]),
+                }
+            )
     return blobs

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from moetier.config import ModelConfig
-from moetier.core.layout import DTYPES, BlobFormat
+from moetier.core.layout import BlobFormat
 
 STORE_VERSION = 1
 BLOB_ALIGN = 4096
@@ -73,8 +73,15 @@ class Store:
         self.moe_modules: dict[int, str] = {int(k): v for k, v in self.index["moe_modules"].items()}
         self.blobs: dict[tuple[int, int, str], BlobEntry] = {}
         for b in self.index["blobs"]:
-            entry = BlobEntry(b["layer"], b["expert"], b["plane"], b["offset"], b["bytes"],
-                              b["format"], b["crc32"])
+            entry = BlobEntry(
+                b["layer"],
+                b["expert"],
+                b["plane"],
+                b["offset"],
+                b["bytes"],
+                b["format"],
+                b["crc32"],
+            )
             self.blobs[(entry.layer, entry.expert, entry.plane)] = entry
         experts_path = self.path / EXPERTS_FILE
         expected = max((e.offset + e.nbytes for e in self.blobs.values()), default=0)
@@ -85,11 +92,12 @@ class Store:
                 "convert the model again"
             )
         self._file = open(experts_path, "rb")  # noqa: SIM115 - lives as long as the store
-        # ACCESS_COPY: a private mapping torch may wrap without a read-only warning; nothing writes it.
+        # ACCESS_COPY: a private mapping torch wraps without a read-only warning; never written.
         self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         # One uint8 tensor over the whole mapping; blobs are slices of it (no copy, no read).
         self._bytes = (
-            torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8) if self._mmap is not None
+            torch.frombuffer(memoryview(self._mmap), dtype=torch.uint8)
+            if self._mmap is not None
             else torch.empty(0, dtype=torch.uint8)
         )
 

@@ -32,9 +32,11 @@ class ResidencyStats:
 
 
 class SlotPool:
-    """`num_slots` slots of `slot_bytes` each on `device`; an LRU map (layer, expert, plane) -> slot."""
+    """`num_slots` slots of `slot_bytes` on `device`; an LRU map (layer, expert, plane) -> slot."""
 
-    def __init__(self, store: Store, device: torch.device | str, num_slots: int, slot_bytes: int) -> None:
+    def __init__(
+        self, store: Store, device: torch.device | str, num_slots: int, slot_bytes: int
+    ) -> None:
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot: raise --expert-cache-mb")
         self.store = store
@@ -47,8 +49,9 @@ class SlotPool:
         self.stats = ResidencyStats()
 
     @classmethod
-    def for_budget(cls, store: Store, device: torch.device | str, budget_bytes: int = 0,
-                   max_slots: int = 0) -> SlotPool:
+    def for_budget(
+        cls, store: Store, device: torch.device | str, budget_bytes: int = 0, max_slots: int = 0
+    ) -> SlotPool:
         """Size the pool from a byte budget (0 = every expert of the store fits)."""
         slot_bytes = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
         n_blobs = len(store.blobs)
@@ -71,7 +74,9 @@ class SlotPool:
         pool's device, -1 for experts not asked for. Evicts least recently used slots that are
         not part of this request."""
         if len(experts) > self.num_slots:
-            raise ValueError(f"{len(experts)} experts asked for at once, the pool has {self.num_slots} slots")
+            raise ValueError(
+                f"{len(experts)} experts asked for at once, the pool has {self.num_slots} slots"
+            )
         wanted = {(layer, e, plane) for e in experts}
         table = [-1] * self.store.model_config.num_experts
         for expert in experts:

@@ -59,11 +59,15 @@ class ChatCompletionRequest(BaseModel):
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
-                                                               "param": None, "code": None}})
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, "param": None, "code": None}},
+    )
 
 
-def create_app(generator: Generator, model_name: str, defaults: SamplingParams | None = None) -> FastAPI:
+def create_app(
+    generator: Generator, model_name: str, defaults: SamplingParams | None = None
+) -> FastAPI:
     """The FastAPI app serving `generator` under the model id `model_name`."""
     app = FastAPI(title="moetier")
     defaults = defaults or SamplingParams()
@@ -82,23 +86,39 @@ def create_app(generator: Generator, model_name: str, defaults: SamplingParams |
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "moetier"}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": model_name, "object": "model", "created": created, "owned_by": "moetier"}
+            ],
+        }
 
     @app.post("/v1/chat/completions", response_model=None)
-    def chat_completions(req: ChatCompletionRequest) -> JSONResponse | StreamingResponse | dict[str, Any]:
+    def chat_completions(
+        req: ChatCompletionRequest,
+    ) -> JSONResponse | StreamingResponse | dict[str, Any]:
         try:
-            messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                        for m in req.messages]
+            messages = [
+                {"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                for m in req.messages
+            ]
             prompt_ids = generator.chat_prompt_ids(messages)
             stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            max_tokens = (
+                req.max_completion_tokens
+                if req.max_completion_tokens is not None
+                else req.max_tokens
+            )
             params = SamplingParams(
                 max_new_tokens=max_tokens if max_tokens is not None else defaults.max_new_tokens,
-                temperature=req.temperature if req.temperature is not None else defaults.temperature,
+                temperature=req.temperature
+                if req.temperature is not None
+                else defaults.temperature,
                 top_p=req.top_p if req.top_p is not None else defaults.top_p,
                 top_k=req.top_k if req.top_k is not None else defaults.top_k,
-                seed=req.seed, stop=stop)
+                seed=req.seed,
+                stop=stop,
+            )
         except ValueError as err:
             return _error(400, str(err))
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -106,14 +126,33 @@ def create_app(generator: Generator, model_name: str, defaults: SamplingParams |
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _stream(generator, lock, prompt_ids, params, completion_id, now, model_name, include_usage),
-                media_type="text/event-stream")
+                _stream(
+                    generator,
+                    lock,
+                    prompt_ids,
+                    params,
+                    completion_id,
+                    now,
+                    model_name,
+                    include_usage,
+                ),
+                media_type="text/event-stream",
+            )
         with lock:
             result = generator.generate(prompt_ids, params, chat=True)
         return {
-            "id": completion_id, "object": "chat.completion", "created": now, "model": model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                         "finish_reason": result.finish_reason, "logprobs": None}],
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": now,
+            "model": model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": result.text},
+                    "finish_reason": result.finish_reason,
+                    "logprobs": None,
+                }
+            ],
             "usage": _usage(result.prompt_tokens, len(result.token_ids)),
         }
 
@@ -121,18 +160,37 @@ def create_app(generator: Generator, model_name: str, defaults: SamplingParams |
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
-def _stream(generator: Generator, lock: threading.Lock, prompt_ids: list[int], params: SamplingParams,
-            completion_id: str, created: int, model_name: str, include_usage: bool) -> Iterator[str]:
+def _stream(
+    generator: Generator,
+    lock: threading.Lock,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    completion_id: str,
+    created: int,
+    model_name: str,
+    include_usage: bool,
+) -> Iterator[str]:
     """Server-sent events in OpenAI's chat.completion.chunk shape, ending with [DONE]."""
 
-    def chunk(delta: dict[str, Any], finish: str | None, usage: dict[str, int] | None = None) -> str:
-        body: dict[str, Any] = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                                "model": model_name,
-                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                             "logprobs": None}] if usage is None else []}
+    def chunk(
+        delta: dict[str, Any], finish: str | None, usage: dict[str, int] | None = None
+    ) -> str:
+        body: dict[str, Any] = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model_name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+            if usage is None
+            else [],
+        }
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"

@@ -22,10 +22,14 @@ def test_eval_model_loss_matches_transformers(eval_model, tmp_path):
     with torch.no_grad():
         ours = loaded.model(ids, labels=ids).loss.item()
         del loaded
-        ref = AutoModelForCausalLM.from_pretrained(eval_model, dtype=torch.float32,
-                                                   experts_implementation="eager").eval()
+        ref = AutoModelForCausalLM.from_pretrained(
+            eval_model, dtype=torch.float32, experts_implementation="eager"
+        ).eval()
         theirs = ref(ids, labels=ids).loss.item()
-    print(f"eval-moe-70m loss on 4x512 held-out tokens: moetier {ours:.6f}, transformers {theirs:.6f}, "
-          f"diff {abs(ours - theirs):.2e}")
+    print(
+        f"eval-moe-70m loss on 4x512 held-out tokens: moetier {ours:.6f}, "
+        f"transformers {theirs:.6f}, "
+        f"diff {abs(ours - theirs):.2e}"
+    )
     assert abs(ours - theirs) <= 1e-4
     assert 3.0 < theirs < 5.0  # the model is trained: NOTES.md gives held-out loss 3.9

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+from tiny_models import TEXT, build_tokenizer
+
+from moetier.config import EngineConfig
+from moetier.engine.generate import Generator, _StreamingDetokenizer
+from moetier.engine.sampler import SamplingParams
+from moetier.loader.load import load_model
+
+
+@pytest.fixture(scope="module")
+def generator(tiny):
+    return Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu")))
+
+
+def test_detokenizer_streams_exact_text_and_honours_stop():
+    tok = build_tokenizer()
+    text = "naïve café — the quick brown fox jumps"
+    ids = tok.encode(text)
+    detok = _StreamingDetokenizer(tok, ())
+    assert "".join(detok.push(t)[0] for t in ids) + detok.flush() == text
+    detok = _StreamingDetokenizer(tok, ("brown fox",))
+    out, stopped = "", False
+    for t in ids:
+        piece, stopped = detok.push(t)
+        out += piece
+        if stopped:
+            break
+    assert stopped and out == "naïve café — the quick "
+
+
+def test_stream_equals_generate_and_counts_tokens(generator):
+    ids = generator.prompt_ids(TEXT[:40])
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, seed=3)
+    deltas = list(generator.stream(ids, params))
+    full = generator.generate(ids, params)
+    assert "".join(d.text for d in deltas) == full.text
+    assert deltas[-1].finish_reason == full.finish_reason
+    assert sum(len(d.token_ids) for d in deltas) == len(full.token_ids)
+    if full.finish_reason == "length":
+        assert len(full.token_ids) == 12
+    assert full.text == generator.tokenizer.decode(full.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_cuts_output(generator):
+    ids = generator.prompt_ids("Hello")
+    greedy = SamplingParams(max_new_tokens=24, temperature=0)
+    text = generator.generate(ids, greedy).text
+    assert len(text) > 6
+    stop = text[3:6]
+    first = text.index(stop)
+    result = generator.generate(ids, SamplingParams(max_new_tokens=24, temperature=0, stop=(stop,)))
+    assert result.finish_reason == "stop"
+    assert result.text == text[:first]
+
+
+def test_chat_prompt_uses_template(generator):
+    ids = generator.chat_prompt_ids([{"role": "user", "content": "Hi"}])
+    assert (
+        generator.tokenizer.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )

@@ -1,0 +1,48 @@
+"""The slot pool: LRU eviction, fetched bytes, budget sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetier.quant.store import Store
+from moetier.residency.slot_pool import SlotPool
+
+
+@pytest.fixture()
+def store(tiny):
+    return Store(tiny.store("qwen3_moe"))
+
+
+def test_table_points_at_the_right_bytes(store):
+    pool = SlotPool.for_budget(store, "cpu", max_slots=4)
+    table = pool.ensure(1, [6, 2, 5])
+    assert table.dtype == torch.int32 and table.shape == (store.model_config.num_experts,)
+    assert [i for i, s in enumerate(table.tolist()) if s >= 0] == [2, 5, 6]
+    for e in (2, 5, 6):
+        blob = store.blob(1, e)
+        assert torch.equal(pool.pool[table[e], : blob.numel()], blob)
+
+
+def test_lru_eviction_and_stats(store):
+    pool = SlotPool.for_budget(store, "cpu", max_slots=3)
+    pool.ensure(0, [0, 1, 2])
+    pool.ensure(0, [0])  # 0 becomes most recent; 1 is now the oldest
+    pool.ensure(1, [7])  # evicts (0, 1)
+    assert set(pool.resident()) == {(0, 0, "base"), (0, 2, "base"), (1, 7, "base")}
+    assert (pool.stats.hits, pool.stats.misses, pool.stats.evictions) == (1, 4, 1)
+    assert pool.stats.bytes_fetched == 4 * store.blobs[(0, 0, "base")].nbytes
+    # Experts asked for together are never evicted to make room for each other.
+    table = pool.ensure(1, [3, 4, 7])
+    assert (table >= 0).sum() == 3 and len(set(table[table >= 0].tolist())) == 3
+
+
+def test_budget_sizing_and_errors(store):
+    blob = store.blobs[(0, 0, "base")].nbytes
+    assert SlotPool.for_budget(store, "cpu").capacity == len(store.blobs)
+    assert SlotPool.for_budget(store, "cpu", budget_bytes=5 * blob + 10).capacity == 5
+    with pytest.raises(ValueError, match="holds no expert.*raise --expert-cache-mb"):
+        SlotPool.for_budget(store, "cpu", budget_bytes=blob // 2)
+    pool = SlotPool.for_budget(store, "cpu", max_slots=2)
+    with pytest.raises(ValueError, match="3 experts asked for at once, the pool has 2 slots"):
+        pool.ensure(0, [1, 2, 3])

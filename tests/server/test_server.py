@@ -1,0 +1,100 @@
+"""The HTTP server against the official `openai` client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from moetier.config import EngineConfig
+from moetier.engine.generate import Generator
+from moetier.engine.sampler import SamplingParams
+from moetier.loader.load import load_model
+from moetier.server.app import create_app
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    generator = Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu")))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(
+        create_app(generator, "tiny-qwen3"), host="127.0.0.1", port=port, log_level="warning"
+    )
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", generator
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+def expected_greedy(generator, max_tokens: int) -> str:
+    ids = generator.chat_prompt_ids(MESSAGES)
+    return generator.generate(
+        ids, SamplingParams(max_new_tokens=max_tokens, temperature=0), chat=True
+    )
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["tiny-qwen3"]
+
+
+def test_chat_completion(server, client):
+    expected = expected_greedy(server[1], 8)
+    resp = client.chat.completions.create(
+        model="tiny-qwen3", messages=MESSAGES, max_tokens=8, temperature=0
+    )
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.text
+    assert resp.choices[0].finish_reason == expected.finish_reason
+    assert resp.usage.prompt_tokens == expected.prompt_tokens
+    assert resp.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_chat_completion_streaming(server, client):
+    expected = expected_greedy(server[1], 10)
+    stream = client.chat.completions.create(
+        model="tiny-qwen3",
+        messages=MESSAGES,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert text == expected.text
+    assert finishes == [expected.finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_bad_requests_get_openai_errors(client):
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="tiny-qwen3", messages=[])
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model="tiny-qwen3", messages=MESSAGES, top_p=1.5)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-qwen3", messages=MESSAGES, n=2)
