@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The model `moetier generate` and `moetier serve` run when given none: a 10M-parameter Qwen3-MoE
+# trained on public-domain books (its model card is README.md in that folder).
+DEFAULT_STORE = Path(__file__).parent / "assets" / "demo-moe-10m"
+
 # Families whose transformers experts class carries `@use_experts_implementation` and that the
 # oracle tests cover. Others may work but are refused until a test covers them.
 SUPPORTED_MODEL_TYPES = (

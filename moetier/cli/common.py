@@ -6,12 +6,17 @@ import argparse
 from typing import Any
 
 from moetier.cli.flags import add_dataclass_arguments, dataclass_from_args
-from moetier.config import EngineConfig
+from moetier.config import DEFAULT_STORE, EngineConfig
 from moetier.engine.sampler import SamplingParams
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", help="a moetier store (output of `moetier convert`)")
+    parser.add_argument(
+        "store",
+        nargs="?",
+        default=str(DEFAULT_STORE),
+        help="a moetier store (output of `moetier convert`); default: the embedded demo model",
+    )
     add_dataclass_arguments(parser, EngineConfig, "engine")
     add_dataclass_arguments(parser, SamplingParams, "sampling")
 
