@@ -11,6 +11,7 @@ VERBS = {
     "convert": "convert a Hugging Face MoE checkpoint into a moetier store",
     "generate": "generate text from a store, streamed to stdout",
     "serve": "serve a store over an OpenAI-compatible HTTP API",
+    "quality": "KL divergence and perplexity of a store against its Hugging Face reference",
 }
 
 
