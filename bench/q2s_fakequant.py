@@ -8,9 +8,10 @@ the transformers model ("fake quant"), and measure KL divergence against the ori
 
 Variants: rtn (MSE scale search, no calibration), imatrix (scale search weighted by the
 per-channel mean x^2), gptq (imatrix scales + Hessian error feedback), gptq-ao (gptq visiting
-columns by decreasing importance, static group scales), each at g32 (2.25 bpw
-+ row scale), g16 (suffix _g16), or gate_up at g32 and down_proj at g16 (suffix _g32d16). Calibration activations are gathered from the unquantised
-model over 512-token chunks of the calibration books.
+columns by decreasing importance, static group scales), each at g32 (2.25 bpw + row scale),
+g16 (suffix _g16), or gate_up at g32 and down_proj at g16 (suffix _g32d16). Calibration
+activations are gathered from the unquantised model over 512-token chunks of the calibration
+books.
 """
 
 from __future__ import annotations
@@ -36,9 +37,15 @@ def calibration_hessians(model, ids: torch.Tensor) -> dict[str, list[list[torch.
     for name, module in model.named_modules():
         if not hasattr(module, "is_concatenated"):
             continue
-        e_count, hid, inter = module.gate_up_proj.shape[0], module.gate_up_proj.shape[2], module.down_proj.shape[2]
-        stats[name] = [[torch.zeros(hid, hid, dtype=torch.float64) for _ in range(e_count)],
-                       [torch.zeros(inter, inter, dtype=torch.float64) for _ in range(e_count)]]
+        e_count, hid, inter = (
+            module.gate_up_proj.shape[0],
+            module.gate_up_proj.shape[2],
+            module.down_proj.shape[2],
+        )
+        stats[name] = [
+            [torch.zeros(hid, hid, dtype=torch.float64) for _ in range(e_count)],
+            [torch.zeros(inter, inter, dtype=torch.float64) for _ in range(e_count)],
+        ]
 
         def hook(mod, args, name=name):  # type: ignore[no-untyped-def]
             hidden, top_k_index = args[0], args[1]
@@ -66,8 +73,10 @@ def quantise_model(model, stats, method: str, group: int, down_group: int) -> fl
             continue
         with torch.no_grad():
             for e in range(module.gate_up_proj.shape[0]):
-                for param, hess, g in ((module.gate_up_proj, stats[name][0][e], group),
-                                       (module.down_proj, stats[name][1][e], down_group)):
+                for param, hess, g in (
+                    (module.gate_up_proj, stats[name][0][e], group),
+                    (module.down_proj, stats[name][1][e], down_group),
+                ):
                     w = param[e].float()
                     if method == "rtn":
                         q = quantize_q2s(w, None, group=g)
@@ -95,11 +104,19 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.model)
-    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, experts_implementation="eager").eval()
-    text_ids = chunks(tok.encode(Path(args.text).read_text(encoding="utf-8"), add_special_tokens=False), 512, args.chunks)
+    ref = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.float32, experts_implementation="eager"
+    ).eval()
+    text_ids = chunks(
+        tok.encode(Path(args.text).read_text(encoding="utf-8"), add_special_tokens=False),
+        512,
+        args.chunks,
+    )
     books = sorted(Path(args.calibration).glob("*.txt"))
     calib_text = "".join(p.read_text(encoding="utf-8")[:20000] for p in books)
-    calib_ids = chunks(tok.encode(calib_text, add_special_tokens=False), 512, args.calibration_chunks)
+    calib_ids = chunks(
+        tok.encode(calib_text, add_special_tokens=False), 512, args.calibration_chunks
+    )
     start = time.time()
     stats = calibration_hessians(ref, calib_ids)
     calib_s = time.time() - start
@@ -113,7 +130,9 @@ def main() -> None:
                 ref_logits[key] = ref(batch).logits
         return ref_logits[key]
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     for variant in args.variants.split(","):
         # e.g. gptq, gptq_g16, gptq_g32d16 (gate_up at g32, down_proj at g16)
         method, _, g = variant.partition("_g")
@@ -125,11 +144,25 @@ def main() -> None:
         bpw = quantise_model(model, stats, method, group, down_group)
         quant_s = time.time() - t0
         report = compare(lambda b, m=model: m(b).logits, reference, text_ids)
-        print(json.dumps({"variant": variant, "experts_bpw": round(bpw, 4), **{
-            k: round(v, 5) if isinstance(v, float) else v for k, v in report.to_dict().items()},
-            "calibration_tokens": calib_ids.numel(), "calibration_s": round(calib_s, 1),
-            "quantise_s": round(quant_s, 1), "commit": commit, "host": platform.node(),
-            "torch": torch.__version__}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "variant": variant,
+                    "experts_bpw": round(bpw, 4),
+                    **{
+                        k: round(v, 5) if isinstance(v, float) else v
+                        for k, v in report.to_dict().items()
+                    },
+                    "calibration_tokens": calib_ids.numel(),
+                    "calibration_s": round(calib_s, 1),
+                    "quantise_s": round(quant_s, 1),
+                    "commit": commit,
+                    "host": platform.node(),
+                    "torch": torch.__version__,
+                }
+            ),
+            flush=True,
+        )
         del model
 
 

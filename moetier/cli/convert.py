@@ -1,4 +1,4 @@
-"""`moetier convert HF_DIR OUT_DIR`."""
+"""`moetier convert HF_DIR OUT_DIR [--experts q2s --calibration TEXT]`."""
 
 from __future__ import annotations
 
@@ -11,20 +11,85 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", help="Hugging Face model directory (config.json + *.safetensors)")
     parser.add_argument("out_dir", help="where to write the moetier store")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--experts",
+        choices=("source", "q2s"),
+        default="source",
+        help="routed expert format: the checkpoint's dtype, or q2s 2-bit (default: source)",
+    )
+    parser.add_argument(
+        "--group", type=int, default=32, help="q2s group size of gate/up (default: 32)"
+    )
+    parser.add_argument(
+        "--down-group",
+        type=int,
+        default=16,
+        help="q2s group size of down_proj, the more sensitive matrix (default: 16)",
+    )
+    parser.add_argument(
+        "--calibration",
+        help="text file or folder of .txt for GPTQ rounding (without it q2s rounds to nearest)",
+    )
+    parser.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=65536,
+        help="calibration tokens to run (default: 65536)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from moetier.quant.convert import convert
-    from moetier.quant.store import Store
+    from moetier.quant.store import DENSE_FILE, Store
 
     start = time.perf_counter()
-    out = convert(args.hf_dir, args.out_dir, force=args.force, progress=sys.stderr.isatty())
+    progress = sys.stderr.isatty()
+    if args.experts == "q2s":
+        from moetier.loader.quantize import convert_q2s
+
+        out = convert_q2s(
+            args.hf_dir,
+            args.out_dir,
+            calibration=args.calibration,
+            calibration_tokens=args.calibration_tokens,
+            group=args.group,
+            down_group=args.down_group,
+            force=args.force,
+            progress=progress,
+        )
+    else:
+        if args.calibration:
+            raise ValueError("--calibration applies to --experts q2s")
+        out = convert(args.hf_dir, args.out_dir, force=args.force, progress=progress)
     store = Store(out)
+    cfg = store.model_config
+    per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
+    if cfg.expert_has_bias:
+        per_expert += 2 * cfg.expert_intermediate_size + cfg.hidden_size
+    expert_params = per_expert * cfg.num_experts * len(store.moe_layers)
     expert_bytes = sum(b.nbytes for b in store.blobs.values())
+    dense_params, dense_bytes = _dense_size(store.path / DENSE_FILE)
     print(
-        f"wrote {out}: {len(store.moe_layers)} MoE layers x "
-        f"{store.model_config.num_experts} experts "
-        f"({expert_bytes / 2**20:.1f} MiB of experts, {store.source_dtype}) "
-        f"in {time.perf_counter() - start:.1f} s"
+        f"wrote {out}: {len(store.moe_layers)} MoE layers x {cfg.num_experts} experts, "
+        f"{'/'.join(sorted(store.formats))}; experts {expert_bytes / 2**20:.1f} MiB at "
+        f"{8 * expert_bytes / expert_params:.3f} bits per weight; whole store "
+        f"{(expert_bytes + dense_bytes) / 2**20:.1f} MiB at "
+        f"{8 * (expert_bytes + dense_bytes) / (expert_params + dense_params):.3f} bits per weight; "
+        f"{time.perf_counter() - start:.1f} s"
     )
     return 0
+
+
+def _dense_size(path) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    from safetensors import safe_open
+
+    params = nbytes = 0
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            t = f.get_slice(key)
+            numel = 1
+            for d in t.get_shape():
+                numel *= d
+            params += numel
+            nbytes += numel * f.get_tensor(key).element_size()
+    return params, nbytes

@@ -17,6 +17,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
     "int64": torch.int64,
     "int32": torch.int32,
     "int16": torch.int16,
@@ -73,20 +74,63 @@ class BlobFormat:
         return cls(name, tuple(TensorSpec(n, dt, tuple(s), o) for n, dt, s, o in d["tensors"]))
 
 
-def raw_expert_format(dtype: str, hidden: int, intermediate: int, has_bias: bool) -> BlobFormat:
-    """Unquantized experts in `dtype`, canonical layout (module docstring)."""
-    shapes: list[tuple[str, tuple[int, ...]]] = [
-        ("gate_up", (2 * intermediate, hidden)),
-        ("down", (hidden, intermediate)),
-    ]
-    if has_bias:
-        shapes += [("gate_up_bias", (2 * intermediate,)), ("down_bias", (hidden,))]
+def _layout(name: str, entries: list[tuple[str, str, tuple[int, ...]]]) -> BlobFormat:
     specs, offset = [], 0
-    for name, shape in shapes:
-        spec = TensorSpec(name, dtype, shape, offset)
+    for tensor_name, dtype, shape in entries:
+        spec = TensorSpec(tensor_name, dtype, shape, offset)
         specs.append(spec)
         offset = align_up(offset + spec.nbytes, TENSOR_ALIGN)
-    return BlobFormat(dtype, tuple(specs))
+    return BlobFormat(name, tuple(specs))
+
+
+def raw_expert_format(dtype: str, hidden: int, intermediate: int, has_bias: bool) -> BlobFormat:
+    """Unquantized experts in `dtype`, canonical layout (quant/store.py docstring)."""
+    entries: list[tuple[str, str, tuple[int, ...]]] = [
+        ("gate_up", dtype, (2 * intermediate, hidden)),
+        ("down", dtype, (hidden, intermediate)),
+    ]
+    if has_bias:
+        entries += [("gate_up_bias", dtype, (2 * intermediate,)), ("down_bias", dtype, (hidden,))]
+    return _layout(dtype, entries)
+
+
+def q2s_expert_format(
+    hidden: int,
+    intermediate: int,
+    has_bias: bool,
+    group: int,
+    down_group: int,
+    bias_dtype: str = "float32",
+) -> BlobFormat:
+    """q2s experts (quant/q2s.py): per matrix M in (gate_up, down)
+      M.codes      [N, K // 4]      uint8, 4 codes per byte along K, code j at bits 2j..2j+1
+      M.scales     [N, K // group]  float8_e4m3fn group scales
+      M.row_scale  [N]              float32
+      M.grid       [2]              float32 (a, b): code c decodes to (-b, -a, +a, +b)[c]
+    W[n, k] = row_scale[n] * scales[n, k // group] * level[codes[n, k]]."""
+    entries: list[tuple[str, str, tuple[int, ...]]] = []
+    for name, n, k, g in (
+        ("gate_up", 2 * intermediate, hidden, group),
+        ("down", hidden, intermediate, down_group),
+    ):
+        if k % g or k % 4:
+            raise ValueError(f"q2s: {name} has K={k}, not divisible by its group {g}")
+        entries += [
+            (f"{name}.codes", "uint8", (n, k // 4)),
+            (f"{name}.scales", "float8_e4m3fn", (n, k // g)),
+            (f"{name}.row_scale", "float32", (n,)),
+            (f"{name}.grid", "float32", (2,)),
+        ]
+    if has_bias:
+        entries += [
+            ("gate_up_bias", bias_dtype, (2 * intermediate,)),
+            ("down_bias", bias_dtype, (hidden,)),
+        ]
+    return _layout(f"q2s-g{group}-down-g{down_group}", entries)
+
+
+def has_tensor(fmt: BlobFormat, name: str) -> bool:
+    return any(spec.name == name for spec in fmt.tensors)
 
 
 def blob_view(blob: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

@@ -10,7 +10,42 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import ExpertActivation
-from moetier.core.layout import BlobFormat, blob_view
+from moetier.core.layout import BlobFormat, blob_view, has_tensor
+
+Q2S_SHIFTS = (0, 2, 4, 6)
+
+
+def dequant_q2s_ref(
+    codes: torch.Tensor, scales: torch.Tensor, row_scale: torch.Tensor, grid: torch.Tensor
+) -> torch.Tensor:
+    """q2s decode (core/layout.q2s_expert_format) -> [N, K] float32.
+
+    codes:     [N, K // 4] uint8, code j of a byte at bits 2j..2j+1 (little-endian along K)
+    scales:    [N, K // g] float8_e4m3fn group scales
+    row_scale: [N] float32
+    grid:      [2] float32 (a, b); codes 0..3 decode to (-b, -a, +a, +b)
+    """
+    n = codes.shape[0]
+    shifts = torch.tensor(Q2S_SHIFTS, dtype=torch.uint8, device=codes.device)
+    unpacked = ((codes[..., None] >> shifts) & 3).reshape(n, -1).long()  # [N, K]
+    a, b = grid[0], grid[1]
+    levels = torch.stack([-b, -a, a, b]).float()
+    group = unpacked.shape[1] // scales.shape[1]
+    group_scale = scales.float().repeat_interleave(group, dim=1)  # [N, K]
+    return row_scale.float()[:, None] * group_scale * levels[unpacked]
+
+
+def expert_matrix(blob: torch.Tensor, fmt: BlobFormat, name: str) -> torch.Tensor:
+    """Matrix `name` ("gate_up" or "down") of one expert blob, decoded to float32 [N, K]."""
+    if has_tensor(fmt, name):
+        return blob_view(blob, fmt.tensor(name)).float()
+    if has_tensor(fmt, f"{name}.codes"):
+        parts = [
+            blob_view(blob, fmt.tensor(f"{name}.{p}"))
+            for p in ("codes", "scales", "row_scale", "grid")
+        ]
+        return dequant_q2s_ref(*parts)
+    raise ValueError(f"format {fmt.name} has no tensor {name}")
 
 
 def expert_activation_ref(
@@ -64,8 +99,8 @@ def moe_slots_ref(
     for expert in torch.unique(topk_ids[pair_slots >= 0]).tolist():
         token_idx, k_idx = torch.where(topk_ids == expert)
         blob = pool[int(slot_table[expert])]
-        gate_up = blob_view(blob, fmt.tensor("gate_up")).to(hidden.dtype)  # [2I, H]
-        down = blob_view(blob, fmt.tensor("down")).to(hidden.dtype)  # [H, I]
+        gate_up = expert_matrix(blob, fmt, "gate_up").to(hidden.dtype)  # [2I, H]
+        down = expert_matrix(blob, fmt, "down").to(hidden.dtype)  # [H, I]
         x = hidden[token_idx]  # [n, H]
         h = F.linear(x, gate_up)  # [n, 2I]
         if has_bias:

@@ -16,6 +16,7 @@ import re
 import shutil
 import struct
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -403,9 +404,17 @@ class _SafetensorsWriter:
 
 
 def convert(
-    src: str | Path, dst: str | Path, *, force: bool = False, progress: bool = True
+    src: str | Path,
+    dst: str | Path,
+    *,
+    force: bool = False,
+    progress: bool = True,
+    finish: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Convert the HF checkpoint in `src` into a moetier store at `dst`; returns `dst`."""
+    """Convert the HF checkpoint in `src` into a moetier store at `dst`; returns `dst`.
+
+    `finish(tmp_store)` runs on the complete unquantized store before it is renamed into place
+    (e.g. re-encoding the experts in a low-bit format); a failure there leaves nothing behind."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise ConvertError(
@@ -435,6 +444,8 @@ def convert(
             "blobs": blobs,
         }
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
+        if finish is not None:
+            finish(tmp)
         if dst.exists():
             shutil.rmtree(dst)
         tmp.rename(dst)

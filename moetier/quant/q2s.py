@@ -75,8 +75,9 @@ def _stored_scale(s: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
     return rel * row_scale
 
 
-def _search_scale(w: torch.Tensor, imp: torch.Tensor, a: float, b: float, row_scale: torch.Tensor,
-                  steps: int = 32) -> torch.Tensor:
+def _search_scale(
+    w: torch.Tensor, imp: torch.Tensor, a: float, b: float, row_scale: torch.Tensor, steps: int = 32
+) -> torch.Tensor:
     """Per-row stored group scale minimising sum_k imp_k (w_k - s*q(w_k/s))^2. w: [N, g] -> [N]."""
     amax = w.abs().amax(dim=1).clamp_min(1e-12)  # [N]
     best_err = torch.full_like(amax, float("inf"))
@@ -91,9 +92,16 @@ def _search_scale(w: torch.Tensor, imp: torch.Tensor, a: float, b: float, row_sc
     return best
 
 
-def quantize_q2s(w: torch.Tensor, hessian: torch.Tensor | None = None, group: int = 32,
-                 grid: tuple[float, float] = (0.5, 1.5), damp: float = 0.01, block: int = 128,
-                 refit_scales: bool = True, act_order: bool = False) -> Q2S:
+def quantize_q2s(
+    w: torch.Tensor,
+    hessian: torch.Tensor | None = None,
+    group: int = 32,
+    grid: tuple[float, float] = (0.5, 1.5),
+    damp: float = 0.01,
+    block: int = 128,
+    refit_scales: bool = True,
+    act_order: bool = False,
+) -> Q2S:
     """Quantise W [N, K] (K divisible by `group`). `hessian` [K, K] = sum of x x^T over the
     calibration inputs of this matrix (None: round to nearest, unweighted scale search).
 
@@ -101,7 +109,9 @@ def quantize_q2s(w: torch.Tensor, hessian: torch.Tensor | None = None, group: in
     up front from the original weights (static groups); otherwise columns in order, each group's
     scale searched on the error-updated weights when the loop reaches it."""
     if w.dim() != 2 or w.shape[1] % group:
-        raise ValueError(f"q2s needs a 2-D matrix with K divisible by {group}, got {tuple(w.shape)}")
+        raise ValueError(
+            f"q2s needs a 2-D matrix with K divisible by {group}, got {tuple(w.shape)}"
+        )
     w = w.float().clone()
     w_orig = w.clone()
     n, k = w.shape
@@ -128,7 +138,9 @@ def quantize_q2s(w: torch.Tensor, hessian: torch.Tensor | None = None, group: in
             perm = torch.argsort(torch.diag(h), descending=True)
             h = h[perm][:, perm]
         # Upper Cholesky factor of H^-1: row j holds how column j's error spreads to columns > j.
-        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+        hinv = torch.linalg.cholesky(
+            torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True
+        ).float()
     static = act_order and hessian is not None
     w = w[:, perm]  # work in visiting order; perm[j] is the original column of position j
     for b0 in range(0, k, block):
@@ -140,7 +152,9 @@ def quantize_q2s(w: torch.Tensor, hessian: torch.Tensor | None = None, group: in
             orig = int(perm[col])
             if not static and col % group == 0:
                 current = w_slice(w, wb, b0, col, group)
-                raw_scales[:, col // group] = _search_scale(current, imp[col : col + group], a, b, row_scale)
+                raw_scales[:, col // group] = _search_scale(
+                    current, imp[col : col + group], a, b, row_scale
+                )
             s = raw_scales[:, orig // group]
             c = _nearest_codes(wb[:, j] / s, a, b)
             codes[:, orig] = c
@@ -155,13 +169,23 @@ def quantize_q2s(w: torch.Tensor, hessian: torch.Tensor | None = None, group: in
             w[:, b1:] -= err_block @ hinv[b0:b1, b1:]
 
     if hessian is not None and refit_scales:
-        raw_scales = _refit_scales(w_orig, hessian.float(), codes, raw_scales, row_scale, a, b, group)
+        raw_scales = _refit_scales(
+            w_orig, hessian.float(), codes, raw_scales, row_scale, a, b, group
+        )
     scales = (raw_scales / row_scale[:, None]).to(torch.float8_e4m3fn)  # exact: already on the grid
     return Q2S(codes, scales, row_scale, torch.tensor([a, b]), group)
 
 
-def _refit_scales(w: torch.Tensor, h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                  row_scale: torch.Tensor, a: float, b: float, group: int) -> torch.Tensor:
+def _refit_scales(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    row_scale: torch.Tensor,
+    a: float,
+    b: float,
+    group: int,
+) -> torch.Tensor:
     """With the codes fixed, the group scales minimising the output error
     tr((W - W_hat) H (W - W_hat)^T): per row a G x G least-squares solve, then E4M3 rounding.
     Keeps the old scales of a row where the rounded solution is not better."""

@@ -7,10 +7,9 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from tiny_models import TEXT
 
 from moetier.engine.quality import chunks, compare
-
-from tiny_models import TEXT
 
 VOCAB = 50
 
@@ -32,7 +31,9 @@ def test_identical_models_have_zero_divergence():
 
 def test_matches_an_independent_computation():
     ref, noisy, table, noisy_table = table_model(1, noise=0.5)
-    ids = chunks(torch.randint(0, VOCAB, (640,), generator=torch.Generator().manual_seed(3)).tolist(), 64)
+    ids = chunks(
+        torch.randint(0, VOCAB, (640,), generator=torch.Generator().manual_seed(3)).tolist(), 64
+    )
     report = compare(noisy, ref, ids, batch_size=3)
     # Independent: F.kl_div over the scored positions only (predictions at 31..62 of each chunk).
     pos = ids[:, 31:63]
@@ -52,9 +53,25 @@ def test_quality_cli_on_a_store(tiny, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 20)
     out = subprocess.run(
-        [sys.executable, "-m", "moetier", "quality", str(tiny.store("qwen3_moe")), "--reference",
-         str(tiny.checkpoint("qwen3_moe")), "--text", str(text), "--ctx", "64", "--device", "cpu"],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "moetier",
+            "quality",
+            str(tiny.store("qwen3_moe")),
+            "--reference",
+            str(tiny.checkpoint("qwen3_moe")),
+            "--text",
+            str(text),
+            "--ctx",
+            "64",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert line["scored_tokens"] == line["chunks"] * 32 and line["chunks"] >= 4

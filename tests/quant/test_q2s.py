@@ -12,7 +12,9 @@ def data(seed: int = 0, n: int = 64, k: int = 256, tokens: int = 2048):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.02
     # Correlated, anisotropic inputs, as real layer inputs are.
-    x = torch.randn(tokens, k, generator=g) @ (torch.eye(k) + 0.3 * torch.randn(k, k, generator=g) / k**0.5)
+    x = torch.randn(tokens, k, generator=g) @ (
+        torch.eye(k) + 0.3 * torch.randn(k, k, generator=g) / k**0.5
+    )
     x = x * (0.2 + 3 * torch.rand(k, generator=g))
     return w, x
 
@@ -38,7 +40,9 @@ def test_decode_rule_and_stored_scales():
     manual = torch.empty_like(w)
     for n in range(w.shape[0]):
         for kk in range(w.shape[1]):
-            manual[n, kk] = q.row_scale[n] * float(q.scales[n, kk // 32]) * levels[int(q.codes[n, kk])]
+            manual[n, kk] = (
+                q.row_scale[n] * float(q.scales[n, kk // 32]) * levels[int(q.codes[n, kk])]
+            )
     assert torch.allclose(q.dequantize(), manual, rtol=1e-6, atol=0)
     assert q.bits_per_weight == pytest.approx(2 + 8 / 32 + 32 / 256 + 64 / (64 * 256))
 

@@ -1,0 +1,99 @@
+"""Conversion with low-bit experts: convert, gather calibration statistics by running the
+unquantized store over calibration text, re-encode the experts, then publish the store."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from moetier.config import EngineConfig
+from moetier.core.layout import blob_view
+from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix
+from moetier.loader.load import load_model
+from moetier.quant.convert import convert
+from moetier.quant.requantize import Hessians, requantize_q2s
+
+
+def calibration_texts(path: Path) -> list[str]:
+    """A .txt file, or every .txt file of a directory (sorted)."""
+    files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+    if not files:
+        raise ValueError(f"no .txt calibration text in {path}")
+    return [f.read_text(encoding="utf-8") for f in files]
+
+
+def collect_hessians(
+    store_dir: Path,
+    texts: list[str],
+    max_tokens: int = 65536,
+    ctx: int = 512,
+    progress: bool = True,
+) -> Hessians:
+    """For every (layer, expert): sum of x x^T over the calibration tokens routed to it, for the
+    gate_up input x (hidden) and the down input (the activated intermediate)."""
+    loaded = load_model(store_dir, EngineConfig(dtype="float32"))
+    store, runtime = loaded.store, loaded.runtime
+    hid, inter = store.model_config.hidden_size, store.model_config.expert_intermediate_size
+    acc: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(
+        lambda: [
+            torch.zeros(hid, hid, device=loaded.device),
+            torch.zeros(inter, inter, device=loaded.device),
+        ]
+    )
+
+    def observe(layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        fmt = runtime.formats[layer]
+        for expert in torch.unique(topk_ids).tolist():
+            x = hidden[(topk_ids == expert).any(dim=-1)].float()  # [n, H]
+            blob = store.blob(layer, expert).to(loaded.device)
+            h = x @ expert_matrix(blob, fmt, "gate_up").T  # [n, 2I]
+            if store.model_config.expert_has_bias:
+                h = h + blob_view(blob, fmt.tensor("gate_up_bias")).float()
+            gate, up = h.chunk(2, dim=-1)
+            act = expert_activation_ref(gate, up, store.model_config.activation)  # [n, I]
+            pair = acc[(layer, expert)]
+            pair[0] += x.T @ x
+            pair[1] += act.T @ act
+
+    # An equal share of tokens from the start of every text, so that all of them are seen.
+    share = -(-max_tokens // len(texts))
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(loaded.tokenizer.encode(text[: share * 8], add_special_tokens=False)[:share])
+    n = min(len(ids), max_tokens) // ctx
+    if n == 0:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than one chunk of {ctx}")
+    chunks = torch.tensor(ids[: n * ctx]).view(n, ctx)
+    runtime.observer = observe
+    with torch.inference_mode():
+        for batch in tqdm(chunks.split(4), desc="calibration", disable=not progress):
+            loaded.model(batch.to(loaded.device))
+    runtime.observer = None
+    return {key: (pair[0].cpu(), pair[1].cpu()) for key, pair in acc.items()}
+
+
+def convert_q2s(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    calibration: str | Path | None = None,
+    calibration_tokens: int = 65536,
+    group: int = 32,
+    down_group: int = 16,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """`moetier convert --experts q2s`: the store at `dst` holds q2s experts."""
+
+    def finish(tmp: Path) -> None:
+        hessians = None
+        if calibration is not None:
+            hessians = collect_hessians(
+                tmp, calibration_texts(Path(calibration)), calibration_tokens, progress=progress
+            )
+        requantize_q2s(tmp, hessians, group, down_group, progress)
+
+    return convert(src, dst, force=force, progress=progress, finish=finish)

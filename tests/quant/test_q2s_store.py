@@ -1,0 +1,111 @@
+"""q2s experts in a store: what the converter writes is what the runtime decodes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+from tiny_models import TEXT
+
+from moetier.config import EngineConfig
+from moetier.kernels.moe_ref import expert_matrix
+from moetier.loader.load import load_model
+from moetier.loader.quantize import convert_q2s
+from moetier.quant.q2s import quantize_q2s
+from moetier.quant.store import Store
+
+
+def test_store_decodes_to_the_quantiser_output(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = tiny.checkpoint("qwen3_moe")
+    store = Store(convert_q2s(src, tmp_path / "q2s", group=32, down_group=16, progress=False))
+    assert store.index["quantization"] == {
+        "experts": "q2s",
+        "group": 32,
+        "down_group": 16,
+        "rounding": "nearest",
+    }
+    ref = AutoModelForCausalLM.from_pretrained(
+        src, dtype=torch.float32, experts_implementation="eager"
+    )
+    experts = ref.get_submodule(store.moe_modules[1])
+    fmt = store.blob_format(1)
+    for e in (0, 7):
+        blob = store.blob(1, e)
+        want_gu = quantize_q2s(experts.gate_up_proj[e].detach(), None, group=32).dequantize()
+        want_down = quantize_q2s(experts.down_proj[e].detach(), None, group=16).dequantize()
+        assert torch.equal(expert_matrix(blob, fmt, "gate_up"), want_gu)
+        assert torch.equal(expert_matrix(blob, fmt, "down"), want_down)
+
+    # The whole model equals transformers running the same dequantised experts ("fake quant").
+    with torch.no_grad():
+        for path in store.moe_modules.values():
+            mod = ref.get_submodule(path)
+            for e in range(mod.gate_up_proj.shape[0]):
+                mod.gate_up_proj[e] = quantize_q2s(mod.gate_up_proj[e], None, group=32).dequantize()
+                mod.down_proj[e] = quantize_q2s(mod.down_proj[e], None, group=16).dequantize()
+        loaded = load_model(store.path, EngineConfig(device="cpu", dtype="float32"))
+        ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+        assert (loaded.model(ids).logits - ref(ids).logits).abs().max() < 1e-4
+
+
+def test_calibrated_rounding_fits_the_calibration_text_better(tiny, tmp_path):
+    src = tiny.checkpoint("mixtral")
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT * 60)
+    rtn = convert_q2s(src, tmp_path / "rtn", group=32, down_group=16, progress=False)
+    gptq = convert_q2s(
+        src,
+        tmp_path / "gptq",
+        calibration=text,
+        calibration_tokens=2048,
+        group=32,
+        down_group=16,
+        progress=False,
+    )
+    assert Store(gptq).index["quantization"]["rounding"] == "gptq"
+    full = tiny.store("mixtral")
+    cfg = EngineConfig(device="cpu", dtype="float32")
+    models = {
+        name: load_model(path, cfg) for name, path in (("full", full), ("rtn", rtn), ("gptq", gptq))
+    }
+    ids = torch.tensor([models["full"].tokenizer.encode(TEXT)[:64]])
+    with torch.no_grad():
+        logits = {name: m.model(ids).logits for name, m in models.items()}
+    err = {name: ((logits[name] - logits["full"]) ** 2).mean().item() for name in ("rtn", "gptq")}
+    print(f"mean squared logit error on calibration text: {err}")
+    assert err["gptq"] < err["rtn"]
+
+
+def test_two_slot_budget_bit_identical_with_q2s(tiny, tmp_path):
+    store = convert_q2s(tiny.checkpoint("gpt_oss"), tmp_path / "q2s", progress=False)
+    ids = torch.randint(1, 320, (1, 10), generator=torch.Generator().manual_seed(1))
+    full = load_model(store, EngineConfig(device="cpu"))
+    small = load_model(store, EngineConfig(device="cpu", expert_cache_slots=2))
+    with torch.no_grad():
+        assert torch.equal(full.model(ids).logits, small.model(ids).logits)
+
+
+def test_cli_prints_bits_per_weight(tiny, tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moetier",
+            "convert",
+            str(tiny.checkpoint("qwen3_moe")),
+            str(tmp_path / "s"),
+            "--experts",
+            "q2s",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "q2s-g32-down-g16" in out.stdout and "bits per weight; whole store" in out.stdout
+    index = json.loads((tmp_path / "s" / "experts.json").read_text())
+    assert index["quantization"]["experts"] == "q2s"
