@@ -15,6 +15,10 @@ from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix
 from moetier.loader.load import load_model
 from moetier.quant.convert import convert
 from moetier.quant.requantize import Hessians, requantize_q2s
+from moetier.quant.store import Store
+
+# Per-expert Hessians of every layer are held at once; past this, refuse rather than swap.
+HESSIAN_MEMORY_LIMIT = 8 * 2**30
 
 
 def calibration_texts(path: Path) -> list[str]:
@@ -34,9 +38,17 @@ def collect_hessians(
 ) -> Hessians:
     """For every (layer, expert): sum of x x^T over the calibration tokens routed to it, for the
     gate_up input x (hidden) and the down input (the activated intermediate)."""
-    loaded = load_model(store_dir, EngineConfig(dtype="float32"))
-    store, runtime = loaded.store, loaded.runtime
+    store = Store(store_dir)
     hid, inter = store.model_config.hidden_size, store.model_config.expert_intermediate_size
+    needed = len(store.blobs) * (hid * hid + inter * inter) * 4
+    if needed > HESSIAN_MEMORY_LIMIT:
+        raise ValueError(
+            f"calibration would hold {needed / 2**30:.1f} GiB of per-expert Hessians (all "
+            f"layers at once; the limit is {HESSIAN_MEMORY_LIMIT / 2**30:.0f} GiB): convert "
+            "without --calibration (round to nearest) until layer-by-layer calibration lands"
+        )
+    loaded = load_model(store_dir, EngineConfig())
+    runtime = loaded.runtime
     acc: dict[tuple[int, int], list[torch.Tensor]] = defaultdict(
         lambda: [
             torch.zeros(hid, hid, device=loaded.device),
@@ -47,7 +59,7 @@ def collect_hessians(
     def observe(layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
         fmt = runtime.formats[layer]
         for expert in torch.unique(topk_ids).tolist():
-            x = hidden[(topk_ids == expert).any(dim=-1)].float()  # [n, H]
+            x = hidden[(topk_ids == expert).any(dim=-1)].float()  # [n, H], fp32 statistics
             blob = store.blob(layer, expert).to(loaded.device)
             h = x @ expert_matrix(blob, fmt, "gate_up").T  # [n, 2I]
             if store.model_config.expert_has_bias:

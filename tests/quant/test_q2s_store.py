@@ -109,3 +109,16 @@ def test_cli_prints_bits_per_weight(tiny, tmp_path):
     assert "q2s-g32-down-g16" in out.stdout and "bits per weight; whole store" in out.stdout
     index = json.loads((tmp_path / "s" / "experts.json").read_text())
     assert index["quantization"]["experts"] == "q2s"
+
+
+def test_calibration_refuses_when_hessians_would_not_fit(tiny, tmp_path, monkeypatch):
+    import pytest
+
+    from moetier.loader import quantize
+
+    monkeypatch.setattr(quantize, "HESSIAN_MEMORY_LIMIT", 1000)
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT * 10)
+    with pytest.raises(ValueError, match="per-expert Hessians.*convert without --calibration"):
+        convert_q2s(tiny.checkpoint("qwen3_moe"), tmp_path / "s", calibration=text, progress=False)
+    assert not (tmp_path / "s").exists()
