@@ -35,9 +35,11 @@ def collect_hessians(
     max_tokens: int = 65536,
     ctx: int = 512,
     progress: bool = True,
+    routing_weighted: bool = True,
 ) -> Hessians:
     """For every (layer, expert): sum of x x^T over the calibration tokens routed to it, for the
-    gate_up input x (hidden) and the down input (the activated intermediate)."""
+    gate_up input x (hidden) and the down input (the activated intermediate); with
+    `routing_weighted` each token's x is scaled by its routing weight to this expert."""
     store = Store(store_dir)
     hid, inter = store.model_config.hidden_size, store.model_config.expert_intermediate_size
     needed = len(store.blobs) * (hid * hid + inter * inter) * 4
@@ -56,10 +58,16 @@ def collect_hessians(
         ]
     )
 
-    def observe(layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    def observe(
+        layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, weights: torch.Tensor
+    ) -> None:
         fmt = runtime.formats[layer]
         for expert in torch.unique(topk_ids).tolist():
-            x = hidden[(topk_ids == expert).any(dim=-1)].float()  # [n, H], fp32 statistics
+            pairs = topk_ids == expert  # [T, k]
+            rows = pairs.any(dim=-1)
+            x = hidden[rows].float()  # [n, H], fp32 statistics
+            # The layer output weighs each expert by its routing weight, so its error does too.
+            w = (weights.float() * pairs).sum(-1)[rows, None] if routing_weighted else 1.0
             blob = store.blob(layer, expert).to(loaded.device)
             h = x @ expert_matrix(blob, fmt, "gate_up").T  # [n, 2I]
             if store.model_config.expert_has_bias:
@@ -67,8 +75,8 @@ def collect_hessians(
             gate, up = h.chunk(2, dim=-1)
             act = expert_activation_ref(gate, up, store.model_config.activation)  # [n, I]
             pair = acc[(layer, expert)]
-            pair[0] += x.T @ x
-            pair[1] += act.T @ act
+            pair[0] += (x * w).T @ (x * w)
+            pair[1] += (act * w).T @ (act * w)
 
     # An equal share of tokens from the start of every text, so that all of them are seen.
     share = -(-max_tokens // len(texts))

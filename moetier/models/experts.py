@@ -30,9 +30,9 @@ class ExpertsRuntime:
         self.residency = residency
         self.formats = formats  # layer -> base-plane format
         self.activation = activation
-        # Called as observer(layer, hidden, topk_ids) before each layer's experts run
-        # (calibration statistics); None on the normal path.
-        self.observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        # Called as observer(layer, hidden, topk_ids, topk_weights) before each layer's experts
+        # run (calibration statistics); None on the normal path.
+        self.observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -40,7 +40,7 @@ class ExpertsRuntime:
         """hidden [T, H], topk_ids [T, k], topk_weights [T, k] -> [T, H] in hidden's dtype."""
         topk_ids = topk_ids.long()
         if self.observer is not None:
-            self.observer(layer, hidden, topk_ids)
+            self.observer(layer, hidden, topk_ids, topk_weights)
         tokens, k = topk_ids.shape
         out = torch.zeros(tokens, k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         needed = sorted(set(topk_ids.flatten().tolist()))  # host sync: the reference path only
