@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from tiny_models import TEXT
 
@@ -112,8 +113,6 @@ def test_cli_prints_bits_per_weight(tiny, tmp_path):
 
 
 def test_calibration_refuses_when_hessians_would_not_fit(tiny, tmp_path, monkeypatch):
-    import pytest
-
     from moetier.loader import quantize
 
     monkeypatch.setattr(quantize, "HESSIAN_MEMORY_LIMIT", 1000)
@@ -122,3 +121,14 @@ def test_calibration_refuses_when_hessians_would_not_fit(tiny, tmp_path, monkeyp
     with pytest.raises(ValueError, match="per-expert Hessians.*convert without --calibration"):
         convert_q2s(tiny.checkpoint("qwen3_moe"), tmp_path / "s", calibration=text, progress=False)
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.gpu
+def test_q2s_store_on_cuda_matches_cpu(tiny, tmp_path):
+    store = convert_q2s(tiny.checkpoint("deepseek_v3"), tmp_path / "q2s", progress=False)
+    ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(2))
+    cpu = load_model(store, EngineConfig(device="cpu", dtype="float32"))
+    gpu = load_model(store, EngineConfig(device="cuda", dtype="float32"))
+    with torch.no_grad():
+        a, b = cpu.model(ids).logits, gpu.model(ids.cuda()).logits.cpu()
+    assert (a - b).abs().max() < 1e-4
