@@ -7,9 +7,10 @@ the transformers model ("fake quant"), and measure KL divergence against the ori
         --calibration ../shared/data/gutenberg/train --variants rtn,imatrix,gptq
 
 Variants: naive (int2 {-2,-1,0,1}*absmax/2, fp16 scale), hqq (asymmetric affine 2-bit, HQQ
-zero refinement, fp16 scale and zero), rtn (q2s, MSE scale search, no calibration), imatrix (scale search weighted by the
-per-channel mean x^2), gptq (imatrix scales + Hessian error feedback), gptq-ao (gptq visiting
-columns by decreasing importance, static group scales), each at g32 (2.25 bpw + row scale),
+zero refinement, fp16 scale and zero), rtn (q2s, MSE scale search, no calibration), imatrix
+(scale search weighted by the per-channel mean x^2), gptq (imatrix scales + Hessian error
+feedback), gptq-ao (gptq visiting columns by decreasing importance, static group scales), each
+at g32 (2.25 bpw + row scale),
 g16 (suffix _g16), or gate_up at g32 and down_proj at g16 (suffix _g32d16). Calibration
 activations are gathered from the unquantised model over 512-token chunks of the calibration
 books.
@@ -84,7 +85,8 @@ def affine_hqq(w: torch.Tensor, group: int, iters: int = 20) -> torch.Tensor:
     for _ in range(iters):
         q = (g / s + z).round().clamp(0, 3)
         err = g - (q - z) * s
-        shrunk = torch.sign(err) * torch.relu(err.abs() - err.abs().clamp_min(1e-12) ** (p - 1) / beta)
+        pull = err.abs().clamp_min(1e-12) ** (p - 1) / beta
+        shrunk = torch.sign(err) * torch.relu(err.abs() - pull)
         z = (q - (g - shrunk) / s).mean(-1, keepdim=True)
         beta *= 1.01
     z = z.half().float()
