@@ -13,7 +13,8 @@ feedback), gptq-ao (gptq visiting columns by decreasing importance, static group
 at g32 (2.25 bpw + row scale),
 g16 (suffix _g16), or gate_up at g32 and down_proj at g16 (suffix _g32d16). Calibration
 activations are gathered from the unquantised model over 512-token chunks of the calibration
-books.
+books, every token counted alike (the store converter, `moetier convert --experts q2s
+--calibration`, also weighs each token by its routing weight, which measured better).
 """
 
 from __future__ import annotations
