@@ -63,11 +63,7 @@ def run(args: argparse.Namespace) -> int:
         out = convert(args.hf_dir, args.out_dir, force=args.force, progress=progress)
     store = Store(out)
     cfg = store.model_config
-    per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
-    if cfg.expert_has_bias:
-        per_expert += 2 * cfg.expert_intermediate_size + cfg.hidden_size
-    expert_params = per_expert * cfg.num_experts * len(store.moe_layers)
-    expert_bytes = sum(b.nbytes for b in store.blobs.values())
+    expert_params, expert_bytes = store.expert_params, store.expert_bytes
     dense_params, dense_bytes = _dense_size(store.path / DENSE_FILE)
     print(
         f"wrote {out}: {len(store.moe_layers)} MoE layers x {cfg.num_experts} experts, "

@@ -71,12 +71,6 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     store = loaded.store
-    cfg = store.model_config
-    per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
-    if cfg.expert_has_bias:
-        per_expert += 2 * cfg.expert_intermediate_size + cfg.hidden_size
-    expert_params = per_expert * cfg.num_experts * len(store.moe_layers)
-    expert_bytes = sum(entry.nbytes for entry in store.blobs.values())
     line = {
         "store": store.path.name,
         "reference": Path(args.reference).name,
@@ -84,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         "protocol": f"chunks of {args.ctx}, second half scored",
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "experts_format": sorted(store.formats),
-        "experts_bpw": round(8 * expert_bytes / expert_params, 4),
+        "experts_bpw": round(store.expert_bits_per_weight, 4),
         "delta_rate": 0.0,
         **{k: round(v, 6) if isinstance(v, float) else v for k, v in report.to_dict().items()},
         "commit": _commit(),

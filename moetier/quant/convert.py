@@ -32,7 +32,7 @@ from moetier.quant.store import (
     EXPERTS_FILE,
     INDEX_FILE,
     STORE_VERSION,
-    crc32,
+    blob_index_entry,
 )
 
 SAFETENSORS_DTYPES = {
@@ -514,16 +514,5 @@ def _write_experts(
                     t.contiguous().view(-1).view(torch.uint8)
                 )
             f.write(blob.numpy().tobytes())
-            blobs.append(
-                {
-                    "layer": layer,
-                    "expert": e,
-                    "plane": "base",
-                    "offset": i * stride,
-                    "bytes": fmt.nbytes,
-                    "format": fmt.name,
-                    "shape": {s.name: list(s.shape) for s in fmt.tensors},
-                    "crc32": crc32(blob[: fmt.nbytes]),
-                }
-            )
+            blobs.append(blob_index_entry(layer, e, i * stride, fmt, blob))
     return blobs

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from moetier.core.layout import align_up, blob_view, has_tensor, q2s_expert_format
 from moetier.quant.q2s import pack_codes, quantize_q2s
-from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, crc32
+from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, blob_index_entry
 
 # (layer, expert) -> (H of the gate_up input [H, H], H of the down input [I, I])
 Hessians = Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
@@ -70,18 +70,7 @@ def requantize_q2s(
                         blob_view(source, fmt_in.tensor(name)).view(-1).view(torch.uint8)
                     )
             f.write(blob.numpy().tobytes())
-            blobs.append(
-                {
-                    "layer": layer,
-                    "expert": expert,
-                    "plane": "base",
-                    "offset": i * stride,
-                    "bytes": fmt.nbytes,
-                    "format": fmt.name,
-                    "shape": {s.name: list(s.shape) for s in fmt.tensors},
-                    "crc32": crc32(blob[: fmt.nbytes]),
-                }
-            )
+            blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
     index = dict(store.index)
     index["formats"] = {fmt.name: fmt.to_json()}
     index["blobs"] = blobs

@@ -114,6 +114,23 @@ class Store:
         entry = self.blobs[(layer, 0, plane)]
         return self.formats[entry.format]
 
+    @property
+    def expert_params(self) -> int:
+        """Weights (and biases) of all routed experts, whatever their storage format."""
+        cfg = self.model_config
+        per_expert = 3 * cfg.hidden_size * cfg.expert_intermediate_size
+        if cfg.expert_has_bias:
+            per_expert += 2 * cfg.expert_intermediate_size + cfg.hidden_size
+        return per_expert * cfg.num_experts * len(self.moe_layers)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self.blobs.values())
+
+    @property
+    def expert_bits_per_weight(self) -> float:
+        return 8 * self.expert_bytes / self.expert_params
+
     def verify(self) -> list[tuple[int, int, str]]:
         """Recompute every blob's crc32; returns the keys that do not match."""
         bad = []
@@ -125,6 +142,22 @@ class Store:
     def close(self) -> None:
         # Views into the mmap may still be alive in tensors; closing it would make them dangle.
         self._file.close()
+
+
+def blob_index_entry(
+    layer: int, expert: int, offset: int, fmt: BlobFormat, blob: torch.Tensor, plane: str = "base"
+) -> dict[str, Any]:
+    """The experts.json record of one blob whose bytes (at least fmt.nbytes of them) are `blob`."""
+    return {
+        "layer": layer,
+        "expert": expert,
+        "plane": plane,
+        "offset": offset,
+        "bytes": fmt.nbytes,
+        "format": fmt.name,
+        "shape": {s.name: list(s.shape) for s in fmt.tensors},
+        "crc32": crc32(blob[: fmt.nbytes]),
+    }
 
 
 def crc32(data: torch.Tensor | bytes | memoryview) -> int:
