@@ -45,6 +45,17 @@ class Generator:
         self.tokenizer = loaded.tokenizer
         self.eos_ids = self._eos_ids()
         self.chat_end_ids = self.eos_ids | self._vocab_ids(END_OF_TURN_TOKENS)
+        self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Raise ValueError for a prompt the model cannot take (empty, or no room to generate)."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if self.max_context is not None and len(prompt_ids) >= self.max_context:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                f"{self.max_context} tokens: shorten it"
+            )
 
     def _vocab_ids(self, tokens: tuple[str, ...]) -> set[int]:
         vocab = self.tokenizer.get_vocab()
@@ -79,8 +90,7 @@ class Generator:
         """Yield text deltas as tokens are generated; the last delta has a finish_reason."""
         from transformers import DynamicCache
 
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
+        self.check_prompt(prompt_ids)
         device = self.loaded.device
         stop_ids = self.chat_end_ids if chat else self.eos_ids
         generator = None
@@ -91,7 +101,12 @@ class Generator:
         detok = _StreamingDetokenizer(self.tokenizer, params.stop)
         unsent: list[int] = []  # tokens whose text is not out yet (partial UTF-8, held back)
         finish = "length"
-        for _ in range(params.max_new_tokens):
+        budget = params.max_new_tokens
+        if self.max_context is not None:
+            budget = min(
+                budget, self.max_context - len(prompt_ids)
+            )  # stop when the context is full
+        for _ in range(budget):
             out = self.model(
                 input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1
             )

@@ -103,6 +103,7 @@ def create_app(
                 for m in req.messages
             ]
             prompt_ids = generator.chat_prompt_ids(messages)
+            generator.check_prompt(prompt_ids)
             stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
             max_tokens = (
                 req.max_completion_tokens

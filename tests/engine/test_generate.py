@@ -60,3 +60,14 @@ def test_chat_prompt_uses_template(generator):
     assert (
         generator.tokenizer.decode(ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_generation_stops_when_the_context_is_full(generator):
+    limit = generator.max_context
+    ids = (generator.prompt_ids(TEXT) * limit)[: limit - 3]
+    result = generator.generate(ids, SamplingParams(max_new_tokens=50, temperature=0))
+    assert len(result.token_ids) <= 3 and result.finish_reason in ("length", "stop")
+    if result.finish_reason == "length":
+        assert len(result.token_ids) == 3
+    with pytest.raises(ValueError, match="context is"):
+        generator.generate(ids + [1, 2, 3], SamplingParams(max_new_tokens=5))

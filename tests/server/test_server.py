@@ -98,3 +98,12 @@ def test_bad_requests_get_openai_errors(client):
         client.chat.completions.create(model="tiny-qwen3", messages=MESSAGES, top_p=1.5)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny-qwen3", messages=MESSAGES, n=2)
+
+
+def test_prompt_longer_than_the_context_is_a_400(server, client):
+    limit = server[1].max_context
+    long_text = "Hello there " * limit
+    with pytest.raises(openai.BadRequestError, match=f"context is {limit} tokens"):
+        client.chat.completions.create(
+            model="tiny-qwen3", messages=[{"role": "user", "content": long_text}]
+        )
