@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     parser.add_argument(
         "--experts",
-        choices=("source", "q2s"),
+        choices=("source", "q2s", "nvfp4", "mxfp4"),
         default="source",
         help="routed expert format: the checkpoint's dtype, or q2s 2-bit (default: source)",
     )
@@ -44,12 +44,13 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     progress = sys.stderr.isatty()
-    if args.experts == "q2s":
-        from moetier.loader.quantize import convert_q2s
+    if args.experts != "source":
+        from moetier.loader.quantize import convert_quantized
 
-        out = convert_q2s(
+        out = convert_quantized(
             args.hf_dir,
             args.out_dir,
+            args.experts,
             calibration=args.calibration,
             calibration_tokens=args.calibration_tokens,
             group=args.group,

@@ -129,6 +129,40 @@ def q2s_expert_format(
     return _layout(f"q2s-g{group}-down-g{down_group}", entries)
 
 
+def fp4_expert_format(
+    kind: str, hidden: int, intermediate: int, has_bias: bool, bias_dtype: str = "float32"
+) -> BlobFormat:
+    """NVFP4 or MXFP4 experts (quant/fp4.py): per matrix M in (gate_up, down)
+    M.codes         [N, K // 2]        uint8, two E2M1 codes per byte, element 2j in the low nibble
+    M.scales        [N, K // block]    nvfp4: float8_e4m3fn (block 16); mxfp4: uint8 E8M0 (block 32)
+    M.tensor_scale  [1]                float32 (nvfp4 only)"""
+    if kind not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"unknown FP4 format {kind!r}")
+    block, scale_dtype = (16, "float8_e4m3fn") if kind == "nvfp4" else (32, "uint8")
+    entries: list[tuple[str, str, tuple[int, ...]]] = []
+    for name, n, k in (("gate_up", 2 * intermediate, hidden), ("down", hidden, intermediate)):
+        if k % block:
+            raise ValueError(f"{kind}: {name} has K={k}, not divisible by the block {block}")
+        entries += [
+            (f"{name}.codes", "uint8", (n, k // 2)),
+            (f"{name}.scales", scale_dtype, (n, k // block)),
+        ]
+        if kind == "nvfp4":
+            entries.append((f"{name}.tensor_scale", "float32", (1,)))
+    if has_bias:
+        entries += [
+            ("gate_up_bias", bias_dtype, (2 * intermediate,)),
+            ("down_bias", bias_dtype, (hidden,)),
+        ]
+    return _layout(kind, entries)
+
+
+def format_kind(fmt: BlobFormat) -> str:
+    """'raw', 'q2s', 'nvfp4' or 'mxfp4'."""
+    kind = fmt.name.split("-")[0]
+    return kind if kind in ("q2s", "nvfp4", "mxfp4") else "raw"
+
+
 def has_tensor(fmt: BlobFormat, name: str) -> bool:
     return any(spec.name == name for spec in fmt.tensors)
 

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import ExpertActivation
-from moetier.core.layout import BlobFormat, blob_view, has_tensor
+from moetier.core.layout import BlobFormat, blob_view, format_kind
 
 Q2S_SHIFTS = (0, 2, 4, 6)
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def dequant_q2s_ref(
@@ -35,17 +36,40 @@ def dequant_q2s_ref(
     return row_scale.float()[:, None] * group_scale * levels[unpacked]
 
 
+def dequant_fp4_ref(
+    codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """NVFP4 / MXFP4 decode (core/layout.fp4_expert_format) -> [N, K] float32.
+
+    codes:        [N, K // 2] uint8, two E2M1 codes per byte, element 2j in the low nibble;
+                  code bit 3 is the sign, bits 0..2 index E2M1_MAGNITUDES
+    scales:       [N, K // 16] float8_e4m3fn with tensor_scale [1] float32 (NVFP4), or
+                  [N, K // 32] uint8 E8M0, scale 2^(s - 127) (MXFP4, tensor_scale None)
+    """
+    n = codes.shape[0]
+    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, -1)  # [N, K]
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, device=codes.device)[(nibbles & 7).long()]
+    values = torch.where((nibbles & 8) != 0, -magnitudes, magnitudes)
+    block = values.shape[1] // scales.shape[1]
+    if tensor_scale is None:
+        return values * torch.exp2(scales.float() - 127).repeat_interleave(block, dim=1)
+    return values * scales.float().repeat_interleave(block, dim=1) * tensor_scale.float()
+
+
 def expert_matrix(blob: torch.Tensor, fmt: BlobFormat, name: str) -> torch.Tensor:
     """Matrix `name` ("gate_up" or "down") of one expert blob, decoded to float32 [N, K]."""
-    if has_tensor(fmt, name):
+    kind = format_kind(fmt)
+    if kind == "raw":
         return blob_view(blob, fmt.tensor(name)).float()
-    if has_tensor(fmt, f"{name}.codes"):
-        parts = [
-            blob_view(blob, fmt.tensor(f"{name}.{p}"))
-            for p in ("codes", "scales", "row_scale", "grid")
-        ]
-        return dequant_q2s_ref(*parts)
-    raise ValueError(f"format {fmt.name} has no tensor {name}")
+
+    def part(p: str) -> torch.Tensor:
+        return blob_view(blob, fmt.tensor(f"{name}.{p}"))
+
+    if kind == "q2s":
+        return dequant_q2s_ref(part("codes"), part("scales"), part("row_scale"), part("grid"))
+    return dequant_fp4_ref(
+        part("codes"), part("scales"), part("tensor_scale") if kind == "nvfp4" else None
+    )
 
 
 def expert_activation_ref(

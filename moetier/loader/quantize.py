@@ -14,7 +14,7 @@ from moetier.core.layout import blob_view
 from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix
 from moetier.loader.load import load_model
 from moetier.quant.convert import convert
-from moetier.quant.requantize import Hessians, requantize_q2s
+from moetier.quant.requantize import Hessians, requantize_experts
 from moetier.quant.store import Store
 
 # Per-expert Hessians of every layer are held at once; past this, refuse rather than swap.
@@ -95,9 +95,10 @@ def collect_hessians(
     return {key: (pair[0].cpu(), pair[1].cpu()) for key, pair in acc.items()}
 
 
-def convert_q2s(
+def convert_quantized(
     src: str | Path,
     dst: str | Path,
+    kind: str = "q2s",
     *,
     calibration: str | Path | None = None,
     calibration_tokens: int = 65536,
@@ -106,7 +107,10 @@ def convert_q2s(
     force: bool = False,
     progress: bool = True,
 ) -> Path:
-    """`moetier convert --experts q2s`: the store at `dst` holds q2s experts."""
+    """`moetier convert --experts KIND`: the store at `dst` holds `kind` experts (q2s, nvfp4,
+    mxfp4); calibration text (q2s only) enables GPTQ rounding."""
+    if calibration is not None and kind != "q2s":
+        raise ValueError(f"--calibration applies to --experts q2s, not {kind}")
 
     def finish(tmp: Path) -> None:
         hessians = None
@@ -114,6 +118,6 @@ def convert_q2s(
             hessians = collect_hessians(
                 tmp, calibration_texts(Path(calibration)), calibration_tokens, progress=progress
             )
-        requantize_q2s(tmp, hessians, group, down_group, progress)
+        requantize_experts(tmp, kind, hessians, group, down_group, progress)
 
     return convert(src, dst, force=force, progress=progress, finish=finish)

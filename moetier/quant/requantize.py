@@ -1,4 +1,4 @@
-"""Re-encode the experts of an unquantized store in q2s (in place, before it is published)."""
+"""Re-encode the experts of an unquantized store (in place, before it is published)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moetier.core.layout import align_up, blob_view, has_tensor, q2s_expert_format
+from moetier.core.layout import (
+    TensorSpec,
+    align_up,
+    blob_view,
+    format_kind,
+    fp4_expert_format,
+    has_tensor,
+    q2s_expert_format,
+)
+from moetier.quant.fp4 import pack_nibbles, quantize_mxfp4, quantize_nvfp4
 from moetier.quant.q2s import pack_codes, quantize_q2s
 from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, blob_index_entry
 
@@ -18,68 +27,88 @@ from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, blo
 Hessians = Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def requantize_q2s(
+EXPERT_KINDS = ("q2s", "nvfp4", "mxfp4")
+
+
+def _encode(
+    kind: str, w: torch.Tensor, hessian: torch.Tensor | None, group: int
+) -> dict[str, torch.Tensor]:
+    """One matrix -> its stored parts (core/layout.py names them)."""
+    if kind == "q2s":
+        q = quantize_q2s(w, hessian, group=group)
+        return {
+            "codes": pack_codes(q.codes),
+            "scales": q.scales,
+            "row_scale": q.row_scale,
+            "grid": q.grid.float(),
+        }
+    if kind == "nvfp4":
+        n = quantize_nvfp4(w)
+        return {"codes": pack_nibbles(n.codes), "scales": n.scales, "tensor_scale": n.tensor_scale}
+    m = quantize_mxfp4(w)
+    return {"codes": pack_nibbles(m.codes), "scales": m.scales}
+
+
+def requantize_experts(
     store_dir: Path,
-    hessians: Hessians | None,
+    kind: str,
+    hessians: Hessians | None = None,
     group: int = 32,
     down_group: int = 16,
     progress: bool = True,
 ) -> None:
-    """Replace the store's raw experts by q2s blobs. Without `hessians`: round to nearest with an
-    MSE scale search; with them: GPTQ rounding and Hessian-refitted scales (quant/q2s.py)."""
+    """Replace the store's unquantized experts by `kind` blobs (q2s, nvfp4, mxfp4).
+
+    q2s without `hessians` rounds to nearest with an MSE scale search; with them, GPTQ rounding
+    and Hessian-refitted scales (quant/q2s.py). FP4 formats round to nearest (quant/fp4.py)."""
+    if kind not in EXPERT_KINDS:
+        raise ValueError(f"unknown expert format {kind!r}: choose one of {', '.join(EXPERT_KINDS)}")
     store = Store(store_dir)
     cfg = store.model_config
     raw = store.blob_format(store.moe_layers[0])
-    if not has_tensor(raw, "gate_up"):
+    if format_kind(raw) != "raw":
         raise ValueError(f"{store_dir}: experts are already {raw.name}, not an unquantized format")
-    fmt = q2s_expert_format(
-        cfg.hidden_size,
-        cfg.expert_intermediate_size,
-        cfg.expert_has_bias,
-        group,
-        down_group,
-        bias_dtype=store.source_dtype,
-    )
+    dims = (cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias)
+    if kind == "q2s":
+        fmt = q2s_expert_format(*dims, group, down_group, bias_dtype=store.source_dtype)
+    else:
+        fmt = fp4_expert_format(kind, *dims, bias_dtype=store.source_dtype)
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
     keys = sorted((k[0], k[1]) for k in store.blobs)
     blobs = []
-    new_path = store_dir / (EXPERTS_FILE + ".q2s")
+    new_path = store_dir / (EXPERTS_FILE + f".{kind}")
     with open(new_path, "wb") as f:
-        for i, (layer, expert) in enumerate(tqdm(keys, desc="q2s experts", disable=not progress)):
+        for i, (layer, expert) in enumerate(
+            tqdm(keys, desc=f"{kind} experts", disable=not progress)
+        ):
             source = store.blob(layer, expert)
             fmt_in = store.blob_format(layer)
             blob = torch.zeros(stride, dtype=torch.uint8)
             h_pair = hessians.get((layer, expert)) if hessians is not None else None
             for m, name, g in ((0, "gate_up", group), (1, "down", down_group)):
                 w = blob_view(source, fmt_in.tensor(name)).float()
-                q = quantize_q2s(w, h_pair[m] if h_pair is not None else None, group=g)
-                for part, value in (
-                    ("codes", pack_codes(q.codes)),
-                    ("scales", q.scales),
-                    ("row_scale", q.row_scale),
-                    ("grid", q.grid.float()),
-                ):
-                    spec = fmt.tensor(f"{name}.{part}")
-                    blob[spec.offset : spec.offset + spec.nbytes] = (
-                        value.contiguous().view(-1).view(torch.uint8)
-                    )
+                parts = _encode(kind, w, h_pair[m] if h_pair is not None else None, g)
+                for part, value in parts.items():
+                    _put(blob, fmt.tensor(f"{name}.{part}"), value)
             for name in ("gate_up_bias", "down_bias"):
                 if has_tensor(fmt, name):
-                    spec = fmt.tensor(name)
-                    blob[spec.offset : spec.offset + spec.nbytes] = (
-                        blob_view(source, fmt_in.tensor(name)).view(-1).view(torch.uint8)
-                    )
+                    _put(blob, fmt.tensor(name), blob_view(source, fmt_in.tensor(name)))
             f.write(blob.numpy().tobytes())
             blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
     index = dict(store.index)
     index["formats"] = {fmt.name: fmt.to_json()}
     index["blobs"] = blobs
-    index["quantization"] = {
-        "experts": "q2s",
-        "group": group,
-        "down_group": down_group,
-        "rounding": "gptq" if hessians is not None else "nearest",
-    }
+    index["quantization"] = {"experts": kind}
+    if kind == "q2s":
+        index["quantization"].update(
+            group=group,
+            down_group=down_group,
+            rounding="gptq" if hessians is not None else "nearest",
+        )
     store.close()
     os.replace(new_path, store_dir / EXPERTS_FILE)
     (store_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
+
+
+def _put(blob: torch.Tensor, spec: TensorSpec, value: torch.Tensor) -> None:
+    blob[spec.offset : spec.offset + spec.nbytes] = value.contiguous().view(-1).view(torch.uint8)

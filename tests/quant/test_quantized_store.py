@@ -11,9 +11,10 @@ import torch
 from tiny_models import TEXT
 
 from moetier.config import EngineConfig
+from moetier.core.layout import fp4_expert_format
 from moetier.kernels.moe_ref import expert_matrix
 from moetier.loader.load import load_model
-from moetier.loader.quantize import convert_q2s
+from moetier.loader.quantize import convert_quantized
 from moetier.quant.q2s import quantize_q2s
 from moetier.quant.store import Store
 
@@ -22,7 +23,7 @@ def test_store_decodes_to_the_quantiser_output(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
     src = tiny.checkpoint("qwen3_moe")
-    store = Store(convert_q2s(src, tmp_path / "q2s", group=32, down_group=16, progress=False))
+    store = Store(convert_quantized(src, tmp_path / "q2s", group=32, down_group=16, progress=False))
     assert store.index["quantization"] == {
         "experts": "q2s",
         "group": 32,
@@ -57,8 +58,8 @@ def test_calibrated_rounding_fits_the_calibration_text_better(tiny, tmp_path):
     src = tiny.checkpoint("mixtral")
     text = tmp_path / "calib.txt"
     text.write_text(TEXT * 60)
-    rtn = convert_q2s(src, tmp_path / "rtn", group=32, down_group=16, progress=False)
-    gptq = convert_q2s(
+    rtn = convert_quantized(src, tmp_path / "rtn", group=32, down_group=16, progress=False)
+    gptq = convert_quantized(
         src,
         tmp_path / "gptq",
         calibration=text,
@@ -82,7 +83,7 @@ def test_calibrated_rounding_fits_the_calibration_text_better(tiny, tmp_path):
 
 
 def test_two_slot_budget_bit_identical_with_q2s(tiny, tmp_path):
-    store = convert_q2s(tiny.checkpoint("gpt_oss"), tmp_path / "q2s", progress=False)
+    store = convert_quantized(tiny.checkpoint("gpt_oss"), tmp_path / "q2s", progress=False)
     ids = torch.randint(1, 320, (1, 10), generator=torch.Generator().manual_seed(1))
     full = load_model(store, EngineConfig(device="cpu"))
     small = load_model(store, EngineConfig(device="cpu", expert_cache_slots=2))
@@ -119,16 +120,57 @@ def test_calibration_refuses_when_hessians_would_not_fit(tiny, tmp_path, monkeyp
     text = tmp_path / "calib.txt"
     text.write_text(TEXT * 10)
     with pytest.raises(ValueError, match="per-expert Hessians.*convert without --calibration"):
-        convert_q2s(tiny.checkpoint("qwen3_moe"), tmp_path / "s", calibration=text, progress=False)
+        convert_quantized(
+            tiny.checkpoint("qwen3_moe"), tmp_path / "s", calibration=text, progress=False
+        )
     assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.gpu
 def test_q2s_store_on_cuda_matches_cpu(tiny, tmp_path):
-    store = convert_q2s(tiny.checkpoint("deepseek_v3"), tmp_path / "q2s", progress=False)
+    store = convert_quantized(tiny.checkpoint("deepseek_v3"), tmp_path / "q2s", progress=False)
     ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(2))
     cpu = load_model(store, EngineConfig(device="cpu", dtype="float32"))
     gpu = load_model(store, EngineConfig(device="cuda", dtype="float32"))
     with torch.no_grad():
         a, b = cpu.model(ids).logits, gpu.model(ids.cuda()).logits.cpu()
     assert (a - b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+def test_fp4_store_equals_fake_quant(tiny, tmp_path, kind):
+    from transformers import AutoModelForCausalLM
+
+    from moetier.quant.fp4 import quantize_mxfp4, quantize_nvfp4
+
+    quantize = quantize_nvfp4 if kind == "nvfp4" else quantize_mxfp4
+    src = tiny.checkpoint("glm4_moe")
+    store = Store(convert_quantized(src, tmp_path / kind, kind, progress=False))
+    assert store.index["quantization"] == {"experts": kind}
+    # Bits per weight at the eval model's shape (tiny shapes are dominated by alignment padding).
+    fmt = fp4_expert_format(kind, 512, 256, False)
+    assert 8 * fmt.nbytes / (3 * 512 * 256) == pytest.approx(
+        4.5 if kind == "nvfp4" else 4.25, abs=0.01
+    )
+    ref = AutoModelForCausalLM.from_pretrained(
+        src, dtype=torch.float32, experts_implementation="eager"
+    )
+    with torch.no_grad():
+        for layer, path in store.moe_modules.items():
+            mod = ref.get_submodule(path)
+            for e in range(mod.gate_up_proj.shape[0]):
+                for param, name in ((mod.gate_up_proj, "gate_up"), (mod.down_proj, "down")):
+                    fake = quantize(param[e]).dequantize()
+                    decoded = expert_matrix(store.blob(layer, e), store.blob_format(layer), name)
+                    assert torch.equal(decoded, fake)
+                    param[e] = fake
+        loaded = load_model(store.path, EngineConfig(device="cpu", dtype="float32"))
+        ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(4))
+        assert (loaded.model(ids).logits - ref(ids).logits).abs().max() < 1e-4
+
+
+def test_calibration_is_for_q2s_only(tiny, tmp_path):
+    with pytest.raises(ValueError, match="--calibration applies to --experts q2s"):
+        convert_quantized(
+            tiny.checkpoint("qwen3_moe"), tmp_path / "s", "nvfp4", calibration=tmp_path
+        )
