@@ -146,6 +146,27 @@ class EngineConfig:
     expert_cache_slots: int = field(
         default=0, metadata={"help": "cap the expert cache at this many experts (0 = no cap)"}
     )
+    delta: str = field(
+        default="all",
+        metadata={
+            "help": "where a store's delta plane is applied: all, none, or weight:T "
+            "(pairs whose routing weight is >= T)"
+        },
+    )
+
+    def delta_threshold(self) -> float | None:
+        """None = no delta; 0 = every pair; T = pairs with routing weight >= T."""
+        if self.delta == "none":
+            return None
+        if self.delta == "all":
+            return 0.0
+        kind, _, value = self.delta.partition(":")
+        try:
+            if kind == "weight":
+                return float(value)
+        except ValueError:
+            pass
+        raise ValueError(f"--delta {self.delta!r}: use all, none or weight:T (e.g. weight:0.3)")
 
     def resolved_device(self) -> str:
         import torch

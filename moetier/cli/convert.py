@@ -15,7 +15,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--experts",
         choices=("source", "q2s", "nvfp4", "mxfp4"),
         default="source",
-        help="routed expert format: the checkpoint's dtype, or q2s 2-bit (default: source)",
+        help="routed expert format: the checkpoint's dtype, q2s 2-bit, or FP4 (default: source)",
+    )
+    parser.add_argument(
+        "--delta",
+        choices=("none", "nvfp4"),
+        default="none",
+        help="with --experts q2s: add a delta plane, NVFP4 codes of the q2s error, applied at "
+        "run time where the engine's --delta says (default: none)",
     )
     parser.add_argument(
         "--group", type=int, default=32, help="q2s group size of gate/up (default: 32)"
@@ -51,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             args.hf_dir,
             args.out_dir,
             args.experts,
+            delta=None if args.delta == "none" else args.delta,
             calibration=args.calibration,
             calibration_tokens=args.calibration_tokens,
             group=args.group,
@@ -59,17 +67,20 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
         )
     else:
-        if args.calibration:
-            raise ValueError("--calibration applies to --experts q2s")
+        if args.calibration or args.delta != "none":
+            raise ValueError("--calibration and --delta apply to --experts q2s")
         out = convert(args.hf_dir, args.out_dir, force=args.force, progress=progress)
     store = Store(out)
     cfg = store.model_config
     expert_params, expert_bytes = store.expert_params, store.expert_bytes
     dense_params, dense_bytes = _dense_size(store.path / DENSE_FILE)
+    delta = ""
+    if store.has_plane("delta"):
+        delta = f" (+{store.plane_bits_per_weight('delta'):.3f} where the delta plane is applied)"
     print(
         f"wrote {out}: {len(store.moe_layers)} MoE layers x {cfg.num_experts} experts, "
-        f"{'/'.join(sorted(store.formats))}; experts {expert_bytes / 2**20:.1f} MiB at "
-        f"{8 * expert_bytes / expert_params:.3f} bits per weight; whole store "
+        f"{'/'.join(sorted(store.formats))}; experts {expert_bytes / 2**20:.1f} MiB, "
+        f"{store.expert_bits_per_weight:.3f} bits per weight{delta}; whole store "
         f"{(expert_bytes + dense_bytes) / 2**20:.1f} MiB at "
         f"{8 * (expert_bytes + dense_bytes) / (expert_params + dense_params):.3f} bits per weight; "
         f"{time.perf_counter() - start:.1f} s"

@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         "dtype": str(loaded.dtype).removeprefix("torch."),
         "experts_format": sorted(store.formats),
         "experts_bpw": round(store.expert_bits_per_weight, 4),
-        "delta_rate": 0.0,
+        "delta": engine_config.delta if store.has_plane("delta") else "no delta plane",
+        "delta_rate": round(loaded.runtime.delta_pairs / max(1, loaded.runtime.pairs), 4),
         **{k: round(v, 6) if isinstance(v, float) else v for k, v in report.to_dict().items()},
         "commit": _commit(),
     }

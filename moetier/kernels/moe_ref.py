@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import ExpertActivation
-from moetier.core.layout import BlobFormat, blob_view, format_kind
+from moetier.core.layout import BlobFormat, blob_view, format_kind, has_tensor
 
 Q2S_SHIFTS = (0, 2, 4, 6)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -96,16 +96,22 @@ def moe_slots_ref(
     fmt: BlobFormat,
     act: ExpertActivation,
     out: torch.Tensor,
+    delta_mask: torch.Tensor | None = None,
+    delta_table: torch.Tensor | None = None,
+    delta_fmt: BlobFormat | None = None,
 ) -> None:
     """Compute the routed pairs whose expert has a slot, writing each into `out`.
 
     hidden:       [T, H] float (compute dtype)
     topk_ids:     [T, k] int64, expert of each (token, k) pair
     topk_weights: [T, k] float, routing weight of each pair
-    slot_table:   [E] int32, slot of each expert in `pool`, -1 = not part of this call
-    pool:         [S, slot_bytes] uint8, each slot one expert blob laid out as `fmt`
+    slot_table:   [E] int32, slot of each expert's base blob in `pool`, -1 = not in this call
+    pool:         [S, slot_bytes] uint8, each slot one blob (base: `fmt`, delta: `delta_fmt`)
     out:          [T, k, H] float32; out[t, j] = w[t, j] * expert(hidden[t]) for every pair
                   whose expert has a slot; other rows are left untouched
+    delta_mask:   [T, k] bool, pairs that use base + delta weights (additive delta plane)
+    delta_table:  [E] int32, slot of each expert's delta blob, -1 = none; an expert's delta is
+                  read only when one of its pairs has the mask on
     """
     if (
         hidden.dim() != 2
@@ -119,18 +125,43 @@ def moe_slots_ref(
     if out.shape != (*topk_ids.shape, hidden.shape[1]):
         raise ValueError(f"out must be [T, k, H], got {tuple(out.shape)}")
     pair_slots = slot_table.long()[topk_ids]  # [T, k]
-    has_bias = any(spec.name == "down_bias" for spec in fmt.tensors)
     for expert in torch.unique(topk_ids[pair_slots >= 0]).tolist():
         token_idx, k_idx = torch.where(topk_ids == expert)
         blob = pool[int(slot_table[expert])]
-        gate_up = expert_matrix(blob, fmt, "gate_up").to(hidden.dtype)  # [2I, H]
-        down = expert_matrix(blob, fmt, "down").to(hidden.dtype)  # [H, I]
-        x = hidden[token_idx]  # [n, H]
-        h = F.linear(x, gate_up)  # [n, 2I]
-        if has_bias:
-            h = h + blob_view(blob, fmt.tensor("gate_up_bias")).to(hidden.dtype)
-        gate, up = h.chunk(2, dim=-1)
-        y = F.linear(expert_activation_ref(gate, up, act), down)  # [n, H]
-        if has_bias:
-            y = y + blob_view(blob, fmt.tensor("down_bias")).to(hidden.dtype)
-        out[token_idx, k_idx] = y.to(out.dtype) * topk_weights[token_idx, k_idx, None].to(out.dtype)
+        gate_up = expert_matrix(blob, fmt, "gate_up")  # [2I, H] float32
+        down = expert_matrix(blob, fmt, "down")  # [H, I]
+        use_delta = torch.zeros_like(token_idx, dtype=torch.bool)
+        if delta_mask is not None and delta_table is not None and int(delta_table[expert]) >= 0:
+            use_delta = delta_mask[token_idx, k_idx]
+        for with_delta in (False, True):
+            rows = use_delta if with_delta else ~use_delta
+            if not bool(rows.any()):
+                continue
+            w_gu, w_down = gate_up, down
+            if with_delta:
+                assert delta_fmt is not None and delta_table is not None
+                delta = pool[int(delta_table[expert])]
+                w_gu = gate_up + expert_matrix(delta, delta_fmt, "gate_up")
+                w_down = down + expert_matrix(delta, delta_fmt, "down")
+            t, j = token_idx[rows], k_idx[rows]
+            y = _expert_mlp(hidden[t], w_gu, w_down, blob, fmt, act)  # [n, H]
+            out[t, j] = y.to(out.dtype) * topk_weights[t, j, None].to(out.dtype)
+
+
+def _expert_mlp(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    blob: torch.Tensor,
+    fmt: BlobFormat,
+    act: ExpertActivation,
+) -> torch.Tensor:
+    """x [n, H] -> [n, H] in x's dtype; biases (gpt-oss) come from the base blob."""
+    h = F.linear(x, gate_up.to(x.dtype))  # [n, 2I]
+    if has_tensor(fmt, "gate_up_bias"):
+        h = h + blob_view(blob, fmt.tensor("gate_up_bias")).to(x.dtype)
+    gate, up = h.chunk(2, dim=-1)
+    y = F.linear(expert_activation_ref(gate, up, act), down.to(x.dtype))
+    if has_tensor(fmt, "down_bias"):
+        y = y + blob_view(blob, fmt.tensor("down_bias")).to(x.dtype)
+    return y

@@ -76,7 +76,18 @@ def load_model(store_path: str | Path, engine_config: EngineConfig | None = None
         store, device, int(engine_config.expert_cache_mb * 2**20), engine_config.expert_cache_slots
     )
     formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
-    runtime = ExpertsRuntime(residency, formats, store.model_config.activation)
+    delta_formats = (
+        {layer: store.blob_format(layer, "delta") for layer in store.moe_layers}
+        if store.has_plane("delta")
+        else {}
+    )
+    runtime = ExpertsRuntime(
+        residency,
+        formats,
+        store.model_config.activation,
+        delta_formats,
+        engine_config.delta_threshold(),
+    )
     for layer, module in experts_modules.items():
         setattr(module, "moetier_experts", ExpertsHandle(runtime, layer))  # noqa: B010
 

@@ -104,6 +104,7 @@ def convert_quantized(
     calibration_tokens: int = 65536,
     group: int = 32,
     down_group: int = 16,
+    delta: str | None = None,
     force: bool = False,
     progress: bool = True,
 ) -> Path:
@@ -118,6 +119,6 @@ def convert_quantized(
             hessians = collect_hessians(
                 tmp, calibration_texts(Path(calibration)), calibration_tokens, progress=progress
             )
-        requantize_experts(tmp, kind, hessians, group, down_group, progress)
+        requantize_experts(tmp, kind, hessians, group, down_group, progress, delta)
 
     return convert(src, dst, force=force, progress=progress, finish=finish)

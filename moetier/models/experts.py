@@ -25,11 +25,24 @@ class ExpertsRuntime:
     """Routes each MoE layer's (hidden, top-k) through the slot pool and the kernel."""
 
     def __init__(
-        self, residency: SlotPool, formats: dict[int, BlobFormat], activation: ExpertActivation
+        self,
+        residency: SlotPool,
+        formats: dict[int, BlobFormat],
+        activation: ExpertActivation,
+        delta_formats: dict[int, BlobFormat] | None = None,
+        delta_threshold: float | None = None,
     ) -> None:
         self.residency = residency
         self.formats = formats  # layer -> base-plane format
         self.activation = activation
+        self.delta_formats = (
+            delta_formats or {}
+        )  # layer -> delta-plane format (if the store has one)
+        # Pairs with routing weight >= threshold use the delta (None: never). The confidence gate
+        # replaces this rule later; the mask stays an input of the kernel.
+        self.delta_threshold = delta_threshold if self.delta_formats else None
+        self.pairs = 0
+        self.delta_pairs = 0
         # Called as observer(layer, hidden, topk_ids, topk_weights) before each layer's experts
         # run (calibration statistics); None on the normal path.
         self.observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
@@ -43,21 +56,34 @@ class ExpertsRuntime:
             self.observer(layer, hidden, topk_ids, topk_weights)
         tokens, k = topk_ids.shape
         out = torch.zeros(tokens, k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+        mask = None
+        if self.delta_threshold is not None:
+            mask = topk_weights >= self.delta_threshold  # [T, k]
+            self.delta_pairs += int(mask.sum())
+        self.pairs += topk_ids.numel()
         needed = sorted(set(topk_ids.flatten().tolist()))  # host sync: the reference path only
-        # Experts are computed in chunks the pool can hold; each pair's result lands in its own
-        # row of `out`, so the sum below is identical whatever the chunking (cache size).
-        capacity = self.residency.capacity
+        with_delta = set(topk_ids[mask].tolist()) if mask is not None else set()
+        # Experts are computed in chunks the pool can hold (base + delta blobs); each pair's result
+        # lands in its own row of `out`, so the sum is identical whatever the chunking.
+        capacity = self.residency.capacity // 2 if with_delta else self.residency.capacity
+        if capacity < 1:
+            raise ValueError("the delta plane needs an expert cache of at least 2 slots")
         for start in range(0, len(needed), capacity):
-            slot_table = self.residency.ensure(layer, needed[start : start + capacity])
+            chunk = needed[start : start + capacity]
+            delta_experts = [e for e in chunk if e in with_delta]
+            base_table, delta_table = self.residency.ensure_planes(layer, chunk, delta_experts)
             moe_slots_ref(
                 hidden,
                 topk_ids,
                 topk_weights,
-                slot_table,
+                base_table,
                 self.residency.pool,
                 self.formats[layer],
                 self.activation,
                 out,
+                delta_mask=mask,
+                delta_table=delta_table,
+                delta_fmt=self.delta_formats.get(layer),
             )
         return out.sum(dim=1).to(hidden.dtype)  # [T, H]
 

@@ -19,6 +19,7 @@ from moetier.core.layout import (
     has_tensor,
     q2s_expert_format,
 )
+from moetier.kernels.moe_ref import dequant_q2s_ref
 from moetier.quant.fp4 import pack_nibbles, quantize_mxfp4, quantize_nvfp4
 from moetier.quant.q2s import pack_codes, quantize_q2s
 from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, blob_index_entry
@@ -56,11 +57,19 @@ def requantize_experts(
     group: int = 32,
     down_group: int = 16,
     progress: bool = True,
+    delta: str | None = None,
 ) -> None:
     """Replace the store's unquantized experts by `kind` blobs (q2s, nvfp4, mxfp4).
 
+    delta="nvfp4" (q2s only) adds a delta plane: per expert a separate blob holding NVFP4 codes
+    of W - decode(base), so that base + delta restores near-FP4 precision where it is applied.
+
     q2s without `hessians` rounds to nearest with an MSE scale search; with them, GPTQ rounding
     and Hessian-refitted scales (quant/q2s.py). FP4 formats round to nearest (quant/fp4.py)."""
+    if delta not in (None, "nvfp4") or (delta is not None and kind != "q2s"):
+        raise ValueError(
+            f"delta plane {delta!r} with {kind} experts: only q2s + nvfp4 is supported"
+        )
     if kind not in EXPERT_KINDS:
         raise ValueError(f"unknown expert format {kind!r}: choose one of {', '.join(EXPERT_KINDS)}")
     store = Store(store_dir)
@@ -76,6 +85,9 @@ def requantize_experts(
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
     keys = sorted((k[0], k[1]) for k in store.blobs)
     blobs = []
+    delta_fmt = fp4_expert_format("nvfp4", *dims[:2], False) if delta else None
+    delta_stride = align_up(delta_fmt.nbytes, BLOB_ALIGN) if delta_fmt else 0
+    delta_blobs: list[torch.Tensor] = []
     new_path = store_dir / (EXPERTS_FILE + f".{kind}")
     with open(new_path, "wb") as f:
         for i, (layer, expert) in enumerate(
@@ -84,21 +96,43 @@ def requantize_experts(
             source = store.blob(layer, expert)
             fmt_in = store.blob_format(layer)
             blob = torch.zeros(stride, dtype=torch.uint8)
+            delta_blob = torch.zeros(delta_stride, dtype=torch.uint8)
             h_pair = hessians.get((layer, expert)) if hessians is not None else None
             for m, name, g in ((0, "gate_up", group), (1, "down", down_group)):
                 w = blob_view(source, fmt_in.tensor(name)).float()
                 parts = _encode(kind, w, h_pair[m] if h_pair is not None else None, g)
                 for part, value in parts.items():
                     _put(blob, fmt.tensor(f"{name}.{part}"), value)
+                if delta_fmt is not None:
+                    base = dequant_q2s_ref(
+                        parts["codes"], parts["scales"], parts["row_scale"], parts["grid"]
+                    )
+                    for part, value in _encode("nvfp4", w - base, None, 0).items():
+                        _put(delta_blob, delta_fmt.tensor(f"{name}.{part}"), value)
             for name in ("gate_up_bias", "down_bias"):
                 if has_tensor(fmt, name):
                     _put(blob, fmt.tensor(name), blob_view(source, fmt_in.tensor(name)))
             f.write(blob.numpy().tobytes())
             blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
+            if delta_fmt is not None:
+                delta_blobs.append(delta_blob)
+        # Delta blobs after all base blobs: the base plane stays one contiguous region.
+        for i, (layer, expert) in enumerate(keys):
+            if delta_fmt is None:
+                break
+            f.write(delta_blobs[i].numpy().tobytes())
+            offset = len(keys) * stride + i * delta_stride
+            blobs.append(
+                blob_index_entry(layer, expert, offset, delta_fmt, delta_blobs[i], "delta")
+            )
     index = dict(store.index)
     index["formats"] = {fmt.name: fmt.to_json()}
+    if delta_fmt is not None:
+        index["formats"][delta_fmt.name] = delta_fmt.to_json()
     index["blobs"] = blobs
     index["quantization"] = {"experts": kind}
+    if delta_fmt is not None:
+        index["quantization"]["delta"] = delta
     if kind == "q2s":
         index["quantization"].update(
             group=group,

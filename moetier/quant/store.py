@@ -110,6 +110,9 @@ class Store:
         entry = self.blobs[(layer, expert, plane)]
         return self._bytes[entry.offset : entry.offset + entry.nbytes]
 
+    def has_plane(self, plane: str) -> bool:
+        return any(key[2] == plane for key in self.blobs)
+
     def blob_format(self, layer: int, plane: str = "base") -> BlobFormat:
         entry = self.blobs[(layer, 0, plane)]
         return self.formats[entry.format]
@@ -125,11 +128,17 @@ class Store:
 
     @property
     def expert_bytes(self) -> int:
+        """Bytes of every expert blob, all planes."""
         return sum(entry.nbytes for entry in self.blobs.values())
+
+    def plane_bits_per_weight(self, plane: str = "base") -> float:
+        nbytes = sum(e.nbytes for e in self.blobs.values() if e.plane == plane)
+        return 8 * nbytes / self.expert_params
 
     @property
     def expert_bits_per_weight(self) -> float:
-        return 8 * self.expert_bytes / self.expert_params
+        """Of the base plane: what a token reads when no delta is applied."""
+        return self.plane_bits_per_weight("base")
 
     def verify(self) -> list[tuple[int, int, str]]:
         """Recompute every blob's crc32; returns the keys that do not match."""

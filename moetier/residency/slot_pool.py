@@ -77,10 +77,39 @@ class SlotPool:
             raise ValueError(
                 f"{len(experts)} experts asked for at once, the pool has {self.num_slots} slots"
             )
-        wanted = {(layer, e, plane) for e in experts}
+        slots = self._ensure_keys([(layer, e, plane) for e in experts])
         table = [-1] * self.store.model_config.num_experts
-        for expert in experts:
-            key = (layer, expert, plane)
+        for expert, slot in zip(experts, slots, strict=True):
+            table[expert] = slot
+        return torch.tensor(table, dtype=torch.int32).to(self.device)
+
+    def ensure_planes(
+        self, layer: int, experts: Sequence[int], delta_experts: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Base blobs of `experts` and delta blobs of `delta_experts`, resident together;
+        returns (base table, delta table or None), each [E] int32 like `ensure`."""
+        if not delta_experts:
+            return self.ensure(layer, experts), None
+        keys = [(layer, e, "base") for e in experts] + [(layer, e, "delta") for e in delta_experts]
+        if len(keys) > self.num_slots:
+            raise ValueError(
+                f"{len(keys)} blobs asked for at once, the pool has {self.num_slots} slots"
+            )
+        slots = self._ensure_keys(keys)
+        base = [-1] * self.store.model_config.num_experts
+        delta = list(base)
+        for (_, expert, plane), slot in zip(keys, slots, strict=True):
+            (base if plane == "base" else delta)[expert] = slot
+        return (
+            torch.tensor(base, dtype=torch.int32).to(self.device),
+            torch.tensor(delta, dtype=torch.int32).to(self.device),
+        )
+
+    def _ensure_keys(self, keys: list[BlobKey]) -> list[int]:
+        """Make `keys` resident (none of them evicted for another); returns their slots."""
+        wanted = set(keys)
+        slots = []
+        for key in keys:
             slot = self._lru.get(key)
             if slot is not None:
                 self._lru.move_to_end(key)
@@ -90,8 +119,8 @@ class SlotPool:
                 self._fetch(key, slot)
                 self._lru[key] = slot
                 self.stats.misses += 1
-            table[expert] = slot
-        return torch.tensor(table, dtype=torch.int32).to(self.device)
+            slots.append(slot)
+        return slots
 
     def _take_slot(self, protected: set[BlobKey]) -> int:
         if self._free:
