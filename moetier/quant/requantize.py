@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -87,9 +88,11 @@ def requantize_experts(
     blobs = []
     delta_fmt = fp4_expert_format("nvfp4", *dims[:2], False) if delta else None
     delta_stride = align_up(delta_fmt.nbytes, BLOB_ALIGN) if delta_fmt else 0
-    delta_blobs: list[torch.Tensor] = []
     new_path = store_dir / (EXPERTS_FILE + f".{kind}")
-    with open(new_path, "wb") as f:
+    delta_path = store_dir / (EXPERTS_FILE + ".delta")
+    # Delta blobs go to a side file, appended after all base blobs at the end, so that the base
+    # plane is one contiguous region and no plane is ever held in memory whole.
+    with open(new_path, "wb") as f, open(delta_path, "wb") as delta_file:
         for i, (layer, expert) in enumerate(
             tqdm(keys, desc=f"{kind} experts", disable=not progress)
         ):
@@ -115,16 +118,15 @@ def requantize_experts(
             f.write(blob.numpy().tobytes())
             blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
             if delta_fmt is not None:
-                delta_blobs.append(delta_blob)
-        # Delta blobs after all base blobs: the base plane stays one contiguous region.
-        for i, (layer, expert) in enumerate(keys):
-            if delta_fmt is None:
-                break
-            f.write(delta_blobs[i].numpy().tobytes())
-            offset = len(keys) * stride + i * delta_stride
-            blobs.append(
-                blob_index_entry(layer, expert, offset, delta_fmt, delta_blobs[i], "delta")
-            )
+                offset = len(keys) * stride + i * delta_stride
+                delta_file.write(delta_blob.numpy().tobytes())
+                blobs.append(
+                    blob_index_entry(layer, expert, offset, delta_fmt, delta_blob, "delta")
+                )
+        delta_file.flush()
+        with open(delta_path, "rb") as side:
+            shutil.copyfileobj(side, f, 16 * 2**20)
+    delta_path.unlink()
     index = dict(store.index)
     index["formats"] = {fmt.name: fmt.to_json()}
     if delta_fmt is not None:
