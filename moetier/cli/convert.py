@@ -13,9 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     parser.add_argument(
         "--experts",
-        choices=("source", "q2s", "nvfp4", "mxfp4"),
+        choices=("source", "q2s", "nvfp4", "mxfp4", "nested"),
         default="source",
-        help="routed expert format: the checkpoint's dtype, q2s 2-bit, or FP4 (default: source)",
+        help="routed expert format: the checkpoint's dtype, q2s 2-bit, FP4, or nested (NVFP4 "
+        "split into a 2-bit base plane and a 2-bit delta plane) (default: source)",
     )
     parser.add_argument(
         "--delta",

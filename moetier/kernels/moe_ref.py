@@ -26,9 +26,7 @@ def dequant_q2s_ref(
     row_scale: [N] float32
     grid:      [2] float32 (a, b); codes 0..3 decode to (-b, -a, +a, +b)
     """
-    n = codes.shape[0]
-    shifts = torch.tensor(Q2S_SHIFTS, dtype=torch.uint8, device=codes.device)
-    unpacked = ((codes[..., None] >> shifts) & 3).reshape(n, -1).long()  # [N, K]
+    unpacked = _unpack2(codes).long()  # [N, K]
     a, b = grid[0], grid[1]
     levels = torch.stack([-b, -a, a, b]).float()
     group = unpacked.shape[1] // scales.shape[1]
@@ -67,8 +65,42 @@ def expert_matrix(blob: torch.Tensor, fmt: BlobFormat, name: str) -> torch.Tenso
 
     if kind == "q2s":
         return dequant_q2s_ref(part("codes"), part("scales"), part("row_scale"), part("grid"))
+    if kind == "nested-base":
+        codes = _unpack2(part("codes"))  # [N, K] 0..3
+        block = codes.shape[1] // part("scales").shape[1]
+        scale = (
+            part("scales").float().repeat_interleave(block, dim=1) * part("tensor_scale").float()
+        )
+        return part("table").float()[codes.long()] * scale
+    if kind == "nested-delta":
+        raise ValueError("a nested delta blob decodes only together with its base blob")
     return dequant_fp4_ref(
         part("codes"), part("scales"), part("tensor_scale") if kind == "nvfp4" else None
+    )
+
+
+def _unpack2(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K // 4] uint8 -> [N, K] 2-bit values, value j of a byte at bits 2j..2j+1."""
+    shifts = torch.tensor(Q2S_SHIFTS, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & 3).reshape(packed.shape[0], -1)
+
+
+def expert_matrix_with_delta(
+    blob: torch.Tensor, fmt: BlobFormat, delta: torch.Tensor, delta_fmt: BlobFormat, name: str
+) -> torch.Tensor:
+    """Matrix `name` with the delta plane applied: base + delta for an additive delta; for a
+    nested delta the FP4 code rebuilt from both planes, (base << 2) | low (bit-exact FP4)."""
+    if format_kind(delta_fmt) != "nested-delta":
+        return expert_matrix(blob, fmt, name) + expert_matrix(delta, delta_fmt, name)
+    high = _unpack2(blob_view(blob, fmt.tensor(f"{name}.codes")))
+    low = _unpack2(blob_view(delta, delta_fmt.tensor(f"{name}.low")))
+    codes = (high << 2) | low  # [N, K] E2M1 codes
+    packed = codes.view(codes.shape[0], -1, 2)
+    packed = packed[..., 0] | (packed[..., 1] << 4)
+    return dequant_fp4_ref(
+        packed,
+        blob_view(blob, fmt.tensor(f"{name}.scales")),
+        blob_view(blob, fmt.tensor(f"{name}.tensor_scale")),
     )
 
 
@@ -141,8 +173,8 @@ def moe_slots_ref(
             if with_delta:
                 assert delta_fmt is not None and delta_table is not None
                 delta = pool[int(delta_table[expert])]
-                w_gu = gate_up + expert_matrix(delta, delta_fmt, "gate_up")
-                w_down = down + expert_matrix(delta, delta_fmt, "down")
+                w_gu = expert_matrix_with_delta(blob, fmt, delta, delta_fmt, "gate_up")
+                w_down = expert_matrix_with_delta(blob, fmt, delta, delta_fmt, "down")
             t, j = token_idx[rows], k_idx[rows]
             y = _expert_mlp(hidden[t], w_gu, w_down, blob, fmt, act)  # [n, H]
             out[t, j] = y.to(out.dtype) * topk_weights[t, j, None].to(out.dtype)

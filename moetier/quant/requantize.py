@@ -18,10 +18,11 @@ from moetier.core.layout import (
     format_kind,
     fp4_expert_format,
     has_tensor,
+    nested_expert_formats,
     q2s_expert_format,
 )
 from moetier.kernels.moe_ref import dequant_q2s_ref
-from moetier.quant.fp4 import pack_nibbles, quantize_mxfp4, quantize_nvfp4
+from moetier.quant.fp4 import e2m1_values, pack_nibbles, quantize_mxfp4, quantize_nvfp4
 from moetier.quant.q2s import pack_codes, quantize_q2s
 from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, blob_index_entry
 
@@ -29,7 +30,27 @@ from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, blo
 Hessians = Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-EXPERT_KINDS = ("q2s", "nvfp4", "mxfp4")
+EXPERT_KINDS = ("q2s", "nvfp4", "mxfp4", "nested")
+
+
+def _nested(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """NVFP4-quantise, then split each E2M1 code: base = sign and exponent MSB (code >> 2) with a
+    4-entry table of the mean value of each base code (in block-scale units, fitted on this
+    matrix; each sign kept separate), delta = the two low bits."""
+    q = quantize_nvfp4(w)
+    high, low = q.codes >> 2, q.codes & 3
+    values = e2m1_values(q.codes)
+    fallback = torch.tensor([0.75, 3.75, -0.75, -3.75])  # mid-bin values if a code never occurs
+    table = torch.stack(
+        [values[high == c].mean() if bool((high == c).any()) else fallback[c] for c in range(4)]
+    ).float()
+    base = {
+        "codes": pack_codes(high),
+        "scales": q.scales,
+        "tensor_scale": q.tensor_scale,
+        "table": table,
+    }
+    return base, {"low": pack_codes(low)}
 
 
 def _encode(
@@ -67,6 +88,7 @@ def requantize_experts(
 
     q2s without `hessians` rounds to nearest with an MSE scale search; with them, GPTQ rounding
     and Hessian-refitted scales (quant/q2s.py). FP4 formats round to nearest (quant/fp4.py)."""
+    nested_delta = None
     if delta not in (None, "nvfp4") or (delta is not None and kind != "q2s"):
         raise ValueError(
             f"delta plane {delta!r} with {kind} experts: only q2s + nvfp4 is supported"
@@ -81,12 +103,16 @@ def requantize_experts(
     dims = (cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias)
     if kind == "q2s":
         fmt = q2s_expert_format(*dims, group, down_group, bias_dtype=store.source_dtype)
+    elif kind == "nested":
+        fmt, nested_delta = nested_expert_formats(*dims, bias_dtype=store.source_dtype)
     else:
         fmt = fp4_expert_format(kind, *dims, bias_dtype=store.source_dtype)
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
     keys = sorted((k[0], k[1]) for k in store.blobs)
     blobs = []
     delta_fmt = fp4_expert_format("nvfp4", *dims[:2], False) if delta else None
+    if kind == "nested":
+        delta_fmt = nested_delta
     delta_stride = align_up(delta_fmt.nbytes, BLOB_ALIGN) if delta_fmt else 0
     new_path = store_dir / (EXPERTS_FILE + f".{kind}")
     delta_path = store_dir / (EXPERTS_FILE + ".delta")
@@ -103,10 +129,15 @@ def requantize_experts(
             h_pair = hessians.get((layer, expert)) if hessians is not None else None
             for m, name, g in ((0, "gate_up", group), (1, "down", down_group)):
                 w = blob_view(source, fmt_in.tensor(name)).float()
-                parts = _encode(kind, w, h_pair[m] if h_pair is not None else None, g)
+                if kind == "nested":
+                    parts, low = _nested(w)
+                    assert nested_delta is not None
+                    _put(delta_blob, nested_delta.tensor(f"{name}.low"), low["low"])
+                else:
+                    parts = _encode(kind, w, h_pair[m] if h_pair is not None else None, g)
                 for part, value in parts.items():
                     _put(blob, fmt.tensor(f"{name}.{part}"), value)
-                if delta_fmt is not None:
+                if delta is not None and delta_fmt is not None:
                     base = dequant_q2s_ref(
                         parts["codes"], parts["scales"], parts["row_scale"], parts["grid"]
                     )
@@ -134,7 +165,7 @@ def requantize_experts(
     index["blobs"] = blobs
     index["quantization"] = {"experts": kind}
     if delta_fmt is not None:
-        index["quantization"]["delta"] = delta
+        index["quantization"]["delta"] = delta or "nested"
     if kind == "q2s":
         index["quantization"].update(
             group=group,

@@ -91,3 +91,33 @@ def test_mask_is_per_pair_and_cache_size_does_not_matter(stores):
     assert b.runtime.residency.stats.evictions > 0
     with pytest.raises(ValueError, match="use all, none or weight:T"):
         EngineConfig(delta="sometimes").delta_threshold()
+
+
+def test_nested_planes_rebuild_nvfp4_bit_for_bit(tiny, tmp_path):
+    from moetier.kernels.moe_ref import expert_matrix, expert_matrix_with_delta
+
+    src = tiny.checkpoint("gpt_oss")
+    nvfp4 = Store(convert_quantized(src, tmp_path / "nvfp4", "nvfp4", progress=False))
+    nested = Store(convert_quantized(src, tmp_path / "nested", "nested", progress=False))
+    assert nested.blob_format(1).name == "nested-base"
+    assert nested.blob_format(1, "delta").name == "nested-delta"
+    for layer in nested.moe_layers:
+        for e in range(8):
+            for name in ("gate_up", "down"):
+                full = expert_matrix_with_delta(
+                    nested.blob(layer, e),
+                    nested.blob_format(layer),
+                    nested.blob(layer, e, "delta"),
+                    nested.blob_format(layer, "delta"),
+                    name,
+                )
+                assert torch.equal(
+                    full, expert_matrix(nvfp4.blob(layer, e), nvfp4.blob_format(layer), name)
+                )
+    # Whole model: base + delta everywhere is the NVFP4 store exactly; base alone is coarser.
+    fp4, _ = logits(nvfp4.path)
+    both, _ = logits(nested.path, delta="all")
+    base, _ = logits(nested.path, delta="none")
+    full, _ = logits(tiny.store("gpt_oss"))
+    assert torch.equal(both, fp4)
+    assert ((base - full) ** 2).mean() > ((both - full) ** 2).mean()
