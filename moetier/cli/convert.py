@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,16 +91,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dense_size(path) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    from safetensors import safe_open
+def _dense_size(path: Path) -> tuple[int, int]:
+    """(parameters, bytes) of a safetensors file, from its header alone."""
+    from moetier.quant.convert import read_safetensors_header
 
     params = nbytes = 0
-    with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():
-            t = f.get_slice(key)
-            numel = 1
-            for d in t.get_shape():
-                numel *= d
-            params += numel
-            nbytes += numel * f.get_tensor(key).element_size()
+    for key, info in read_safetensors_header(path).items():
+        if key == "__metadata__":
+            continue
+        params += math.prod(info["shape"])
+        nbytes += info["data_offsets"][1] - info["data_offsets"][0]
     return params, nbytes

@@ -44,9 +44,15 @@ def dequant_fp4_ref(
     scales:       [N, K // 16] float8_e4m3fn with tensor_scale [1] float32 (NVFP4), or
                   [N, K // 32] uint8 E8M0, scale 2^(s - 127) (MXFP4, tensor_scale None)
     """
-    n = codes.shape[0]
-    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, -1)  # [N, K]
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, device=codes.device)[(nibbles & 7).long()]
+    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1)  # [N, K]
+    return _fp4_decode(nibbles, scales, tensor_scale)
+
+
+def _fp4_decode(
+    nibbles: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """Unpacked E2M1 codes [N, K] (uint8 0..15) and their block scales -> [N, K] float32."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, device=nibbles.device)[(nibbles & 7).long()]
     values = torch.where((nibbles & 8) != 0, -magnitudes, magnitudes)
     block = values.shape[1] // scales.shape[1]
     if tensor_scale is None:
@@ -94,11 +100,8 @@ def expert_matrix_with_delta(
         return expert_matrix(blob, fmt, name) + expert_matrix(delta, delta_fmt, name)
     high = _unpack2(blob_view(blob, fmt.tensor(f"{name}.codes")))
     low = _unpack2(blob_view(delta, delta_fmt.tensor(f"{name}.low")))
-    codes = (high << 2) | low  # [N, K] E2M1 codes
-    packed = codes.view(codes.shape[0], -1, 2)
-    packed = packed[..., 0] | (packed[..., 1] << 4)
-    return dequant_fp4_ref(
-        packed,
+    return _fp4_decode(
+        (high << 2) | low,  # [N, K] E2M1 codes
         blob_view(blob, fmt.tensor(f"{name}.scales")),
         blob_view(blob, fmt.tensor(f"{name}.tensor_scale")),
     )

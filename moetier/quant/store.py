@@ -7,8 +7,9 @@
       experts.json        the index: formats, and per blob layer, expert, plane, offset, bytes,
                           format, shape, crc32 checksum
 
-A blob holds all tensors of one expert for one plane ("base" now; "delta" planes come with the
-low-bit formats) back to back, each sub-tensor 256-byte aligned, in the canonical layout:
+A blob holds all tensors of one expert for one plane ("base"; an optional "delta" plane after
+all base blobs) back to back, each sub-tensor 256-byte aligned. Unquantized blobs use the
+canonical layout below; the low-bit layouts are in core/layout.py and docs/formats.md:
   gate_up       [2*I, H]  rows 0..I-1 are the gate projection, rows I..2I-1 the up projection
   down          [H, I]
   gate_up_bias  [2*I]     (gpt-oss only; same split as gate_up)
