@@ -15,7 +15,7 @@ import torch
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
-from moetier.kernels.moe_ref import moe_slots_ref
+from moetier.kernels.moe_ops import format_id, moe_experts
 from moetier.residency.slot_pool import SlotPool
 
 IMPLEMENTATION_NAME = "moetier"
@@ -72,18 +72,21 @@ class ExpertsRuntime:
             chunk = needed[start : start + capacity]
             delta_experts = [e for e in chunk if e in with_delta]
             base_table, delta_table = self.residency.ensure_planes(layer, chunk, delta_experts)
-            moe_slots_ref(
+            moe_experts(
                 hidden,
                 topk_ids,
                 topk_weights,
                 base_table,
+                self.residency.slot_offsets,
                 self.residency.pool,
-                self.formats[layer],
-                self.activation,
                 out,
-                delta_mask=mask,
-                delta_table=delta_table,
-                delta_fmt=self.delta_formats.get(layer),
+                mask,
+                delta_table,
+                format_id(self.formats[layer]),
+                format_id(self.delta_formats.get(layer)),
+                self.activation.kind,
+                self.activation.alpha,
+                self.activation.limit,
             )
         return out.sum(dim=1).to(hidden.dtype)  # [T, H]
 

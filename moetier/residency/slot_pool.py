@@ -44,6 +44,9 @@ class SlotPool:
         self.slot_bytes = align_up(slot_bytes, TENSOR_ALIGN)
         self.num_slots = num_slots
         self.pool = torch.empty(num_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        # byte offset of each slot from the pool's first byte: the kernels' slot -> address map
+        self.slot_offsets = torch.arange(num_slots, device=self.device, dtype=torch.int64)
+        self.slot_offsets *= self.slot_bytes
         self._lru: OrderedDict[BlobKey, int] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = ResidencyStats()

@@ -1,0 +1,284 @@
+"""MoE kernel benchmark (H200): achieved GB/s of the experts op next to measured copy bandwidth
+and a bf16 baseline (torch._grouped_mm on dequantised weights), one JSON line per case.
+
+  python bench/kernels.py                    # all shapes, tokens 1..4096
+  python bench/kernels.py --tune             # also sweep tile configs, write configs/<gpu>.json
+
+Bytes counted per call: each distinct expert's blob read once (codes, scales, row scales; the
+delta blob too for experts with a delta pair), the hidden states read, the gate_up partials
+written and read back once, the per-pair outputs written. Every call in a timed graph uses a
+different routing, and the sets together exceed L2, so expert weights come from HBM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moetier.config import ExpertActivation
+from moetier.core.layout import (
+    BlobFormat,
+    fp4_expert_format,
+    q2s_expert_format,
+    raw_expert_format,
+)
+from moetier.kernels import moe_dispatch
+from moetier.kernels.moe_dispatch import KernelChoice, config_key
+from moetier.kernels.moe_triton import matrix_spec, moe_slots_triton
+from moetier.quant.synthetic import random_blob
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import copy_bandwidth, emit, run_info, time_cuda  # noqa: E402
+
+SHAPES = {  # name: (hidden, expert intermediate, experts, top-k)
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "deepseek-v4-flash": (4096, 2048, 256, 6),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "eval-moe-70m": (512, 256, 32, 4),
+}
+TOKENS = [1, 2, 4, 8, 16, 64, 512, 4096]
+L2_BYTES = 50 * 2**20
+
+
+def weight_bytes(fmt: BlobFormat) -> int:
+    return sum(t.nbytes for t in fmt.tensors)
+
+
+class Case:
+    """All experts of one layer in a GPU pool (base slots, then delta slots)."""
+
+    def __init__(self, shape: str, fmt: BlobFormat, delta: BlobFormat | None, distinct: int = 4):
+        self.hidden, self.inter, self.experts, self.top_k = SHAPES[shape]
+        self.fmt, self.delta = fmt, delta
+        slot = max(fmt.nbytes, delta.nbytes if delta else 0)
+        self.slot_bytes = (slot + 4095) // 4096 * 4096
+        n = self.experts * (2 if delta else 1)
+        self.pool = torch.empty(n, self.slot_bytes, dtype=torch.uint8, device="cuda")
+        gen = torch.Generator().manual_seed(0)
+        # a few distinct random blobs, copied into every slot (contents do not change timing)
+        base = [random_blob(fmt, gen).cuda() for _ in range(distinct)]
+        for e in range(self.experts):
+            self.pool[e, : fmt.nbytes] = base[e % distinct]
+        if delta:
+            dblobs = [random_blob(delta, gen).cuda() for _ in range(distinct)]
+            for e in range(self.experts):
+                self.pool[self.experts + e, : delta.nbytes] = dblobs[e % distinct]
+        self.slot_table = torch.arange(self.experts, dtype=torch.int32, device="cuda")
+        self.delta_table = self.slot_table + self.experts if delta else None
+
+    def routings(self, tokens: int, count: int, seed: int) -> list[dict[str, torch.Tensor]]:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        sets = []
+        for _ in range(count):
+            scores = torch.rand(tokens, self.experts, device="cuda", generator=gen)
+            ids = scores.topk(self.top_k, dim=1).indices
+            sets.append(
+                dict(
+                    x=torch.randn(tokens, self.hidden, device="cuda", dtype=torch.bfloat16),
+                    ids=ids,
+                    w=torch.rand(tokens, self.top_k, device="cuda", generator=gen),
+                    mask=torch.ones(tokens, self.top_k, dtype=torch.bool, device="cuda"),
+                    out=torch.empty(tokens, self.top_k, self.hidden, device="cuda"),
+                )
+            )
+        return sets
+
+    def bytes_per_call(self, r: dict[str, torch.Tensor], split_k: int) -> tuple[int, int]:
+        """(bytes without the delta, delta bytes) moved by one call on routing `r`."""
+        distinct = int(torch.unique(r["ids"]).numel())
+        tokens, pairs = r["ids"].shape[0], r["ids"].numel()
+        io = tokens * self.hidden * 2 + pairs * self.hidden * 4
+        io += 2 * split_k * pairs * 2 * self.inter * 4  # gate_up partials written, read
+        delta = distinct * weight_bytes(self.delta) if self.delta else 0
+        return distinct * weight_bytes(self.fmt) + io, delta
+
+    def call(self, r: dict[str, torch.Tensor], choice: tuple[KernelChoice, KernelChoice] | None):
+        moe_slots_triton(
+            r["x"], r["ids"], r["w"], self.slot_table, self.pool, self.fmt, ExpertActivation(),
+            r["out"], delta_mask=r["mask"] if self.delta else None,
+            delta_table=self.delta_table, delta_fmt=self.delta, choice=choice,
+        )  # fmt: skip
+
+
+def graph_ms(fn_list: list) -> float:  # type: ignore[type-arg]
+    """Median ms per call of the calls in fn_list, replayed as one CUDA graph."""
+    for fn in fn_list:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fn_list:
+            fn()
+    return time_cuda(graph.replay, reps=20) / len(fn_list)
+
+
+def routing_count(tokens: int, case: Case) -> int:
+    active = min(case.experts, tokens * case.top_k) * weight_bytes(case.fmt)
+    return max(2, min(32, 4 * L2_BYTES // max(1, active) + 1))
+
+
+def time_case(case: Case, tokens: int, choice=None, max_sets: int = 32) -> tuple[float, dict]:  # type: ignore[no-untyped-def, type-arg]
+    sets = case.routings(tokens, min(max_sets, routing_count(tokens, case)), seed=tokens)
+    ms = graph_ms([lambda r=r: case.call(r, choice) for r in sets])
+    return ms, sets[0]
+
+
+class GroupedMM:
+    """bf16 baseline: tokens sorted by expert, torch._grouped_mm over dequantised weights."""
+
+    def __init__(self, shape: str):
+        self.hidden, self.inter, self.experts, self.top_k = SHAPES[shape]
+        # [E, K, N] views of [E, N, K] storage (the layout grouped_mm wants for mat_b)
+        self.w_gu = torch.randn(self.experts, 2 * self.inter, self.hidden, device="cuda",
+                                dtype=torch.bfloat16).mul_(0.02).transpose(1, 2)  # fmt: skip
+        self.w_down = torch.randn(self.experts, self.hidden, self.inter, device="cuda",
+                                  dtype=torch.bfloat16).mul_(0.02).transpose(1, 2)  # fmt: skip
+
+    def call(self, r: dict[str, torch.Tensor]) -> None:
+        ids = r["ids"].reshape(-1)
+        order = torch.argsort(ids, stable=True)
+        counts = torch.zeros(self.experts, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, ids, torch.ones_like(ids))  # bincount would sync the host
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        xs = r["x"][order // self.top_k]
+        h = torch._grouped_mm(xs, self.w_gu, offs=offs)  # [P, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w_down, offs=offs)  # [P, H]
+        r["out"].view(-1, self.hidden)[order] = y.float() * r["w"].reshape(-1)[order, None]
+
+    def bytes_per_call(self, r: dict[str, torch.Tensor]) -> int:
+        distinct = int(torch.unique(r["ids"]).numel())
+        return distinct * 3 * self.hidden * self.inter * 2 + r["ids"].shape[0] * self.hidden * 2
+
+
+def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
+    """Best (gate_up, down) configs for this case: gate_up swept with down at its default, then
+    down with the best gate_up. Returns {config key: fields}."""
+    pairs = tokens * case.top_k
+    gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
+    assert gu is not None and dn is not None
+    default_gu = moe_dispatch.choose(pairs, case.experts, gu.kind, gu.n, gu.k)
+    default_dn = moe_dispatch.choose(pairs, case.experts, dn.kind, dn.n, dn.k)
+    if not default_gu.grouped:
+        cands = [
+            replace(default_gu, block_n=bn, block_k=bk, split_k=sk)
+            for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2, 4, 8)
+            if bn * bk <= 8192
+        ] + [
+            replace(moe_dispatch.GEMM, block_m=16, block_n=bn, block_k=bk, split_k=sk)
+            for bn, bk, sk in [(64, 128, 1), (64, 128, 4), (32, 256, 2)]
+        ]  # fmt: skip
+    else:
+        cands = [
+            replace(default_gu, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+            for bm, bn, bk, w, st in [
+                (16, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 32, 8, 3),
+                (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (32, 128, 32, 4, 4),
+            ]
+        ]  # fmt: skip
+
+    def timed(c_gu: KernelChoice, c_dn: KernelChoice) -> float:
+        try:
+            ms = time_case(case, tokens, (c_gu, c_dn), max_sets=8)[0]
+            print(f"# {tokens} {ms:.4f} ms {c_gu} / {c_dn}", file=sys.stderr)
+            return ms
+        except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)
+            print(f"# skip {c_gu} / {c_dn}: {type(exc).__name__}", file=sys.stderr)
+            return float("inf")
+
+    def partner(c: KernelChoice) -> KernelChoice:  # down with the same pair grouping
+        return replace(c, split_k=1) if c.grouped else default_dn
+
+    best_gu = min(cands, key=lambda c: timed(c, partner(c)))
+    dn_cands = {
+        replace(c, split_k=1)
+        for c in cands
+        if c.grouped == best_gu.grouped and c.block_m == best_gu.block_m
+    }
+    best_dn = min(dn_cands, key=lambda c: timed(best_gu, c))
+    fields = ("grouped", "use_dot", "block_m", "block_n", "block_k", "split_k", "num_warps",
+              "num_stages")  # fmt: skip
+    pick = lambda c: {f: asdict(c)[f] for f in fields}  # noqa: E731
+    return {
+        config_key(pairs, case.experts, gu.n, gu.k): pick(best_gu),
+        config_key(pairs, case.experts, dn.n, dn.k): pick(best_dn),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--tune", action="store_true", help="sweep configs first")
+    parser.add_argument("--tune-tokens", default="1,4096")
+    parser.add_argument("--configs-out", type=Path, help="where --tune writes the tuned JSON")
+    parser.add_argument("--no-baseline", action="store_true")
+    args = parser.parse_args()
+    info = run_info()
+    copy_bw = copy_bandwidth()
+    emit({**info, "case": "copy", "GB/s": round(copy_bw / 1e9, 1)})
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    tuned: dict[str, dict] = dict(moe_dispatch.tuned_configs(moe_dispatch._device_name()))  # type: ignore[type-arg]
+    for shape in args.shapes.split(","):
+        hidden, inter, experts, top_k = SHAPES[shape]
+        q2s = q2s_expert_format(hidden, inter, False, 32, 16)
+        nvfp4 = fp4_expert_format("nvfp4", hidden, inter, False)
+        bf16 = raw_expert_format("bfloat16", hidden, inter, False)
+        cases = {"q2s": Case(shape, q2s, None), "q2s+nvfp4": Case(shape, q2s, nvfp4)}
+        if args.tune:
+            for t in (int(t) for t in args.tune_tokens.split(",")):
+                tuned.update(tune(cases["q2s"], t))
+            moe_dispatch.tuned_configs.cache_clear()
+            path = moe_dispatch.CONFIG_DIR / f"{moe_dispatch._device_name()}.json"
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(json.dumps(tuned, indent=1, sort_keys=True))
+            if args.configs_out:
+                args.configs_out.write_text(path.read_text())
+        cases["bf16-kernel"] = Case(shape, bf16, None, distinct=2)
+        baseline = None if args.no_baseline else GroupedMM(shape)
+        for tokens in tokens_list:
+            base_bw = None
+            for name, case in cases.items():
+                ms, r = time_case(case, tokens)
+                pairs = tokens * top_k
+                gu = moe_dispatch.choose(pairs, experts, 0, 2 * inter, hidden)
+                nbytes, dbytes = case.bytes_per_call(r, gu.split_k if not gu.grouped else 1)
+                gbs = (nbytes + dbytes) / ms / 1e6
+                rec = {**info, "case": "moe", "shape": shape, "tokens": tokens, "format": name,
+                       "ms": round(ms, 5), "MB": round((nbytes + dbytes) / 1e6, 2),
+                       "GB/s": round(gbs, 1), "copy_GB/s": round(copy_bw / 1e9, 1),
+                       "of_copy": round(gbs * 1e9 / copy_bw, 3)}  # fmt: skip
+                if name == "q2s":
+                    base_bw = nbytes / ms
+                elif name == "q2s+nvfp4" and base_bw:
+                    rec["vs_predicted"] = round(ms / ((nbytes + dbytes) / base_bw), 3)
+                emit(rec)
+            if baseline is not None:
+                r = cases["q2s"].routings(tokens, 1, seed=tokens)[0]
+                sets = [r] + cases["q2s"].routings(
+                    tokens, routing_count(tokens, cases["q2s"]) - 1, 7
+                )
+                try:
+                    ms = graph_ms([lambda r=r, b=baseline: b.call(r) for r in sets])
+                except RuntimeError as exc:
+                    emit({**info, "case": "moe", "shape": shape, "tokens": tokens,
+                          "format": "bf16-grouped_mm", "error": str(exc)[:200]})  # fmt: skip
+                    continue
+                nbytes = baseline.bytes_per_call(r)
+                q2s_ms = time_case(cases["q2s"], tokens)[0]
+                emit({**info, "case": "moe", "shape": shape, "tokens": tokens,
+                      "format": "bf16-grouped_mm", "ms": round(ms, 5),
+                      "GB/s": round(nbytes / ms / 1e6, 1), "copy_GB/s": round(copy_bw / 1e9, 1),
+                      "q2s_throughput_vs_bf16": round(ms / q2s_ms, 3)})  # fmt: skip
+        del cases, baseline
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The one place that picks a MoE kernel variant (STYLE.md §6).
+
+GEMV (one program per (token, expert) pair, broadcast-multiply and sum over K, split-K to fill
+the GPU) for decode; GEMM (pairs grouped per expert into BLOCK_M rows, `tl.dot`) for prefill.
+Tuned tile sizes live in configs/<gpu name>.json (written by bench/kernels.py --tune); without a
+file for this GPU the defaults below apply.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+# Pairs per call above which the grouped tl.dot kernel wins (tokens * top_k).
+GEMM_MIN_PAIRS = 128
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    grouped: bool = False  # False: GEMV, one pair per program
+    use_dot: bool = False
+    block_m: int = 1
+    block_n: int = 32
+    block_k: int = 128
+    split_k: int = 1  # gate_up only; the down projection is never split
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+GEMV = KernelChoice()
+GEMM = KernelChoice(grouped=True, use_dot=True, block_m=32, block_n=64, block_k=64, num_warps=4)
+
+
+def _device_name() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name().replace(" ", "_")
+
+
+@functools.cache
+def tuned_configs(device_name: str) -> dict[str, dict[str, int | bool]]:
+    """{"gemv:<n>x<k>" | "gemm:<n>x<k>": KernelChoice fields} for this GPU, {} if untuned."""
+    path = CONFIG_DIR / f"{device_name}.json"
+    if not path.exists():
+        return {}
+    data: dict[str, dict[str, int | bool]] = json.loads(path.read_text())
+    return data
+
+
+def config_key(pairs: int, num_experts: int, n: int, k: int) -> str:
+    """Key of a tuned config: mode, weight shape, and for GEMM the mean rows per expert as a
+    power of two (16..128), which sets the best BLOCK_M."""
+    if pairs < GEMM_MIN_PAIRS:
+        return f"gemv:{n}x{k}"
+    rows = max(16, min(128, 1 << max(0, (pairs // max(1, num_experts) - 1).bit_length())))
+    return f"gemm:{n}x{k}:m{rows}"
+
+
+def choose(pairs: int, num_experts: int, kind: int, n: int, k: int) -> KernelChoice:
+    """Kernel config for one projection ([n, k] weights of format `kind`) over `pairs` pairs.
+
+    Depends only on shapes, never on routing values, so it is fixed for a CUDA-graph bucket."""
+    del kind  # the same tiles serve every format today
+    mode = "gemm" if pairs >= GEMM_MIN_PAIRS else "gemv"
+    base = GEMM if mode == "gemm" else GEMV
+    tuned = tuned_configs(_device_name()).get(config_key(pairs, num_experts, n, k))
+    if tuned:
+        base = replace(base, **tuned)  # type: ignore[arg-type]
+    elif mode == "gemv":
+        # split K until each pair has >= 8 programs per 128 rows: enough CTAs at batch 1
+        base = replace(base, split_k=max(1, min(8, k // 512)))
+    return base

@@ -1,0 +1,96 @@
+"""`torch.ops.moetier.moe_experts`: the public MoE experts op (a torch custom op).
+
+Dispatches to the Triton kernels on CUDA (moe_triton.py) and to the plain-torch twin
+(moe_ref.py) on CPU or for formats the kernels do not decode. Being a custom op with a fake
+implementation, it traces under torch.compile and captures into CUDA graphs without graph breaks.
+Formats are passed as small ints from `format_id`, since BlobFormat is not an op argument type.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moetier.config import ExpertActivation
+from moetier.core.layout import BlobFormat
+from moetier.kernels.moe_ref import moe_slots_ref
+
+_FORMATS: list[BlobFormat] = []
+
+
+def format_id(fmt: BlobFormat | None) -> int:
+    """A stable small int naming `fmt` for the op (-1 for None)."""
+    if fmt is None:
+        return -1
+    if fmt not in _FORMATS:
+        _FORMATS.append(fmt)
+    return _FORMATS.index(fmt)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@torch.library.custom_op("moetier::moe_experts", mutates_args=("out",))
+def moe_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_table: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    pool: torch.Tensor,
+    out: torch.Tensor,
+    delta_mask: torch.Tensor | None,
+    delta_table: torch.Tensor | None,
+    base_format: int,
+    delta_format: int,
+    activation: str,
+    act_alpha: float,
+    act_limit: float,
+) -> None:
+    """out[t, j] = topk_weights[t, j] · expert_{topk_ids[t, j]}(hidden[t]) for every pair whose
+    expert has a slot (the contract of moe_ref.moe_slots_ref; shapes documented there).
+
+    slot_offsets: [S] int64, byte offset of each slot from pool's first byte (slots in pinned
+    host memory are allowed on CUDA); the CPU path requires the plain pool layout
+    (slot s at s * pool.stride(0))."""
+    fmt = _FORMATS[base_format]
+    delta_fmt = _FORMATS[delta_format] if delta_format >= 0 else None
+    act = ExpertActivation(kind=activation, alpha=act_alpha, limit=act_limit)
+    if hidden.is_cuda and _triton_available():
+        from moetier.kernels.moe_triton import moe_slots_triton, supports
+
+        if supports(fmt, delta_fmt):
+            moe_slots_triton(
+                hidden, topk_ids, topk_weights, slot_table, pool, fmt, act, out,
+                delta_mask=delta_mask, delta_table=delta_table, delta_fmt=delta_fmt,
+                slot_offsets=slot_offsets,
+            )  # fmt: skip
+            return
+    moe_slots_ref(
+        hidden, topk_ids, topk_weights, slot_table, pool, fmt, act, out,
+        delta_mask=delta_mask, delta_table=delta_table, delta_fmt=delta_fmt,
+    )  # fmt: skip
+
+
+@moe_experts.register_fake
+def _(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_table: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    pool: torch.Tensor,
+    out: torch.Tensor,
+    delta_mask: torch.Tensor | None,
+    delta_table: torch.Tensor | None,
+    base_format: int,
+    delta_format: int,
+    activation: str,
+    act_alpha: float,
+    act_limit: float,
+) -> None:
+    return None

@@ -1,0 +1,214 @@
+"""Triton MoE kernels against their plain-torch twin `moe_slots_ref`.
+
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in conftest) on small
+shapes; the `gpu` tests sweep the awkward shapes of STYLE.md §13 on the real device, with slots
+scattered in GPU memory and in pinned host memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetier.config import ExpertActivation
+from moetier.core.layout import (
+    TENSOR_ALIGN,
+    BlobFormat,
+    align_up,
+    fp4_expert_format,
+    nested_expert_formats,
+    q2s_expert_format,
+    raw_expert_format,
+)
+from moetier.kernels.moe_ref import moe_slots_ref
+from moetier.quant.synthetic import random_blob
+
+triton = pytest.importorskip("triton")
+from moetier.kernels import moe_dispatch  # noqa: E402
+from moetier.kernels.moe_triton import moe_slots_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def formats(
+    hidden: int, inter: int, bias: bool = False
+) -> dict[str, tuple[BlobFormat, BlobFormat | None]]:
+    nested_base, nested_delta = nested_expert_formats(hidden, inter, bias)
+    nvfp4 = fp4_expert_format("nvfp4", hidden, inter, False)
+    group = 32 if hidden % 32 == 0 else 16
+    down_group = 16
+    return {
+        "q2s": (q2s_expert_format(hidden, inter, bias, group, down_group), None),
+        "q2s+nvfp4": (q2s_expert_format(hidden, inter, bias, group, down_group), nvfp4),
+        "q2s+q2s": (
+            q2s_expert_format(hidden, inter, bias, group, down_group),
+            q2s_expert_format(hidden, inter, False, group, down_group),
+        ),
+        "nvfp4": (fp4_expert_format("nvfp4", hidden, inter, bias), None),
+        "mxfp4": (fp4_expert_format("mxfp4", hidden, inter, bias), None),
+        "nested": (nested_base, nested_delta),
+        "bfloat16": (raw_expert_format("bfloat16", hidden, inter, bias), None),
+        "float32": (raw_expert_format("float32", hidden, inter, bias), None),
+    }
+
+
+class Pool:
+    """Experts' base (and delta) blobs in scattered slots of one pool; optionally some slots in
+    a separate pinned host buffer, addressed through slot offsets relative to the pool."""
+
+    def __init__(self, fmt, delta_fmt, experts, present, gen, host_slots=0):
+        # even experts get a fitted q2s grid, odd ones the evenly spaced b = 3a grid
+        nbytes = max(fmt.nbytes, delta_fmt.nbytes if delta_fmt else 0)
+        self.slot_bytes = align_up(nbytes, TENSOR_ALIGN)
+        n_blobs = experts * (2 if delta_fmt else 1)
+        slots = torch.randperm(n_blobs + 3, generator=gen)[:n_blobs]  # scattered, some unused
+        self.pool = torch.zeros(n_blobs + 3, self.slot_bytes, dtype=torch.uint8)
+        self.slot_table = torch.full((experts,), -1, dtype=torch.int32)
+        self.delta_table = torch.full((experts,), -1, dtype=torch.int32)
+        for e in range(experts):
+            if not present[e]:
+                continue
+            self.slot_table[e] = slots[e]
+            random_blob(fmt, gen, self.pool[slots[e]], fitted_grid=e % 2 == 0)
+            if delta_fmt is not None and e % 3 != 2:  # some experts have no delta blob
+                self.delta_table[e] = slots[experts + e]
+                random_blob(delta_fmt, gen, self.pool[slots[experts + e]])
+        self.host_slots = host_slots
+
+    def device_args(self):
+        """(pool, slot_offsets, slot_table, delta_table) on DEVICE; the first `host_slots`
+        used slots are moved to pinned host memory and read zero-copy."""
+        pool = self.pool.to(DEVICE)
+        offsets = torch.arange(pool.shape[0], dtype=torch.int64) * self.slot_bytes
+        self._host = None
+        if self.host_slots:
+            used = torch.cat([self.slot_table, self.delta_table])
+            used = used[used >= 0][: self.host_slots]
+            self._host = self.pool[used.long()].clone().pin_memory()
+            pool[used.long()] = 0  # the GPU copies must not be what the kernel reads
+            for i, s in enumerate(used.tolist()):
+                offsets[s] = self._host[i].data_ptr() - pool.data_ptr()
+        return (
+            pool,
+            offsets.to(DEVICE),
+            self.slot_table.to(DEVICE),
+            self.delta_table.to(DEVICE),
+        )
+
+
+def run_case(
+    fmt_name, tokens, top_k, experts, hidden, inter, *, dtype=torch.float32, mask="random",
+    act="silu", bias=False, present_frac=1.0, one_expert=False, host_slots=0, seed=0,
+    non_contiguous=False, force=None,
+):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    if fmt_name in ("bfloat16", "float32"):
+        fmt, delta_fmt = raw_expert_format(fmt_name, hidden, inter, bias), None
+    else:
+        fmt, delta_fmt = formats(hidden, inter, bias)[fmt_name]
+    present = torch.rand(experts, generator=gen) < present_frac
+    present[0] = True
+    pool = Pool(fmt, delta_fmt, experts, present, gen, host_slots)
+    if one_expert:
+        ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+        ids[:, 1:] = torch.randint(1, experts, (tokens, top_k - 1), generator=gen)
+    else:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    x = torch.randn(tokens, hidden * (2 if non_contiguous else 1), generator=gen).to(dtype)
+    if non_contiguous:
+        x = x[:, ::2]
+    dmask = None
+    if delta_fmt is not None:
+        dmask = {
+            "off": torch.zeros(tokens, top_k, dtype=torch.bool),
+            "on": torch.ones(tokens, top_k, dtype=torch.bool),
+            "random": torch.rand(tokens, top_k, generator=gen) < 0.5,
+        }[mask]
+    activation = ExpertActivation(kind=act)
+    ref = torch.full((tokens, top_k, hidden), float("nan"))
+    moe_slots_ref(
+        x.float(), ids, weights, pool.slot_table, pool.pool, fmt, activation, ref,
+        delta_mask=dmask, delta_table=pool.delta_table if delta_fmt else None, delta_fmt=delta_fmt,
+    )  # fmt: skip
+    dev_pool, offsets, table, dtable = pool.device_args()
+    x_dev = x.to(DEVICE)
+    if not non_contiguous:
+        x_dev = x_dev.contiguous()
+    got = torch.full((tokens, top_k, hidden), float("nan"), device=DEVICE)
+    moe_slots_triton(
+        x_dev, ids.to(DEVICE), weights.to(DEVICE), table, dev_pool, fmt, activation, got,
+        delta_mask=dmask.to(DEVICE) if dmask is not None else None,
+        delta_table=dtable if delta_fmt else None, delta_fmt=delta_fmt, slot_offsets=offsets,
+        choice=force,
+    )  # fmt: skip
+    got = got.cpu()
+    slotted = present[ids]  # [T, k] pairs the call computes; the others stay untouched
+    assert torch.isnan(got[~slotted]).all(), "a pair without a slot was written"
+    assert not torch.isnan(got[slotted]).any(), "a pair with a slot was not written"
+    err = (got[slotted] - ref[slotted]).norm() / ref[slotted].norm().clamp_min(1e-30)
+    limit = 1e-5 if dtype == torch.float32 else 2e-2
+    assert err < limit, f"{fmt_name}: relative error {err:.2e}"
+
+
+GEMV = moe_dispatch.KernelChoice(block_n=16, block_k=32, split_k=2)
+GEMM = moe_dispatch.KernelChoice(grouped=True, use_dot=True, block_m=16, block_n=16, block_k=32)
+
+
+@pytest.mark.parametrize("fmt_name", list(formats(64, 32)))
+@pytest.mark.parametrize("mode", ["gemv", "gemm"])
+def test_formats_small(fmt_name, mode):
+    force = (GEMV, GEMV) if mode == "gemv" else (GEMM, GEMM)
+    run_case(fmt_name, 3, 2, 6, 64, 32, force=force, present_frac=0.7, seed=1)
+
+
+@pytest.mark.parametrize("act", ["silu_clamped", "gpt_oss"])
+def test_activations_and_bias(act):
+    run_case("q2s", 2, 2, 4, 64, 32, act=act, bias=True, force=(GEMV, GEMV), seed=2)
+    run_case("bfloat16", 2, 2, 4, 64, 32, act=act, bias=True, force=(GEMM, GEMM), seed=3)
+
+
+@pytest.mark.parametrize("mask", ["off", "on", "random"])
+def test_delta_masks(mask):
+    run_case("q2s+nvfp4", 4, 2, 5, 64, 32, mask=mask, force=(GEMM, GEMM), seed=4)
+    run_case("nested", 2, 2, 5, 64, 32, mask=mask, force=(GEMV, GEMV), seed=5)
+
+
+def test_one_expert_non_contiguous_odd_tokens():
+    run_case("q2s", 7, 3, 5, 64, 32, one_expert=True, non_contiguous=True, force=(GEMM, GEMM))
+
+
+def test_dispatch_is_shape_only():
+    small = moe_dispatch.choose(8, 128, 3, 1536, 2048)
+    large = moe_dispatch.choose(4096, 128, 3, 1536, 2048)
+    assert not small.grouped and small.split_k >= 1
+    assert large.grouped and large.use_dot and large.block_m >= 16
+
+
+# ---- the full sweep on the device --------------------------------------------------------
+
+SWEEP_TOKENS = [1, 2, 7, 64, 65, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", SWEEP_TOKENS)
+@pytest.mark.parametrize("fmt_name", ["q2s", "q2s+nvfp4", "nested", "nvfp4", "mxfp4", "bfloat16"])
+def test_gpu_sweep(tokens, fmt_name):
+    for dtype in (torch.float32, torch.bfloat16):
+        run_case(fmt_name, tokens, 4, 16, 256, 96, dtype=dtype, present_frac=0.8, seed=tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["off", "on", "random"])
+def test_gpu_pinned_host_slots(mask):
+    for tokens in (1, 65):
+        run_case("q2s+nvfp4", tokens, 4, 16, 256, 96, mask=mask, host_slots=10, seed=7)
+        run_case("nested", tokens, 4, 16, 256, 96, mask=mask, host_slots=10, seed=8)
+
+
+@pytest.mark.gpu
+def test_gpu_awkward_shapes():
+    run_case("q2s", 65, 8, 32, 32, 32, seed=9)  # K equal to the group size
+    run_case("q2s", 64, 8, 16, 512, 96, one_expert=True, non_contiguous=True, seed=10)
+    run_case("q2s", 2, 2, 64, 256, 96, present_frac=0.1, seed=11)  # most experts absent
+    run_case("bfloat16", 7, 2, 8, 256, 97, dtype=torch.bfloat16, seed=12)  # odd N
