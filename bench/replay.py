@@ -101,12 +101,14 @@ def load_traces() -> list[Trace]:
 
 
 def git_commit() -> str:
+    """Short hash of HEAD, with "+dirty" when the working tree differs from it."""
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        run = {"capture_output": True, "text": True, "check": True}
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], **run).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def main(argv: list[str] | None = None) -> None:
