@@ -6,10 +6,12 @@ Runs the HF model (fp32, CPU) over windows of held-out tokens (heldout_tokens.np
 --start on), records each decoder layer's input and output and each router's top-k, then for
 every target layer J scores these guesses of J's experts (moetier.residency.predict):
   out(J-1)   J's norm + router on layer J-1's output (the residual stream after J-1)
-  in(J-1)    the same on layer J-1's input (one layer earlier)
-  out(J-2)   two layers ahead: on layer J-2's output
+  in(J-1)    the same on layer J-1's input, which is layer J-2's output: the guess two layers
+             ahead
   prev-token the experts J chose for the previous token (a baseline needing no router)
 each with m = k and m = 2k guesses per token. One JSON line per (target layer, source, m).
+A last line compares the model's routing of the first window of held-out tokens with
+router_trace.npz (which NOTES.md says covers the first 16,384 held-out tokens).
 """
 
 from __future__ import annotations
@@ -113,8 +115,6 @@ def main(argv: list[str] | None = None) -> None:
             "out(J-1)": rec["out"][target - 1],
             "in(J-1)": rec["in"][target - 1],
         }
-        if target >= 2:
-            sources["out(J-2)"] = rec["out"][target - 2]
         for m in (k, 2 * k):
             for name, hidden in sources.items():
                 pred = predict_experts(
@@ -130,6 +130,21 @@ def main(argv: list[str] | None = None) -> None:
                 line = {**base, "target_layer": target, "source": "prev-token", "m": k}
                 line |= {"precision": round(q.precision, 4), "recall": round(q.recall, 4)}
                 print(json.dumps(line), flush=True)
+    trace_path = args.model / "router_trace.npz"
+    if trace_path.exists():
+        trace = torch.from_numpy(np.load(trace_path)["expert_ids"].astype(np.int64))  # [L, T, k]
+        first = torch.from_numpy(tokens[: args.window])[None]
+        topk = capture(model, first)["topk"]
+        agree = [
+            prediction_quality(topk[layer], trace[layer, : args.window]).precision
+            for layer in range(num_layers)
+        ]
+        line = {
+            **base,
+            "check": "router_trace.npz vs this model, first window",
+            "tokens": args.window,
+        }
+        print(json.dumps(line | {"set_agreement_per_layer": [round(a, 4) for a in agree]}))
 
 
 if __name__ == "__main__":
