@@ -4,11 +4,12 @@
 
 Writes a file of --file-gib GiB in DIR (a local disk filesystem: /tmp is tmpfs on many
 machines, check with `stat -f -c %T DIR`), then prints one JSON line each for
-  raw      large sequential aligned O_DIRECT preads (16 MiB), at queue depth 1 and --queue-depth
+  raw      large sequential aligned O_DIRECT preads (--raw-chunk-mib), at queue depth 1 and
+           --queue-depth
   reader   DiskReader reading expert-sized blobs at 4 KiB-aligned offsets in random order, in
            batches of --batch blobs (all in flight together), for each --blob-bytes
 Every pass reads the whole file once, after one warm-up batch; the figure is the median of
---repeat passes. The raw queue-depth line is the ceiling the reader is compared with.
+--repeat passes. The best raw line is the ceiling the reader is compared with.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--queue-depth", type=int, default=16)
     parser.add_argument("--batch", type=int, default=32, help="blobs per read() call")
     parser.add_argument("--blob-bytes", type=int, nargs="+", default=DEFAULT_BLOBS)
+    parser.add_argument("--raw-chunk-mib", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="keep the test file")
     args = parser.parse_args(argv)
@@ -116,12 +118,15 @@ def main(argv: list[str] | None = None) -> None:
         "pinned": torch.cuda.is_available(),
     }
     try:
-        for qd in sorted({1, args.queue_depth}):
-            raw_pass(path, min(size, 256 << 20), qd)  # warm-up
-            seconds = statistics.median(raw_pass(path, size, qd) for _ in range(args.repeat))
-            line = {**base, "what": "raw O_DIRECT sequential", "chunk_bytes": 16 << 20}
-            line |= {"queue_depth": qd, "gbps": round(size / seconds / 1e9, 3)}
-            print(json.dumps(line), flush=True)
+        for chunk in (mib << 20 for mib in args.raw_chunk_mib):
+            for qd in sorted({1, args.queue_depth}):
+                raw_pass(path, min(size, 256 << 20), qd, chunk)  # warm-up
+                seconds = statistics.median(
+                    raw_pass(path, size, qd, chunk) for _ in range(args.repeat)
+                )
+                line = {**base, "what": "raw O_DIRECT sequential", "chunk_bytes": chunk}
+                line |= {"queue_depth": qd, "gbps": round(size / seconds / 1e9, 3)}
+                print(json.dumps(line), flush=True)
         with DiskReader(path, queue_depth=args.queue_depth) as reader:
             for blob in args.blob_bytes:
                 stride = align_up(blob, DIRECT_ALIGN)
