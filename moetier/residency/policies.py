@@ -3,10 +3,11 @@
 A key is whatever the cache stores, e.g. (layer, expert, plane). The cache (`ExpertCache`, or
 the slot pool later) asks the policy three things:
 
-    admit(key)            on a miss: take a slot for `key`? (False = serve the miss without
-                          caching it, e.g. a zero-copy read of the host-pinned blob)
-    victim(candidates)    which resident key to evict (candidates never include keys of the
-                          request being served)
+    victim(candidates)    on a miss with the cache full: which resident key would make room
+                          (candidates never include keys of the request being served)
+    admit(key, victim)    on a miss: take a slot for `key`, evicting `victim` (None: a slot is
+                          free)? False serves the miss without caching it, e.g. by a zero-copy
+                          read of the host-pinned blob
     on_access(keys, w)    after each request: the keys one token needs in one layer, with their
                           routing weights; called for hits and misses alike
 
@@ -37,8 +38,9 @@ class CachePolicy(ABC, Generic[K]):
     def victim(self, candidates: Sequence[K]) -> K:
         """The key to evict among `candidates` (resident, not part of the current request)."""
 
-    def admit(self, key: K) -> bool:
-        """Whether a missed `key` takes a slot (default: always, i.e. demand caching)."""
+    def admit(self, key: K, victim: K | None) -> bool:
+        """Whether a missed `key` takes a slot, evicting `victim` when that is not None
+        (default: always, i.e. demand caching)."""
         return True
 
     def on_evict(self, key: K) -> None:
@@ -136,7 +138,7 @@ class StaticHotSet(CachePolicy[K]):
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         self.hot: list[K] = [k for k, _ in ranked[:capacity]]
-        self._hot = set(self.hot)
+        self._rank = {k: i for i, k in enumerate(self.hot)}
 
     @classmethod
     def fit(cls, requests: Iterable[Sequence[K]], capacity: int) -> StaticHotSet[K]:
@@ -150,12 +152,12 @@ class StaticHotSet(CachePolicy[K]):
     def on_access(self, keys: Sequence[K], weights: Sequence[float] | None = None) -> None:
         pass
 
-    def admit(self, key: K) -> bool:
-        return key in self._hot
+    def admit(self, key: K, victim: K | None) -> bool:
+        return key in self._rank
 
     def victim(self, candidates: Sequence[K]) -> K:
-        # Only reachable when the hot set is larger than the cache; evict the coldest.
-        return max(candidates, key=lambda k: self.hot.index(k) if k in self._hot else -1)
+        # Evicts only when the hot set is larger than the cache: the coldest goes.
+        return max(candidates, key=lambda k: self._rank.get(k, -1))
 
     def preload(self) -> list[K]:
         return list(self.hot)
@@ -163,12 +165,14 @@ class StaticHotSet(CachePolicy[K]):
 
 class Belady(CachePolicy[K]):
     """Belady's MIN: evict the candidate whose next use is furthest in the future. Needs the
-    whole request sequence up front; the optimum of demand caching, so the ceiling for every
-    policy that admits all misses."""
+    whole request sequence up front. With `bypass`, a missed key whose next use is later than
+    the victim's is not cached at all: the offline optimum when misses may bypass the cache (as
+    the static hot set's do; exact for one key per request), never below plain MIN, the optimum
+    of demand caching (`bypass=False`)."""
 
-    name = "belady"
-
-    def __init__(self, requests: Sequence[Sequence[K]]) -> None:
+    def __init__(self, requests: Sequence[Sequence[K]], bypass: bool = True) -> None:
+        self.bypass = bypass
+        self.name = "belady" if bypass else "belady-demand"
         self._uses: dict[K, list[int]] = {}
         for t, keys in enumerate(requests):
             for key in keys:
@@ -189,6 +193,11 @@ class Belady(CachePolicy[K]):
 
     def victim(self, candidates: Sequence[K]) -> K:
         return max(candidates, key=self.next_use)
+
+    def admit(self, key: K, victim: K | None) -> bool:
+        if not self.bypass or victim is None:
+            return True
+        return self.next_use(key) < self.next_use(victim)
 
 
 @dataclass
@@ -233,13 +242,14 @@ class ExpertCache(Generic[K]):
             if key in self.resident:
                 hits += 1
                 continue
-            if not self.policy.admit(key):
-                continue
+            victim = None
             if len(self.resident) >= self.capacity:
-                candidates = [k for k in self.resident if k not in protected]
-                evicted = self.policy.victim(candidates)
-                self.resident.discard(evicted)
-                self.policy.on_evict(evicted)
+                victim = self.policy.victim([k for k in self.resident if k not in protected])
+            if not self.policy.admit(key, victim):
+                continue
+            if victim is not None:
+                self.resident.discard(victim)
+                self.policy.on_evict(victim)
                 if count:
                     self.stats.evictions += 1
             self.resident.add(key)

@@ -24,7 +24,7 @@ from moetier.residency.policies import (
     WeightedLFU,
 )
 
-POLICIES = ("lru", "lfu", "wlfu", "static", "belady")
+POLICIES = ("lru", "lfu", "wlfu", "static", "belady-demand", "belady")
 SCOPES = ("global", "layer")
 ExpertKey = tuple[int, int]  # (layer, expert)
 
@@ -94,8 +94,10 @@ def make_policy(
         return WeightedLFU(decay)
     if name == "static":
         return StaticHotSet.fit(requests[:calibration_requests], capacity)
+    if name == "belady-demand":
+        return Belady(requests, bypass=False)
     if name == "belady":
-        return Belady(requests)
+        return Belady(requests, bypass=True)
     raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
 
 

@@ -81,8 +81,19 @@ def test_static_hot_set_from_calibration_counts():
 def test_belady_evicts_the_furthest_next_use():
     requests = [["a"], ["b"], ["c"], ["a"], ["b"], ["c"]]
     # MIN: at c, a (next at 3) stays and b (next at 4) goes; at b, a (never again) goes.
-    assert run(ExpertCache(2, Belady(requests)), requests) == [0, 0, 0, 1, 0, 1]
+    assert run(ExpertCache(2, Belady(requests, bypass=False)), requests) == [0, 0, 0, 1, 0, 1]
     assert run(ExpertCache(2, LRU()), requests) == [0] * 6
+
+
+def test_belady_with_bypass_keeps_out_a_key_needed_later():
+    requests = [["a"], ["b"], ["c"], ["a"], ["b"], ["c"], ["a"], ["b"]]
+    # Demand MIN must let c in at t=2 and again at t=5; with bypass c (needed latest) stays out
+    # and a, b hit from then on.
+    demand = ExpertCache(2, Belady(requests, bypass=False))
+    assert sum(run(demand, requests)) == 3
+    bypass = ExpertCache(2, Belady(requests))
+    assert run(bypass, requests) == [0, 0, 0, 1, 1, 0, 1, 1]
+    assert bypass.resident == {"a", "b"}
 
 
 def test_belady_is_the_ceiling_on_random_traces():
@@ -90,9 +101,12 @@ def test_belady_is_the_ceiling_on_random_traces():
     for trial in range(20):
         requests = [[rng.randrange(12)] for _ in range(300)]
         weights = [[rng.random()] for _ in requests]
+        demand = sum(run(ExpertCache(4, Belady(requests, bypass=False)), requests))
         best = sum(run(ExpertCache(4, Belady(requests)), requests))
-        for policy in (LRU(), LFU(0.9), WeightedLFU(0.9), StaticHotSet.fit(requests, 4)):
-            assert sum(run(ExpertCache(4, policy), requests, weights)) <= best, trial
+        assert demand <= best
+        for policy in (LRU(), LFU(0.9), WeightedLFU(0.9)):
+            assert sum(run(ExpertCache(4, policy), requests, weights)) <= demand, trial
+        assert sum(run(ExpertCache(4, StaticHotSet.fit(requests, 4)), requests)) <= best
 
 
 def test_requests_larger_than_the_cache_are_refused():
