@@ -8,8 +8,9 @@ machines, check with `stat -f -c %T DIR`), then prints one JSON line each for
            --queue-depth
   reader   DiskReader reading expert-sized blobs at 4 KiB-aligned offsets in random order, in
            batches of --batch blobs (all in flight together), for each --blob-bytes
-Every pass reads the whole file once, after one warm-up batch; the figure is the median of
---repeat passes. The best raw line is the ceiling the reader is compared with.
+Every pass reads the whole file once; passes of all configurations alternate, --repeat rounds,
+and each line gives the median with min and max. The best raw line is the ceiling the reader is
+compared with.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -117,29 +120,35 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "pinned": torch.cuda.is_available(),
     }
+    # Each round measures every configuration once, so drift of a shared disk hits them alike;
+    # the figure is the median over rounds, the spread is reported beside it.
+    configs: list[tuple[dict[str, object], int, Callable[[], float]]] = []
+    reader = DiskReader(path, queue_depth=args.queue_depth)
+    for chunk in (mib << 20 for mib in args.raw_chunk_mib):
+        for qd in sorted({1, args.queue_depth}):
+            what = {"what": "raw O_DIRECT sequential", "chunk_bytes": chunk, "queue_depth": qd}
+            configs.append((what, size, partial(raw_pass, path, size, qd, chunk)))
+    for blob in args.blob_bytes:
+        stride = align_up(blob, DIRECT_ALIGN)
+        offsets = list(range(0, size - stride + 1, stride))
+        what = {"what": "DiskReader experts, random order", "direct": reader.direct}
+        what |= {"blob_bytes": blob, "batch": args.batch, "queue_depth": args.queue_depth}
+        what |= {"chunk_bytes": reader.chunk_bytes}
+        configs.append(
+            (what, len(offsets) * blob, partial(reader_pass, reader, offsets, blob, args.batch))
+        )
     try:
-        for chunk in (mib << 20 for mib in args.raw_chunk_mib):
-            for qd in sorted({1, args.queue_depth}):
-                raw_pass(path, min(size, 256 << 20), qd, chunk)  # warm-up
-                seconds = statistics.median(
-                    raw_pass(path, size, qd, chunk) for _ in range(args.repeat)
-                )
-                line = {**base, "what": "raw O_DIRECT sequential", "chunk_bytes": chunk}
-                line |= {"queue_depth": qd, "gbps": round(size / seconds / 1e9, 3)}
-                print(json.dumps(line), flush=True)
-        with DiskReader(path, queue_depth=args.queue_depth) as reader:
-            for blob in args.blob_bytes:
-                stride = align_up(blob, DIRECT_ALIGN)
-                offsets = list(range(0, size - stride + 1, stride))
-                seconds = statistics.median(
-                    reader_pass(reader, offsets, blob, args.batch) for _ in range(args.repeat)
-                )
-                line = {**base, "what": "DiskReader experts, random order", "direct": reader.direct}
-                line |= {"blob_bytes": blob, "batch": args.batch, "queue_depth": args.queue_depth}
-                line |= {"chunk_bytes": reader.chunk_bytes}
-                line |= {"gbps": round(len(offsets) * blob / seconds / 1e9, 3)}
-                print(json.dumps(line), flush=True)
+        raw_pass(path, min(size, 256 << 20), args.queue_depth)  # warm-up
+        gbps: list[list[float]] = [[] for _ in configs]
+        for _ in range(args.repeat):
+            for i, (_, nbytes, measure) in enumerate(configs):
+                gbps[i].append(nbytes / measure() / 1e9)
+        for (what, _, _), figures in zip(configs, gbps, strict=True):
+            line = {**base, **what, "gbps": round(statistics.median(figures), 3)}
+            line |= {"gbps_min": round(min(figures), 3), "gbps_max": round(max(figures), 3)}
+            print(json.dumps(line), flush=True)
     finally:
+        reader.close()
         if not args.keep:
             path.unlink()
 
