@@ -111,6 +111,23 @@ def git_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
+def markdown_table(path: Path) -> str:
+    """The hit-rate table of docs/residency.md from this script's JSON lines."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        key = (r["trace"], r["scope"], r["size"], r["capacity"], r["of"])
+        cells.setdefault(key, {})[r["policy"].split("(")[0]] = r["hit_rate"]
+    out = [
+        "| trace | scope | size | slots | " + " | ".join(POLICIES) + " |",
+        "|---|---|---|---|" + "---|" * len(POLICIES),
+    ]
+    for (trace, scope, size, capacity, of), by_policy in cells.items():
+        rates = " | ".join(f"{by_policy[p]:.3f}" if p in by_policy else "" for p in POLICIES)
+        out.append(f"| {trace} | {scope} | {size:.0%} | {capacity}/{of} | {rates} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.75])
@@ -119,7 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration", type=float, default=0.25)
     parser.add_argument("--half-life", type=float, default=128.0, help="tokens, LFU decay")
     parser.add_argument("--traces", nargs="*", help="only traces whose name contains one of these")
+    parser.add_argument("--table", type=Path, help="print the markdown table of a JSON-lines file")
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown_table(args.table))
+        return
     commit = git_commit()
     for trace in load_traces():
         if args.traces and not any(t in trace.name for t in args.traces):
