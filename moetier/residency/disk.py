@@ -72,8 +72,15 @@ class DiskReader:
         self.bytes_read = 0
 
     @classmethod
-    def for_store(cls, store: Store, **kwargs: object) -> DiskReader:
-        return cls(store.path / EXPERTS_FILE, **kwargs)  # type: ignore[arg-type]
+    def for_store(
+        cls,
+        store: Store,
+        queue_depth: int = 16,
+        chunk_bytes: int = 2 << 20,
+        direct: bool | None = None,
+    ) -> DiskReader:
+        """A reader of `store`'s experts file."""
+        return cls(store.path / EXPERTS_FILE, queue_depth, chunk_bytes, direct)
 
     @staticmethod
     def allocate(nbytes: int, pin: bool | None = None) -> torch.Tensor:
