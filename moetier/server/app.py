@@ -1,5 +1,6 @@
 """HTTP server: OpenAI-compatible `/v1/chat/completions` (streaming and not), `/v1/models`,
-`/health`. One request generates at a time (a lock); continuous batching is a later issue."""
+`/health`, and `/metrics` (Prometheus text) when given a residency telemetry source. One
+request generates at a time (a lock); continuous batching is a later issue."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from moetier.engine.generate import Generator
 from moetier.engine.sampler import SamplingParams
+from moetier.residency.telemetry import CONTENT_TYPE, ResidencyTelemetry, render_prometheus
 
 
 class ContentPart(BaseModel):
@@ -66,9 +68,13 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
 
 
 def create_app(
-    generator: Generator, model_name: str, defaults: SamplingParams | None = None
+    generator: Generator,
+    model_name: str,
+    defaults: SamplingParams | None = None,
+    telemetry: Callable[[], ResidencyTelemetry] | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `generator` under the model id `model_name`."""
+    """The FastAPI app serving `generator` under the model id `model_name`; `telemetry`
+    returns the current residency counters for `/metrics` (no such route without it)."""
     app = FastAPI(title="moetier")
     defaults = defaults or SamplingParams()
     lock = threading.Lock()
@@ -83,6 +89,13 @@ def create_app(
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    if telemetry is not None:
+
+        @app.get("/metrics")
+        def metrics() -> Response:
+            text = render_prometheus(telemetry(), labels={"model": model_name})
+            return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:

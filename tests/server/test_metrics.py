@@ -1,0 +1,28 @@
+"""`/metrics`: the residency telemetry in Prometheus text format, read back over HTTP."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from moetier.config import EngineConfig
+from moetier.engine.generate import Generator
+from moetier.loader.load import load_model
+from moetier.residency.telemetry import ResidencyTelemetry
+from moetier.server.app import create_app
+
+
+def test_metrics_route(tiny):
+    generator = Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu")))
+    counters = ResidencyTelemetry()
+    app = create_app(generator, "tiny-qwen3", telemetry=lambda: counters)
+    with TestClient(app) as http:
+        counters["gpu"].hits = 3
+        response = http.get("/metrics")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert 'moetier_residency_hits_total{tier="gpu",model="tiny-qwen3"} 3\n' in response.text
+        counters["gpu"].hits = 5  # read at each scrape, not once
+        assert '{tier="gpu",model="tiny-qwen3"} 5\n' in http.get("/metrics").text
+    without = create_app(generator, "tiny-qwen3")
+    with TestClient(without) as http:
+        assert http.get("/metrics").status_code == 404
