@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from moetier.core.layout import DTYPES
 from moetier.kernels.moe_ref import E2M1_MAGNITUDES
 
 SUPPORTED = (
@@ -110,6 +111,7 @@ def fold_quantized(
     Returns (tensors, dropped activation-scale keys). Raises on an orphan piece or an FP8/FP4
     tensor in a checkpoint whose config does not declare that quantization."""
     by_key = {t.key: t for t in tensors}
+    keys = set(by_key)
     used: set[str] = set()
     out: list[SourceTensor] = []
     dropped: list[str] = []
@@ -123,7 +125,7 @@ def fold_quantized(
     for t in tensors:
         if t.key in used:
             continue
-        logical = _fold_one(t, quant, dtype, take, set(by_key)) if quant is not None else None
+        logical = _fold_one(t, quant, dtype, take, keys) if quant is not None else None
         if logical is not None:
             used.add(t.key)
             out.append(logical)
@@ -131,15 +133,14 @@ def fold_quantized(
             dropped.append(t.key)
         else:
             out.append(t)
+    # A scale met before its weight was passed through above; it belongs to the weight now.
     out = [t for t in out if t.quant is not None or t.key not in used]
     for t in out:
-        if t.quant is None and t.dtype in ("float8_e4m3fn", "uint8") and quant is None:
-            raise ConvertError(
-                f"tensor {t.key} has dtype {t.dtype} but config.json declares no "
-                f"quantization_config: the checkpoint is incomplete. Supported: {SUPPORTED}"
-            )
         if t.quant is None and t.dtype == "float8_e4m3fn":
-            raise ConvertError(f"FP8 tensor {t.key} has no scale in the checkpoint")
+            raise ConvertError(
+                f"FP8 tensor {t.key} has no scale the converter knows: config.json declares "
+                f"{quant.method if quant else 'no'} quantization. Supported: {SUPPORTED}"
+            )
     return out, dropped
 
 
@@ -209,11 +210,12 @@ class TensorReader:
         if t.quant is None:
             return self.raw(t, index)
         if t.quant == "fp8":
-            assert self.quant is not None
+            if self.quant is None:
+                raise ValueError("TensorReader(quant) needs the FP8 source's tile size")
             w, scale = self.raw(t.parts["weight"], index), self.raw(t.parts["scale"], index)
-            return dequant_fp8_block(w, scale, self.quant.block).to(_dtype(t))
+            return dequant_fp8_block(w, scale, self.quant.block).to(DTYPES[t.dtype])
         fp4 = self._fp4_parts(t, index)
-        w = e2m1_decode(fp4.codes, fp4.block_scale).to(_dtype(t))
+        w = e2m1_decode(fp4.codes, fp4.block_scale).to(DTYPES[t.dtype])
         if t.quant == "mxfp4":
             return w.transpose(-1, -2)  # [E, N, K] -> transformers' [E, K, N]
         return w
@@ -254,12 +256,6 @@ class TensorReader:
 class _Decodable:
     codes: torch.Tensor  # [..., N, K // 2] uint8
     block_scale: torch.Tensor  # [..., N, K // block] float32
-
-
-def _dtype(t: SourceTensor) -> torch.dtype:
-    from moetier.core.layout import DTYPES
-
-    return DTYPES[t.dtype]
 
 
 def e2m1_decode(codes: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
