@@ -17,8 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--experts",
         choices=("source", "q2s", "nvfp4", "mxfp4", "nested"),
         default="source",
-        help="routed expert format: the checkpoint's dtype, q2s 2-bit, FP4, or nested (NVFP4 "
-        "split into a 2-bit base plane and a 2-bit delta plane) (default: source)",
+        help="routed expert format: the checkpoint's (its dtype; FP8 dequantised; an NVFP4/MXFP4 "
+        "checkpoint's own codes), q2s 2-bit, FP4, or nested (FP4 split into a 2-bit base plane "
+        "and a 2-bit delta plane; from an FP4 checkpoint, its own codes) (default: source)",
     )
     parser.add_argument(
         "--delta",

@@ -158,41 +158,49 @@ def fp4_expert_format(
 
 
 def nested_expert_formats(
-    hidden: int, intermediate: int, has_bias: bool, bias_dtype: str = "float32"
+    hidden: int, intermediate: int, has_bias: bool, bias_dtype: str = "float32", fp4: str = "nvfp4"
 ) -> tuple[BlobFormat, BlobFormat]:
-    """NVFP4 weights split bit-plane-wise (quant/fp4.py, research/quant.md §4.2 B).
+    """FP4 weights split bit-plane-wise (quant/fp4.py, research/quant.md §4.2 B).
     Base blob, per matrix M:
       M.codes         [N, K // 4]   uint8, 2-bit code = E2M1 sign and exponent MSB (code >> 2),
                                     4 per byte along K as in q2s
       M.scales        [N, K // 16]  float8_e4m3fn NVFP4 block scales
-      M.tensor_scale  [1]           float32
+                      [N, K // 32]  uint8 E8M0 block scales (fp4="mxfp4", an MXFP4 source)
+      M.tensor_scale  [1]           float32 (NVFP4 only)
       M.table         [4]           float32: value of each 2-bit code, in block-scale units
     Delta blob, per matrix: M.low [N, K // 4] uint8, the 2 low bits of each E2M1 code, packed
-    the same way; (code << 2) | low is the NVFP4 code, so base + delta is the FP4 matrix exactly."""
+    the same way; (code << 2) | low is the FP4 code, so base + delta is the FP4 matrix exactly."""
+    if fp4 not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"unknown FP4 format {fp4!r}")
+    block, scale_dtype = (16, "float8_e4m3fn") if fp4 == "nvfp4" else (32, "uint8")
     base: list[tuple[str, str, tuple[int, ...]]] = []
     delta: list[tuple[str, str, tuple[int, ...]]] = []
     for name, n, k in (("gate_up", 2 * intermediate, hidden), ("down", hidden, intermediate)):
-        if k % 16:
-            raise ValueError(f"nested: {name} has K={k}, not divisible by the block 16")
+        if k % block:
+            raise ValueError(f"nested: {name} has K={k}, not divisible by the block {block}")
         base += [
             (f"{name}.codes", "uint8", (n, k // 4)),
-            (f"{name}.scales", "float8_e4m3fn", (n, k // 16)),
-            (f"{name}.tensor_scale", "float32", (1,)),
-            (f"{name}.table", "float32", (4,)),
+            (f"{name}.scales", scale_dtype, (n, k // block)),
         ]
+        if fp4 == "nvfp4":
+            base.append((f"{name}.tensor_scale", "float32", (1,)))
+        base += [(f"{name}.table", "float32", (4,))]
         delta.append((f"{name}.low", "uint8", (n, k // 4)))
     if has_bias:
         base += [
             ("gate_up_bias", bias_dtype, (2 * intermediate,)),
             ("down_bias", bias_dtype, (hidden,)),
         ]
-    return _layout("nested-base", base), _layout("nested-delta", delta)
+    base_name = "nested-base" if fp4 == "nvfp4" else "nested-mxfp4-base"
+    return _layout(base_name, base), _layout("nested-delta", delta)
 
 
 def format_kind(fmt: BlobFormat) -> str:
-    """'raw', 'q2s', 'nvfp4', 'mxfp4', 'nested-base' or 'nested-delta'."""
+    """'raw', 'q2s', 'nvfp4', 'mxfp4', 'nested-base' (NVFP4 or MXFP4 scales) or 'nested-delta'."""
     if fmt.name in ("nested-base", "nested-delta"):
         return fmt.name
+    if fmt.name == "nested-mxfp4-base":
+        return "nested-base"
     kind = fmt.name.split("-")[0]
     return kind if kind in ("q2s", "nvfp4", "mxfp4") else "raw"
 

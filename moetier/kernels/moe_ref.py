@@ -74,10 +74,11 @@ def expert_matrix(blob: torch.Tensor, fmt: BlobFormat, name: str) -> torch.Tenso
     if kind == "nested-base":
         codes = _unpack2(part("codes"))  # [N, K] 0..3
         block = codes.shape[1] // part("scales").shape[1]
-        scale = (
-            part("scales").float().repeat_interleave(block, dim=1) * part("tensor_scale").float()
-        )
-        return part("table").float()[codes.long()] * scale
+        if has_tensor(fmt, f"{name}.tensor_scale"):  # NVFP4 scales
+            scale = part("scales").float() * part("tensor_scale").float()
+        else:  # MXFP4 (E8M0) scales
+            scale = torch.exp2(part("scales").float() - 127)
+        return part("table").float()[codes.long()] * scale.repeat_interleave(block, dim=1)
     if kind == "nested-delta":
         raise ValueError("a nested delta blob decodes only together with its base blob")
     return dequant_fp4_ref(
@@ -100,10 +101,15 @@ def expert_matrix_with_delta(
         return expert_matrix(blob, fmt, name) + expert_matrix(delta, delta_fmt, name)
     high = _unpack2(blob_view(blob, fmt.tensor(f"{name}.codes")))
     low = _unpack2(blob_view(delta, delta_fmt.tensor(f"{name}.low")))
+    tensor_scale = (
+        blob_view(blob, fmt.tensor(f"{name}.tensor_scale"))
+        if has_tensor(fmt, f"{name}.tensor_scale")
+        else None  # MXFP4 scales
+    )
     return _fp4_decode(
         (high << 2) | low,  # [N, K] E2M1 codes
         blob_view(blob, fmt.tensor(f"{name}.scales")),
-        blob_view(blob, fmt.tensor(f"{name}.tensor_scale")),
+        tensor_scale,
     )
 
 

@@ -15,6 +15,7 @@ from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix
 from moetier.loader.load import load_model
 from moetier.quant.convert import convert
 from moetier.quant.requantize import Hessians, requantize_experts
+from moetier.quant.sources import detect_quantization
 from moetier.quant.store import Store
 
 # Per-expert Hessians of every layer are held at once; past this, refuse rather than swap.
@@ -109,11 +110,19 @@ def convert_quantized(
     progress: bool = True,
 ) -> Path:
     """`moetier convert --experts KIND`: the store at `dst` holds `kind` experts (q2s, nvfp4,
-    mxfp4); calibration text (q2s only) enables GPTQ rounding."""
+    mxfp4, nested); calibration text (q2s only) enables GPTQ rounding.
+
+    From an FP4 checkpoint, `kind` equal to its format or `nested` keeps the checkpoint's codes
+    and block scales (bit-exact); any other kind re-encodes the dequantised weights."""
     if calibration is not None and kind != "q2s":
         raise ValueError(f"--calibration applies to --experts q2s, not {kind}")
+    quantization = detect_quantization(Path(src))
+    source_fp4 = quantization.fp4 if quantization is not None else None
+    keep_codes = source_fp4 is not None and kind in (source_fp4, "nested")
 
     def finish(tmp: Path) -> None:
+        if keep_codes and kind == source_fp4:
+            return  # the checkpoint's own codes are already the store's experts
         hessians = None
         if calibration is not None:
             hessians = collect_hessians(
@@ -121,4 +130,6 @@ def convert_quantized(
             )
         requantize_experts(tmp, kind, hessians, group, down_group, progress, delta)
 
-    return convert(src, dst, force=force, progress=progress, finish=finish)
+    return convert(
+        src, dst, force=force, progress=progress, finish=finish, keep_fp4_codes=keep_codes
+    )

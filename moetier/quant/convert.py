@@ -4,8 +4,10 @@ Checkpoint names are mapped to model names by transformers' own conversion mappi
 model type (the same renames `from_pretrained` applies), on a model built on the meta device;
 routed-expert tensors are recognised whether stored per expert (`experts.{e}.gate_proj.weight`,
 Mixtral's `w1/w2/w3`) or fused 3-D (`experts.gate_up_proj`, gpt-oss transposed/interleaved with
-biases). Everything is streamed tensor by tensor from the memory-mapped shards and written into
-a temporary directory that is renamed into place at the end.
+biases). Quantized checkpoints (FP8, MXFP4, NVFP4) are read through quant/sources.py: their
+weights are dequantised, or their FP4 codes kept as they are. Everything is streamed tensor by
+tensor from the memory-mapped shards and written into a temporary directory that is renamed into
+place at the end.
 """
 
 from __future__ import annotations
@@ -25,7 +27,22 @@ import torch
 from tqdm import tqdm
 
 from moetier.config import ModelConfig
-from moetier.core.layout import DTYPES, BlobFormat, align_up, raw_expert_format
+from moetier.core.layout import (
+    DTYPES,
+    BlobFormat,
+    align_up,
+    format_kind,
+    fp4_expert_format,
+    raw_expert_format,
+)
+from moetier.quant.sources import (
+    ConvertError,
+    SourceQuantization,
+    SourceTensor,
+    TensorReader,
+    detect_quantization,
+    fold_quantized,
+)
 from moetier.quant.store import (
     BLOB_ALIGN,
     DENSE_FILE,
@@ -45,6 +62,7 @@ SAFETENSORS_DTYPES = {
     "I8": "int8",
     "U8": "uint8",
     "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
 }
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 TO_SAFETENSORS = {v: k for k, v in SAFETENSORS_DTYPES.items()}
@@ -61,19 +79,8 @@ PER_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 AUX_SUFFIXES = (".json", ".jinja", ".tiktoken", ".model")
 AUX_NAMES = ("merges.txt", "vocab.txt")
-SKIP_AUX = ("model.safetensors.index.json",)
-
-
-class ConvertError(ValueError):
-    """A checkpoint that cannot be converted; the message says what to do."""
-
-
-@dataclass
-class SourceTensor:
-    file: Path
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
+# The store's config.json is rewritten without quantization_config; ModelOpt's file is not copied.
+SKIP_AUX = ("model.safetensors.index.json", "hf_quant_config.json", "config.json")
 
 
 @dataclass
@@ -141,9 +148,8 @@ def scan_sources(shards: list[Path]) -> list[SourceTensor]:
                 continue
             if info["dtype"] not in SAFETENSORS_DTYPES:
                 raise ConvertError(
-                    f"{shard.name}: tensor {key} has dtype {info['dtype']}; this version converts "
-                    "bf16, fp16 and fp32 checkpoints (FP8/FP4 sources come with the low-bit "
-                    "formats)"
+                    f"{shard.name}: tensor {key} has dtype {info['dtype']}; moetier converts "
+                    "bf16, fp16 and fp32 checkpoints and the quantized ones of docs/formats.md"
                 )
             tensors.append(
                 SourceTensor(shard, key, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]))
@@ -204,6 +210,16 @@ class ConversionPlan:
     experts: dict[int, ExpertsModule]  # layer -> module
     expert_dtype: str
     skipped: list[str]
+    quantization: SourceQuantization | None = None
+    expert_fp4: str | None = None  # "nvfp4"/"mxfp4" when every routed expert weight is FP4
+
+
+def dequantized_dtype(src: Path) -> str:
+    """What quantized weights are dequantised to: config.json's dtype (bf16 for the real
+    releases), bfloat16 if it names none."""
+    config = json.loads((src / "config.json").read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return dtype if dtype in FLOAT_DTYPES else "bfloat16"
 
 
 def plan_conversion(src: Path) -> ConversionPlan:
@@ -215,7 +231,8 @@ def plan_conversion(src: Path) -> ConversionPlan:
     except ValueError as err:
         raise ConvertError(str(err)) from None
     shards = find_shards(src)
-    sources = scan_sources(shards)
+    quantization = detect_quantization(src)
+    sources, skipped = fold_quantized(scan_sources(shards), quantization, dequantized_dtype(src))
     model = build_meta_model(src)
     modules = experts_modules(model)
     if not modules:
@@ -233,7 +250,6 @@ def plan_conversion(src: Path) -> ConversionPlan:
             experts_params[f"{path}.{pname}"] = (path, pname)
 
     dense: dict[str, SourceTensor] = {}
-    skipped: list[str] = []
     for tensor in sources:
         target = mapped(tensor.key)
         if target in experts_params:
@@ -266,6 +282,7 @@ def plan_conversion(src: Path) -> ConversionPlan:
 
     _check_dense_complete(model, dense, set(experts_params))
     expert_dtypes = set()
+    expert_quant: set[str | None] = set()
     n_exp, inter, hidden = (
         model_config.num_experts,
         model_config.expert_intermediate_size,
@@ -275,6 +292,9 @@ def plan_conversion(src: Path) -> ConversionPlan:
         _check_experts_complete(module, n_exp, inter, hidden)
         expert_dtypes |= {t.dtype for t in module.per_expert.values()}
         expert_dtypes |= {t.dtype for t in module.fused.values()}
+        weights = [*module.per_expert.values()]
+        weights += [t for name, t in module.fused.items() if not name.endswith("_bias")]
+        expert_quant |= {t.quant for t in weights}
     if not expert_dtypes <= set(FLOAT_DTYPES):
         raise ConvertError(
             f"routed experts have dtype {sorted(expert_dtypes)}; this version converts "
@@ -282,8 +302,15 @@ def plan_conversion(src: Path) -> ConversionPlan:
         )
     if len(expert_dtypes) != 1:
         raise ConvertError(f"routed experts mix dtypes {sorted(expert_dtypes)}; expected one")
+    fp4 = expert_quant.pop() if len(expert_quant) == 1 else None
     return ConversionPlan(
-        model_config, dense, {m.layer: m for m in modules.values()}, expert_dtypes.pop(), skipped
+        model_config,
+        dense,
+        {m.layer: m for m in modules.values()},
+        expert_dtypes.pop(),
+        skipped,
+        quantization,
+        fp4 if fp4 in ("nvfp4", "mxfp4") else None,
     )
 
 
@@ -341,8 +368,10 @@ def _check_experts_complete(module: ExpertsModule, n_exp: int, inter: int, hidde
                 raise ConvertError(f"{found.key}: shape {found.shape}, expected {shape}")
 
 
-def canonical_expert(module: ExpertsModule, expert: int, read) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """The canonical tensors (store docstring) of one expert; `read(SourceTensor)` -> tensor."""
+def canonical_expert(
+    module: ExpertsModule, expert: int, read: TensorReader
+) -> dict[str, torch.Tensor]:
+    """The canonical tensors (store docstring) of one expert."""
     if not module.fused:
         gate = read(module.per_expert[(expert, "gate")])
         up = read(module.per_expert[(expert, "up")])
@@ -359,12 +388,54 @@ def canonical_expert(module: ExpertsModule, expert: int, read) -> dict[str, torc
     ):
         if pname not in module.fused:
             continue
-        t = read(module.fused[pname])[expert]
+        t = read(module.fused[pname], expert)
         if module.is_transposed and t.dim() == 2:
             t = t.t()  # stored [in, out]; canonical is [out, in]
         if name.startswith("gate_up") and not module.is_concatenated:
             t = torch.cat([t[0::2], t[1::2]], dim=0)  # interleaved gate/up rows -> [gate; up]
         out[name] = t.contiguous()
+    return out
+
+
+def canonical_fp4_expert(
+    module: ExpertsModule, expert: int, read: TensorReader
+) -> dict[str, torch.Tensor]:
+    """One expert's FP4 codes and scales as the checkpoint stores them, in the canonical layout
+    (core/layout.fp4_expert_format names): nothing is re-quantised."""
+    out: dict[str, torch.Tensor] = {}
+    if not module.fused:
+        gate = read.fp4(module.per_expert[(expert, "gate")])
+        up = read.fp4(module.per_expert[(expert, "up")])
+        down = read.fp4(module.per_expert[(expert, "down")])
+        tensor_scales = (gate.tensor_scale, up.tensor_scale)
+        if None not in tensor_scales and not torch.equal(*tensor_scales):  # type: ignore[arg-type]
+            raise ConvertError(
+                f"{module.path} expert {expert}: gate and up projections have different NVFP4 "
+                f"global scales {[float(s) for s in tensor_scales if s is not None]}; "
+                "the store keeps one per gate_up matrix, so these codes cannot be kept as they "
+                "are. Convert with --experts q2s (dequantises first), or export the checkpoint "
+                "with fused gate/up global scales (llm-compressor and ModelOpt do by default)."
+            )
+        pieces = {"gate_up": (gate, up), "down": (down,)}
+    else:
+        gate_up = read.fp4(module.fused["gate_up_proj"], expert)
+        pieces = {"gate_up": (gate_up,), "down": (read.fp4(module.fused["down_proj"], expert),)}
+    for name, parts in pieces.items():
+        codes = torch.cat([p.codes for p in parts])  # [N, K/2]
+        scales = torch.cat([p.scales for p in parts])  # [N, K/block]
+        if name == "gate_up" and module.fused and not module.is_concatenated:
+            # interleaved gate/up rows -> [gate; up]
+            codes = torch.cat([codes[0::2], codes[1::2]])
+            scales = torch.cat([scales[0::2], scales[1::2]])
+        out[f"{name}.codes"], out[f"{name}.scales"] = codes, scales
+        if parts[0].tensor_scale is not None:
+            out[f"{name}.tensor_scale"] = parts[0].tensor_scale
+    for pname, name in (("gate_up_proj_bias", "gate_up_bias"), ("down_proj_bias", "down_bias")):
+        if pname in module.fused:
+            bias = read(module.fused[pname], expert)
+            if name == "gate_up_bias" and not module.is_concatenated:
+                bias = torch.cat([bias[0::2], bias[1::2]])
+            out[name] = bias
     return out
 
 
@@ -410,11 +481,14 @@ def convert(
     force: bool = False,
     progress: bool = True,
     finish: Callable[[Path], None] | None = None,
+    keep_fp4_codes: bool = True,
 ) -> Path:
     """Convert the HF checkpoint in `src` into a moetier store at `dst`; returns `dst`.
 
-    `finish(tmp_store)` runs on the complete unquantized store before it is renamed into place
-    (e.g. re-encoding the experts in a low-bit format); a failure there leaves nothing behind."""
+    Experts of an FP4 checkpoint (NVFP4, MXFP4) keep their codes and block scales (store format
+    nvfp4 / mxfp4) unless `keep_fp4_codes` is False; other quantized weights are dequantised.
+    `finish(tmp_store)` runs on the complete store before it is renamed into place (e.g.
+    re-encoding the experts in a low-bit format); a failure there leaves nothing behind."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise ConvertError(
@@ -422,9 +496,12 @@ def convert(
         )
     plan = plan_conversion(src)
     cfg = plan.model_config
-    fmt = raw_expert_format(
-        plan.expert_dtype, cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias
-    )
+    dims = (cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias)
+    fp4 = plan.expert_fp4 if keep_fp4_codes else None
+    if fp4 is not None:
+        fmt = fp4_expert_format(fp4, *dims, bias_dtype=plan.expert_dtype)
+    else:
+        fmt = raw_expert_format(plan.expert_dtype, *dims)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -433,7 +510,7 @@ def convert(
         _copy_aux_files(src, tmp)
         _write_dense(plan, tmp / DENSE_FILE, progress)
         blobs = _write_experts(plan, fmt, tmp / EXPERTS_FILE, progress)
-        index = {
+        index: dict[str, Any] = {
             "version": STORE_VERSION,
             "model_type": cfg.model_type,
             "source_dtype": plan.expert_dtype,
@@ -443,6 +520,10 @@ def convert(
             "skipped_source_tensors": plan.skipped,
             "blobs": blobs,
         }
+        if plan.quantization is not None:
+            index["source_quantization"] = plan.quantization.to_json()
+        if fp4 is not None:
+            index["quantization"] = {"experts": fp4, "codes": "source"}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
         if finish is not None:
             finish(tmp)
@@ -456,6 +537,11 @@ def convert(
 
 
 def _copy_aux_files(src: Path, dst: Path) -> None:
+    # The store's weights are dequantised or in moetier's own formats: transformers must not
+    # apply the source's quantization when it builds the model from this config.
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
     for path in sorted(src.iterdir()):
         if not path.is_file() or path.name in SKIP_AUX:
             continue
@@ -463,27 +549,12 @@ def _copy_aux_files(src: Path, dst: Path) -> None:
             shutil.copyfile(path, dst / path.name)
 
 
-class _Reader:
-    """Opens each shard once (memory-mapped by safetensors) and hands out tensors."""
-
-    def __init__(self) -> None:
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self._files: dict[Path, Any] = {}
-
-    def __call__(self, t: SourceTensor) -> torch.Tensor:
-        if t.file not in self._files:
-            self._files[t.file] = self._open(str(t.file), framework="pt")
-        return self._files[t.file].get_tensor(t.key)
-
-
 def _write_dense(plan: ConversionPlan, path: Path, progress: bool) -> None:
     names = sorted(plan.dense)
     writer = _SafetensorsWriter(
         path, [(n, plan.dense[n].dtype, plan.dense[n].shape) for n in names]
     )
-    read = _Reader()
+    read = TensorReader(plan.quantization)
     for name in tqdm(names, desc="dense tensors", disable=not progress, unit="tensor"):
         writer.write(name, read(plan.dense[name]))
     writer.close()
@@ -494,14 +565,15 @@ def _write_experts(
 ) -> list[dict[str, Any]]:
     n_exp = plan.model_config.num_experts
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
-    read = _Reader()
+    read = TensorReader(plan.quantization)
+    canonical = canonical_fp4_expert if format_kind(fmt) != "raw" else canonical_expert
     blobs = []
     keys = [(layer, e) for layer in sorted(plan.experts) for e in range(n_exp)]
     with open(path, "wb") as f:
         for i, (layer, e) in enumerate(
             tqdm(keys, desc="experts", disable=not progress, unit="expert")
         ):
-            tensors = canonical_expert(plan.experts[layer], e, read)
+            tensors = canonical(plan.experts[layer], e, read)
             blob = torch.zeros(stride, dtype=torch.uint8)
             for spec in fmt.tensors:
                 t = tensors[spec.name]

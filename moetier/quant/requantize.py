@@ -22,7 +22,13 @@ from moetier.core.layout import (
     q2s_expert_format,
 )
 from moetier.kernels.moe_ref import dequant_q2s_ref
-from moetier.quant.fp4 import e2m1_values, pack_nibbles, quantize_mxfp4, quantize_nvfp4
+from moetier.quant.fp4 import (
+    e2m1_values,
+    pack_nibbles,
+    quantize_mxfp4,
+    quantize_nvfp4,
+    unpack_nibbles,
+)
 from moetier.quant.q2s import pack_codes, quantize_q2s
 from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, blob_index_entry
 
@@ -34,23 +40,24 @@ EXPERT_KINDS = ("q2s", "nvfp4", "mxfp4", "nested")
 
 
 def _nested(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """NVFP4-quantise, then split each E2M1 code: base = sign and exponent MSB (code >> 2) with a
-    4-entry table of the mean value of each base code (in block-scale units, fitted on this
-    matrix; each sign kept separate), delta = the two low bits."""
+    """NVFP4-quantise, then split the codes (_split_codes)."""
     q = quantize_nvfp4(w)
-    high, low = q.codes >> 2, q.codes & 3
-    values = e2m1_values(q.codes)
+    return _split_codes(q.codes, {"scales": q.scales, "tensor_scale": q.tensor_scale})
+
+
+def _split_codes(
+    codes: torch.Tensor, scales: dict[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Split each E2M1 code [N, K]: base = sign and exponent MSB (code >> 2) with a 4-entry
+    table of the mean value of each base code (in block-scale units, fitted on this matrix; each
+    sign kept separate) and the block scales as given, delta = the two low bits."""
+    high, low = codes >> 2, codes & 3
+    values = e2m1_values(codes)
     fallback = torch.tensor([0.75, 3.75, -0.75, -3.75])  # mid-bin values if a code never occurs
     table = torch.stack(
         [values[high == c].mean() if bool((high == c).any()) else fallback[c] for c in range(4)]
     ).float()
-    base = {
-        "codes": pack_codes(high),
-        "scales": q.scales,
-        "tensor_scale": q.tensor_scale,
-        "table": table,
-    }
-    return base, {"low": pack_codes(low)}
+    return {"codes": pack_codes(high), **scales, "table": table}, {"low": pack_codes(low)}
 
 
 def _encode(
@@ -81,7 +88,9 @@ def requantize_experts(
     progress: bool = True,
     delta: str | None = None,
 ) -> None:
-    """Replace the store's unquantized experts by `kind` blobs (q2s, nvfp4, mxfp4).
+    """Replace the store's unquantized experts by `kind` blobs (q2s, nvfp4, mxfp4, nested).
+    A store of FP4 codes taken from the checkpoint (nvfp4 or mxfp4) can become `nested`: its
+    codes and block scales are split as they are, so base + delta is the checkpoint bit for bit.
 
     delta="nvfp4" (q2s only) adds a delta plane: per expert a separate blob holding NVFP4 codes
     of W - decode(base), so that base + delta restores near-FP4 precision where it is applied.
@@ -98,13 +107,16 @@ def requantize_experts(
     store = Store(store_dir)
     cfg = store.model_config
     raw = store.blob_format(store.moe_layers[0])
-    if format_kind(raw) != "raw":
+    source_fp4 = format_kind(raw) if format_kind(raw) in ("nvfp4", "mxfp4") else None
+    if format_kind(raw) != "raw" and not (kind == "nested" and source_fp4):
         raise ValueError(f"{store_dir}: experts are already {raw.name}, not an unquantized format")
     dims = (cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias)
     if kind == "q2s":
         fmt = q2s_expert_format(*dims, group, down_group, bias_dtype=store.source_dtype)
     elif kind == "nested":
-        fmt, nested_delta = nested_expert_formats(*dims, bias_dtype=store.source_dtype)
+        fmt, nested_delta = nested_expert_formats(
+            *dims, bias_dtype=store.source_dtype, fp4=source_fp4 or "nvfp4"
+        )
     else:
         fmt = fp4_expert_format(kind, *dims, bias_dtype=store.source_dtype)
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
@@ -128,6 +140,18 @@ def requantize_experts(
             delta_blob = torch.zeros(delta_stride, dtype=torch.uint8)
             h_pair = hessians.get((layer, expert)) if hessians is not None else None
             for m, name, g in ((0, "gate_up", group), (1, "down", down_group)):
+                if source_fp4 is not None:  # the checkpoint's own codes and scales
+                    codes = unpack_nibbles(blob_view(source, fmt_in.tensor(f"{name}.codes")))
+                    scales = {
+                        s.name.split(".")[1]: blob_view(source, s)
+                        for s in fmt_in.tensors
+                        if s.name.startswith(name + ".") and not s.name.endswith(".codes")
+                    }
+                    parts, low = _split_codes(codes, scales)
+                    _put(delta_blob, nested_delta.tensor(f"{name}.low"), low["low"])  # type: ignore[union-attr]
+                    for part, value in parts.items():
+                        _put(blob, fmt.tensor(f"{name}.{part}"), value)
+                    continue
                 w = blob_view(source, fmt_in.tensor(name)).float()
                 if kind == "nested":
                     parts, low = _nested(w)
@@ -164,6 +188,8 @@ def requantize_experts(
         index["formats"][delta_fmt.name] = delta_fmt.to_json()
     index["blobs"] = blobs
     index["quantization"] = {"experts": kind}
+    if source_fp4 is not None:
+        index["quantization"]["codes"] = f"source {source_fp4}"
     if delta_fmt is not None:
         index["quantization"]["delta"] = delta or "nested"
     if kind == "q2s":
