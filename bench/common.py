@@ -11,17 +11,23 @@ from typing import Any
 import torch
 
 
+def git_commit() -> str:
+    """Short hash of HEAD, with "+dirty" when the working tree differs from it; $MOETIER_COMMIT
+    where there is no git (the device machine gets a copy of the tree without it)."""
+    if os.environ.get("MOETIER_COMMIT"):
+        return os.environ["MOETIER_COMMIT"]
+    try:
+        run: dict[str, Any] = {"capture_output": True, "text": True, "check": True}
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], **run).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def run_info() -> dict[str, Any]:
-    commit = os.environ.get("MOETIER_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
     info: dict[str, Any] = {
-        "commit": commit,
+        "commit": git_commit(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.node(),
         "torch": torch.__version__,
     }

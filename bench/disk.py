@@ -34,6 +34,9 @@ import torch
 from moetier.core.layout import align_up
 from moetier.residency.disk import DIRECT_ALIGN, O_DIRECT, DiskReader
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import git_commit  # noqa: E402
+
 # Eval-moe-70m expert in bf16; a Qwen3-30B-A3B expert at 2.25 bpw; a DeepSeek-V3 one at 2.25 bpw.
 DEFAULT_BLOBS = [3 * 512 * 256 * 2, 3 * 2048 * 768 * 9 // 32, 3 * 7168 * 2048 * 9 // 32]
 
@@ -80,17 +83,6 @@ def reader_pass(reader: DiskReader, offsets: list[int], blob: int, batch: int) -
         part = order[i : i + batch]
         reader.read([(o, blob, b) for o, b in zip(part, buffers, strict=False)])
     return time.perf_counter() - start
-
-
-def git_commit() -> str:
-    """Short hash of HEAD, with "+dirty" when the working tree differs from it."""
-    try:
-        run = {"capture_output": True, "text": True, "check": True}
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], **run).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,9 @@ import numpy as np
 import torch
 
 from moetier.residency.predict import predict_experts, prediction_quality
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import git_commit  # noqa: E402
 
 EVAL_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "eval-moe-70m"
 
@@ -58,17 +60,6 @@ def capture(model: torch.nn.Module, windows: torch.Tensor) -> dict[str, list[tor
         for h in hooks:
             h.remove()
     return {name: [torch.cat(parts) for parts in per_layer] for name, per_layer in rec.items()}
-
-
-def git_commit() -> str:
-    """Short hash of HEAD, with "+dirty" when the working tree differs from it."""
-    try:
-        run = {"capture_output": True, "text": True, "check": True}
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], **run).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def main(argv: list[str] | None = None) -> None:

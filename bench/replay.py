@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from moetier.residency.replay import POLICIES, SCOPES, Request, Trace, replay
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import git_commit  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 EVAL_MODEL = SHARED / "models" / "eval-moe-70m"
@@ -98,17 +100,6 @@ def load_traces() -> list[Trace]:
         load_qwen(DATA / "traces-qwen1.5-moe-a2.7b"),
         load_olmoe(DATA / "traces-olmoe-1b-7b" / "moe_routes.jsonl"),
     ]
-
-
-def git_commit() -> str:
-    """Short hash of HEAD, with "+dirty" when the working tree differs from it."""
-    try:
-        run = {"capture_output": True, "text": True, "check": True}
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], **run).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def markdown_table(path: Path) -> str:
