@@ -322,7 +322,7 @@ def _moe_kernel(
         key = tl.load(block_key + pid_m)  # expert * 2 + delta flag; -1 = unused block
         expert = tl.maximum(key, 0) >> 1
         use_delta = (key & 1) == 1
-        pmask = (pairs >= 0) & (key >= 0)
+        pmask = pairs >= 0  # unused blocks (key -1) hold only -1 pairs
         slot = tl.where(key >= 0, tl.load(slot_table + expert), -1)
     else:  # one pair per program (BLOCK_M == 1)
         pairs = pid_m + m_idx
