@@ -146,6 +146,13 @@ class EngineConfig:
     expert_cache_slots: int = field(
         default=0, metadata={"help": "cap the expert cache at this many experts (0 = no cap)"}
     )
+    cache_policy: str = field(
+        default="lru",
+        metadata={
+            "help": "which expert the cache evicts: lru, lfu (decayed frequency), or wlfu "
+            "(decayed routing-weight sum); docs/residency.md compares them"
+        },
+    )
     delta: str = field(
         default="all",
         metadata={

@@ -24,7 +24,7 @@ from moetier.models.experts import (
     register_experts_implementation,
 )
 from moetier.quant.store import DENSE_FILE, Store
-from moetier.residency.slot_pool import SlotPool
+from moetier.residency.slot_pool import SlotPool, make_policy
 
 EXPERT_PARAMS = (
     "gate_up_proj",
@@ -73,7 +73,11 @@ def load_model(store_path: str | Path, engine_config: EngineConfig | None = None
     _check_nothing_on_meta(model)
 
     residency = SlotPool.for_budget(
-        store, device, int(engine_config.expert_cache_mb * 2**20), engine_config.expert_cache_slots
+        store,
+        device,
+        int(engine_config.expert_cache_mb * 2**20),
+        engine_config.expert_cache_slots,
+        make_policy(engine_config.cache_policy),
     )
     formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
     delta_formats = (

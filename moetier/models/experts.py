@@ -61,7 +61,14 @@ class ExpertsRuntime:
             mask = topk_weights >= self.delta_threshold  # [T, k]
             self.delta_pairs += int(mask.sum())
         self.pairs += topk_ids.numel()
-        needed = sorted(set(topk_ids.flatten().tolist()))  # host sync: the reference path only
+        # host syncs: residency decisions are made on the host (the all-resident decode path
+        # of issue #7 will skip them)
+        needed = sorted(set(topk_ids.flatten().tolist()))
+        weight_sum = (  # each expert's summed routing weight, for weight-aware cache policies
+            torch.zeros(self.residency.store.model_config.num_experts)
+            .index_add_(0, topk_ids.flatten().cpu(), topk_weights.flatten().float().cpu())
+            .tolist()
+        )
         with_delta = set(topk_ids[mask].tolist()) if mask is not None else set()
         # Experts are computed in chunks the pool can hold (base + delta blobs); each pair's result
         # lands in its own row of `out`, so the sum is identical whatever the chunking.
@@ -71,7 +78,9 @@ class ExpertsRuntime:
         for start in range(0, len(needed), capacity):
             chunk = needed[start : start + capacity]
             delta_experts = [e for e in chunk if e in with_delta]
-            base_table, delta_table = self.residency.ensure_planes(layer, chunk, delta_experts)
+            base_table, delta_table = self.residency.ensure_planes(
+                layer, chunk, delta_experts, [weight_sum[e] for e in chunk]
+            )
             moe_experts(
                 hidden,
                 topk_ids,

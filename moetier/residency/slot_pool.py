@@ -1,12 +1,12 @@
-"""One pool of fixed-size expert slots (GPU memory with CUDA, else host) with LRU eviction.
+"""One pool of fixed-size expert slots (GPU memory with CUDA, else host).
 
-Misses are fetched blocking from the store's memory-mapped experts file. Knows nothing of
-models: it moves blobs identified by (layer, expert, plane).
+Which blob to evict is a replacement policy's choice (residency/policies.py: LRU by default,
+decayed LFU, routing-weight LFU). Misses are fetched blocking from the store's memory-mapped
+experts file. Knows nothing of models: it moves blobs identified by (layer, expert, plane).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -14,8 +14,20 @@ import torch
 
 from moetier.core.layout import TENSOR_ALIGN, align_up
 from moetier.quant.store import Store
+from moetier.residency.policies import LFU, LRU, CachePolicy, WeightedLFU
+from moetier.residency.telemetry import ResidencyTelemetry
 
 BlobKey = tuple[int, int, str]
+# Online policies the engine can run (`--cache-policy`); the static hot set and Belady need
+# calibration statistics or the future and live in trace replay only.
+POLICIES = {"lru": LRU, "lfu": LFU, "wlfu": WeightedLFU}
+
+
+def make_policy(name: str) -> CachePolicy[BlobKey]:
+    if name not in POLICIES:
+        raise ValueError(f"unknown cache policy {name!r}: choose one of {', '.join(POLICIES)}")
+    policy: CachePolicy[BlobKey] = POLICIES[name]()
+    return policy
 
 
 @dataclass
@@ -32,10 +44,16 @@ class ResidencyStats:
 
 
 class SlotPool:
-    """`num_slots` slots of `slot_bytes` on `device`; an LRU map (layer, expert, plane) -> slot."""
+    """`num_slots` slots of `slot_bytes` on `device`; a map (layer, expert, plane) -> slot whose
+    evictions `policy` chooses."""
 
     def __init__(
-        self, store: Store, device: torch.device | str, num_slots: int, slot_bytes: int
+        self,
+        store: Store,
+        device: torch.device | str,
+        num_slots: int,
+        slot_bytes: int,
+        policy: CachePolicy[BlobKey] | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot: raise --expert-cache-mb")
@@ -47,13 +65,19 @@ class SlotPool:
         # byte offset of each slot from the pool's first byte: the kernels' slot -> address map
         self.slot_offsets = torch.arange(num_slots, device=self.device, dtype=torch.int64)
         self.slot_offsets *= self.slot_bytes
-        self._lru: OrderedDict[BlobKey, int] = OrderedDict()
+        self.policy: CachePolicy[BlobKey] = policy if policy is not None else LRU()
+        self._slots: dict[BlobKey, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = ResidencyStats()
 
     @classmethod
     def for_budget(
-        cls, store: Store, device: torch.device | str, budget_bytes: int = 0, max_slots: int = 0
+        cls,
+        store: Store,
+        device: torch.device | str,
+        budget_bytes: int = 0,
+        max_slots: int = 0,
+        policy: CachePolicy[BlobKey] | None = None,
     ) -> SlotPool:
         """Size the pool from a byte budget (0 = every expert of the store fits)."""
         slot_bytes = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
@@ -66,39 +90,55 @@ class SlotPool:
                 f"an expert cache of {budget_bytes / 2**20:.1f} MiB holds no expert "
                 f"({slot_bytes / 2**20:.2f} MiB each): raise --expert-cache-mb"
             )
-        return cls(store, device, num_slots, slot_bytes)
+        return cls(store, device, num_slots, slot_bytes, policy)
 
     @property
     def capacity(self) -> int:
         return self.num_slots
 
-    def ensure(self, layer: int, experts: Sequence[int], plane: str = "base") -> torch.Tensor:
+    def ensure(
+        self,
+        layer: int,
+        experts: Sequence[int],
+        plane: str = "base",
+        weights: Sequence[float] | None = None,
+    ) -> torch.Tensor:
         """Make `experts` of `layer` resident; returns the expert->slot table [E] int32 on the
         pool's device, -1 for experts not asked for. Evicts least recently used slots that are
-        not part of this request."""
+        not part of this request. `weights`: each expert's summed routing weight in this request
+        (for routing-weight-aware policies)."""
         if len(experts) > self.num_slots:
             raise ValueError(
                 f"{len(experts)} experts asked for at once, the pool has {self.num_slots} slots"
             )
-        slots = self._ensure_keys([(layer, e, plane) for e in experts])
+        slots = self._ensure_keys([(layer, e, plane) for e in experts], weights)
         table = [-1] * self.store.model_config.num_experts
         for expert, slot in zip(experts, slots, strict=True):
             table[expert] = slot
         return torch.tensor(table, dtype=torch.int32).to(self.device)
 
     def ensure_planes(
-        self, layer: int, experts: Sequence[int], delta_experts: Sequence[int]
+        self,
+        layer: int,
+        experts: Sequence[int],
+        delta_experts: Sequence[int],
+        weights: Sequence[float] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Base blobs of `experts` and delta blobs of `delta_experts`, resident together;
-        returns (base table, delta table or None), each [E] int32 like `ensure`."""
+        returns (base table, delta table or None), each [E] int32 like `ensure`. `weights`
+        are the experts' routing weights (`ensure`); a delta blob counts with its expert's."""
         if not delta_experts:
-            return self.ensure(layer, experts), None
+            return self.ensure(layer, experts, weights=weights), None
         keys = [(layer, e, "base") for e in experts] + [(layer, e, "delta") for e in delta_experts]
         if len(keys) > self.num_slots:
             raise ValueError(
                 f"{len(keys)} blobs asked for at once, the pool has {self.num_slots} slots"
             )
-        slots = self._ensure_keys(keys)
+        key_weights = None
+        if weights is not None:
+            by_expert = dict(zip(experts, weights, strict=True))
+            key_weights = list(weights) + [by_expert[e] for e in delta_experts]
+        slots = self._ensure_keys(keys, key_weights)
         base = [-1] * self.store.model_config.num_experts
         delta = list(base)
         for (_, expert, plane), slot in zip(keys, slots, strict=True):
@@ -108,31 +148,38 @@ class SlotPool:
             torch.tensor(delta, dtype=torch.int32).to(self.device),
         )
 
-    def _ensure_keys(self, keys: list[BlobKey]) -> list[int]:
+    def _ensure_keys(
+        self, keys: list[BlobKey], weights: Sequence[float] | None = None
+    ) -> list[int]:
         """Make `keys` resident (none of them evicted for another); returns their slots."""
         wanted = set(keys)
         slots = []
         for key in keys:
-            slot = self._lru.get(key)
+            slot = self._slots.get(key)
             if slot is not None:
-                self._lru.move_to_end(key)
                 self.stats.hits += 1
             else:
                 slot = self._take_slot(wanted)
                 self._fetch(key, slot)
-                self._lru[key] = slot
+                self._slots[key] = slot
                 self.stats.misses += 1
             slots.append(slot)
+        self.policy.on_access(keys, weights)
         return slots
 
     def _take_slot(self, protected: set[BlobKey]) -> int:
+        """A free slot, or the slot of the policy's victim among blobs not in this request.
+        (A policy's `admit` is not consulted: the kernel reads every blob from a slot; serving a
+        miss uncached needs the host-pinned tier.)"""
         if self._free:
             return self._free.pop()
-        for key in self._lru:  # oldest first
-            if key not in protected:
-                self.stats.evictions += 1
-                return self._lru.pop(key)
-        raise RuntimeError("no evictable slot")  # unreachable: len(experts) <= num_slots
+        candidates = [key for key in self._slots if key not in protected]
+        if not candidates:  # unreachable: a request never exceeds num_slots
+            raise RuntimeError("no evictable slot")
+        victim = self.policy.victim(candidates)
+        self.policy.on_evict(victim)
+        self.stats.evictions += 1
+        return self._slots.pop(victim)
 
     def _fetch(self, key: BlobKey, slot: int) -> None:
         blob = self.store.blob(*key)
@@ -140,4 +187,13 @@ class SlotPool:
         self.stats.bytes_fetched += blob.numel()
 
     def resident(self) -> list[BlobKey]:
-        return list(self._lru)
+        return list(self._slots)
+
+    def telemetry(self) -> ResidencyTelemetry:
+        """Counters for /metrics: this pool's tier (gpu or host) and the store below it."""
+        out = ResidencyTelemetry()
+        tier = out["gpu" if self.device.type == "cuda" else "host"]
+        tier.hits, tier.misses = self.stats.hits, self.stats.misses
+        tier.bytes = self.stats.bytes_fetched
+        out["disk"].hits = self.stats.misses  # every miss is served from the store's file
+        return out

@@ -1,12 +1,14 @@
-"""The slot pool: LRU eviction, fetched bytes, budget sizing."""
+"""The slot pool: eviction by policy, fetched bytes, budget sizing, telemetry."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moetier.config import EngineConfig
+from moetier.loader.load import load_model
 from moetier.quant.store import Store
-from moetier.residency.slot_pool import SlotPool
+from moetier.residency.slot_pool import SlotPool, make_policy
 
 
 @pytest.fixture()
@@ -46,3 +48,39 @@ def test_budget_sizing_and_errors(store):
     pool = SlotPool.for_budget(store, "cpu", max_slots=2)
     with pytest.raises(ValueError, match="3 experts asked for at once, the pool has 2 slots"):
         pool.ensure(0, [1, 2, 3])
+
+
+def test_policy_chooses_the_victim(store):
+    """Under LFU the often-used expert survives where LRU would evict it."""
+    pool = SlotPool.for_budget(store, "cpu", max_slots=3, policy=make_policy("lfu"))
+    for _ in range(3):
+        pool.ensure(0, [0])
+    pool.ensure(0, [1])
+    pool.ensure(0, [2])  # 0 is now the least recent but the most used
+    pool.ensure(0, [3])
+    assert (0, 0, "base") in pool.resident() and (0, 1, "base") not in pool.resident()
+    with pytest.raises(ValueError, match="unknown cache policy 'mru': choose one of lru, lfu"):
+        make_policy("mru")
+
+
+def test_telemetry_counts_the_pool_and_the_store(store):
+    pool = SlotPool.for_budget(store, "cpu", max_slots=2)
+    pool.ensure(0, [0, 1])
+    pool.ensure(0, [1])
+    counters = pool.telemetry()
+    assert (counters["host"].hits, counters["host"].misses) == (1, 2)
+    assert counters["host"].bytes == 2 * store.blobs[(0, 0, "base")].nbytes
+    assert counters["disk"].hits == 2
+
+
+@pytest.mark.parametrize("policy", ["lfu", "wlfu"])
+def test_policies_never_change_numerics(tiny, policy):
+    ids = torch.randint(1, 300, (2, 12), generator=torch.Generator().manual_seed(3))
+    store = tiny.store("qwen3_moe")
+
+    def logits(**engine):
+        loaded = load_model(store, EngineConfig(device="cpu", dtype="float32", **engine))
+        with torch.no_grad():
+            return loaded.model(ids).logits
+
+    assert torch.equal(logits(expert_cache_slots=3, cache_policy=policy), logits())

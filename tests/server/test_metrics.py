@@ -26,3 +26,20 @@ def test_metrics_route(tiny):
     without = create_app(generator, "tiny-qwen3")
     with TestClient(without) as http:
         assert http.get("/metrics").status_code == 404
+
+
+def test_serve_wires_the_slot_pool(tiny):
+    """What `moetier serve` passes: the live counters of the model's slot pool."""
+    generator = Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu")))
+    residency = generator.loaded.runtime.residency
+    app = create_app(generator, "tiny-qwen3", telemetry=residency.telemetry)
+    with TestClient(app) as http:
+        http.post(
+            "/v1/chat/completions",
+            json={"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 2},
+        )  # fmt: skip
+        text = http.get("/metrics").text
+    misses = residency.stats.misses
+    assert misses > 0
+    assert f'moetier_residency_misses_total{{tier="host",model="tiny-qwen3"}} {misses}\n' in text
