@@ -464,18 +464,29 @@ def _copy_aux_files(src: Path, dst: Path) -> None:
 
 
 class _Reader:
-    """Opens each shard once (memory-mapped by safetensors) and hands out tensors."""
+    """Reads tensors from the shards with explicit reads (no mmap): the converter's resident
+    memory stays at the tensor in hand, whatever the checkpoint size (bench/convert_rss.py)."""
 
     def __init__(self) -> None:
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self._files: dict[Path, Any] = {}
+        self._files: dict[Path, tuple[Any, int, dict[str, Any]]] = {}
 
     def __call__(self, t: SourceTensor) -> torch.Tensor:
         if t.file not in self._files:
-            self._files[t.file] = self._open(str(t.file), framework="pt")
-        return self._files[t.file].get_tensor(t.key)
+            header = read_safetensors_header(t.file)
+            f = open(t.file, "rb")  # noqa: SIM115 - one handle per shard for the conversion
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            self._files[t.file] = (f, 8 + header_len, header)
+        f, data_start, header = self._files[t.file]
+        begin, end = header[t.key]["data_offsets"]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        f.seek(data_start + begin)
+        if f.readinto(out.numpy().data) != end - begin:
+            raise ConvertError(f"{t.file}: short read of {t.key}; download the shard again")
+        return out.view(DTYPES[t.dtype]).view(t.shape)
+
+    def close(self) -> None:
+        for f, _, _ in self._files.values():
+            f.close()
 
 
 def _write_dense(plan: ConversionPlan, path: Path, progress: bool) -> None:
@@ -487,6 +498,7 @@ def _write_dense(plan: ConversionPlan, path: Path, progress: bool) -> None:
     for name in tqdm(names, desc="dense tensors", disable=not progress, unit="tensor"):
         writer.write(name, read(plan.dense[name]))
     writer.close()
+    read.close()
 
 
 def _write_experts(
@@ -515,4 +527,5 @@ def _write_experts(
                 )
             f.write(blob.numpy().tobytes())
             blobs.append(blob_index_entry(layer, e, i * stride, fmt, blob))
+    read.close()
     return blobs
