@@ -4,6 +4,7 @@ unquantized store over calibration text, re-encode the experts, then publish the
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from moetier.core.layout import blob_view
 from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix
 from moetier.loader.load import load_model
 from moetier.quant.convert import convert
-from moetier.quant.requantize import Hessians, requantize_experts
+from moetier.quant.requantize import Hessians, Override, requantize_experts
 from moetier.quant.store import Store
 
 # Per-expert Hessians of every layer are held at once; past this, refuse rather than swap.
@@ -103,15 +104,18 @@ def convert_quantized(
     calibration: str | Path | None = None,
     calibration_tokens: int = 65536,
     group: int = 32,
-    down_group: int = 16,
+    down_group: int | None = None,
     delta: str | None = None,
+    overrides: Sequence[str] = (),
     force: bool = False,
     progress: bool = True,
 ) -> Path:
-    """`moetier convert --experts KIND`: the store at `dst` holds `kind` experts (q2s, nvfp4,
-    mxfp4); calibration text (q2s only) enables GPTQ rounding."""
+    """`moetier convert --experts KIND`: the store at `dst` holds `kind` experts (q2s, int2,
+    affine2, nvfp4, mxfp4, nested), with `overrides` (`--override` strings, quant/requantize.py)
+    applied per layer and matrix; calibration text (q2s only) enables GPTQ rounding."""
     if calibration is not None and kind != "q2s":
         raise ValueError(f"--calibration applies to --experts q2s, not {kind}")
+    parsed = [Override.parse(text) for text in overrides]  # fail before converting
 
     def finish(tmp: Path) -> None:
         hessians = None
@@ -119,6 +123,6 @@ def convert_quantized(
             hessians = collect_hessians(
                 tmp, calibration_texts(Path(calibration)), calibration_tokens, progress=progress
             )
-        requantize_experts(tmp, kind, hessians, group, down_group, progress, delta)
+        requantize_experts(tmp, kind, hessians, group, down_group, progress, delta, parsed)
 
     return convert(src, dst, force=force, progress=progress, finish=finish)
