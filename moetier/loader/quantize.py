@@ -15,7 +15,7 @@ from moetier.core.layout import blob_view
 from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix
 from moetier.loader.load import load_model
 from moetier.quant.convert import convert
-from moetier.quant.requantize import Hessians, Override, requantize_experts
+from moetier.quant.requantize import Hessians, Override, base_codecs, requantize_experts
 from moetier.quant.store import Store
 
 # Per-expert Hessians of every layer are held at once; past this, refuse rather than swap.
@@ -115,7 +115,10 @@ def convert_quantized(
     applied per layer and matrix; calibration text (q2s only) enables GPTQ rounding."""
     if calibration is not None and kind != "q2s":
         raise ValueError(f"--calibration applies to --experts q2s, not {kind}")
-    parsed = [Override.parse(text) for text in overrides]  # fail before converting
+    # Fail on bad arguments before converting (divisibility by the model's K is checked later).
+    parsed = [Override.parse(text) for text in overrides]
+    if kind in ("q2s", "int2", "affine2"):
+        base_codecs(kind, group, down_group or group)
 
     def finish(tmp: Path) -> None:
         hessians = None

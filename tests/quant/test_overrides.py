@@ -94,3 +94,6 @@ def test_bad_override_fails_before_converting(tiny, tmp_path):
     with pytest.raises(ValueError, match="--override 'down=q2s-g7'"):
         convert_quantized(tiny.checkpoint("qwen3_moe"), tmp_path / "s", overrides=["down=q2s-g7"])
     assert not (tmp_path / "s").exists()
+    with pytest.raises(ValueError, match="affine2: group 30 must be a multiple of 4"):
+        convert_quantized(tiny.checkpoint("qwen3_moe"), tmp_path / "s", "affine2", group=30)
+    assert not (tmp_path / "s").exists()
