@@ -2,9 +2,12 @@
 
 Writes the checkpoint shard by shard into a temporary directory (never more than one shard in
 memory), converts it with `python -m moetier convert` in a child process per run, and reports the
-child's peak RSS (`wait4` maxrss) and its peak anonymous memory (RssAnon of /proc/PID/status,
-sampled every 20 ms): file-backed pages of memory-mapped inputs count in RSS but are dropped by
-the kernel under pressure, anonymous ones are not. One JSON line per conversion.
+child's peak RSS (VmHWM of /proc/PID/status, the high-water mark of its own address space) and
+its peak anonymous and file-backed memory (RssAnon, RssFile, sampled every 20 ms): file-backed
+pages of memory-mapped inputs count in RSS but are dropped by the kernel under pressure,
+anonymous ones are not. `wait4`'s maxrss is printed too, but Linux carries the forking parent's
+RSS into it across exec (signal->maxrss), so it overstates the child by up to this script's own
+size. One JSON line per conversion.
 
     python bench/convert_rss.py                      # bf16 store, then q2s round-to-nearest
     python bench/convert_rss.py --runs source --size-gb 1
@@ -125,10 +128,10 @@ def write_checkpoint(path: Path, size_gb: float) -> tuple[int, int]:
 
 
 def measure(cmd: list[str]) -> dict:
-    """Run cmd; its peak RSS (wait4) and sampled peak RssAnon / RssFile, in MiB."""
+    """Run cmd; its peak RSS (VmHWM), sampled peak RssAnon / RssFile and wait4 maxrss, in MiB."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    peaks = {"RssAnon": 0, "RssFile": 0}
+    peaks = {"VmHWM": 0, "RssAnon": 0, "RssFile": 0}
     done = threading.Event()
 
     def sample() -> None:
@@ -154,11 +157,12 @@ def measure(cmd: list[str]) -> dict:
     if status != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr.decode()[-3000:]}")
     return {
-        "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(peaks["VmHWM"] / 1024, 1),
         "peak_rss_anon_mib": round(peaks["RssAnon"] / 1024, 1),
         "peak_rss_file_mib": round(peaks["RssFile"] / 1024, 1),
+        "wait4_maxrss_mib": round(usage.ru_maxrss / 1024, 1),
         "wall_s": round(time.perf_counter() - start, 1),
-        "output": stdout.decode().strip().splitlines()[-1:],
+        "output": [line.strip() for line in stdout.decode().strip().splitlines()],
     }
 
 
