@@ -7,7 +7,8 @@ the transformers model ("fake quant"), and measure KL divergence against the ori
         --calibration ../shared/data/gutenberg/train --variants rtn,imatrix,gptq
 
 Variants: naive (int2 {-2,-1,0,1}*absmax/2, fp16 scale), hqq (asymmetric affine 2-bit, HQQ
-zero refinement, fp16 scale and zero), rtn (q2s, MSE scale search, no calibration), imatrix
+zero refinement, fp16 scale and zero; both from moetier.quant.baselines, the store formats
+`--experts int2|affine2`), rtn (q2s, MSE scale search, no calibration), imatrix
 (scale search weighted by the per-channel mean x^2), gptq (imatrix scales + Hessian error
 feedback), gptq-ao (gptq visiting columns by decreasing importance, static group scales), each
 at g32 (2.25 bpw + row scale),
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from moetier.engine.quality import chunks, compare
+from moetier.quant.baselines import quantize_affine2, quantize_int2
 from moetier.quant.q2s import quantize_q2s
 
 
@@ -68,32 +70,6 @@ def calibration_hessians(model, ids: torch.Tensor) -> dict[str, list[list[torch.
     return stats
 
 
-def naive_int2(w: torch.Tensor, group: int) -> torch.Tensor:
-    """{-2,-1,0,1} * absmax/2 per group, fp16 scale (2 + 16/group bpw): the lopsided baseline."""
-    g = w.view(w.shape[0], -1, group)
-    s = (g.abs().amax(-1, keepdim=True) / 2).half().float().clamp_min(1e-12)
-    return ((g / s).round().clamp(-2, 1) * s).view_as(w)
-
-
-def affine_hqq(w: torch.Tensor, group: int, iters: int = 20) -> torch.Tensor:
-    """Asymmetric affine 2-bit, w = s * (q - z), q in 0..3, fp16 scale and zero per group
-    (2 + 32/group bpw); zero refined with HQQ's half-quadratic l_p (p = 0.7) proximal steps."""
-    g = w.view(w.shape[0], -1, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    s = ((hi - lo) / 3).clamp_min(1e-12).half().float()
-    z = -lo / s
-    beta, p = 10.0, 0.7
-    for _ in range(iters):
-        q = (g / s + z).round().clamp(0, 3)
-        err = g - (q - z) * s
-        pull = err.abs().clamp_min(1e-12) ** (p - 1) / beta
-        shrunk = torch.sign(err) * torch.relu(err.abs() - pull)
-        z = (q - (g - shrunk) / s).mean(-1, keepdim=True)
-        beta *= 1.01
-    z = z.half().float()
-    return (((g / s + z).round().clamp(0, 3) - z) * s).view_as(w)
-
-
 def quantise_model(model, stats, method: str, group: int, down_group: int) -> float:  # type: ignore[no-untyped-def]
     """Replace every routed expert by its q2s reconstruction; returns bits per expert weight."""
     bits = weights = 0.0
@@ -108,9 +84,10 @@ def quantise_model(model, stats, method: str, group: int, down_group: int) -> fl
                 ):
                     w = param[e].float()
                     if method in ("naive", "hqq"):
-                        fake = naive_int2(w, g) if method == "naive" else affine_hqq(w, g)
-                        param[e] = fake.to(param.dtype)
-                        bits += (2 + (16 if method == "naive" else 32) / g) * w.numel()
+                        # the store formats int2-gG / affine2-gG (moetier.quant.baselines)
+                        b = quantize_int2(w, g) if method == "naive" else quantize_affine2(w, g)
+                        param[e] = b.dequantize().to(param.dtype)
+                        bits += b.bits_per_weight * w.numel()
                         weights += w.numel()
                         continue
                     if method == "rtn":

@@ -1,4 +1,4 @@
-"""`moetier convert HF_DIR OUT_DIR [--experts q2s --calibration TEXT]`."""
+"""`moetier convert HF_DIR OUT_DIR [--experts q2s --calibration TEXT --delta q2 --override ...]`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moetier.quant.store import Store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,27 +19,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     parser.add_argument(
         "--experts",
-        choices=("source", "q2s", "nvfp4", "mxfp4", "nested"),
+        choices=("source", "q2s", "int2", "affine2", "nvfp4", "mxfp4", "nested"),
         default="source",
         help="routed expert format: the checkpoint's (its dtype; FP8 dequantised; an NVFP4/MXFP4 "
-        "checkpoint's own codes), q2s 2-bit, FP4, or nested (FP4 split into a 2-bit base plane "
-        "and a 2-bit delta plane; from an FP4 checkpoint, its own codes) (default: source)",
+        "checkpoint's own codes); q2s 2-bit; the 2-bit baselines int2 (naive {-2,-1,0,1}*absmax/2) "
+        "and affine2 (asymmetric, HQQ zero); NVFP4/MXFP4; or nested (FP4 split into a 2-bit base "
+        "plane and a 2-bit delta plane; from an FP4 checkpoint, its own codes) (default: source)",
     )
     parser.add_argument(
         "--delta",
-        choices=("none", "nvfp4"),
+        choices=("none", "nvfp4", "q2"),
         default="none",
-        help="with --experts q2s: add a delta plane, NVFP4 codes of the q2s error, applied at "
-        "run time where the engine's --delta says (default: none)",
+        help="add a delta plane holding W - decode(base), coded as NVFP4 or as 2-bit q2s g16, "
+        "applied at run time where the engine's --delta says (default: none)",
     )
     parser.add_argument(
-        "--group", type=int, default=32, help="q2s group size of gate/up (default: 32)"
+        "--group",
+        type=int,
+        default=32,
+        help="group size (weights per scale) of gate/up for q2s, int2, affine2 (default: 32)",
     )
     parser.add_argument(
         "--down-group",
         type=int,
-        default=16,
-        help="q2s group size of down_proj, the more sensitive matrix (default: 16)",
+        default=None,
+        help="group size of down_proj, the more sensitive matrix (default: 16 for q2s, else "
+        "--group)",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="[layers=L:][gate_up=|down=]FORMAT",
+        help="a different format for some matrices or layers; repeatable, later ones win. "
+        "FORMAT: q2s-gN, int2-gN, affine2-gN, nvfp4 or mxfp4; L: layer numbers as in the "
+        "checkpoint (layers.N), ranges and commas. E.g. --override down=q2s-g16 --override "
+        "'layers=0-1:nvfp4' --override 'layers=3,5:down=int2-g16'",
     )
     parser.add_argument(
         "--calibration",
@@ -67,29 +86,67 @@ def run(args: argparse.Namespace) -> int:
             calibration_tokens=args.calibration_tokens,
             group=args.group,
             down_group=args.down_group,
+            overrides=args.override,
             force=args.force,
             progress=progress,
         )
     else:
-        if args.calibration or args.delta != "none":
-            raise ValueError("--calibration and --delta apply to --experts q2s")
+        if args.calibration or args.delta != "none" or args.override:
+            raise ValueError("--calibration, --delta and --override apply to low-bit --experts")
         out = convert(args.hf_dir, args.out_dir, force=args.force, progress=progress)
     store = Store(out)
     cfg = store.model_config
-    expert_params, expert_bytes = store.expert_params, store.expert_bytes
-    dense_params, dense_bytes = _dense_size(store.path / DENSE_FILE)
-    delta = ""
-    if store.has_plane("delta"):
-        delta = f" (+{store.plane_bits_per_weight('delta'):.3f} where the delta plane is applied)"
     print(
-        f"wrote {out}: {len(store.moe_layers)} MoE layers x {cfg.num_experts} experts, "
-        f"{'/'.join(sorted(store.formats))}; experts {expert_bytes / 2**20:.1f} MiB, "
-        f"{store.expert_bits_per_weight:.3f} bits per weight{delta}; whole store "
-        f"{(expert_bytes + dense_bytes) / 2**20:.1f} MiB at "
-        f"{8 * (expert_bytes + dense_bytes) / (expert_params + dense_params):.3f} bits per weight; "
+        f"wrote {out}: {len(store.moe_layers)} MoE layers x {cfg.num_experts} experts; "
         f"{time.perf_counter() - start:.1f} s"
     )
+    for line in bits_report(store, *_dense_size(store.path / DENSE_FILE)):
+        print("  " + line)
     return 0
+
+
+def bits_report(store: Store, dense_params: int, dense_bytes: int) -> list[str]:
+    """Bits per weight of the experts (each plane, each format with its layers) and of the whole
+    store, dense tensors included; blob bytes count alignment padding."""
+    lines = []
+    for plane in ("base", "delta"):
+        if not store.has_plane(plane):
+            continue
+        layers_of: dict[str, list[int]] = {}
+        for layer in store.moe_layers:
+            layers_of.setdefault(store.blob_format(layer, plane).name, []).append(layer)
+        per_layer = store.expert_params / len(store.moe_layers)
+        parts = []
+        for name, layers in layers_of.items():
+            nbytes = sum(
+                e.nbytes for e in store.blobs.values() if e.plane == plane and e.layer in layers
+            )
+            where = "" if len(layers_of) == 1 else f" (layers {_ranges(layers)})"
+            parts.append(f"{name}{where} {8 * nbytes / (per_layer * len(layers)):.3f}")
+        total = store.plane_bits_per_weight(plane)
+        label = "experts " if plane == "base" else "delta plane, where applied: +"
+        lines.append(f"{label}{total:.3f} bits per weight: {', '.join(parts)}")
+    base_bytes = sum(e.nbytes for e in store.blobs.values() if e.plane == "base")
+    params = store.expert_params + dense_params
+    whole = f"whole store (dense {dense_params / 1e6:.1f} M weights included): "
+    base_total = base_bytes + dense_bytes
+    whole += f"{base_total / 2**20:.1f} MiB, {8 * base_total / params:.3f} bits per weight"
+    if store.has_plane("delta"):
+        all_bytes = store.expert_bytes + dense_bytes
+        whole += f"; with the delta plane {all_bytes / 2**20:.1f} MiB, {8 * all_bytes / params:.3f}"
+    lines.append(whole)
+    return lines
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out: list[str] = []
+    for layer in layers:
+        if out and out[-1].split("-")[-1] == str(layer - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{layer}"
+        else:
+            out.append(str(layer))
+    return ",".join(out)
 
 
 def _dense_size(path: Path) -> tuple[int, int]:

@@ -94,6 +94,141 @@ def raw_expert_format(dtype: str, hidden: int, intermediate: int, has_bias: bool
     return _layout(dtype, entries)
 
 
+MATRICES = ("gate_up", "down")
+CODEC_KINDS = ("q2s", "int2", "affine2", "nvfp4", "mxfp4")
+FP4_BLOCKS = {"nvfp4": 16, "mxfp4": 32}
+
+
+@dataclass(frozen=True)
+class MatrixCodec:
+    """How one expert matrix W [N, K] is coded; its tensors are `M.part` in the blob.
+
+    q2s-g{G}      codes uint8 [N, K/4] (2-bit, 4 per byte along K, code j at bits 2j..2j+1),
+                  scales float8_e4m3fn [N, K/G], row_scale float32 [N], grid float32 [2] (a, b):
+                  W = row_scale · scales · (−b, −a, +a, +b)[code]            (quant/q2s.py)
+    int2-g{G}     codes as q2s, scales float16 [N, K/G]:  W = (code − 2) · scale,
+                  i.e. {−2, −1, 0, 1} · absmax/2, round to nearest          (quant/baselines.py)
+    affine2-g{G}  codes as q2s, scales and zeros float16 [N, K/G]:  W = (code − zero) · scale,
+                  zero refined HQQ-style                                     (quant/baselines.py)
+    nvfp4         codes uint8 [N, K/2] (two E2M1 per byte, element 2j low), scales
+                  float8_e4m3fn [N, K/16], tensor_scale float32 [1]         (quant/fp4.py)
+    mxfp4         codes as nvfp4, scales uint8 E8M0 [N, K/32]               (quant/fp4.py)
+    """
+
+    kind: str
+    group: int  # weights per scale along K (the FP4 block for nvfp4 / mxfp4)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CODEC_KINDS:
+            raise ValueError(f"unknown matrix format {self.kind!r}: {CODEC_HELP}")
+        if self.kind in FP4_BLOCKS and self.group != FP4_BLOCKS[self.kind]:
+            raise ValueError(f"{self.kind} has blocks of {FP4_BLOCKS[self.kind]}, not {self.group}")
+        if self.group < 4 or self.group % 4:
+            raise ValueError(f"{self.kind}: group {self.group} must be a multiple of 4")
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.kind in FP4_BLOCKS else f"{self.kind}-g{self.group}"
+
+    @classmethod
+    def parse(cls, text: str) -> MatrixCodec:
+        """'q2s-g16', 'int2-g32', 'affine2-g64', 'nvfp4' or 'mxfp4'."""
+        if text in FP4_BLOCKS:
+            return cls(text, FP4_BLOCKS[text])
+        kind, sep, group = text.partition("-g")
+        if not sep or kind not in CODEC_KINDS or not group.isdigit():
+            raise ValueError(f"unknown matrix format {text!r}: {CODEC_HELP}")
+        return cls(kind, int(group))
+
+    def entries(self, matrix: str, n: int, k: int) -> list[tuple[str, str, tuple[int, ...]]]:
+        """The (name, dtype, shape) of each tensor of matrix `matrix` [n, k]."""
+        if k % self.group:
+            raise ValueError(f"{self.name}: {matrix} has K={k}, not divisible by {self.group}")
+        groups: tuple[int, ...] = (n, k // self.group)
+        packed: tuple[int, ...] = (n, k // 2 if self.kind in FP4_BLOCKS else k // 4)
+        out: list[tuple[str, str, tuple[int, ...]]] = [(f"{matrix}.codes", "uint8", packed)]
+        if self.kind in FP4_BLOCKS:
+            if self.kind == "nvfp4":
+                return out + [
+                    (f"{matrix}.scales", "float8_e4m3fn", groups),
+                    (f"{matrix}.tensor_scale", "float32", (1,)),
+                ]
+            return out + [(f"{matrix}.scales", "uint8", groups)]
+        if self.kind == "q2s":
+            return out + [
+                (f"{matrix}.scales", "float8_e4m3fn", groups),
+                (f"{matrix}.row_scale", "float32", (n,)),
+                (f"{matrix}.grid", "float32", (2,)),
+            ]
+        out.append((f"{matrix}.scales", "float16", groups))
+        if self.kind == "affine2":
+            out.append((f"{matrix}.zeros", "float16", groups))
+        return out
+
+    def bits_per_weight(self, n: int, k: int) -> float:
+        """Codes + scales + tables of an [n, k] matrix, per weight (no alignment padding)."""
+        nbytes = 0
+        for _, dtype, shape in self.entries("m", n, k):
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes += numel * DTYPES[dtype].itemsize
+        return 8 * nbytes / (n * k)
+
+
+CODEC_HELP = "use q2s-gN, int2-gN, affine2-gN (N a multiple of 4 dividing K), nvfp4 or mxfp4"
+BIAS_SUFFIX = "+bias"
+
+
+def coded_format_name(gate_up: MatrixCodec, down: MatrixCodec, has_bias: bool) -> str:
+    """'q2s-g32-down-g16' (q2s always names both groups), 'nvfp4' or 'int2-g32' when both
+    matrices share a codec, 'int2-g32-down-g16' when only the group differs, otherwise
+    'q2s-g32-down-nvfp4'; '+bias' when the blob also holds biases (gpt-oss)."""
+    if gate_up.kind == down.kind and (gate_up.kind == "q2s" or gate_up != down):
+        name = f"{gate_up.name}-down-g{down.group}"
+    elif gate_up == down:
+        name = gate_up.name
+    else:
+        name = f"{gate_up.name}-down-{down.name}"
+    return name + (BIAS_SUFFIX if has_bias else "")
+
+
+def matrix_codecs(fmt: BlobFormat) -> dict[str, MatrixCodec] | None:
+    """The codec of each matrix of a coded blob format (by its name); None for unquantized and
+    nested formats."""
+    name = fmt.name.removesuffix(BIAS_SUFFIX)
+    head, sep, tail = name.partition("-down-")
+    try:
+        gate_up = MatrixCodec.parse(head)
+        if not sep:
+            return {"gate_up": gate_up, "down": gate_up}
+        if tail.startswith("g") and tail[1:].isdigit():
+            return {"gate_up": gate_up, "down": MatrixCodec(gate_up.kind, int(tail[1:]))}
+        return {"gate_up": gate_up, "down": MatrixCodec.parse(tail)}
+    except ValueError:
+        return None
+
+
+def coded_expert_format(
+    gate_up: MatrixCodec,
+    down: MatrixCodec,
+    hidden: int,
+    intermediate: int,
+    has_bias: bool,
+    bias_dtype: str = "float32",
+) -> BlobFormat:
+    """One expert plane with each matrix coded by its MatrixCodec (gate_up [2I, H], down
+    [H, I]), then the biases (gpt-oss) in `bias_dtype`. docs/formats.md lists the layouts."""
+    entries = gate_up.entries("gate_up", 2 * intermediate, hidden)
+    entries += down.entries("down", hidden, intermediate)
+    if has_bias:
+        entries += [
+            ("gate_up_bias", bias_dtype, (2 * intermediate,)),
+            ("down_bias", bias_dtype, (hidden,)),
+        ]
+    return _layout(coded_format_name(gate_up, down, has_bias), entries)
+
+
 def q2s_expert_format(
     hidden: int,
     intermediate: int,
@@ -102,59 +237,25 @@ def q2s_expert_format(
     down_group: int,
     bias_dtype: str = "float32",
 ) -> BlobFormat:
-    """q2s experts (quant/q2s.py): per matrix M in (gate_up, down)
-      M.codes      [N, K // 4]      uint8, 4 codes per byte along K, code j at bits 2j..2j+1
-      M.scales     [N, K // group]  float8_e4m3fn group scales
-      M.row_scale  [N]              float32
-      M.grid       [2]              float32 (a, b): code c decodes to (-b, -a, +a, +b)[c]
-    W[n, k] = row_scale[n] * scales[n, k // group] * level[codes[n, k]]."""
-    entries: list[tuple[str, str, tuple[int, ...]]] = []
-    for name, n, k, g in (
-        ("gate_up", 2 * intermediate, hidden, group),
-        ("down", hidden, intermediate, down_group),
-    ):
-        if k % g or k % 4:
-            raise ValueError(f"q2s: {name} has K={k}, not divisible by its group {g}")
-        entries += [
-            (f"{name}.codes", "uint8", (n, k // 4)),
-            (f"{name}.scales", "float8_e4m3fn", (n, k // g)),
-            (f"{name}.row_scale", "float32", (n,)),
-            (f"{name}.grid", "float32", (2,)),
-        ]
-    if has_bias:
-        entries += [
-            ("gate_up_bias", bias_dtype, (2 * intermediate,)),
-            ("down_bias", bias_dtype, (hidden,)),
-        ]
-    return _layout(f"q2s-g{group}-down-g{down_group}", entries)
+    """q2s experts (quant/q2s.py), gate_up with group `group`, down with `down_group`."""
+    return coded_expert_format(
+        MatrixCodec("q2s", group),
+        MatrixCodec("q2s", down_group),
+        hidden,
+        intermediate,
+        has_bias,
+        bias_dtype,
+    )
 
 
 def fp4_expert_format(
     kind: str, hidden: int, intermediate: int, has_bias: bool, bias_dtype: str = "float32"
 ) -> BlobFormat:
-    """NVFP4 or MXFP4 experts (quant/fp4.py): per matrix M in (gate_up, down)
-    M.codes         [N, K // 2]        uint8, two E2M1 codes per byte, element 2j in the low nibble
-    M.scales        [N, K // block]    nvfp4: float8_e4m3fn (block 16); mxfp4: uint8 E8M0 (block 32)
-    M.tensor_scale  [1]                float32 (nvfp4 only)"""
-    if kind not in ("nvfp4", "mxfp4"):
+    """NVFP4 or MXFP4 experts (quant/fp4.py), both matrices."""
+    if kind not in FP4_BLOCKS:
         raise ValueError(f"unknown FP4 format {kind!r}")
-    block, scale_dtype = (16, "float8_e4m3fn") if kind == "nvfp4" else (32, "uint8")
-    entries: list[tuple[str, str, tuple[int, ...]]] = []
-    for name, n, k in (("gate_up", 2 * intermediate, hidden), ("down", hidden, intermediate)):
-        if k % block:
-            raise ValueError(f"{kind}: {name} has K={k}, not divisible by the block {block}")
-        entries += [
-            (f"{name}.codes", "uint8", (n, k // 2)),
-            (f"{name}.scales", scale_dtype, (n, k // block)),
-        ]
-        if kind == "nvfp4":
-            entries.append((f"{name}.tensor_scale", "float32", (1,)))
-    if has_bias:
-        entries += [
-            ("gate_up_bias", bias_dtype, (2 * intermediate,)),
-            ("down_bias", bias_dtype, (hidden,)),
-        ]
-    return _layout(kind, entries)
+    codec = MatrixCodec.parse(kind)
+    return coded_expert_format(codec, codec, hidden, intermediate, has_bias, bias_dtype)
 
 
 def nested_expert_formats(
@@ -196,13 +297,17 @@ def nested_expert_formats(
 
 
 def format_kind(fmt: BlobFormat) -> str:
-    """'raw', 'q2s', 'nvfp4', 'mxfp4', 'nested-base' (NVFP4 or MXFP4 scales) or 'nested-delta'."""
+    """'raw', 'nested-base' (NVFP4 or MXFP4 scales), 'nested-delta', the codec kind shared by
+    both matrices of a coded format ('q2s', 'int2', 'affine2', 'nvfp4', 'mxfp4'), or 'mixed'."""
     if fmt.name in ("nested-base", "nested-delta"):
         return fmt.name
     if fmt.name == "nested-mxfp4-base":
         return "nested-base"
-    kind = fmt.name.split("-")[0]
-    return kind if kind in ("q2s", "nvfp4", "mxfp4") else "raw"
+    codecs = matrix_codecs(fmt)
+    if codecs is None:
+        return "raw"
+    kinds = {c.kind for c in codecs.values()}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def has_tensor(fmt: BlobFormat, name: str) -> bool:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from moetier.config import ExpertActivation
-from moetier.core.layout import BlobFormat, blob_view, format_kind, has_tensor
+from moetier.core.layout import BlobFormat, blob_view, format_kind, has_tensor, matrix_codecs
 
 Q2S_SHIFTS = (0, 2, 4, 6)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -32,6 +32,32 @@ def dequant_q2s_ref(
     group = unpacked.shape[1] // scales.shape[1]
     group_scale = scales.float().repeat_interleave(group, dim=1)  # [N, K]
     return row_scale.float()[:, None] * group_scale * levels[unpacked]
+
+
+def dequant_int2_ref(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Naive int2 decode (core/layout.MatrixCodec int2-gG) -> [N, K] float32.
+
+    codes:  [N, K // 4] uint8, packed as q2s; code c decodes to c - 2 (so -2, -1, 0, 1)
+    scales: [N, K // G] float16, absmax / 2 of each group
+    """
+    unpacked = _unpack2(codes).float() - 2  # [N, K]
+    group = unpacked.shape[1] // scales.shape[1]
+    return unpacked * scales.float().repeat_interleave(group, dim=1)
+
+
+def dequant_affine2_ref(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    """Asymmetric affine 2-bit decode (core/layout.MatrixCodec affine2-gG) -> [N, K] float32.
+
+    codes:  [N, K // 4] uint8, packed as q2s, values 0..3
+    scales: [N, K // G] float16;  zeros: [N, K // G] float16 (in code units)
+    W = (code - zero) * scale
+    """
+    unpacked = _unpack2(codes).float()  # [N, K]
+    group = unpacked.shape[1] // scales.shape[1]
+    zero = zeros.float().repeat_interleave(group, dim=1)
+    return (unpacked - zero) * scales.float().repeat_interleave(group, dim=1)
 
 
 def dequant_fp4_ref(
@@ -61,7 +87,8 @@ def _fp4_decode(
 
 
 def expert_matrix(blob: torch.Tensor, fmt: BlobFormat, name: str) -> torch.Tensor:
-    """Matrix `name` ("gate_up" or "down") of one expert blob, decoded to float32 [N, K]."""
+    """Matrix `name` ("gate_up" or "down") of one expert blob, decoded to float32 [N, K].
+    Each matrix is decoded by its own codec (core/layout.matrix_codecs), so a blob may mix them."""
     kind = format_kind(fmt)
     if kind == "raw":
         return blob_view(blob, fmt.tensor(name)).float()
@@ -69,8 +96,6 @@ def expert_matrix(blob: torch.Tensor, fmt: BlobFormat, name: str) -> torch.Tenso
     def part(p: str) -> torch.Tensor:
         return blob_view(blob, fmt.tensor(f"{name}.{p}"))
 
-    if kind == "q2s":
-        return dequant_q2s_ref(part("codes"), part("scales"), part("row_scale"), part("grid"))
     if kind == "nested-base":
         codes = _unpack2(part("codes"))  # [N, K] 0..3
         block = codes.shape[1] // part("scales").shape[1]
@@ -81,8 +106,17 @@ def expert_matrix(blob: torch.Tensor, fmt: BlobFormat, name: str) -> torch.Tenso
         return part("table").float()[codes.long()] * scale.repeat_interleave(block, dim=1)
     if kind == "nested-delta":
         raise ValueError("a nested delta blob decodes only together with its base blob")
+    codecs = matrix_codecs(fmt)
+    assert codecs is not None  # format_kind said it is coded
+    codec = codecs[name].kind
+    if codec == "q2s":
+        return dequant_q2s_ref(part("codes"), part("scales"), part("row_scale"), part("grid"))
+    if codec == "int2":
+        return dequant_int2_ref(part("codes"), part("scales"))
+    if codec == "affine2":
+        return dequant_affine2_ref(part("codes"), part("scales"), part("zeros"))
     return dequant_fp4_ref(
-        part("codes"), part("scales"), part("tensor_scale") if kind == "nvfp4" else None
+        part("codes"), part("scales"), part("tensor_scale") if codec == "nvfp4" else None
     )
 
 

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from moetier.config import ExpertActivation
-from moetier.core.layout import BlobFormat, format_kind, has_tensor
+from moetier.core.layout import BlobFormat, format_kind, has_tensor, matrix_codecs
 from moetier.kernels.moe_dispatch import KernelChoice, choose
 
 # Kinds of a matrix inside a blob (constexpr in the kernels).
@@ -57,8 +57,9 @@ class MatrixSpec:
 
 
 def matrix_spec(fmt: BlobFormat | None, name: str) -> MatrixSpec | None:
-    """The kernel's view of matrix `name` of `fmt`; None when the kernels cannot decode it."""
-    if fmt is None:
+    """The kernel's view of matrix `name` of `fmt`; None when the kernels cannot decode it
+    (int2 / affine2 baselines and nested planes with MXFP4 scales run on the reference path)."""
+    if fmt is None or fmt.name == "nested-mxfp4-base":
         return None
     kind = format_kind(fmt)
     if kind == "raw":
@@ -77,34 +78,37 @@ def matrix_spec(fmt: BlobFormat | None, name: str) -> MatrixSpec | None:
     codes = fmt.tensor(f"{name}.codes")
     scales = fmt.tensor(f"{name}.scales")
     n = codes.shape[0]
-    if kind == "q2s":
-        k = 4 * codes.shape[1]
-        return MatrixSpec(Q2S, n, k, codes.offset, scales.offset, off("row_scale"), off("grid"),
-                          group=k // scales.shape[1])  # fmt: skip
     if kind == "nested-base":
         k = 4 * codes.shape[1]
         return MatrixSpec(NESTED, n, k, codes.offset, scales.offset, aux=off("table"),
                           tensor_scale=off("tensor_scale"), group=k // scales.shape[1])  # fmt: skip
-    if kind in ("nvfp4", "mxfp4"):
+    codecs = matrix_codecs(fmt)
+    codec = codecs[name].kind if codecs is not None else None
+    if codec == "q2s":
+        k = 4 * codes.shape[1]
+        return MatrixSpec(Q2S, n, k, codes.offset, scales.offset, off("row_scale"), off("grid"),
+                          group=k // scales.shape[1])  # fmt: skip
+    if codec in ("nvfp4", "mxfp4"):
         k = 2 * codes.shape[1]
-        return MatrixSpec(NVFP4 if kind == "nvfp4" else MXFP4, n, k, codes.offset, scales.offset,
-                          tensor_scale=off("tensor_scale") if kind == "nvfp4" else 0,
+        return MatrixSpec(NVFP4 if codec == "nvfp4" else MXFP4, n, k, codes.offset, scales.offset,
+                          tensor_scale=off("tensor_scale") if codec == "nvfp4" else 0,
                           group=k // scales.shape[1])  # fmt: skip
     return None
 
 
 def supports(fmt: BlobFormat, delta_fmt: BlobFormat | None) -> bool:
-    """Whether these kernels decode this (base, delta) pair of formats."""
-    base = matrix_spec(fmt, "gate_up")
-    if base is None or base.kind == NESTED_DELTA:
-        return False
-    if delta_fmt is None:
-        return True
-    delta = matrix_spec(delta_fmt, "gate_up")
-    if delta is None:
-        return False
-    # a nested delta completes only a nested base; an additive delta is any decodable format
-    return (delta.kind == NESTED_DELTA) == (base.kind == NESTED)
+    """Whether these kernels decode this (base, delta) pair of formats, both matrices."""
+    for name in ("gate_up", "down"):
+        base = matrix_spec(fmt, name)
+        if base is None or base.kind == NESTED_DELTA:
+            return False
+        if delta_fmt is None:
+            continue
+        delta = matrix_spec(delta_fmt, name)
+        # a nested delta completes only a nested base; an additive delta is any decodable format
+        if delta is None or (delta.kind == NESTED_DELTA) != (base.kind == NESTED):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ unquantized store over calibration text, re-encode the experts, then publish the
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from moetier.core.layout import blob_view
 from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix
 from moetier.loader.load import load_model
 from moetier.quant.convert import convert
-from moetier.quant.requantize import Hessians, requantize_experts
+from moetier.quant.requantize import Hessians, Override, base_codecs, requantize_experts
 from moetier.quant.sources import detect_quantization
 from moetier.quant.store import Store
 
@@ -104,21 +105,32 @@ def convert_quantized(
     calibration: str | Path | None = None,
     calibration_tokens: int = 65536,
     group: int = 32,
-    down_group: int = 16,
+    down_group: int | None = None,
     delta: str | None = None,
+    overrides: Sequence[str] = (),
     force: bool = False,
     progress: bool = True,
 ) -> Path:
-    """`moetier convert --experts KIND`: the store at `dst` holds `kind` experts (q2s, nvfp4,
-    mxfp4, nested); calibration text (q2s only) enables GPTQ rounding.
+    """`moetier convert --experts KIND`: the store at `dst` holds `kind` experts (q2s, int2,
+    affine2, nvfp4, mxfp4, nested), with `overrides` (`--override` strings, quant/requantize.py)
+    applied per layer and matrix; calibration text (q2s only) enables GPTQ rounding.
 
     From an FP4 checkpoint, `kind` equal to its format or `nested` keeps the checkpoint's codes
     and block scales (bit-exact); any other kind re-encodes the dequantised weights."""
     if calibration is not None and kind != "q2s":
         raise ValueError(f"--calibration applies to --experts q2s, not {kind}")
+    # Fail on bad arguments before converting (divisibility by the model's K is checked later).
+    parsed = [Override.parse(text) for text in overrides]
+    if kind in ("q2s", "int2", "affine2"):
+        base_codecs(kind, group, down_group or group)
     quantization = detect_quantization(Path(src))
     source_fp4 = quantization.fp4 if quantization is not None else None
     keep_codes = source_fp4 is not None and kind in (source_fp4, "nested")
+    if keep_codes and kind == source_fp4 and (parsed or delta):
+        raise ValueError(
+            f"keeping the checkpoint's {kind} codes leaves nothing to override or add a delta "
+            "to: pick another --experts format to re-encode"
+        )
 
     def finish(tmp: Path) -> None:
         if keep_codes and kind == source_fp4:
@@ -128,7 +140,7 @@ def convert_quantized(
             hessians = collect_hessians(
                 tmp, calibration_texts(Path(calibration)), calibration_tokens, progress=progress
             )
-        requantize_experts(tmp, kind, hessians, group, down_group, progress, delta)
+        requantize_experts(tmp, kind, hessians, group, down_group, progress, delta, parsed)
 
     return convert(
         src, dst, force=force, progress=progress, finish=finish, keep_fp4_codes=keep_codes

@@ -558,6 +558,7 @@ def _write_dense(plan: ConversionPlan, path: Path, progress: bool) -> None:
     for name in tqdm(names, desc="dense tensors", disable=not progress, unit="tensor"):
         writer.write(name, read(plan.dense[name]))
     writer.close()
+    read.close()
 
 
 def _write_experts(
@@ -587,4 +588,5 @@ def _write_experts(
                 )
             f.write(blob.numpy().tobytes())
             blobs.append(blob_index_entry(layer, e, i * stride, fmt, blob))
+    read.close()
     return blobs

@@ -141,6 +141,15 @@ def quantize_q2s(
         hinv = torch.linalg.cholesky(
             torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True
         ).float()
+    if hessian is None:
+        # Round to nearest: no error feedback, so every group at once (same result as the loop).
+        groups = w.view(n * (k // group), group)  # [N*G, g]
+        raw_scales = _search_scale(
+            groups, imp[:group], a, b, row_scale.repeat_interleave(k // group)
+        ).view(n, k // group)
+        codes = _nearest_codes(w / raw_scales.repeat_interleave(group, dim=1), a, b)
+        scales = (raw_scales / row_scale[:, None]).to(torch.float8_e4m3fn)
+        return Q2S(codes, scales, row_scale, torch.tensor([a, b]), group)
     static = act_order and hessian is not None
     w = w[:, perm]  # work in visiting order; perm[j] is the original column of position j
     for b0 in range(0, k, block):

@@ -5,23 +5,27 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from moetier.core.layout import (
+    MATRICES,
+    BlobFormat,
+    MatrixCodec,
     TensorSpec,
     align_up,
     blob_view,
+    coded_expert_format,
     format_kind,
-    fp4_expert_format,
     has_tensor,
     nested_expert_formats,
-    q2s_expert_format,
 )
-from moetier.kernels.moe_ref import dequant_q2s_ref
+from moetier.kernels.moe_ref import expert_matrix
+from moetier.quant.baselines import quantize_affine2, quantize_int2
 from moetier.quant.fp4 import (
     e2m1_values,
     pack_nibbles,
@@ -36,7 +40,80 @@ from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, blo
 Hessians = Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-EXPERT_KINDS = ("q2s", "nvfp4", "mxfp4", "nested")
+EXPERT_KINDS = ("q2s", "int2", "affine2", "nvfp4", "mxfp4", "nested")
+DELTA_KINDS = ("nvfp4", "q2")
+# The 2-bit delta plane: q2s at group 16 on both matrices (the residual is narrower-tailed than
+# W, and the finer scales are what a second 2-bit plane buys).
+Q2_DELTA = MatrixCodec("q2s", 16)
+OVERRIDE_HELP = (
+    "[layers=L:][gate_up=|down=]FORMAT, e.g. down=q2s-g16, layers=0-1:nvfp4, "
+    "layers=0,3-4:down=int2-g16 (L: layer numbers of the checkpoint, a-b ranges, comma-separated)"
+)
+
+
+@dataclass(frozen=True)
+class Override:
+    """One `--override`: `FORMAT` for `matrices` of `layers` (None: every MoE layer)."""
+
+    codec: MatrixCodec
+    matrices: tuple[str, ...] = MATRICES
+    layers: frozenset[int] | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Override:
+        rest, layers = text.strip(), None
+        try:
+            if rest.startswith("layers="):
+                spec, sep, rest = rest.removeprefix("layers=").partition(":")
+                if not sep:
+                    raise ValueError("no ':' after the layers")
+                layers = frozenset(_layer_numbers(spec))
+            matrices: tuple[str, ...] = MATRICES
+            head, sep, tail = rest.partition("=")
+            if sep:
+                if head not in MATRICES:
+                    raise ValueError(f"{head!r} is not a matrix (gate_up or down)")
+                matrices, rest = (head,), tail
+            return cls(MatrixCodec.parse(rest), matrices, layers)
+        except ValueError as err:
+            raise ValueError(f"--override {text!r}: {err}; the form is {OVERRIDE_HELP}") from None
+
+
+def _layer_numbers(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in spec.split(","):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad layer list {spec!r}")
+        out += range(int(lo), int(hi if sep else lo) + 1)
+    return out
+
+
+def base_codecs(kind: str, group: int, down_group: int) -> dict[str, MatrixCodec]:
+    """The per-matrix codecs of `--experts kind` before overrides."""
+    if kind in ("nvfp4", "mxfp4"):
+        codec = MatrixCodec.parse(kind)
+        return {"gate_up": codec, "down": codec}
+    return {"gate_up": MatrixCodec(kind, group), "down": MatrixCodec(kind, down_group)}
+
+
+def layer_codecs(
+    kind: str, group: int, down_group: int, overrides: Sequence[Override], layers: Sequence[int]
+) -> dict[int, dict[str, MatrixCodec]]:
+    """layer -> matrix -> codec: `kind` everywhere, then each override in order (the last wins)."""
+    plan = {layer: base_codecs(kind, group, down_group) for layer in layers}
+    for override in overrides:
+        unknown = sorted((override.layers or frozenset()) - set(layers))
+        if unknown:
+            raise ValueError(
+                f"--override names layer(s) {unknown} that have no routed experts; "
+                f"the MoE layers are {list(layers)}"
+            )
+        for layer in layers:
+            if override.layers is None or layer in override.layers:
+                for matrix in override.matrices:
+                    plan[layer][matrix] = override.codec
+    return plan
 
 
 def _nested(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -61,18 +138,25 @@ def _split_codes(
 
 
 def _encode(
-    kind: str, w: torch.Tensor, hessian: torch.Tensor | None, group: int
+    codec: MatrixCodec, w: torch.Tensor, hessian: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
-    """One matrix -> its stored parts (core/layout.py names them)."""
-    if kind == "q2s":
-        q = quantize_q2s(w, hessian, group=group)
+    """One matrix -> its stored parts (core/layout.MatrixCodec names them). The Hessian is used
+    by q2s only (GPTQ rounding); the other codecs round to nearest."""
+    if codec.kind == "q2s":
+        q = quantize_q2s(w, hessian, group=codec.group)
         return {
             "codes": pack_codes(q.codes),
             "scales": q.scales,
             "row_scale": q.row_scale,
             "grid": q.grid.float(),
         }
-    if kind == "nvfp4":
+    if codec.kind == "int2":
+        i = quantize_int2(w, codec.group)
+        return {"codes": pack_codes(i.codes), "scales": i.scales}
+    if codec.kind == "affine2":
+        a = quantize_affine2(w, codec.group)
+        return {"codes": pack_codes(a.codes), "scales": a.scales, "zeros": a.zeros}
+    if codec.kind == "nvfp4":
         n = quantize_nvfp4(w)
         return {"codes": pack_nibbles(n.codes), "scales": n.scales, "tensor_scale": n.tensor_scale}
     m = quantize_mxfp4(w)
@@ -84,26 +168,35 @@ def requantize_experts(
     kind: str,
     hessians: Hessians | None = None,
     group: int = 32,
-    down_group: int = 16,
+    down_group: int | None = None,
     progress: bool = True,
     delta: str | None = None,
+    overrides: Sequence[Override] = (),
 ) -> None:
-    """Replace the store's unquantized experts by `kind` blobs (q2s, nvfp4, mxfp4, nested).
-    A store of FP4 codes taken from the checkpoint (nvfp4 or mxfp4) can become `nested`: its
-    codes and block scales are split as they are, so base + delta is the checkpoint bit for bit.
+    """Replace the store's unquantized experts by `kind` blobs (q2s, int2, affine2, nvfp4, mxfp4,
+    nested); `down_group` defaults to 16 for q2s and to `group` otherwise. `overrides` change the
+    format of chosen matrices and layers, so layers may differ in format (each layer's blobs
+    name theirs). A store of FP4 codes taken from the checkpoint (nvfp4 or mxfp4) can become
+    `nested`: its codes and block scales are split as they are, so base + delta is the
+    checkpoint bit for bit.
 
-    delta="nvfp4" (q2s only) adds a delta plane: per expert a separate blob holding NVFP4 codes
-    of W - decode(base), so that base + delta restores near-FP4 precision where it is applied.
+    delta="nvfp4" or "q2" adds a delta plane: per expert a separate blob holding W - decode(base)
+    coded as NVFP4 or as 2-bit q2s (g16; GPTQ-rounded when there are Hessians), added to the base
+    where the engine applies it.
 
     q2s without `hessians` rounds to nearest with an MSE scale search; with them, GPTQ rounding
-    and Hessian-refitted scales (quant/q2s.py). FP4 formats round to nearest (quant/fp4.py)."""
-    nested_delta = None
-    if delta not in (None, "nvfp4") or (delta is not None and kind != "q2s"):
-        raise ValueError(
-            f"delta plane {delta!r} with {kind} experts: only q2s + nvfp4 is supported"
-        )
+    and Hessian-refitted scales (quant/q2s.py). The other formats round to nearest."""
     if kind not in EXPERT_KINDS:
         raise ValueError(f"unknown expert format {kind!r}: choose one of {', '.join(EXPERT_KINDS)}")
+    if delta not in (None, *DELTA_KINDS) or (delta is not None and kind == "nested"):
+        raise ValueError(
+            f"delta plane {delta!r} with {kind} experts: choose {' or '.join(DELTA_KINDS)} "
+            "(nested experts bring their own delta plane)"
+        )
+    if kind == "nested" and overrides:
+        raise ValueError("--override does not apply to nested experts (one NVFP4 split)")
+    if down_group is None:
+        down_group = 16 if kind == "q2s" else group
     store = Store(store_dir)
     cfg = store.model_config
     raw = store.blob_format(store.moe_layers[0])
@@ -111,36 +204,47 @@ def requantize_experts(
     if format_kind(raw) != "raw" and not (kind == "nested" and source_fp4):
         raise ValueError(f"{store_dir}: experts are already {raw.name}, not an unquantized format")
     dims = (cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias)
-    if kind == "q2s":
-        fmt = q2s_expert_format(*dims, group, down_group, bias_dtype=store.source_dtype)
-    elif kind == "nested":
-        fmt, nested_delta = nested_expert_formats(
+    codecs = {}
+    nested_delta = None
+    if kind == "nested":
+        nested_base, nested_delta = nested_expert_formats(
             *dims, bias_dtype=store.source_dtype, fp4=source_fp4 or "nvfp4"
         )
+        formats = dict.fromkeys(store.moe_layers, nested_base)
     else:
-        fmt = fp4_expert_format(kind, *dims, bias_dtype=store.source_dtype)
-    stride = align_up(fmt.nbytes, BLOB_ALIGN)
+        codecs = layer_codecs(kind, group, down_group, overrides, store.moe_layers)
+        formats = {
+            layer: coded_expert_format(
+                c["gate_up"], c["down"], *dims, bias_dtype=store.source_dtype
+            )
+            for layer, c in codecs.items()
+        }
+    delta_codec = {"nvfp4": MatrixCodec.parse("nvfp4"), "q2": Q2_DELTA}.get(delta or "")
+    delta_fmt: BlobFormat | None = nested_delta
+    if delta_codec is not None:
+        delta_fmt = coded_expert_format(delta_codec, delta_codec, *dims[:2], False)
     keys = sorted((k[0], k[1]) for k in store.blobs)
-    blobs = []
-    delta_fmt = fp4_expert_format("nvfp4", *dims[:2], False) if delta else None
-    if kind == "nested":
-        delta_fmt = nested_delta
+    strides = {layer: align_up(fmt.nbytes, BLOB_ALIGN) for layer, fmt in formats.items()}
+    base_bytes = sum(strides[layer] for layer, _ in keys)
     delta_stride = align_up(delta_fmt.nbytes, BLOB_ALIGN) if delta_fmt else 0
+    blobs = []
     new_path = store_dir / (EXPERTS_FILE + f".{kind}")
     delta_path = store_dir / (EXPERTS_FILE + ".delta")
+    offset = 0
     # Delta blobs go to a side file, appended after all base blobs at the end, so that the base
     # plane is one contiguous region and no plane is ever held in memory whole.
     with open(new_path, "wb") as f, open(delta_path, "wb") as delta_file:
         for i, (layer, expert) in enumerate(
             tqdm(keys, desc=f"{kind} experts", disable=not progress)
         ):
-            source = store.blob(layer, expert)
-            fmt_in = store.blob_format(layer)
-            blob = torch.zeros(stride, dtype=torch.uint8)
+            source = store.read_blob(layer, expert)
+            fmt_in, fmt = store.blob_format(layer), formats[layer]
+            blob = torch.zeros(strides[layer], dtype=torch.uint8)
             delta_blob = torch.zeros(delta_stride, dtype=torch.uint8)
             h_pair = hessians.get((layer, expert)) if hessians is not None else None
-            for m, name, g in ((0, "gate_up", group), (1, "down", down_group)):
+            for m, name in enumerate(MATRICES):
                 if source_fp4 is not None:  # the checkpoint's own codes and scales
+                    assert nested_delta is not None
                     codes = unpack_nibbles(blob_view(source, fmt_in.tensor(f"{name}.codes")))
                     scales = {
                         s.name.split(".")[1]: blob_view(source, s)
@@ -148,56 +252,61 @@ def requantize_experts(
                         if s.name.startswith(name + ".") and not s.name.endswith(".codes")
                     }
                     parts, low = _split_codes(codes, scales)
-                    _put(delta_blob, nested_delta.tensor(f"{name}.low"), low["low"])  # type: ignore[union-attr]
+                    _put(delta_blob, nested_delta.tensor(f"{name}.low"), low["low"])
                     for part, value in parts.items():
                         _put(blob, fmt.tensor(f"{name}.{part}"), value)
                     continue
                 w = blob_view(source, fmt_in.tensor(name)).float()
-                if kind == "nested":
+                hessian = h_pair[m] if h_pair is not None else None
+                if nested_delta is not None:
                     parts, low = _nested(w)
-                    assert nested_delta is not None
                     _put(delta_blob, nested_delta.tensor(f"{name}.low"), low["low"])
                 else:
-                    parts = _encode(kind, w, h_pair[m] if h_pair is not None else None, g)
+                    parts = _encode(codecs[layer][name], w, hessian)
                 for part, value in parts.items():
                     _put(blob, fmt.tensor(f"{name}.{part}"), value)
-                if delta is not None and delta_fmt is not None:
-                    base = dequant_q2s_ref(
-                        parts["codes"], parts["scales"], parts["row_scale"], parts["grid"]
-                    )
-                    for part, value in _encode("nvfp4", w - base, None, 0).items():
+                if delta_codec is not None and delta_fmt is not None:
+                    residual = w - expert_matrix(blob, fmt, name)  # what the base leaves out
+                    h_delta = hessian if delta_codec.kind == "q2s" else None
+                    for part, value in _encode(delta_codec, residual, h_delta).items():
                         _put(delta_blob, delta_fmt.tensor(f"{name}.{part}"), value)
             for name in ("gate_up_bias", "down_bias"):
                 if has_tensor(fmt, name):
                     _put(blob, fmt.tensor(name), blob_view(source, fmt_in.tensor(name)))
             f.write(blob.numpy().tobytes())
-            blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
+            blobs.append(blob_index_entry(layer, expert, offset, fmt, blob))
+            offset += strides[layer]
             if delta_fmt is not None:
-                offset = len(keys) * stride + i * delta_stride
                 delta_file.write(delta_blob.numpy().tobytes())
                 blobs.append(
-                    blob_index_entry(layer, expert, offset, delta_fmt, delta_blob, "delta")
+                    blob_index_entry(
+                        layer, expert, base_bytes + i * delta_stride, delta_fmt, delta_blob, "delta"
+                    )
                 )
         delta_file.flush()
         with open(delta_path, "rb") as side:
             shutil.copyfileobj(side, f, 16 * 2**20)
     delta_path.unlink()
     index = dict(store.index)
-    index["formats"] = {fmt.name: fmt.to_json()}
-    if delta_fmt is not None:
-        index["formats"][delta_fmt.name] = delta_fmt.to_json()
+    index["formats"] = {}
+    for fmt in [*formats.values(), *([delta_fmt] if delta_fmt else [])]:
+        if index["formats"].setdefault(fmt.name, fmt.to_json()) != fmt.to_json():
+            raise RuntimeError(f"two layouts named {fmt.name}")  # a naming bug, not user input
     index["blobs"] = blobs
     index["quantization"] = {"experts": kind}
     if source_fp4 is not None:
         index["quantization"]["codes"] = f"source {source_fp4}"
     if delta_fmt is not None:
         index["quantization"]["delta"] = delta or "nested"
+    if kind in ("q2s", "int2", "affine2"):
+        index["quantization"].update(group=group, down_group=down_group)
     if kind == "q2s":
-        index["quantization"].update(
-            group=group,
-            down_group=down_group,
-            rounding="gptq" if hessians is not None else "nearest",
-        )
+        index["quantization"]["rounding"] = "gptq" if hessians is not None else "nearest"
+    if overrides:
+        index["quantization"]["overrides"] = {
+            str(layer): {m: c.name for m, c in layer_plan.items()}
+            for layer, layer_plan in codecs.items()
+        }
     store.close()
     os.replace(new_path, store_dir / EXPERTS_FILE)
     (store_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))

@@ -22,6 +22,8 @@ the compute dtype.
 from __future__ import annotations
 
 import json
+import os
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,21 +192,40 @@ class FP4Weight:
 
 
 class TensorReader:
-    """Opens each shard once (memory-mapped by safetensors) and hands out tensors, quantized
-    ones dequantised; `index` selects one entry along dim 0 (one expert of a fused tensor)."""
+    """Hands out tensors of the shards, quantized ones dequantised; `index` selects one entry
+    along dim 0 (one expert of a fused tensor). Reads with explicit preads, not mmap: the
+    converter's resident memory stays at the tensor in hand, whatever the checkpoint size
+    (bench/convert_rss.py)."""
 
     def __init__(self, quant: SourceQuantization | None = None) -> None:
-        from safetensors import safe_open
-
         self.quant = quant
-        self._open = safe_open
-        self._files: dict[Path, Any] = {}
+        self._files: dict[Path, tuple[int, int, dict[str, Any]]] = {}  # fd, data start, header
 
     def raw(self, t: SourceTensor, index: int | None = None) -> torch.Tensor:
-        if t.file not in self._files:
-            self._files[t.file] = self._open(str(t.file), framework="pt")
-        f = self._files[t.file]
-        return f.get_tensor(t.key) if index is None else f.get_slice(t.key)[index]
+        if t.file not in self._files:  # shards were checked whole when the plan was made
+            with open(t.file, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+            self._files[t.file] = (os.open(t.file, os.O_RDONLY), 8 + header_len, header)
+        fd, data_start, header = self._files[t.file]
+        begin, end = header[t.key]["data_offsets"]
+        shape = tuple(t.shape)
+        if index is not None:  # entry `index` of dim 0: a contiguous run of the tensor's bytes
+            entry = (end - begin) // shape[0]
+            begin, end, shape = begin + index * entry, begin + (index + 1) * entry, shape[1:]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        view, done = out.numpy().data, 0
+        while done < end - begin:
+            n = os.preadv(fd, [view[done:]], data_start + begin + done)
+            if n <= 0:
+                raise ValueError(f"{t.file}: short read of {t.key}; download the shard again")
+            done += n
+        return out.view(DTYPES[t.dtype]).view(shape)
+
+    def close(self) -> None:
+        for fd, _, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
     def __call__(self, t: SourceTensor, index: int | None = None) -> torch.Tensor:
         if t.quant is None:

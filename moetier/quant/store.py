@@ -111,6 +111,16 @@ class Store:
         entry = self.blobs[(layer, expert, plane)]
         return self._bytes[entry.offset : entry.offset + entry.nbytes]
 
+    def read_blob(self, layer: int, expert: int, plane: str = "base") -> torch.Tensor:
+        """A copy of one blob read with an explicit read, not through the mmap: for one pass over
+        every blob (re-encoding), which would otherwise leave the whole file mapped in the
+        process's resident memory."""
+        entry = self.blobs[(layer, expert, plane)]
+        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        self._file.seek(entry.offset)
+        self._file.readinto(out.numpy().data)
+        return out
+
     def has_plane(self, plane: str) -> bool:
         return any(key[2] == plane for key in self.blobs)
 

@@ -23,6 +23,7 @@ def stores(tiny, tmp_path_factory):
         "src": src,
         "base": convert_quantized(src, root / "base", progress=False),
         "delta": convert_quantized(src, root / "delta", delta="nvfp4", progress=False),
+        "q2": convert_quantized(src, root / "q2", delta="q2", progress=False),
     }
 
 
@@ -91,6 +92,43 @@ def test_mask_is_per_pair_and_cache_size_does_not_matter(stores):
     assert b.runtime.residency.stats.evictions > 0
     with pytest.raises(ValueError, match="use all, none or weight:T"):
         EngineConfig(delta="sometimes").delta_threshold()
+
+
+def test_q2_delta_plane_cuts_the_error_and_is_applied(tiny, stores):
+    from transformers import AutoModelForCausalLM
+
+    from moetier.kernels.moe_ref import expert_matrix, expert_matrix_with_delta
+
+    store, full = Store(stores["q2"]), Store(tiny.store("qwen3_moe"))
+    assert store.index["quantization"]["delta"] == "q2"
+    assert store.blob_format(1, "delta").name == "q2s-g16-down-g16"
+    for layer in store.moe_layers:
+        fmt, delta_fmt = store.blob_format(layer), store.blob_format(layer, "delta")
+        for e in range(8):
+            for name in ("gate_up", "down"):
+                w = expert_matrix(full.blob(layer, e), full.blob_format(layer), name)
+                base = expert_matrix(store.blob(layer, e), fmt, name)
+                delta = store.blob(layer, e, "delta")
+                both = expert_matrix_with_delta(store.blob(layer, e), fmt, delta, delta_fmt, name)
+                assert ((w - both) ** 2).sum() < 0.3 * ((w - base) ** 2).sum()
+    # The runtime applies it: logits equal transformers running base + q2s(W - base) experts.
+    ref = AutoModelForCausalLM.from_pretrained(
+        stores["src"], dtype=torch.float32, experts_implementation="eager"
+    )
+    with torch.no_grad():
+        for path in store.moe_modules.values():
+            mod = ref.get_submodule(path)
+            for e in range(8):
+                for param, g in ((mod.gate_up_proj, 32), (mod.down_proj, 16)):
+                    base = quantize_q2s(param[e], None, group=g).dequantize()
+                    param[e] = base + quantize_q2s(param[e] - base, None, group=16).dequantize()
+        theirs = ref(IDS).logits
+    ours, loaded = logits(stores["q2"], delta="all")
+    assert (ours - theirs).abs().max() < 1e-4
+    assert loaded.runtime.delta_pairs == loaded.runtime.pairs > 0
+    reference, _ = logits(tiny.store("qwen3_moe"))
+    base_only, _ = logits(stores["q2"], delta="none")
+    assert ((ours - reference) ** 2).mean() < ((base_only - reference) ** 2).mean()
 
 
 def test_nested_planes_rebuild_nvfp4_bit_for_bit(tiny, tmp_path):

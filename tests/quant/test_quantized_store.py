@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import torch
 from tiny_models import TEXT
 
 from moetier.config import EngineConfig
-from moetier.core.layout import fp4_expert_format
+from moetier.core.layout import MatrixCodec, coded_expert_format
 from moetier.kernels.moe_ref import expert_matrix
 from moetier.loader.load import load_model
 from moetier.loader.quantize import convert_quantized
@@ -102,15 +101,28 @@ def test_cli_prints_bits_per_weight(tiny, tmp_path):
             str(tmp_path / "s"),
             "--experts",
             "q2s",
+            "--delta",
+            "q2",
+            "--override",
+            "layers=0:nvfp4",
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert "q2s-g32-down-g16" in out.stdout and "bits per weight; whole store" in out.stdout
-    index = json.loads((tmp_path / "s" / "experts.json").read_text())
-    assert index["quantization"]["experts"] == "q2s"
+    store = Store(tmp_path / "s")
+    lines = out.stdout.splitlines()
+    base = f"{store.plane_bits_per_weight('base'):.3f}"
+    delta = f"{store.plane_bits_per_weight('delta'):.3f}"
+    assert lines[1].strip().startswith(f"experts {base} bits per weight: nvfp4 (layers 0) ")
+    assert "q2s-g32-down-g16 (layers 1)" in lines[1]
+    assert lines[2].strip() == f"delta plane, where applied: +{delta} bits per weight: " + (
+        f"q2s-g16-down-g16 {delta}"
+    )
+    assert lines[3].strip().startswith("whole store (dense ") and "with the delta plane" in lines[3]
+    assert store.index["quantization"]["experts"] == "q2s"
+    assert store.index["quantization"]["delta"] == "q2"
 
 
 def test_calibration_refuses_when_hessians_would_not_fit(tiny, tmp_path, monkeypatch):
@@ -137,21 +149,31 @@ def test_q2s_store_on_cuda_matches_cpu(tiny, tmp_path):
     assert (a - b).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
-def test_fp4_store_equals_fake_quant(tiny, tmp_path, kind):
+@pytest.mark.parametrize(
+    ("kind", "bpw"), [("nvfp4", 4.5), ("mxfp4", 4.25), ("int2", 2.5), ("affine2", 3.0)]
+)
+def test_coded_store_equals_fake_quant(tiny, tmp_path, kind, bpw):
     from transformers import AutoModelForCausalLM
 
+    from moetier.quant.baselines import quantize_affine2, quantize_int2
     from moetier.quant.fp4 import quantize_mxfp4, quantize_nvfp4
 
-    quantize = quantize_nvfp4 if kind == "nvfp4" else quantize_mxfp4
+    quantize = {
+        "nvfp4": quantize_nvfp4,
+        "mxfp4": quantize_mxfp4,
+        "int2": lambda w: quantize_int2(w, 32),
+        "affine2": lambda w: quantize_affine2(w, 32),
+    }[kind]
     src = tiny.checkpoint("glm4_moe")
     store = Store(convert_quantized(src, tmp_path / kind, kind, progress=False))
-    assert store.index["quantization"] == {"experts": kind}
+    want = {"experts": kind}
+    if kind in ("int2", "affine2"):
+        want.update(group=32, down_group=32)
+    assert store.index["quantization"] == want
     # Bits per weight at the eval model's shape (tiny shapes are dominated by alignment padding).
-    fmt = fp4_expert_format(kind, 512, 256, False)
-    assert 8 * fmt.nbytes / (3 * 512 * 256) == pytest.approx(
-        4.5 if kind == "nvfp4" else 4.25, abs=0.01
-    )
+    codec = MatrixCodec.parse(kind if kind.endswith("fp4") else f"{kind}-g32")
+    fmt = coded_expert_format(codec, codec, 512, 256, False)
+    assert 8 * fmt.nbytes / (3 * 512 * 256) == pytest.approx(bpw, abs=0.01)
     ref = AutoModelForCausalLM.from_pretrained(
         src, dtype=torch.float32, experts_implementation="eager"
     )

@@ -165,7 +165,8 @@ def test_fp4_codes_kept_and_nested_is_bit_exact(sources, name):
     fp4 = Store(sources.store(name))
     nested = Store(sources.store(name, "nested"))
     kind = "mxfp4" if name == "mxfp4" else "nvfp4"
-    assert sorted(fp4.formats) == [kind]
+    bias = "+bias" if name == "mxfp4" else ""  # the gpt-oss fixture has expert biases
+    assert sorted(fp4.formats) == [kind + bias]
     assert Store(sources.store(name, kind)).verify() == []
     state = load_file(str(sources.checkpoint(name) / "model.safetensors"))
     for layer, path in fp4.moe_modules.items():
