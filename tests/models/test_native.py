@@ -1,0 +1,125 @@
+"""The native qwen3_moe model file against the HF transformers forward (the oracle), and its
+static-cache prefill/decode against itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_oracle import hf_greedy, hf_reference, prompt
+
+from moetier.config import EngineConfig
+from moetier.engine.static_decode import StaticDecoder
+from moetier.loader.load import load_model
+from moetier.loader.native import load_native
+from moetier.models.qwen3_moe import Qwen3MoeForCausalLM
+
+FP32 = EngineConfig(device="cpu", dtype="float32", native=True)
+
+
+@pytest.fixture(scope="module")
+def native(tiny):
+    return load_model(tiny.store("qwen3_moe"), FP32)
+
+
+def full_logits(loaded, ids: torch.Tensor, max_len: int = 64) -> torch.Tensor:
+    cache = loaded.model.new_cache(ids.shape[0], max_len, torch.float32, "cpu")
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    with torch.inference_mode():
+        return loaded.model(ids, positions, cache)
+
+
+def test_logits_match_hf(tiny, native):
+    assert isinstance(native.model, Qwen3MoeForCausalLM)
+    ref = hf_reference(tiny.checkpoint("qwen3_moe"))
+    ids = prompt(native.model_config.vocab_size)
+    with torch.no_grad():
+        theirs = ref(ids).logits
+    max_diff = (full_logits(native, ids) - theirs).abs().max().item()
+    print(f"native qwen3_moe: max |logit diff| vs transformers = {max_diff:.3e}")
+    assert max_diff <= 1e-5
+    assert native.runtime.residency.stats.misses > 0  # experts ran through moetier's op
+
+
+def test_prefill_then_decode_equals_full_sequence(native):
+    ids = prompt(native.model_config.vocab_size, batch=1, length=12)
+    full = full_logits(native, ids)[0]  # [12, V]
+    decoder = StaticDecoder(native.model, 1, 64, torch.float32, "cpu")
+    steps = [decoder.prefill([ids[0, :5].tolist()])[0]]
+    for t in range(5, 12):
+        steps.append(decoder.step(ids[:, t])[0])
+    # prefill logits are of token 4, step t's of token t
+    diff = (torch.stack(steps[:-1]) - full[4:11]).abs().max().item()
+    assert diff <= 1e-5, diff
+    assert (steps[-1] - full[11]).abs().max().item() <= 1e-5
+
+
+def test_batched_decode_equals_each_alone(native):
+    """Three prompts of lengths 3, 9, 6, right-padded into one batch."""
+    ids = prompt(native.model_config.vocab_size, batch=3, length=9)
+    prompts = [ids[0, :3].tolist(), ids[1].tolist(), ids[2, :6].tolist()]
+    batched = StaticDecoder(native.model, 3, 48, torch.float32, "cpu")
+    logits = batched.prefill(prompts)
+    alone = [StaticDecoder(native.model, 1, 48, torch.float32, "cpu") for _ in prompts]
+    alone_logits = [d.prefill([p])[0] for d, p in zip(alone, prompts, strict=True)]
+    for step in range(8):
+        for row in range(3):
+            assert (logits[row] - alone_logits[row]).abs().max().item() <= 1e-5, (step, row)
+        tokens = logits.argmax(-1)
+        assert tokens.tolist() == [int(x.argmax()) for x in alone_logits]
+        logits = batched.step(tokens)
+        alone_logits = [d.step(t[None])[0] for d, t in zip(alone, tokens, strict=True)]
+    greedy = StaticDecoder(native.model, 3, 48, torch.float32, "cpu").greedy(prompts, 12)
+    for row, p in enumerate(prompts):
+        assert (
+            greedy[row]
+            == StaticDecoder(native.model, 1, 48, torch.float32, "cpu").greedy([p], 12)[0]
+        )
+
+
+def test_greedy_matches_hf_generate(tiny, native):
+    ref = hf_reference(tiny.checkpoint("qwen3_moe"))
+    ids = prompt(native.model_config.vocab_size, batch=1)
+    ours = StaticDecoder(native.model, 1, 64, torch.float32, "cpu").greedy([ids[0].tolist()], 16)[0]
+    theirs = hf_greedy(ref, ids)
+    assert ours[: len(theirs)] == theirs
+    assert len(theirs) == 16 or ours[len(theirs)] == 0  # HF stopped at eos 0
+
+
+def test_two_slot_budget_is_bit_identical(tiny, native):
+    small = load_model(
+        tiny.store("qwen3_moe"), EngineConfig(**{**FP32.__dict__, "expert_cache_slots": 2})
+    )
+    ids = prompt(native.model_config.vocab_size)
+    assert torch.equal(full_logits(small, ids), full_logits(native, ids))
+    assert small.runtime.residency.stats.evictions > 0
+
+
+def test_refuses_family_without_native_file(tiny):
+    with pytest.raises(ValueError, match="no native model file for 'mixtral'"):
+        load_native(tiny.store("mixtral"), FP32)
+
+
+@pytest.mark.slow
+def test_eval_model_loss_matches_transformers(eval_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from moetier.quant.convert import convert
+
+    store = convert(eval_model, tmp_path / "eval-store", progress=False)
+    tokens = np.load(eval_model / "heldout_tokens.npz")["tokens"][: 4 * 512].astype(np.int64)
+    ids = torch.from_numpy(tokens).view(4, 512)
+    loaded = load_model(store, FP32)
+    logits = full_logits(loaded, ids, max_len=512).float()
+    ours = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    del loaded, logits
+    ref = AutoModelForCausalLM.from_pretrained(
+        eval_model, dtype=torch.float32, experts_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        theirs = ref(ids, labels=ids).loss.item()
+    print(
+        f"eval-moe-70m native loss on 4x512 held-out tokens: {ours.item():.6f}, "
+        f"transformers {theirs:.6f}, diff {abs(ours.item() - theirs):.2e}"
+    )
+    assert abs(ours.item() - theirs) <= 1e-4
