@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_oracle import hf_greedy, hf_reference, prompt
 
-from moetier.config import EngineConfig
+from moetier.config import EngineConfig, replace
 from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import load_model
 from moetier.loader.native import load_native
@@ -87,9 +87,7 @@ def test_greedy_matches_hf_generate(tiny, native):
 
 
 def test_two_slot_budget_is_bit_identical(tiny, native):
-    small = load_model(
-        tiny.store("qwen3_moe"), EngineConfig(**{**FP32.__dict__, "expert_cache_slots": 2})
-    )
+    small = load_model(tiny.store("qwen3_moe"), replace(FP32, expert_cache_slots=2))
     ids = prompt(native.model_config.vocab_size)
     assert torch.equal(full_logits(small, ids), full_logits(native, ids))
     assert small.runtime.residency.stats.evictions > 0
@@ -123,3 +121,57 @@ def test_eval_model_loss_matches_transformers(eval_model, tmp_path):
         f"transformers {theirs:.6f}, diff {abs(ours.item() - theirs):.2e}"
     )
     assert abs(ours.item() - theirs) <= 1e-4
+
+
+def test_pinned_experts_are_bit_identical(tiny, native):
+    """pin_all (every expert resident, one kernel call per layer, no host sync) changes no
+    number, on the native path and the transformers path alike."""
+    ids = prompt(native.model_config.vocab_size)
+    expected = full_logits(native, ids)
+    pinned = load_model(tiny.store("qwen3_moe"), FP32)
+    pinned.runtime.pin_all()
+    misses = pinned.runtime.residency.stats.misses
+    assert torch.equal(full_logits(pinned, ids), expected)
+    assert pinned.runtime.residency.stats.misses == misses  # nothing fetched after pinning
+    hf_path = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    with torch.no_grad():
+        before = hf_path.model(ids).logits
+        hf_path.runtime.pin_all()
+        assert torch.equal(hf_path.model(ids).logits, before)
+    small = load_model(tiny.store("qwen3_moe"), replace(FP32, expert_cache_slots=2))
+    with pytest.raises(ValueError, match="pinning every expert needs 16 slots"):
+        small.runtime.pin_all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_cuda_graph_decode_step_replays_eager(tiny, dtype_name):
+    """One native decode step (static ids/positions buffers, the cache, the experts op with every
+    expert pinned) captured into a CUDA graph; replays equal eager steps on a second cache."""
+    loaded = load_model(
+        tiny.store("qwen3_moe"), EngineConfig(device="cuda", dtype=dtype_name, native=True)
+    )
+    loaded.runtime.pin_all()
+    ids = prompt(loaded.model_config.vocab_size, batch=2, length=9)
+    prompts = [ids[0, :4].tolist(), ids[1].tolist()]
+    graphed = StaticDecoder(loaded.model, 2, 64, loaded.dtype, "cuda")
+    eager = StaticDecoder(loaded.model, 2, 64, loaded.dtype, "cuda")
+    logits = graphed.prefill(prompts)
+    assert torch.equal(logits, eager.prefill(prompts))
+    tokens = logits.argmax(-1)
+    graphed.input_ids.copy_(tokens[:, None])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():
+        graphed.step_static()  # warm-up (rewrites the same cache entries the replay writes)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        static_logits = graphed.step_static()
+    for _ in range(6):
+        graphed.input_ids.copy_(tokens[:, None])
+        graph.replay()
+        graphed.positions.add_(1)
+        expected = eager.step(tokens)
+        assert torch.equal(static_logits, expected)
+        tokens = expected.argmax(-1)
