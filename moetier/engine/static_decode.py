@@ -28,6 +28,7 @@ class StaticDecoder:
         self.cache: torch.Tensor = model.new_cache(batch, max_len, dtype, device)  # type: ignore[operator]
         self.input_ids = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        self.cache_used = False  # whether prefill ran
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], pad_id: int = 0) -> torch.Tensor:
@@ -44,6 +45,7 @@ class StaticDecoder:
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         logits = self.model(ids, positions, self.cache, last_only=lengths - 1)  # [B, V]
         self.positions.copy_(lengths[:, None])
+        self.cache_used = True
         return logits
 
     @torch.inference_mode()
