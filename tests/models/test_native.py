@@ -175,3 +175,28 @@ def test_cuda_graph_decode_step_replays_eager(tiny, dtype_name):
         expected = eager.step(tokens)
         assert torch.equal(static_logits, expected)
         tokens = expected.argmax(-1)
+
+
+def test_dense_layers_and_tied_head_match_hf(tmp_path):
+    """mlp_only_layers / decoder_sparse_step (dense SwiGLU layers between MoE ones), norm_topk_prob
+    and a tied lm_head, as the config says."""
+    from tiny_models import build_tiny
+
+    from moetier.quant.convert import convert
+
+    checkpoint = build_tiny(
+        "qwen3_moe",
+        tmp_path / "hf",
+        num_hidden_layers=4,
+        mlp_only_layers=[0],
+        decoder_sparse_step=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+    )
+    loaded = load_model(convert(checkpoint, tmp_path / "store", progress=False), FP32)
+    assert loaded.model.config.moe_layers == (1, 3)
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    ids = prompt(loaded.model_config.vocab_size)
+    with torch.no_grad():
+        theirs = hf_reference(checkpoint)(ids).logits
+    assert (full_logits(loaded, ids) - theirs).abs().max().item() <= 1e-5
