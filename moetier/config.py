@@ -116,6 +116,76 @@ class ModelConfig:
         return cls.from_hf(json.loads(config_path.read_text()))
 
 
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The decoder facts a native model file needs (attention, norms, MLP/MoE layout), read from
+    a transformers config object (whose own class has filled in the defaults)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    intermediate_size: int  # dense MLP layers
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    moe_layers: tuple[int, ...]  # decoder layers whose MLP is a sparse MoE block
+    rope_type: str
+
+    @classmethod
+    def from_transformers(cls, hf: Any) -> DecoderConfig:
+        """hf: a transformers `PretrainedConfig`. Raises ValueError for what native models lack."""
+        if getattr(hf, "sliding_window", None) is not None:
+            raise ValueError(
+                "sliding-window attention is not in the native model files yet: "
+                "run this model without --native"
+            )
+        rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+        if "dynamic" in rope_type or rope_type == "longrope":
+            raise ValueError(
+                f"rope_type {rope_type!r} changes with the sequence length, which a static "
+                "decode step cannot follow: run this model without --native"
+            )
+        layers = int(hf.num_hidden_layers)
+        sparse_step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+        mlp_only = set(getattr(hf, "mlp_only_layers", None) or ())
+        num_experts = int(hf.num_experts)
+        moe_layers = tuple(
+            i
+            for i in range(layers)
+            if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0
+        )
+        heads = int(hf.num_attention_heads)
+        return cls(
+            model_type=hf.model_type,
+            vocab_size=int(hf.vocab_size),
+            hidden_size=int(hf.hidden_size),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(hf.num_key_value_heads),
+            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
+            rms_norm_eps=float(hf.rms_norm_eps),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            max_position_embeddings=int(hf.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            intermediate_size=int(hf.intermediate_size),
+            moe_intermediate_size=int(hf.moe_intermediate_size),
+            num_experts=num_experts,
+            top_k=int(hf.num_experts_per_tok),
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+            moe_layers=moe_layers,
+            rope_type=rope_type,
+        )
+
+
 def _first(d: dict[str, Any], *keys: str) -> Any:
     for key in keys:
         if d.get(key) is not None:
@@ -151,6 +221,13 @@ class EngineConfig:
         metadata={
             "help": "which expert the cache evicts: lru, lfu (decayed frequency), or wlfu "
             "(decayed routing-weight sum); docs/residency.md compares them"
+        },
+    )
+    native: bool = field(
+        default=False,
+        metadata={
+            "help": "run the native model file (static KV cache, CUDA-graph friendly) instead of "
+            "the transformers model class; only for model types with one (qwen3_moe)"
         },
     )
     delta: str = field(

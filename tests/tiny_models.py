@@ -145,15 +145,18 @@ def build_tokenizer():  # type: ignore[no-untyped-def]
     return fast
 
 
-def build_tiny(model_type: str, out_dir: Path, *, fused: bool = False, seed: int = 0) -> Path:
+def build_tiny(
+    model_type: str, out_dir: Path, *, fused: bool = False, seed: int = 0, **overrides: object
+) -> Path:
     """Write a tiny random `model_type` checkpoint (fp32) with tokenizer into `out_dir`.
 
     fused=True writes the model's own state dict (3-D `experts.gate_up_proj` tensors) instead of
-    save_pretrained's per-expert checkpoint names."""
+    save_pretrained's per-expert checkpoint names; `overrides` change config fields."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = dict(COMMON)
     kwargs.update(CONFIGS[model_type])
+    kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,18 +1,20 @@
 """The generation loop: prefill, then one token at a time with a KV cache; streaming text out.
 
-One sequence at a time (continuous batching comes with the serving issue). Stops at an
+One sequence at a time (continuous batching comes with the serving issue). Runs the transformers
+model with a DynamicCache, or a native model (`--native`) with its static KV cache. Stops at an
 end-of-sequence token, a stop string (never emitted), or `max_new_tokens`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moetier.engine.sampler import SamplingParams, sample
+from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import LoadedModel
 
 # Tokens that end an assistant turn in common chat templates, added to the stop ids in chat mode.
@@ -88,16 +90,12 @@ class Generator:
         self, prompt_ids: list[int], params: SamplingParams, *, chat: bool = False
     ) -> Iterator[Delta]:
         """Yield text deltas as tokens are generated; the last delta has a finish_reason."""
-        from transformers import DynamicCache
-
         self.check_prompt(prompt_ids)
         device = self.loaded.device
         stop_ids = self.chat_end_ids if chat else self.eos_ids
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device).manual_seed(params.seed)
-        cache = DynamicCache(config=self.model.config)
-        input_ids = torch.tensor([prompt_ids], device=device)
         detok = _StreamingDetokenizer(self.tokenizer, params.stop)
         unsent: list[int] = []  # tokens whose text is not out yet (partial UTF-8, held back)
         finish = "length"
@@ -106,11 +104,10 @@ class Generator:
             budget = min(
                 budget, self.max_context - len(prompt_ids)
             )  # stop when the context is full
+        forward = self._forward_fn(len(prompt_ids) + budget)
+        input_ids = prompt_ids
         for _ in range(budget):
-            out = self.model(
-                input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
-            token = int(sample(out.logits[:, -1], params, generator)[0])
+            token = int(sample(forward(input_ids), params, generator)[0])
             if token in stop_ids:
                 finish = "stop"
                 break
@@ -122,8 +119,36 @@ class Generator:
             if stopped:
                 finish = "stop"
                 break
-            input_ids = torch.tensor([[token]], device=device)
+            input_ids = [token]
         yield Delta("" if detok.stopped else detok.flush(), tuple(unsent), finish)
+
+    def _forward_fn(self, max_len: int) -> Callable[[list[int]], torch.Tensor]:
+        """A function that takes the prompt, then one token per call -> logits [1, V] of the last:
+        the native model's static cache (models/layers.py) or a transformers DynamicCache."""
+        device = self.loaded.device
+        if hasattr(self.model, "new_cache"):  # a native model file
+            decoder = StaticDecoder(self.model, 1, max_len, self.loaded.dtype, device)
+
+            def native(ids: list[int]) -> torch.Tensor:
+                if decoder.cache_used:
+                    return decoder.step(torch.tensor(ids, device=device))
+                return decoder.prefill([ids])
+
+            return native
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+
+        def hf(ids: list[int]) -> torch.Tensor:
+            out = self.model(
+                input_ids=torch.tensor([ids], device=device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            return out.logits[:, -1]
+
+        return hf
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, chat: bool = False

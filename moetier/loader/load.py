@@ -50,15 +50,17 @@ class LoadedModel:
 
 
 def load_model(store_path: str | Path, engine_config: EngineConfig | None = None) -> LoadedModel:
+    """The model of a store: the transformers model class, or with `engine_config.native` the
+    native model file of its model_type (loader/native.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     engine_config = engine_config or EngineConfig()
+    if engine_config.native:
+        from moetier.loader.native import load_native
+
+        return load_native(store_path, engine_config)
     store = Store(store_path)
-    device = torch.device(engine_config.resolved_device())
-    dtype_name = engine_config.resolved_dtype(store.source_dtype)
-    if dtype_name not in DTYPES:
-        raise ValueError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)} or auto")
-    dtype = DTYPES[dtype_name]
+    device, dtype = device_and_dtype(store, engine_config)
 
     register_experts_implementation()
     hf_config = AutoConfig.from_pretrained(store.path)
@@ -72,26 +74,7 @@ def load_model(store_path: str | Path, engine_config: EngineConfig | None = None
     _init_non_persistent_buffers(model, device)
     _check_nothing_on_meta(model)
 
-    residency = SlotPool.for_budget(
-        store,
-        device,
-        int(engine_config.expert_cache_mb * 2**20),
-        engine_config.expert_cache_slots,
-        make_policy(engine_config.cache_policy),
-    )
-    formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
-    delta_formats = (
-        {layer: store.blob_format(layer, "delta") for layer in store.moe_layers}
-        if store.has_plane("delta")
-        else {}
-    )
-    runtime = ExpertsRuntime(
-        residency,
-        formats,
-        store.model_config.activation,
-        delta_formats,
-        engine_config.delta_threshold(),
-    )
+    runtime = experts_runtime(store, engine_config, device)
     for layer, module in experts_modules.items():
         setattr(module, "moetier_experts", ExpertsHandle(runtime, layer))  # noqa: B010
 
@@ -106,6 +89,40 @@ def load_model(store_path: str | Path, engine_config: EngineConfig | None = None
         device,
         dtype,
         store.path.name,
+    )
+
+
+def device_and_dtype(store: Store, engine_config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(engine_config.resolved_device())
+    dtype_name = engine_config.resolved_dtype(store.source_dtype)
+    if dtype_name not in DTYPES:
+        raise ValueError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)} or auto")
+    return device, DTYPES[dtype_name]
+
+
+def experts_runtime(
+    store: Store, engine_config: EngineConfig, device: torch.device
+) -> ExpertsRuntime:
+    """The slot pool (sized by the engine config's budget) and the experts runtime over it."""
+    residency = SlotPool.for_budget(
+        store,
+        device,
+        int(engine_config.expert_cache_mb * 2**20),
+        engine_config.expert_cache_slots,
+        make_policy(engine_config.cache_policy),
+    )
+    formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
+    delta_formats = (
+        {layer: store.blob_format(layer, "delta") for layer in store.moe_layers}
+        if store.has_plane("delta")
+        else {}
+    )
+    return ExpertsRuntime(
+        residency,
+        formats,
+        store.model_config.activation,
+        delta_formats,
+        engine_config.delta_threshold(),
     )
 
 

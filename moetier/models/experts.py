@@ -46,6 +46,27 @@ class ExpertsRuntime:
         # Called as observer(layer, hidden, topk_ids, topk_weights) before each layer's experts
         # run (calibration statistics); None on the normal path.
         self.observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+        # layer -> (base table, delta table or None) once every expert is pinned resident
+        self.pinned: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def pin_all(self) -> None:
+        """Make every expert of every layer resident for good (both planes where the delta is
+        used); `forward` then runs one kernel call per layer from fixed slot tables, without host
+        syncs, so a decode step captures into a CUDA graph. The numbers are unchanged (each pair
+        is computed into its own row either way). Raises ValueError when the pool is too small."""
+        store = self.residency.store
+        needed = sum(
+            1 for key in store.blobs if key[2] == "base" or self.delta_threshold is not None
+        )
+        if needed > self.residency.capacity:
+            raise ValueError(
+                f"pinning every expert needs {needed} slots, the expert cache has "
+                f"{self.residency.capacity}: raise --expert-cache-mb (0 = room for all)"
+            )
+        experts = list(range(store.model_config.num_experts))
+        for layer in self.formats:
+            with_delta = experts if self.delta_threshold is not None else []
+            self.pinned[layer] = self.residency.ensure_planes(layer, experts, with_delta)
 
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -59,10 +80,14 @@ class ExpertsRuntime:
         mask = None
         if self.delta_threshold is not None:
             mask = topk_weights >= self.delta_threshold  # [T, k]
-            self.delta_pairs += int(mask.sum())
         self.pairs += topk_ids.numel()
-        # host syncs: residency decisions are made on the host (the all-resident decode path
-        # of issue #7 will skip them)
+        if layer in self.pinned:  # every expert resident: no host sync (delta_pairs not counted)
+            base_table, delta_table = self.pinned[layer]
+            self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
+            return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+        if mask is not None:
+            self.delta_pairs += int(mask.sum())
+        # host syncs: residency decisions are made on the host (the reference path)
         needed = sorted(set(topk_ids.flatten().tolist()))
         weight_sum = (  # each expert's summed routing weight, for weight-aware cache policies
             torch.zeros(self.residency.store.model_config.num_experts)
@@ -81,23 +106,36 @@ class ExpertsRuntime:
             base_table, delta_table = self.residency.ensure_planes(
                 layer, chunk, delta_experts, [weight_sum[e] for e in chunk]
             )
-            moe_experts(
-                hidden,
-                topk_ids,
-                topk_weights,
-                base_table,
-                self.residency.slot_offsets,
-                self.residency.pool,
-                out,
-                mask,
-                delta_table,
-                format_id(self.formats[layer]),
-                format_id(self.delta_formats.get(layer)),
-                self.activation.kind,
-                self.activation.alpha,
-                self.activation.limit,
-            )
+            self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
         return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+
+    def _run(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        base_table: torch.Tensor,
+        delta_table: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        out: torch.Tensor,
+    ) -> None:
+        moe_experts(
+            hidden,
+            topk_ids,
+            topk_weights,
+            base_table,
+            self.residency.slot_offsets,
+            self.residency.pool,
+            out,
+            mask,
+            delta_table,
+            format_id(self.formats[layer]),
+            format_id(self.delta_formats.get(layer)),
+            self.activation.kind,
+            self.activation.alpha,
+            self.activation.limit,
+        )
 
 
 @dataclass(frozen=True)

@@ -71,3 +71,15 @@ def test_generation_stops_when_the_context_is_full(generator):
         assert len(result.token_ids) == 3
     with pytest.raises(ValueError, match="context is"):
         generator.generate(ids + [1, 2, 3], SamplingParams(max_new_tokens=5))
+
+
+def test_native_model_generates_as_transformers_path(tiny, generator):
+    """`--native`: the same Generator over the native model's static cache gives the same
+    greedy tokens and the same seeded samples."""
+    native = Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True)))
+    ids = generator.prompt_ids(TEXT[:40])
+    for params in (
+        SamplingParams(max_new_tokens=16, temperature=0),
+        SamplingParams(max_new_tokens=12, temperature=0.9, seed=3),
+    ):
+        assert native.generate(ids, params).token_ids == generator.generate(ids, params).token_ids

@@ -3,7 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetier.engine.sampler import SamplingParams, sample
+from moetier.engine.sampler import (
+    SamplingParams,
+    filtered_logits,
+    sample,
+    sample_rows,
+    sampling_tensors,
+)
 
 
 def logits(seed: int = 0, batch: int = 3, vocab: int = 50) -> torch.Tensor:
@@ -55,3 +61,59 @@ def test_rejects_bad_params():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+ROW_PARAMS = [
+    SamplingParams(temperature=0.8, top_k=4, top_p=1.0),
+    SamplingParams(temperature=1.0, top_k=0, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=5, top_p=0.8),
+    SamplingParams(temperature=0.5, top_k=0, top_p=1.0),
+]
+# chi-square critical values at p = 0.001 for 1..7 degrees of freedom
+CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32]
+
+
+def test_sample_rows_follows_sample_distribution():
+    """Each row of one batched call draws from `sample`'s filtered distribution (chi-square at
+    p = 0.001 over 20000 draws per setting; never a token outside the filter)."""
+    x = logits(2, batch=1, vocab=8)
+    draws_per_setting = 20000
+    params = [p for p in ROW_PARAMS for _ in range(draws_per_setting)]
+    temperature, top_k, top_p = sampling_tensors(params, "cpu")
+    tokens = sample_rows(
+        x.expand(len(params), -1), temperature, top_k, top_p, torch.Generator().manual_seed(0)
+    ).view(len(ROW_PARAMS), draws_per_setting)
+    for p, row in zip(ROW_PARAMS, tokens, strict=True):
+        expected = filtered_logits(x, p).softmax(-1)[0]
+        counts = torch.bincount(row, minlength=8).double()
+        support = expected > 0
+        assert counts[~support].sum() == 0, p
+        exp_counts = expected[support].double() * draws_per_setting
+        chi2 = ((counts[support] - exp_counts) ** 2 / exp_counts).sum().item()
+        dof = int(support.sum()) - 1
+        if dof > 0:
+            assert chi2 < CHI2_999[dof - 1], (p, chi2)
+
+
+def test_sample_rows_greedy_rows_are_argmax():
+    x = logits(3, batch=6, vocab=50)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 3
+    out = sample_rows(x, *sampling_tensors(params, "cpu"), torch.Generator().manual_seed(1))
+    assert torch.equal(out[0::2], x[0::2].argmax(-1))
+    one = [SamplingParams(temperature=1, top_k=1), SamplingParams(temperature=1, top_p=1e-6)] * 3
+    assert torch.equal(sample_rows(x, *sampling_tensors(one, "cpu"), None), x.argmax(-1))
+
+
+def test_sample_rows_seed_reproducible():
+    x = logits(4, batch=8, vocab=50)
+    settings = sampling_tensors([SamplingParams(temperature=1.0, top_p=0.95)] * 8, "cpu")
+    a, b, c = (sample_rows(x, *settings, torch.Generator().manual_seed(seed)) for seed in (5, 5, 6))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_sample_rows_top_p_keeps_smallest_nucleus():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(500, -1)
+    settings = sampling_tensors([SamplingParams(temperature=1, top_p=0.8)] * 500, "cpu")
+    draws = set(sample_rows(x, *settings, torch.Generator().manual_seed(0)).tolist())
+    assert draws == {0, 1}

@@ -1,0 +1,74 @@
+"""Batched prefill + decode of a native model over one static KV cache.
+
+Rows are right-padded in prefill (see models/layers.py: a pad token's cache entries are
+overwritten by its row's decode tokens before any query can see them). A decode step reads its
+inputs from static buffers (`input_ids` [B, 1], `positions` [B, 1]) and writes logits [B, V]: one
+fixed-shape call, which is what a CUDA graph captures (`step_static`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class StaticDecoder:
+    """Decodes `batch` sequences together with a KV cache of `max_len` positions."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.model = model
+        self.batch, self.max_len = batch, max_len
+        self.cache: torch.Tensor = model.new_cache(batch, max_len, dtype, device)  # type: ignore[operator]
+        self.input_ids = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=device)
+        self.cache_used = False  # whether prefill ran
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]], pad_id: int = 0) -> torch.Tensor:
+        """Right-padded prefill of one prompt per row -> logits [B, V] of each row's last prompt
+        token; leaves `positions` at each row's next position."""
+        if len(prompts) != self.batch or not all(prompts):
+            raise ValueError(f"prefill takes {self.batch} non-empty prompts")
+        longest = max(len(p) for p in prompts)
+        if longest >= self.max_len:
+            raise ValueError(f"a prompt of {longest} tokens leaves no room in {self.max_len}")
+        device = self.input_ids.device
+        ids = torch.tensor([p + [pad_id] * (longest - len(p)) for p in prompts], device=device)
+        positions = torch.arange(longest, device=device).expand(self.batch, -1)  # [B, T]
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        logits = self.model(ids, positions, self.cache, last_only=lengths - 1)  # [B, V]
+        self.positions.copy_(lengths[:, None])
+        self.cache_used = True
+        return logits
+
+    @torch.inference_mode()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] at each row's current position -> logits [B, V]; positions advance."""
+        self.input_ids.copy_(tokens[:, None])
+        logits = self.step_static()
+        self.positions.add_(1)
+        return logits
+
+    def step_static(self) -> torch.Tensor:
+        """One decode step from the static buffers (no host sync, fixed shapes) -> [B, V]."""
+        return self.model(self.input_ids, self.positions, self.cache)[:, 0]
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuation of each prompt (tokens past an eos are the caller's to trim)."""
+        if max(len(p) for p in prompts) + max_new_tokens > self.max_len:
+            raise ValueError("prompt + max_new_tokens exceeds the cache length")
+        logits = self.prefill(prompts)
+        out = []
+        for i in range(max_new_tokens):
+            tokens = logits.argmax(dim=-1)  # [B]
+            out.append(tokens)
+            if i + 1 < max_new_tokens:
+                logits = self.step(tokens)
+        return torch.stack(out, dim=1).tolist()  # one host sync, at the end

@@ -1,0 +1,125 @@
+"""Build a native model file (models/<model_type>.py) from a moetier store.
+
+The model is built on the meta device from the normalised DecoderConfig; its parameters are
+assigned by name from the store's memory-mapped dense.safetensors (HF names verbatim; on CPU at
+the checkpoint's dtype they stay views of the mapping); routed experts run through the same
+ExpertsRuntime and SlotPool as the transformers path. Opt-in with `EngineConfig.native`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moetier.config import DecoderConfig, EngineConfig
+from moetier.loader.load import LoadedModel, device_and_dtype, experts_runtime
+from moetier.models.layers import RotaryEmbedding
+from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+from moetier.quant.store import DENSE_FILE, Store
+
+
+@dataclass(frozen=True)
+class NativeFamily:
+    model_class: type[nn.Module]
+    hf_rotary_class: str  # transformers' rotary module of the family: the rope's one source
+
+
+NATIVE_FAMILIES = {"qwen3_moe": NativeFamily(Qwen3MoeForCausalLM, "Qwen3MoeRotaryEmbedding")}
+
+
+def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedModel:
+    """The native model of the store's model_type; ValueError if that family has none."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    store = Store(store_path)
+    device, dtype = device_and_dtype(store, engine_config)
+    hf_config = AutoConfig.from_pretrained(store.path)
+    family = NATIVE_FAMILIES.get(hf_config.model_type)
+    if family is None:
+        raise ValueError(
+            f"no native model file for {hf_config.model_type!r} (native: "
+            f"{', '.join(NATIVE_FAMILIES)}): run it without --native"
+        )
+    config = DecoderConfig.from_transformers(hf_config)
+    if set(config.moe_layers) != set(store.moe_layers):
+        raise ValueError(
+            f"the config's MoE layers {config.moe_layers} differ from the store's "
+            f"{store.moe_layers}: convert the model again"
+        )
+    rotary = RotaryEmbedding(*_rope(hf_config, family)).to(device)
+    with torch.device("meta"):
+        model = family.model_class(config, rotary)
+    model.get_submodule(
+        "model"
+    ).rotary_emb = rotary  # built off meta: it holds the computed frequencies
+    _assign_by_name(model, store.path / DENSE_FILE, device, dtype, config.tie_word_embeddings)
+    model.eval()
+
+    runtime = experts_runtime(store, engine_config, device)
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.experts = runtime.forward
+    tokenizer = AutoTokenizer.from_pretrained(store.path)
+    return LoadedModel(
+        model,
+        tokenizer,
+        store,
+        runtime,
+        store.model_config,
+        engine_config,
+        device,
+        dtype,
+        store.path.name,
+    )
+
+
+def _rope(hf_config: Any, family: NativeFamily) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) as transformers' own rotary module computes them."""
+    module = importlib.import_module(
+        f"transformers.models.{hf_config.model_type}.modeling_{hf_config.model_type}"
+    )
+    with torch.device("cpu"):
+        hf_rotary = getattr(module, family.hf_rotary_class)(config=hf_config)
+    return hf_rotary.inv_freq, float(hf_rotary.attention_scaling)
+
+
+def _assign_by_name(
+    model: nn.Module, path: Path, device: torch.device, dtype: torch.dtype, tied: bool
+) -> None:
+    """Every parameter from the file tensor of the same name (cast to `dtype` if floating);
+    ValueError for a file tensor the model lacks or a parameter the file lacks."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    done: set[str] = set()
+    with safe_open(str(path), framework="pt") as f:
+        for key in f.keys():
+            if key not in params:
+                raise ValueError(
+                    f"{path.name} holds {key}, which the native model does not have: "
+                    "convert the model again with this moetier version"
+                )
+            tensor = f.get_tensor(key)  # a view of the memory-mapped file
+            if tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            _set_param(model, key, nn.Parameter(tensor.to(device), requires_grad=False))
+            done.add(key)
+    if tied and "lm_head.weight" not in done:
+        _set_param(model, "lm_head.weight", model.get_parameter("model.embed_tokens.weight"))
+        done.add("lm_head.weight")
+    missing = sorted(set(params) - done)
+    if missing:
+        raise ValueError(
+            f"{path.name} lacks {len(missing)} tensor(s), e.g. {missing[:4]}: "
+            "the store is incomplete, convert the model again"
+        )
+
+
+def _set_param(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    model.get_submodule(owner_name)._parameters[leaf] = param

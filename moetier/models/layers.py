@@ -1,0 +1,188 @@
+"""Shared building blocks of the native model files: RMSNorm, rotary embedding, attention over a
+static KV cache, the dense SwiGLU MLP and the softmax top-k router.
+
+Parameter names are those of the HF checkpoints (`q_proj.weight`, `q_norm.weight`, `gate.weight`
+...), so a native model loads a store's dense.safetensors by name. Every function here is shape-
+static for a given (batch, tokens): no host syncs, no branching on tensor values, so one decode
+step captures into a CUDA graph.
+
+The KV cache is one tensor [layers, 2, batch, kv_heads, max_len, head_dim] (2 = key, value).
+Token t of row b is written at cache position positions[b, t] and attends to every cache position
+<= its own. Prefill and decode share that one code path. Rows of different lengths are right-
+padded: a pad token gets the positions after its row's last real token, so its (finite) keys land
+where that row's later decode tokens overwrite them before any query can see them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """transformers' RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for given positions from inverse frequencies [rot_dim / 2] (the loader takes them
+    from transformers' own rope initialiser, so rope_theta, scaling types and partial factors are
+    as the config says). Computed in fp32 as transformers does, then cast."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.inv_freq: torch.Tensor
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] int64 -> (cos, sin), each [B, T, rot_dim]."""
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, rot_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D], cos/sin [B, T, R] with R <= D: rotates the first R dims."""
+    cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, R]
+    rot_dim = cos.shape[-1]
+    if rot_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, keep = x[..., :rot_dim], x[..., rot_dim:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, keep), dim=-1)
+
+
+def new_kv_cache(
+    num_layers: int,
+    batch: int,
+    num_kv_heads: int,
+    max_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """[layers, 2, batch, kv_heads, max_len, head_dim], zeroed: masked positions must hold finite
+    values, since a masked score is still computed from them."""
+    return torch.zeros(
+        num_layers, 2, batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device
+    )
+
+
+def causal_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    """positions [B, T] -> bool [B, 1, T, max_len]: True where cache position <= token position."""
+    cache_positions = torch.arange(max_len, device=positions.device)
+    return cache_positions[None, None, None, :] <= positions[:, None, :, None]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with per-head q/k RMSNorm (Qwen3) over the static KV cache."""
+
+    def __init__(
+        self,
+        layer: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        bias: bool = False,
+        qk_norm: bool = True,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm: nn.Module = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
+        self.k_norm: nn.Module = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [B, T, H]; positions [B, T]; mask [B, 1, T, L]; cache [layers, 2, B, kvh, L, D]
+        (this layer's keys/values are written in place) -> [B, T, H]."""
+        batch, tokens, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, tokens, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(batch, tokens, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, h, T, D]
+        index = positions[:, None, :, None].expand(batch, self.num_kv_heads, tokens, self.head_dim)
+        cache[self.layer, 0].scatter_(2, index, k)
+        cache[self.layer, 1].scatter_(2, index, v)
+        groups = self.num_heads // self.num_kv_heads
+        keys = _repeat_kv(cache[self.layer, 0], groups)  # [B, h, L, D]
+        values = _repeat_kv(cache[self.layer, 1], groups)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5
+        )  # [B, h, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, kvh, L, D] -> [B, kvh * groups, L, D], each kv head serving `groups` query heads."""
+    if groups == 1:
+        return x
+    batch, kv_heads, length, dim = x.shape
+    return (
+        x[:, :, None].expand(batch, kv_heads, groups, length, dim).reshape(batch, -1, length, dim)
+    )
+
+
+class MLP(nn.Module):
+    """The dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Router of Qwen3-MoE / Mixtral style: softmax over all experts in fp32, top-k, optionally
+    renormalised over the k. Parameter `weight` [E, H], as in the checkpoints."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.top_k, self.norm_topk = top_k, norm_topk
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in x's dtype)."""
+        logits = F.linear(x, self.weight)  # [T, E]
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(logits.dtype)

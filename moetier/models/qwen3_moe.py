@@ -1,0 +1,141 @@
+"""Native Qwen3-MoE (HF model_type `qwen3_moe`): module names are the checkpoint's, so the dense
+tensors of a moetier store load by name; routed experts run through moetier's experts runtime.
+
+forward(input_ids [B, T], positions [B, T], cache) -> logits: the same code for prefill and
+decode, over the static KV cache of layers.py (no host syncs outside the experts runtime's
+residency step; see ExpertsRuntime.forward_resident for the capturable experts call).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from moetier.config import DecoderConfig
+from moetier.models.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    RotaryEmbedding,
+    SoftmaxTopKRouter,
+    causal_mask,
+    new_kv_cache,
+)
+
+
+class Experts(Protocol):
+    """What the MoE block calls: ExpertsRuntime.forward's signature."""
+
+    def __call__(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3MoeSparseMoeBlock: softmax top-k router `gate`, routed experts (no shared expert).
+    `experts` owns no parameters: its weights are the store's expert blobs."""
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.gate = SoftmaxTopKRouter(
+            config.hidden_size, config.num_experts, config.top_k, config.norm_topk_prob
+        )
+        self.experts: Experts | None = None  # set by the loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts is None:
+            raise RuntimeError("experts not wired: load native models with moetier.loader")
+        batch, tokens, hidden = x.shape
+        flat = x.reshape(-1, hidden)  # [B*T, H]
+        ids, weights = self.gate(flat)
+        return self.experts(self.layer, flat, ids, weights).view(batch, tokens, hidden)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            layer,
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.rms_norm_eps,
+            bias=config.attention_bias,
+        )
+        self.mlp: nn.Module = (
+            SparseMoeBlock(config, layer)
+            if layer in config.moe_layers
+            else MLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = rotary
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        mask = causal_mask(positions, cache.shape[4])  # [B, 1, T, L]
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, mask, cache)
+        return self.norm(x)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """The native model. `config` is the normalised DecoderConfig; `rotary` carries the inverse
+    frequencies from transformers' rope initialiser for this config."""
+
+    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        if config.model_type != "qwen3_moe":
+            raise ValueError(f"native qwen3_moe model asked to build {config.model_type!r}")
+        self.config = config
+        self.model = Qwen3MoeModel(config, rotary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def new_cache(
+        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor:
+        """A zeroed static KV cache [layers, 2, batch, kv_heads, max_len, head_dim]."""
+        c = self.config
+        return new_kv_cache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        last_only: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [B, T] int64; cache written in place -> logits [B, T, V] fp32-or-
+        model-dtype; with last_only [B] (index of each row's last real token) -> [B, V]."""
+        hidden = self.model(input_ids, positions, cache)  # [B, T, H]
+        if last_only is not None:
+            index = last_only[:, None, None].expand(-1, 1, hidden.shape[-1])
+            hidden = hidden.gather(1, index)[:, 0]  # [B, H]
+        return self.lm_head(hidden)
