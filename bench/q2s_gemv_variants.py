@@ -149,6 +149,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--experts", type=int, default=64, help="distinct experts (> L2)")
     parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="four tile configs, not 18")
     args = parser.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     e, n, k = args.experts, args.n, args.k
@@ -167,6 +168,8 @@ def main() -> None:
     info = run_info()
     copy_bw = copy_bandwidth() if dev == "cuda" else float("nan")
     configs = [(bn, bk, warps) for bn in (16, 32, 64) for bk in (64, 128, 256) for warps in (4, 8)]
+    if args.quick:
+        configs = [(32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8)]
     if args.check_only:
         configs = [(16, 64, 4)]
     y = torch.empty(e, n, device=dev)
