@@ -28,10 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--delta",
-        choices=("none", "nvfp4", "q2"),
+        choices=("none", "nvfp4", "q2", "nested"),
         default="none",
         help="add a delta plane holding W - decode(base), coded as NVFP4 or as 2-bit q2s g16, "
-        "applied at run time where the engine's --delta says (default: none)",
+        "applied at run time where the engine's --delta says; nested: FP4 weights split into a "
+        "2-bit base plane and the 2 low bits as the delta plane (same as --experts nested) "
+        "(default: none)",
     )
     parser.add_argument(
         "--group",
@@ -74,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     progress = sys.stderr.isatty()
+    if args.delta == "nested":  # the bit-plane split of FP4 weights: its own expert format
+        if args.experts not in ("source", "nvfp4", "mxfp4", "nested"):
+            raise ValueError(
+                f"--delta nested splits FP4 weights bit-plane-wise; it does not apply to "
+                f"--experts {args.experts} (use --delta nvfp4 or q2 for an additive delta)"
+            )
+        args.experts, args.delta = "nested", "none"
     if args.experts != "source":
         from moetier.loader.quantize import convert_quantized
 

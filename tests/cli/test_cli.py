@@ -51,3 +51,19 @@ def test_errors_are_messages_not_tracebacks(tiny, tmp_path):
     done = moetier("generate", str(tmp_path), "--prompt", "x")
     assert done.returncode == 1 and "not a moetier store" in done.stderr
     assert moetier("frobnicate").returncode == 2
+
+
+def test_delta_nested_is_the_fp4_bit_plane_split(tiny, tmp_path):
+    from moetier.quant.store import Store
+
+    out = tmp_path / "nested"
+    done = moetier("convert", str(tiny.checkpoint("qwen3_moe")), str(out), "--delta", "nested")
+    assert done.returncode == 0, done.stderr
+    store = Store(out)
+    assert store.blob_format(store.moe_layers[0]).name == "nested-base"
+    assert store.blob_format(store.moe_layers[0], "delta").name == "nested-delta"
+    done = moetier(
+        "convert", str(tiny.checkpoint("qwen3_moe")), str(tmp_path / "x"), "--experts", "q2s",
+        "--delta", "nested",
+    )  # fmt: skip
+    assert done.returncode == 1 and "use --delta nvfp4 or q2" in done.stderr
