@@ -52,7 +52,7 @@ class LoadedModel:
 def load_model(store_path: str | Path, engine_config: EngineConfig | None = None) -> LoadedModel:
     """The model of a store: the transformers model class, or with `engine_config.native` the
     native model file of its model_type (loader/native.py)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     engine_config = engine_config or EngineConfig()
     if engine_config.native:
@@ -77,6 +77,20 @@ def load_model(store_path: str | Path, engine_config: EngineConfig | None = None
     runtime = experts_runtime(store, engine_config, device)
     for layer, module in experts_modules.items():
         setattr(module, "moetier_experts", ExpertsHandle(runtime, layer))  # noqa: B010
+
+    return loaded_model(model, store, runtime, engine_config, device, dtype)
+
+
+def loaded_model(
+    model: Any,
+    store: Store,
+    runtime: ExpertsRuntime,
+    engine_config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LoadedModel:
+    """A built model with its store's tokenizer, as the engine takes it."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(store.path)
     return LoadedModel(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moetier.config import DecoderConfig, EngineConfig
-from moetier.loader.load import LoadedModel, device_and_dtype, experts_runtime
+from moetier.loader.load import LoadedModel, device_and_dtype, experts_runtime, loaded_model
 from moetier.models.layers import RotaryEmbedding
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from moetier.quant.store import DENSE_FILE, Store
@@ -34,7 +34,7 @@ NATIVE_FAMILIES = {"qwen3_moe": NativeFamily(Qwen3MoeForCausalLM, "Qwen3MoeRotar
 
 def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedModel:
     """The native model of the store's model_type; ValueError if that family has none."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     store = Store(store_path)
     device, dtype = device_and_dtype(store, engine_config)
@@ -64,18 +64,7 @@ def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedMo
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
             module.experts = runtime.forward
-    tokenizer = AutoTokenizer.from_pretrained(store.path)
-    return LoadedModel(
-        model,
-        tokenizer,
-        store,
-        runtime,
-        store.model_config,
-        engine_config,
-        device,
-        dtype,
-        store.path.name,
-    )
+    return loaded_model(model, store, runtime, engine_config, device, dtype)
 
 
 def _rope(hf_config: Any, family: NativeFamily) -> tuple[torch.Tensor, float]:
