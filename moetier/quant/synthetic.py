@@ -7,6 +7,11 @@ field is caught. Never materialises unquantized weights.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from moetier.core.layout import DTYPES, BlobFormat, format_kind
@@ -48,3 +53,110 @@ def random_blob(
         return blob
     out[: blob.numel()].copy_(blob)
     return out
+
+
+QWEN3_30B_A3B = dict(  # the issue's Qwen3-30B-A3B shape (vocab cut to 8192)
+    model_type="qwen3_moe",
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    moe_intermediate_size=768,
+    intermediate_size=6144,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    vocab_size=8192,
+    max_position_embeddings=4096,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    torch_dtype="bfloat16",
+)
+
+
+def write_synthetic_store(
+    dst: Path,
+    hf_config: dict[str, Any],
+    experts: str = "q2s",
+    tokenizer_from: Path | None = None,
+    seed: int = 0,
+    distinct: int = 8,
+) -> Path:
+    """A moetier store of a qwen3_moe-shaped model with random weights, written directly:
+    dense tensors random bf16, experts in `experts` form ("q2s" g32/down g16, or "bfloat16"),
+    `distinct` random blobs repeated over all (layer, expert) slots, never an unquantized
+    expert. For benchmarks at shapes no checkpoint is at hand for; `tokenizer_from` (a store or
+    HF directory) lends its tokenizer files."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moetier.core.layout import align_up, q2s_expert_format, raw_expert_format
+    from moetier.quant.store import (
+        BLOB_ALIGN,
+        DENSE_FILE,
+        EXPERTS_FILE,
+        INDEX_FILE,
+        STORE_VERSION,
+        blob_index_entry,
+    )
+
+    if hf_config.get("model_type") != "qwen3_moe":
+        raise ValueError("synthetic stores are written for qwen3_moe shapes only")
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(hf_config, indent=1))
+    if tokenizer_from is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (tokenizer_from / name).exists():
+                shutil.copyfile(tokenizer_from / name, dst / name)
+    gen = torch.Generator().manual_seed(seed)
+    config = AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dense = {}
+    for name, tensor in model.state_dict().items():
+        if ".mlp.experts." in name:
+            continue
+        if name.endswith("norm.weight"):
+            dense[name] = torch.ones(tensor.shape, dtype=torch.bfloat16)
+        else:
+            dense[name] = (torch.randn(tensor.shape, generator=gen) * 0.02).to(torch.bfloat16)
+    save_file(dense, str(dst / DENSE_FILE))
+    del dense
+    hidden, inter = hf_config["hidden_size"], hf_config["moe_intermediate_size"]
+    if experts == "q2s":
+        fmt = q2s_expert_format(hidden, inter, False, 32, 16)
+    elif experts == "bfloat16":
+        fmt = raw_expert_format("bfloat16", hidden, inter, False)
+    else:
+        raise ValueError(f"synthetic experts are q2s or bfloat16, not {experts!r}")
+    stride = align_up(fmt.nbytes, BLOB_ALIGN)
+    blobs = []
+    for _ in range(distinct):
+        blob = torch.zeros(stride, dtype=torch.uint8)
+        random_blob(fmt, gen, blob, fitted_grid=False)
+        blobs.append(blob)
+    layers, num_experts = hf_config["num_hidden_layers"], hf_config["num_experts"]
+    index_blobs = []
+    with open(dst / EXPERTS_FILE, "wb") as f:
+        for i in range(layers * num_experts):
+            blob = blobs[i % distinct]
+            f.write(blob.numpy().tobytes())
+            layer, expert = divmod(i, num_experts)
+            index_blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
+    index = {
+        "version": STORE_VERSION,
+        "model_type": "qwen3_moe",
+        "source_dtype": "bfloat16",
+        "alignment": BLOB_ALIGN,
+        "formats": {fmt.name: fmt.to_json()},
+        "moe_modules": {str(i): f"model.layers.{i}.mlp.experts" for i in range(layers)},
+        "skipped_source_tensors": [],
+        "blobs": index_blobs,
+        "quantization": {"experts": experts, "synthetic": True},
+    }
+    (dst / INDEX_FILE).write_text(json.dumps(index))
+    return dst
