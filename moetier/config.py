@@ -59,6 +59,9 @@ class ModelConfig:
     expert_has_bias: bool
     activation: ExpertActivation
     eos_token_ids: tuple[int, ...]
+    # KV cache elements per token per layer as transformers' caches hold them (MLA families keep
+    # full per-head keys and values there, not the compressed latent)
+    kv_width: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -106,6 +109,7 @@ class ModelConfig:
             expert_has_bias=model_type == "gpt_oss",
             activation=activation,
             eos_token_ids=eos_ids,
+            kv_width=_kv_width(hf),
         )
 
     @classmethod
@@ -186,6 +190,15 @@ class DecoderConfig:
         )
 
 
+def _kv_width(hf: dict[str, Any]) -> int:
+    heads = int(hf.get("num_attention_heads") or 1)
+    if hf.get("kv_lora_rank"):  # MLA: per head, keys of nope + rope dims and values
+        nope, rope = int(hf.get("qk_nope_head_dim") or 0), int(hf.get("qk_rope_head_dim") or 0)
+        return heads * (nope + rope + int(hf.get("v_head_dim") or nope + rope))
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+    return 2 * int(hf.get("num_key_value_heads") or heads) * head_dim
+
+
 def _first(d: dict[str, Any], *keys: str) -> Any:
     for key in keys:
         if d.get(key) is not None:
@@ -211,6 +224,14 @@ class EngineConfig:
         default=0.0,
         metadata={
             "help": "memory budget of the expert slot cache in MiB (0 = room for every expert)"
+        },
+    )
+    gpu_memory: str = field(
+        default="",
+        metadata={
+            "help": "GPU memory budget (e.g. 24GiB): dense weights, a 4096-token KV cache and "
+            "workspace first, the rest sizes the expert cache (overrides --expert-cache-mb); "
+            "`moetier plan` shows the split"
         },
     )
     expert_cache_slots: int = field(

@@ -12,6 +12,7 @@ VERBS = {
     "generate": "generate text from a store, streamed to stdout",
     "serve": "serve a store over an OpenAI-compatible HTTP API",
     "quality": "KL divergence and perplexity of a store against its Hugging Face reference",
+    "plan": "print where a store's weights, KV cache and experts go under memory budgets",
 }
 
 

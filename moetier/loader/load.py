@@ -118,10 +118,19 @@ def experts_runtime(
     store: Store, engine_config: EngineConfig, device: torch.device
 ) -> ExpertsRuntime:
     """The slot pool (sized by the engine config's budget) and the experts runtime over it."""
+    budget = int(engine_config.expert_cache_mb * 2**20)
+    if engine_config.gpu_memory:
+        import sys
+
+        from moetier.residency.planner import parse_bytes, plan
+
+        placement = plan(store, parse_bytes(engine_config.gpu_memory))
+        print(placement.render(), file=sys.stderr)
+        budget = max(1, placement.gpu_expert_bytes)
     residency = SlotPool.for_budget(
         store,
         device,
-        int(engine_config.expert_cache_mb * 2**20),
+        budget,
         engine_config.expert_cache_slots,
         make_policy(engine_config.cache_policy),
     )

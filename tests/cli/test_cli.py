@@ -67,3 +67,12 @@ def test_delta_nested_is_the_fp4_bit_plane_split(tiny, tmp_path):
         "--delta", "nested",
     )  # fmt: skip
     assert done.returncode == 1 and "use --delta nvfp4 or q2" in done.stderr
+
+
+def test_plan_prints_the_split_and_refuses_too_little(tiny):
+    store = str(tiny.store("qwen3_moe"))
+    done = moetier("plan", store, "--gpu-memory", "520MiB", "--host-memory", "1MiB")
+    assert done.returncode == 0, done.stderr
+    assert "GPU:  dense" in done.stdout and "16 of 16 base blobs" in done.stdout
+    done = moetier("plan", store, "--gpu-memory", "100MiB")
+    assert done.returncode == 1 and "raise it, or lower the context length" in done.stderr

@@ -1,0 +1,120 @@
+"""Where a store's bytes go under a GPU and a host memory budget, decided before loading.
+
+Pure arithmetic over the store's index, no tensors: dense weights, the KV cache and a workspace
+reserve on the GPU first; the rest of the GPU budget becomes expert slots (base planes first,
+then delta planes); the host budget holds further expert blobs; the store's file on disk holds
+everything. Expected traffic per token is a uniform-access model: at GPU hit rate h, each token
+misses layers × top-k × (1 − h) base blobs; misses are served from host RAM in proportion of the
+non-GPU blobs the host budget holds, the rest from disk.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from moetier.core.layout import TENSOR_ALIGN, align_up
+from moetier.quant.store import DENSE_FILE, Store
+
+WORKSPACE_BYTES = 512 * 2**20  # activations, kernel scratch, CUDA context headroom
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,
+          "gib": 2**30, "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "tb": 10**12}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24G' (binary), '24GB' (decimal), '512MiB', '0' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a memory size: write e.g. 24GiB, 512MiB or 80GB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Plan:
+    dense_bytes: int
+    kv_bytes: int
+    workspace_bytes: int
+    slot_bytes: int
+    base_blobs: int
+    delta_blobs: int
+    gpu_base_slots: int
+    gpu_delta_slots: int
+    host_blobs: int
+    blobs_per_token: int  # base blobs one token reads (MoE layers × top-k)
+
+    @property
+    def gpu_expert_bytes(self) -> int:
+        return (self.gpu_base_slots + self.gpu_delta_slots) * self.slot_bytes
+
+    def traffic_per_token(self, gpu_hit_rate: float) -> tuple[float, float]:
+        """(bytes over PCIe, bytes from disk) per token for base planes at this GPU hit rate."""
+        missed = self.blobs_per_token * (1 - gpu_hit_rate) * self.slot_bytes
+        off_gpu = max(1, self.base_blobs - self.gpu_base_slots)
+        from_host = min(1.0, self.host_blobs / off_gpu)
+        return missed, missed * (1 - from_host)
+
+    def render(self, hit_rates: tuple[float, ...] = (0.5, 0.75, 0.9)) -> str:
+        mib = 2**20
+        lines = [
+            f"GPU:  dense {self.dense_bytes / mib:,.0f} MiB + KV cache {self.kv_bytes / mib:,.0f} "
+            f"MiB + workspace {self.workspace_bytes / mib:,.0f} MiB + expert slots "
+            f"{self.gpu_expert_bytes / mib:,.0f} MiB ({self.gpu_base_slots} of {self.base_blobs} "
+            f"base blobs, {self.gpu_delta_slots} of {self.delta_blobs} delta blobs; "
+            f"{self.slot_bytes / mib:.2f} MiB each)",
+            f"host: {self.host_blobs} further expert blobs "
+            f"({self.host_blobs * self.slot_bytes / mib:,.0f} MiB)",
+        ]
+        if self.gpu_base_slots == self.base_blobs:
+            lines.append("every base blob fits on the GPU: no expert traffic once they are loaded")
+            return "\n".join(lines)
+        lines.append("disk: the rest, read from the store's experts file")
+        for h in hit_rates:
+            pcie, disk = self.traffic_per_token(h)
+            lines.append(
+                f"per token at a {h:.0%} GPU hit rate: {pcie / mib:,.1f} MiB over PCIe, "
+                f"{disk / mib:,.1f} MiB of it from disk"
+            )
+        return "\n".join(lines)
+
+
+def plan(
+    store: Store,
+    gpu_memory: int,
+    host_memory: int = 0,
+    max_context: int = 4096,
+    batch: int = 1,
+    dtype_bytes: int = 2,
+    workspace: int = WORKSPACE_BYTES,
+) -> Plan:
+    """Split `gpu_memory` and `host_memory` (bytes) between the parts of `store`; ValueError
+    when the dense part, KV cache and workspace alone do not fit on the GPU."""
+    from safetensors import safe_open
+
+    cfg = store.model_config
+    dense = 0
+    with safe_open(str(store.path / DENSE_FILE), framework="pt") as f:
+        for key in f.keys():
+            numel = 1
+            for d in f.get_slice(key).get_shape():
+                numel *= d
+            dense += numel * dtype_bytes
+    kv = cfg.num_layers * cfg.kv_width * max_context * batch * dtype_bytes
+    fixed = dense + kv + workspace
+    if fixed > gpu_memory:
+        raise ValueError(
+            f"the dense weights ({dense / 2**30:.2f} GiB), a KV cache of {max_context} tokens × "
+            f"{batch} ({kv / 2**30:.2f} GiB) and {workspace / 2**30:.2f} GiB of workspace need "
+            f"{fixed / 2**30:.2f} GiB, more than --gpu-memory {gpu_memory / 2**30:.2f} GiB: "
+            "raise it, or lower the context length"
+        )
+    slot = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
+    base = sum(1 for key in store.blobs if key[2] == "base")
+    delta = len(store.blobs) - base
+    slots = (gpu_memory - fixed) // slot
+    gpu_base = min(base, slots)
+    gpu_delta = min(delta, slots - gpu_base)
+    host = min(len(store.blobs) - gpu_base - gpu_delta, host_memory // slot)
+    return Plan(dense, kv, workspace, slot, base, delta, gpu_base, gpu_delta, host,
+                len(store.moe_layers) * cfg.top_k)  # fmt: skip

@@ -1,0 +1,70 @@
+"""The placement planner: byte arithmetic against hand-computed values, refusals, and the
+engine's --gpu-memory sizing the expert cache without changing numerics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moetier.config import EngineConfig
+from moetier.core.layout import TENSOR_ALIGN, align_up
+from moetier.loader.load import load_model
+from moetier.quant.store import DENSE_FILE, Store
+from moetier.residency.planner import WORKSPACE_BYTES, parse_bytes, plan
+
+MIB = 2**20
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30 == parse_bytes("24g")
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("1.5MiB") == 3 * 2**19
+    assert parse_bytes("0") == 0
+    with pytest.raises(ValueError, match="not a memory size: write e.g. 24GiB"):
+        parse_bytes("lots")
+
+
+@pytest.fixture()
+def store(tiny):
+    return Store(tiny.store("qwen3_moe"))
+
+
+def test_split_by_hand(store):
+    cfg = store.model_config
+    with safe_open(str(store.path / DENSE_FILE), framework="pt") as f:
+        dense = 2 * sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
+    kv = cfg.num_layers * cfg.kv_width * 256 * 2 * 2  # 256 tokens, batch 2, bf16
+    slot = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
+    gpu = dense + kv + WORKSPACE_BYTES + 5 * slot + slot // 2  # room for 5 slots
+    p = plan(store, gpu, host_memory=3 * slot, max_context=256, batch=2)
+    assert (p.dense_bytes, p.kv_bytes, p.slot_bytes) == (dense, kv, slot)
+    assert (p.gpu_base_slots, p.gpu_delta_slots, p.host_blobs) == (5, 0, 3)
+    assert p.blobs_per_token == len(store.moe_layers) * cfg.top_k
+    pcie, disk = p.traffic_per_token(0.5)
+    assert pcie == pytest.approx(p.blobs_per_token * 0.5 * slot)
+    off_gpu = p.base_blobs - 5
+    assert disk == pytest.approx(pcie * (1 - 3 / off_gpu))
+    assert p.traffic_per_token(1.0) == (0, 0)
+    assert "5 of 16 base blobs" in p.render()
+    everything = plan(store, gpu + 100 * slot, max_context=256, batch=2)
+    assert "no expert traffic" in everything.render()
+
+
+def test_refuses_when_dense_does_not_fit(store):
+    with pytest.raises(ValueError, match="more than --gpu-memory .*raise it, or lower the context"):
+        plan(store, 64 * MIB)
+
+
+def test_gpu_memory_sizes_the_cache_and_keeps_numerics(store, capsys):
+    p = plan(store, WORKSPACE_BYTES + 8 * MIB)
+    budget = p.dense_bytes + p.kv_bytes + WORKSPACE_BYTES + 4 * p.slot_bytes
+    loaded = load_model(
+        store.path, EngineConfig(device="cpu", dtype="float32", gpu_memory=f"{budget}b")
+    )
+    assert loaded.runtime.residency.capacity == 4
+    assert "expert slots" in capsys.readouterr().err
+    ids = torch.randint(1, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    full = load_model(store.path, EngineConfig(device="cpu", dtype="float32"))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, full.model(ids).logits)
