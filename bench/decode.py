@@ -130,6 +130,8 @@ def main() -> None:
     parser.add_argument("--hf-tokens", type=int, default=16, help="0 skips the HF baseline")
     parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
+    if args.steps < 16:
+        parser.error("--steps must be at least 16 (8 eager steps, then the timed replays)")
     if not args.resident:
         parser.error("only --resident is implemented (tiered decode is issue #6's bench)")
     info = run_info()

@@ -163,8 +163,8 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
     pairs = tokens * case.top_k
     gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
     assert gu is not None and dn is not None
-    default_gu = moe_dispatch.choose(pairs, case.experts, gu.kind, gu.n, gu.k)
-    default_dn = moe_dispatch.choose(pairs, case.experts, dn.kind, dn.n, dn.k)
+    default_gu = moe_dispatch.choose(pairs, case.experts, gu.n, gu.k)
+    default_dn = moe_dispatch.choose(pairs, case.experts, dn.n, dn.k)
     if not default_gu.grouped:
         cands = [
             replace(default_gu, block_n=bn, block_k=bk, split_k=sk)
@@ -247,7 +247,7 @@ def main() -> None:
             for name, case in cases.items():
                 ms, r = time_case(case, tokens)
                 pairs = tokens * top_k
-                gu = moe_dispatch.choose(pairs, experts, 0, 2 * inter, hidden)
+                gu = moe_dispatch.choose(pairs, experts, 2 * inter, hidden)
                 nbytes, dbytes = case.bytes_per_call(r, gu.split_k if not gu.grouped else 1)
                 gbs = (nbytes + dbytes) / ms / 1e6
                 rec = {**info, "case": "moe", "shape": shape, "tokens": tokens, "format": name,

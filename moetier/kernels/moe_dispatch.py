@@ -61,11 +61,25 @@ def config_key(pairs: int, num_experts: int, n: int, k: int) -> str:
     return f"gemm:{n}x{k}:m{rows}"
 
 
-def choose(pairs: int, num_experts: int, kind: int, n: int, k: int) -> KernelChoice:
-    """Kernel config for one projection ([n, k] weights of format `kind`) over `pairs` pairs.
+def choose_pair(
+    pairs: int, num_experts: int, gate_up: tuple[int, int], down: tuple[int, int]
+) -> tuple[KernelChoice, KernelChoice]:
+    """Configs for the two launches of one call ([n, k] of gate_up and of down). The pair
+    grouping (mode and BLOCK_M) is gate_up's, forced onto down: both launches walk the same
+    blocks of pairs, whatever the tuned tables say for each shape alone."""
+    c_gu = choose(pairs, num_experts, *gate_up)
+    c_dn = choose(pairs, num_experts, *down)
+    if (c_dn.grouped, c_dn.use_dot, c_dn.block_m) != (c_gu.grouped, c_gu.use_dot, c_gu.block_m):
+        base = replace(GEMM if c_gu.grouped else GEMV, block_n=c_dn.block_n, block_k=c_dn.block_k)
+        c_dn = replace(base, grouped=c_gu.grouped, use_dot=c_gu.use_dot, block_m=c_gu.block_m)
+    return c_gu, replace(c_dn, split_k=1)
+
+
+def choose(pairs: int, num_experts: int, n: int, k: int) -> KernelChoice:
+    """Kernel config for one projection ([n, k] weights) over `pairs` pairs; the same tiles serve
+    every format today.
 
     Depends only on shapes, never on routing values, so it is fixed for a CUDA-graph bucket."""
-    del kind  # the same tiles serve every format today
     mode = "gemm" if pairs >= GEMM_MIN_PAIRS else "gemv"
     base = GEMM if mode == "gemm" else GEMV
     tuned = tuned_configs(_device_name()).get(config_key(pairs, num_experts, n, k))

@@ -1,8 +1,10 @@
 """`torch.ops.moetier.moe_experts`: the public MoE experts op (a torch custom op).
 
 Dispatches to the Triton kernels on CUDA (moe_triton.py) and to the plain-torch twin
-(moe_ref.py) on CPU or for formats the kernels do not decode. Being a custom op with a fake
-implementation, it traces under torch.compile and captures into CUDA graphs without graph breaks.
+(moe_ref.py) on CPU or for formats the kernels do not decode (int2, affine2, nested MXFP4). Being a
+custom op with a fake implementation, it traces under torch.compile without graph breaks; it
+captures into CUDA graphs where the Triton kernels run it (`triton_supports`): the reference path
+syncs with the host.
 Formats are passed as small ints from `format_id`, since BlobFormat is not an op argument type.
 """
 
@@ -34,6 +36,16 @@ def _triton_available() -> bool:
     return True
 
 
+def triton_supports(fmt: BlobFormat, delta_fmt: BlobFormat | None) -> bool:
+    """Whether the op runs these formats in the Triton kernels on CUDA (no host syncs, CUDA-graph
+    capturable); otherwise it falls back to the reference path, which syncs."""
+    if not _triton_available():
+        return False
+    from moetier.kernels.moe_triton import supports
+
+    return supports(fmt, delta_fmt)
+
+
 @torch.library.custom_op("moetier::moe_experts", mutates_args=("out",))
 def moe_experts(
     hidden: torch.Tensor,
@@ -60,16 +72,15 @@ def moe_experts(
     fmt = _FORMATS[base_format]
     delta_fmt = _FORMATS[delta_format] if delta_format >= 0 else None
     act = ExpertActivation(kind=activation, alpha=act_alpha, limit=act_limit)
-    if hidden.is_cuda and _triton_available():
-        from moetier.kernels.moe_triton import moe_slots_triton, supports
+    if hidden.is_cuda and triton_supports(fmt, delta_fmt):
+        from moetier.kernels.moe_triton import moe_slots_triton
 
-        if supports(fmt, delta_fmt):
-            moe_slots_triton(
-                hidden, topk_ids, topk_weights, slot_table, pool, fmt, act, out,
-                delta_mask=delta_mask, delta_table=delta_table, delta_fmt=delta_fmt,
-                slot_offsets=slot_offsets,
-            )  # fmt: skip
-            return
+        moe_slots_triton(
+            hidden, topk_ids, topk_weights, slot_table, pool, fmt, act, out,
+            delta_mask=delta_mask, delta_table=delta_table, delta_fmt=delta_fmt,
+            slot_offsets=slot_offsets,
+        )  # fmt: skip
+        return
     moe_slots_ref(
         hidden, topk_ids, topk_weights, slot_table, pool, fmt, act, out,
         delta_mask=delta_mask, delta_table=delta_table, delta_fmt=delta_fmt,

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat, format_kind, has_tensor, matrix_codecs
-from moetier.kernels.moe_dispatch import KernelChoice, choose
+from moetier.kernels.moe_dispatch import KernelChoice, choose_pair
 
 # Kinds of a matrix inside a blob (constexpr in the kernels).
 NONE, RAW_F32, RAW_BF16, RAW_F16, Q2S, NVFP4, MXFP4, NESTED, NESTED_DELTA = range(-1, 8)
@@ -500,10 +500,7 @@ def moe_slots_triton(
     inter = gu.n // 2
     if choice is None:
         experts = slot_table.shape[0]
-        choice = (
-            choose(pairs, experts, gu.kind, gu.n, gu.k),
-            choose(pairs, experts, dn.kind, dn.n, dn.k),
-        )
+        choice = choose_pair(pairs, experts, (gu.n, gu.k), (dn.n, dn.k))
     c_gu, c_dn = choice
     if c_gu.grouped != c_dn.grouped or (c_gu.grouped and c_gu.block_m != c_dn.block_m):
         raise ValueError("gate_up and down must use the same pair grouping (mode and BLOCK_M)")

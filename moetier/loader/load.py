@@ -55,6 +55,7 @@ def load_model(store_path: str | Path, engine_config: EngineConfig | None = None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     engine_config = engine_config or EngineConfig()
+    check_engine_config(store_path, engine_config)
     if engine_config.native:
         from moetier.loader.native import load_native
 
@@ -79,6 +80,16 @@ def load_model(store_path: str | Path, engine_config: EngineConfig | None = None
         setattr(module, "moetier_experts", ExpertsHandle(runtime, layer))  # noqa: B010
 
     return loaded_model(model, store, runtime, engine_config, device, dtype)
+
+
+def check_engine_config(store_path: str | Path, engine_config: EngineConfig) -> None:
+    """Fail on a bad cache policy or a --gpu-memory the dense part does not fit, before any
+    weight is loaded."""
+    make_policy(engine_config.cache_policy)
+    if engine_config.gpu_memory:
+        from moetier.residency.planner import parse_bytes, plan
+
+        plan(Store(store_path), parse_bytes(engine_config.gpu_memory))
 
 
 def loaded_model(

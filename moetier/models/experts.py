@@ -15,7 +15,7 @@ import torch
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
-from moetier.kernels.moe_ops import format_id, moe_experts
+from moetier.kernels.moe_ops import format_id, moe_experts, triton_supports
 from moetier.residency.slot_pool import SlotPool
 
 IMPLEMENTATION_NAME = "moetier"
@@ -61,8 +61,18 @@ class ExpertsRuntime:
         if needed > self.residency.capacity:
             raise ValueError(
                 f"pinning every expert needs {needed} slots, the expert cache has "
-                f"{self.residency.capacity}: raise --expert-cache-mb (0 = room for all)"
+                f"{self.residency.capacity}: raise --expert-cache-mb (0 = room for all) or "
+                "--gpu-memory"
             )
+        if self.residency.device.type == "cuda":
+            for layer, fmt in self.formats.items():
+                delta = self.delta_formats.get(layer) if self.delta_threshold is not None else None
+                if not triton_supports(fmt, delta):
+                    raise ValueError(
+                        f"layer {layer}'s experts ({fmt.name}) run on the reference path, which "
+                        "syncs with the host and cannot be captured: convert with --experts "
+                        "q2s, nvfp4, mxfp4 or nested (NVFP4), or do not pin"
+                    )
         experts = list(range(store.model_config.num_experts))
         for layer in self.formats:
             with_delta = experts if self.delta_threshold is not None else []

@@ -6,12 +6,14 @@ routed-expert tensors are recognised whether stored per expert (`experts.{e}.gat
 Mixtral's `w1/w2/w3`) or fused 3-D (`experts.gate_up_proj`, gpt-oss transposed/interleaved with
 biases). Quantized checkpoints (FP8, MXFP4, NVFP4) are read through quant/sources.py: their
 weights are dequantised, or their FP4 codes kept as they are. Everything is streamed tensor by
-tensor from the memory-mapped shards and written into a temporary directory that is renamed into
+tensor, read from the shards with explicit preads (no mmap, so resident memory stays near one
+tensor), and written into a temporary directory that is renamed into
 place at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -555,10 +557,12 @@ def _write_dense(plan: ConversionPlan, path: Path, progress: bool) -> None:
         path, [(n, plan.dense[n].dtype, plan.dense[n].shape) for n in names]
     )
     read = TensorReader(plan.quantization)
-    for name in tqdm(names, desc="dense tensors", disable=not progress, unit="tensor"):
-        writer.write(name, read(plan.dense[name]))
+    try:
+        for name in tqdm(names, desc="dense tensors", disable=not progress, unit="tensor"):
+            writer.write(name, read(plan.dense[name]))
+    finally:
+        read.close()
     writer.close()
-    read.close()
 
 
 def _write_experts(
@@ -570,7 +574,7 @@ def _write_experts(
     canonical = canonical_fp4_expert if format_kind(fmt) != "raw" else canonical_expert
     blobs = []
     keys = [(layer, e) for layer in sorted(plan.experts) for e in range(n_exp)]
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, contextlib.closing(read):
         for i, (layer, e) in enumerate(
             tqdm(keys, desc="experts", disable=not progress, unit="expert")
         ):
@@ -588,5 +592,4 @@ def _write_experts(
                 )
             f.write(blob.numpy().tobytes())
             blobs.append(blob_index_entry(layer, e, i * stride, fmt, blob))
-    read.close()
     return blobs

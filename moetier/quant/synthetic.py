@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from moetier.core.layout import DTYPES, BlobFormat, format_kind
+from moetier.core.layout import DTYPES, BlobFormat
 
 
 def random_blob(
@@ -27,11 +27,10 @@ def random_blob(
     that size on any device) with random codes and plausible scales. q2s grids (a, b) are drawn
     freely (`fitted_grid`) or with b = 3a, the evenly spaced grid the quantizer uses today."""
     blob = torch.zeros(fmt.nbytes, dtype=torch.uint8)
-    kind = format_kind(fmt)
     for spec in fmt.tensors:
         shape, dtype = spec.shape, DTYPES[spec.dtype]
         leaf = spec.name.rsplit(".", 1)[-1]
-        if kind == "mxfp4" and leaf == "scales":
+        if leaf == "scales" and spec.dtype == "uint8":  # E8M0 (MXFP4, nested MXFP4)
             value = torch.randint(118, 128, shape, generator=generator, dtype=torch.uint8)
         elif dtype == torch.uint8:
             value = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)

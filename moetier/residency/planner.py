@@ -107,7 +107,7 @@ def plan(
             f"the dense weights ({dense / 2**30:.2f} GiB), a KV cache of {max_context} tokens × "
             f"{batch} ({kv / 2**30:.2f} GiB) and {workspace / 2**30:.2f} GiB of workspace need "
             f"{fixed / 2**30:.2f} GiB, more than --gpu-memory {gpu_memory / 2**30:.2f} GiB: "
-            "raise it, or lower the context length"
+            "raise --gpu-memory (`moetier plan` also takes a shorter --max-context)"
         )
     slot = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
     base = sum(1 for key in store.blobs if key[2] == "base")

@@ -56,7 +56,9 @@ class SlotPool:
         policy: CachePolicy[BlobKey] | None = None,
     ) -> None:
         if num_slots < 1:
-            raise ValueError("the expert cache needs at least one slot: raise --expert-cache-mb")
+            raise ValueError(
+                "the expert cache needs at least one slot: raise --expert-cache-mb or --gpu-memory"
+            )
         self.store = store
         self.device = torch.device(device)
         self.slot_bytes = align_up(slot_bytes, TENSOR_ALIGN)
@@ -88,7 +90,7 @@ class SlotPool:
         if num_slots < 1:
             raise ValueError(
                 f"an expert cache of {budget_bytes / 2**20:.1f} MiB holds no expert "
-                f"({slot_bytes / 2**20:.2f} MiB each): raise --expert-cache-mb"
+                f"({slot_bytes / 2**20:.2f} MiB each): raise --expert-cache-mb or --gpu-memory"
             )
         return cls(store, device, num_slots, slot_bytes, policy)
 

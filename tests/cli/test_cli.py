@@ -75,4 +75,4 @@ def test_plan_prints_the_split_and_refuses_too_little(tiny):
     assert done.returncode == 0, done.stderr
     assert "GPU:  dense" in done.stdout and "16 of 16 base blobs" in done.stdout
     done = moetier("plan", store, "--gpu-memory", "100MiB")
-    assert done.returncode == 1 and "raise it, or lower the context length" in done.stderr
+    assert done.returncode == 1 and "raise --gpu-memory" in done.stderr

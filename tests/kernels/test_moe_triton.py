@@ -179,10 +179,21 @@ def test_one_expert_non_contiguous_odd_tokens():
 
 
 def test_dispatch_is_shape_only():
-    small = moe_dispatch.choose(8, 128, 3, 1536, 2048)
-    large = moe_dispatch.choose(4096, 128, 3, 1536, 2048)
+    small = moe_dispatch.choose(8, 128, 1536, 2048)
+    large = moe_dispatch.choose(4096, 128, 1536, 2048)
     assert not small.grouped and small.split_k >= 1
     assert large.grouped and large.use_dot and large.block_m >= 16
+
+
+def test_both_launches_share_one_grouping(monkeypatch):
+    """A tuned table with an entry for gate_up's shape only (BLOCK_M 64) must not leave down at
+    the default BLOCK_M: both launches walk the same blocks of pairs."""
+    key = moe_dispatch.config_key(4096, 128, 4096, 2048)
+    table = {key: {"grouped": True, "use_dot": True, "block_m": 64, "block_n": 128}}
+    monkeypatch.setattr(moe_dispatch, "tuned_configs", lambda name: table)
+    gu, dn = moe_dispatch.choose_pair(4096, 128, (4096, 2048), (2048, 2048))
+    assert gu.block_m == 64 and (dn.grouped, dn.use_dot, dn.block_m) == (True, True, 64)
+    assert dn.split_k == 1
 
 
 # ---- the full sweep on the device --------------------------------------------------------

@@ -52,7 +52,7 @@ def test_split_by_hand(store):
 
 
 def test_refuses_when_dense_does_not_fit(store):
-    with pytest.raises(ValueError, match="more than --gpu-memory .*raise it, or lower the context"):
+    with pytest.raises(ValueError, match="more than --gpu-memory .*: raise --gpu-memory"):
         plan(store, 64 * MIB)
 
 
@@ -68,3 +68,14 @@ def test_gpu_memory_sizes_the_cache_and_keeps_numerics(store, capsys):
     full = load_model(store.path, EngineConfig(device="cpu", dtype="float32"))
     with torch.no_grad():
         assert torch.equal(loaded.model(ids).logits, full.model(ids).logits)
+
+
+def test_bad_engine_settings_fail_before_loading(store):
+    from moetier.loader.load import check_engine_config
+
+    with pytest.raises(ValueError, match="unknown cache policy 'fifo'"):
+        check_engine_config(store.path, EngineConfig(cache_policy="fifo"))
+    with pytest.raises(ValueError, match="not a memory size"):
+        check_engine_config(store.path, EngineConfig(gpu_memory="plenty"))
+    with pytest.raises(ValueError, match="raise --gpu-memory"):
+        load_model(store.path, EngineConfig(device="cpu", gpu_memory="64MiB"))
