@@ -143,7 +143,7 @@ def experts_runtime(
         device,
         budget,
         engine_config.expert_cache_slots,
-        make_policy(engine_config.cache_policy),
+        make_policy(engine_config.cache_policy, len(store.moe_layers)),
     )
     formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
     delta_formats = (

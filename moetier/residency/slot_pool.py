@@ -23,10 +23,18 @@ BlobKey = tuple[int, int, str]
 POLICIES = {"lru": LRU, "lfu": LFU, "wlfu": WeightedLFU}
 
 
-def make_policy(name: str) -> CachePolicy[BlobKey]:
+def make_policy(
+    name: str, moe_layers: int = 1, half_life_tokens: float = 128.0
+) -> CachePolicy[BlobKey]:
+    """An online policy for the pool. The pool reports one access per MoE layer per forward, so
+    the frequency policies decay per access such that a count halves over `half_life_tokens`
+    decoded tokens (128: the best half-life of the trace replays, docs/residency.md)."""
     if name not in POLICIES:
         raise ValueError(f"unknown cache policy {name!r}: choose one of {', '.join(POLICIES)}")
-    policy: CachePolicy[BlobKey] = POLICIES[name]()
+    if name == "lru":
+        return LRU()
+    decay = 0.5 ** (1.0 / (half_life_tokens * max(1, moe_layers)))
+    policy: CachePolicy[BlobKey] = POLICIES[name](decay)
     return policy
 
 

@@ -84,3 +84,10 @@ def test_policies_never_change_numerics(tiny, policy):
             return loaded.model(ids).logits
 
     assert torch.equal(logits(expert_cache_slots=3, cache_policy=policy), logits())
+
+
+def test_frequency_policies_halve_over_the_half_life():
+    """Counts decay per access (one per MoE layer per token): after half_life_tokens tokens of
+    a 4-layer model, a count is worth half."""
+    policy = make_policy("lfu", moe_layers=4, half_life_tokens=10)
+    assert policy.decay ** (4 * 10) == pytest.approx(0.5)
