@@ -194,7 +194,7 @@ def requantize_experts(
             "(nested experts bring their own delta plane)"
         )
     if kind == "nested" and overrides:
-        raise ValueError("--override does not apply to nested experts (one NVFP4 split)")
+        raise ValueError("--override does not apply to nested experts (one FP4 bit-plane split)")
     if down_group is None:
         down_group = 16 if kind == "q2s" else group
     store = Store(store_dir)

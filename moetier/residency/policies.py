@@ -1,7 +1,8 @@
 """Expert-cache replacement policies: pure Python over hashable keys, no tensors.
 
-A key is whatever the cache stores, e.g. (layer, expert, plane). The cache (`ExpertCache`, or
-the slot pool later) asks the policy three things:
+A key is whatever the cache stores, e.g. (layer, expert, plane). The cache (`ExpertCache` in
+trace replay, `SlotPool` in the engine, where one access is a layer's experts for a whole batch)
+asks the policy three things:
 
     victim(candidates)    on a miss with the cache full: which resident key would make room
                           (candidates never include keys of the request being served)
