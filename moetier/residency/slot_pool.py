@@ -114,9 +114,9 @@ class SlotPool:
         weights: Sequence[float] | None = None,
     ) -> torch.Tensor:
         """Make `experts` of `layer` resident; returns the expert->slot table [E] int32 on the
-        pool's device, -1 for experts not asked for. Evicts the policy's victims among slots that are
-        not part of this request. `weights`: each expert's summed routing weight in this request
-        (for routing-weight-aware policies)."""
+        pool's device, -1 for experts not asked for. Evicts the policy's victims among slots
+        that are not part of this request. `weights`: each expert's summed routing weight in
+        this request (for routing-weight-aware policies)."""
         if len(experts) > self.num_slots:
             raise ValueError(
                 f"{len(experts)} experts asked for at once, the pool has {self.num_slots} slots"
