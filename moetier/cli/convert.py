@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -72,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moetier.quant.convert import convert
-    from moetier.quant.store import DENSE_FILE, Store
+    from moetier.quant.store import Store
 
     start = time.perf_counter()
     progress = sys.stderr.isatty()
@@ -109,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {out}: {len(store.moe_layers)} MoE layers x {cfg.num_experts} experts; "
         f"{time.perf_counter() - start:.1f} s"
     )
-    for line in bits_report(store, *_dense_size(store.path / DENSE_FILE)):
+    for line in bits_report(store, *store.dense_size):
         print("  " + line)
     return 0
 
@@ -156,16 +154,3 @@ def _ranges(layers: list[int]) -> str:
         else:
             out.append(str(layer))
     return ",".join(out)
-
-
-def _dense_size(path: Path) -> tuple[int, int]:
-    """(parameters, bytes) of a safetensors file, from its header alone."""
-    from moetier.quant.convert import read_safetensors_header
-
-    params = nbytes = 0
-    for key, info in read_safetensors_header(path).items():
-        if key == "__metadata__":
-            continue
-        params += math.prod(info["shape"])
-        nbytes += info["data_offsets"][1] - info["data_offsets"][0]
-    return params, nbytes

@@ -28,9 +28,13 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: s
                 help=f"{help_text} (default: none)",
             )
             continue
-        if hint is bool:  # an on/off switch: `--native`, not `--native True`
+        if hint is bool:  # an on/off switch: `--native` / `--no-native`, not `--native True`
             group.add_argument(
-                flag, action="store_true", default=default, dest=f.name, help=help_text
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                dest=f.name,
+                help=help_text,
             )
             continue
         args = [a for a in typing.get_args(hint) if a is not type(None)]

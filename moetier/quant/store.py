@@ -20,7 +20,9 @@ so a GPU slot is just `blob bytes` and tensors are views into it.
 from __future__ import annotations
 
 import json
+import math
 import mmap
+import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +138,19 @@ class Store:
         if cfg.expert_has_bias:
             per_expert += 2 * cfg.expert_intermediate_size + cfg.hidden_size
         return per_expert * cfg.num_experts * len(self.moe_layers)
+
+    @property
+    def dense_size(self) -> tuple[int, int]:
+        """(parameters, bytes) of dense.safetensors, from its header alone."""
+        with open(self.path / DENSE_FILE, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        params = nbytes = 0
+        for key, info in header.items():
+            if key != "__metadata__":
+                params += math.prod(info["shape"])
+                nbytes += info["data_offsets"][1] - info["data_offsets"][0]
+        return params, nbytes
 
     @property
     def expert_bytes(self) -> int:

@@ -120,10 +120,13 @@ class DiskReader:
         rounded-up tail)."""
         done = 0
         while done < len(view):
+            fd = self._fd
             try:
-                got = os.preadv(self._fd, [view[done:]], offset + done)
+                got = os.preadv(fd, [view[done:]], offset + done)
             except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct:
+                # EINVAL from an O_DIRECT descriptor: switch (or, if another thread already
+                # switched, just retry on the buffered one)
+                if e.errno != errno.EINVAL or (not self.direct and fd == self._fd):
                     raise
                 self._to_buffered(e)
                 continue

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from moetier.core.layout import TENSOR_ALIGN, align_up
-from moetier.quant.store import DENSE_FILE, Store
+from moetier.quant.store import Store
 
 WORKSPACE_BYTES = 512 * 2**20  # activations, kernel scratch, CUDA context headroom
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,
@@ -90,16 +90,8 @@ def plan(
 ) -> Plan:
     """Split `gpu_memory` and `host_memory` (bytes) between the parts of `store`; ValueError
     when the dense part, KV cache and workspace alone do not fit on the GPU."""
-    from safetensors import safe_open
-
     cfg = store.model_config
-    dense = 0
-    with safe_open(str(store.path / DENSE_FILE), framework="pt") as f:
-        for key in f.keys():
-            numel = 1
-            for d in f.get_slice(key).get_shape():
-                numel *= d
-            dense += numel * dtype_bytes
+    dense = store.dense_size[0] * dtype_bytes
     kv = cfg.num_layers * cfg.kv_width * max_context * batch * dtype_bytes
     fixed = dense + kv + workspace
     if fixed > gpu_memory:
