@@ -21,7 +21,7 @@ import bisect
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
@@ -260,3 +260,16 @@ class ExpertCache(Generic[K]):
             self.stats.hits += hits
             self.stats.misses += len(keys) - hits
         return hits
+
+
+ONLINE_POLICIES = ("lru", "lfu", "wlfu")
+
+
+def online_policy(name: str, decay: float = 0.999) -> CachePolicy[Any]:
+    """A policy that needs neither calibration counts nor the future: lru, lfu (decayed
+    frequency) or wlfu (decayed routing-weight sum); `decay` per access for the last two."""
+    if name == "lru":
+        return LRU()
+    if name in ("lfu", "wlfu"):
+        return DecayedFrequency(decay, weighted=name == "wlfu")
+    raise ValueError(f"unknown cache policy {name!r}: choose one of {', '.join(ONLINE_POLICIES)}")

@@ -15,16 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moetier.residency.policies import (
-    LFU,
-    LRU,
+    ONLINE_POLICIES,
     Belady,
     CachePolicy,
     ExpertCache,
     StaticHotSet,
-    WeightedLFU,
+    online_policy,
 )
 
-POLICIES = ("lru", "lfu", "wlfu", "static", "belady-demand", "belady")
+POLICIES = (*ONLINE_POLICIES, "static", "belady-demand", "belady")
 SCOPES = ("global", "layer")
 ExpertKey = tuple[int, int]  # (layer, expert)
 
@@ -86,12 +85,8 @@ def make_policy(
     decay: float,
 ) -> CachePolicy[ExpertKey]:
     """The policy called `name` for a cache that will see `requests` (keys only)."""
-    if name == "lru":
-        return LRU()
-    if name == "lfu":
-        return LFU(decay)
-    if name == "wlfu":
-        return WeightedLFU(decay)
+    if name in ONLINE_POLICIES:
+        return online_policy(name, decay)
     if name == "static":
         return StaticHotSet.fit(requests[:calibration_requests], capacity)
     if name == "belady-demand":

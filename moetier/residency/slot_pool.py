@@ -14,27 +14,22 @@ import torch
 
 from moetier.core.layout import TENSOR_ALIGN, align_up
 from moetier.quant.store import Store
-from moetier.residency.policies import LFU, LRU, CachePolicy, WeightedLFU
+from moetier.residency.policies import LRU, CachePolicy, online_policy
 from moetier.residency.telemetry import ResidencyTelemetry
 
 BlobKey = tuple[int, int, str]
-# Online policies the engine can run (`--cache-policy`); the static hot set and Belady need
-# calibration statistics or the future and live in trace replay only.
-POLICIES = {"lru": LRU, "lfu": LFU, "wlfu": WeightedLFU}
 
 
 def make_policy(
     name: str, moe_layers: int = 1, half_life_tokens: float = 128.0
 ) -> CachePolicy[BlobKey]:
-    """An online policy for the pool. The pool reports one access per MoE layer per forward, so
-    the frequency policies decay per access such that a count halves over `half_life_tokens`
-    decoded tokens (128: the best half-life of the trace replays, docs/residency.md)."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown cache policy {name!r}: choose one of {', '.join(POLICIES)}")
-    if name == "lru":
-        return LRU()
+    """The pool's policy (`--cache-policy`; policies.online_policy). The pool reports one access
+    per MoE layer per forward, so the frequency policies decay per access such that a count
+    halves over `half_life_tokens` decoded tokens (128: the best half-life of the trace replays,
+    docs/residency.md). The static hot set and Belady need calibration counts or the future and
+    live in trace replay only."""
     decay = 0.5 ** (1.0 / (half_life_tokens * max(1, moe_layers)))
-    policy: CachePolicy[BlobKey] = POLICIES[name](decay)
+    policy: CachePolicy[BlobKey] = online_policy(name, decay)
     return policy
 
 
