@@ -121,36 +121,33 @@ def quantize_q2s(
     row_scale = (w.abs().amax(dim=1) * 1.25 / b / GROUP_SCALE_TOP).clamp_min(1e-30)
     codes = torch.zeros(n, k, dtype=torch.uint8)
     raw_scales = torch.zeros(n, k // group)
-    perm = torch.arange(k)
-    hinv = None
-    imp = torch.ones(k)
-    if hessian is not None:
-        h = hessian.double().clone()
-        dead = torch.diag(h) <= 0
-        h[dead, dead] = 1.0
-        w[:, dead] = 0.0
-        imp = torch.diag(h).float().clamp_min(1e-12)
-        h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
-        if act_order:
-            for g in range(k // group):
-                cols = slice(g * group, (g + 1) * group)
-                raw_scales[:, g] = _search_scale(w[:, cols], imp[cols], a, b, row_scale)
-            perm = torch.argsort(torch.diag(h), descending=True)
-            h = h[perm][:, perm]
-        # Upper Cholesky factor of H^-1: row j holds how column j's error spreads to columns > j.
-        hinv = torch.linalg.cholesky(
-            torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True
-        ).float()
     if hessian is None:
         # Round to nearest: no error feedback, so every group at once (same result as the loop).
         groups = w.view(n * (k // group), group)  # [N*G, g]
         raw_scales = _search_scale(
-            groups, imp[:group], a, b, row_scale.repeat_interleave(k // group)
+            groups, torch.ones(group), a, b, row_scale.repeat_interleave(k // group)
         ).view(n, k // group)
         codes = _nearest_codes(w / raw_scales.repeat_interleave(group, dim=1), a, b)
         scales = (raw_scales / row_scale[:, None]).to(torch.float8_e4m3fn)
         return Q2S(codes, scales, row_scale, torch.tensor([a, b]), group)
-    static = act_order and hessian is not None
+    perm = torch.arange(k)
+    h = hessian.double().clone()
+    dead = torch.diag(h) <= 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    imp = torch.diag(h).float().clamp_min(1e-12)
+    h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
+    if act_order:
+        for g in range(k // group):
+            cols = slice(g * group, (g + 1) * group)
+            raw_scales[:, g] = _search_scale(w[:, cols], imp[cols], a, b, row_scale)
+        perm = torch.argsort(torch.diag(h), descending=True)
+        h = h[perm][:, perm]
+    # Upper Cholesky factor of H^-1: row j holds how column j's error spreads to columns > j.
+    hinv = torch.linalg.cholesky(
+        torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True
+    ).float()
+    static = act_order
     w = w[:, perm]  # work in visiting order; perm[j] is the original column of position j
     for b0 in range(0, k, block):
         b1 = min(k, b0 + block)
@@ -167,17 +164,15 @@ def quantize_q2s(
             s = raw_scales[:, orig // group]
             c = _nearest_codes(wb[:, j] / s, a, b)
             codes[:, orig] = c
-            if hinv is None:
-                continue
             q = _level_values(c, a, b) * s
             e = (wb[:, j] - q) / hinv[col, col]
             wb[:, j + 1 :] -= e[:, None] * hinv[col, col + 1 : b1][None, :]
             err_block[:, j] = e
         w[:, b0:b1] = wb
-        if hinv is not None and b1 < k:
+        if b1 < k:
             w[:, b1:] -= err_block @ hinv[b0:b1, b1:]
 
-    if hessian is not None and refit_scales:
+    if refit_scales:
         raw_scales = _refit_scales(
             w_orig, hessian.float(), codes, raw_scales, row_scale, a, b, group
         )
