@@ -237,6 +237,14 @@ class EngineConfig:
     expert_cache_slots: int = field(
         default=0, metadata={"help": "cap the expert cache at this many experts (0 = no cap)"}
     )
+    expert_reads: str = field(
+        default="mmap",
+        metadata={
+            "help": "how cache misses read the store: mmap (through the page cache) or direct "
+            "(parallel O_DIRECT preads, no double caching; buffered where the filesystem "
+            "refuses O_DIRECT)"
+        },
+    )
     cache_policy: str = field(
         default="lru",
         metadata={

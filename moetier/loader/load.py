@@ -24,6 +24,7 @@ from moetier.models.experts import (
     register_experts_implementation,
 )
 from moetier.quant.store import DENSE_FILE, Store
+from moetier.residency.disk import DiskReader
 from moetier.residency.slot_pool import SlotPool, make_policy
 
 EXPERT_PARAMS = (
@@ -86,6 +87,8 @@ def check_engine_config(store_path: str | Path, engine_config: EngineConfig) -> 
     """Fail on a bad cache policy or a --gpu-memory the dense part does not fit, before any
     weight is loaded."""
     make_policy(engine_config.cache_policy)
+    if engine_config.expert_reads not in ("mmap", "direct"):
+        raise ValueError(f"--expert-reads {engine_config.expert_reads!r}: use mmap or direct")
     if engine_config.gpu_memory:
         from moetier.residency.planner import parse_bytes, plan
 
@@ -144,6 +147,7 @@ def experts_runtime(
         budget,
         engine_config.expert_cache_slots,
         make_policy(engine_config.cache_policy, len(store.moe_layers)),
+        DiskReader.for_store(store) if engine_config.expert_reads == "direct" else None,
     )
     formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
     delta_formats = (

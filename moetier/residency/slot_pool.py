@@ -14,6 +14,7 @@ import torch
 
 from moetier.core.layout import TENSOR_ALIGN, align_up
 from moetier.quant.store import Store
+from moetier.residency.disk import DiskReader, read_size
 from moetier.residency.policies import LRU, CachePolicy, online_policy
 from moetier.residency.telemetry import ResidencyTelemetry
 
@@ -57,7 +58,10 @@ class SlotPool:
         num_slots: int,
         slot_bytes: int,
         policy: CachePolicy[BlobKey] | None = None,
+        disk: DiskReader | None = None,
     ) -> None:
+        """`disk`: fetch misses with parallel (O_DIRECT where allowed) preads of the store's
+        file instead of copying from its memory mapping (which goes through the page cache)."""
         if num_slots < 1:
             raise ValueError(
                 "the expert cache needs at least one slot: raise --expert-cache-mb or --gpu-memory"
@@ -72,6 +76,7 @@ class SlotPool:
         self.slot_offsets *= self.slot_bytes
         self.policy: CachePolicy[BlobKey] = policy if policy is not None else LRU()
         self._slots: dict[BlobKey, int] = {}
+        self.disk = disk
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = ResidencyStats()
 
@@ -83,6 +88,7 @@ class SlotPool:
         budget_bytes: int = 0,
         max_slots: int = 0,
         policy: CachePolicy[BlobKey] | None = None,
+        disk: DiskReader | None = None,
     ) -> SlotPool:
         """Size the pool from a byte budget (0 = every expert of the store fits)."""
         slot_bytes = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
@@ -95,7 +101,7 @@ class SlotPool:
                 f"an expert cache of {budget_bytes / 2**20:.1f} MiB holds no expert "
                 f"({slot_bytes / 2**20:.2f} MiB each): raise --expert-cache-mb or --gpu-memory"
             )
-        return cls(store, device, num_slots, slot_bytes, policy)
+        return cls(store, device, num_slots, slot_bytes, policy, disk)
 
     @property
     def capacity(self) -> int:
@@ -159,16 +165,18 @@ class SlotPool:
         """Make `keys` resident (none of them evicted for another); returns their slots."""
         wanted = set(keys)
         slots = []
+        misses = []
         for key in keys:
             slot = self._slots.get(key)
             if slot is not None:
                 self.stats.hits += 1
             else:
                 slot = self._take_slot(wanted)
-                self._fetch(key, slot)
                 self._slots[key] = slot
+                misses.append((key, slot))
                 self.stats.misses += 1
             slots.append(slot)
+        self._fetch(misses)
         self.policy.on_access(keys, weights)
         return slots
 
@@ -186,10 +194,27 @@ class SlotPool:
         self.stats.evictions += 1
         return self._slots.pop(victim)
 
-    def _fetch(self, key: BlobKey, slot: int) -> None:
-        blob = self.store.blob(*key)
-        self.pool[slot, : blob.numel()].copy_(blob)
-        self.stats.bytes_fetched += blob.numel()
+    def _fetch(self, misses: list[tuple[BlobKey, int]]) -> None:
+        """Blocking fetch of the missed blobs into their slots (all in flight together when
+        reading with the disk reader)."""
+        if not misses:
+            return
+        if self.disk is None:
+            for key, slot in misses:
+                blob = self.store.blob(*key)
+                self.pool[slot, : blob.numel()].copy_(blob)
+                self.stats.bytes_fetched += blob.numel()
+            return
+        sizes = [self.store.blobs[key].nbytes for key, _ in misses]
+        staging = DiskReader.allocate(sum(read_size(n) for n in sizes))  # 4 KiB-aligned pieces
+        starts = [0]
+        for n in sizes[:-1]:
+            starts.append(starts[-1] + read_size(n))
+        buffers = [staging[s : s + read_size(n)] for s, n in zip(starts, sizes, strict=True)]
+        self.disk.read_blobs(self.store, [key for key, _ in misses], buffers)
+        for (_, slot), buffer, n in zip(misses, buffers, sizes, strict=True):
+            self.pool[slot, :n].copy_(buffer[:n])
+            self.stats.bytes_fetched += n
 
     def resident(self) -> list[BlobKey]:
         return list(self._slots)

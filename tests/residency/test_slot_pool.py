@@ -91,3 +91,25 @@ def test_frequency_policies_halve_over_the_half_life():
     a 4-layer model, a count is worth half."""
     policy = make_policy("lfu", moe_layers=4, half_life_tokens=10)
     assert policy.decay ** (4 * 10) == pytest.approx(0.5)
+
+
+def test_residency_configurations_are_bit_identical(tiny, tmp_path):
+    """Every expert resident; 2 slots; 2 slots filled by parallel direct reads of a copy of the
+    store in a temporary directory (O_DIRECT where the filesystem allows it): same logits."""
+    import shutil
+
+    store = shutil.copytree(tiny.store("qwen3_moe"), tmp_path / "store")
+    ids = torch.randint(1, 300, (2, 12), generator=torch.Generator().manual_seed(4))
+
+    def run(**engine):
+        loaded = load_model(store, EngineConfig(device="cpu", dtype="float32", **engine))
+        with torch.no_grad():
+            return loaded.model(ids).logits, loaded.runtime.residency
+
+    full, _ = run()
+    two, _ = run(expert_cache_slots=2)
+    direct, pool = run(expert_cache_slots=2, expert_reads="direct")
+    assert pool.disk is not None and pool.disk.bytes_read >= pool.stats.bytes_fetched > 0
+    assert torch.equal(two, full) and torch.equal(direct, full)
+    with pytest.raises(ValueError, match="--expert-reads 'nvme': use mmap or direct"):
+        run(expert_reads="nvme")
