@@ -70,16 +70,26 @@ def dequant_fp4_ref(
     scales:       [N, K // 16] float8_e4m3fn with tensor_scale [1] float32 (NVFP4), or
                   [N, K // 32] uint8 E8M0, scale 2^(s - 127) (MXFP4, tensor_scale None)
     """
-    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1)  # [N, K]
-    return _fp4_decode(nibbles, scales, tensor_scale)
+    return _fp4_decode(unpack_fp4(codes), scales, tensor_scale)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (any shape, 0..15: bit 3 the sign, bits 0..2 index E2M1_MAGNITUDES) ->
+    float32 values; the one E2M1 decode every other module uses."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, device=codes.device)[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -magnitudes, magnitudes)
+
+
+def unpack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K // 2] uint8, element 2j in the low nibble -> [..., K] codes 0..15."""
+    return torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
 
 
 def _fp4_decode(
     nibbles: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None
 ) -> torch.Tensor:
     """Unpacked E2M1 codes [N, K] (uint8 0..15) and their block scales -> [N, K] float32."""
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, device=nibbles.device)[(nibbles & 7).long()]
-    values = torch.where((nibbles & 8) != 0, -magnitudes, magnitudes)
+    values = e2m1_values(nibbles)
     block = values.shape[1] // scales.shape[1]
     if tensor_scale is None:
         return values * torch.exp2(scales.float() - 127).repeat_interleave(block, dim=1)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+from moetier.kernels.moe_ref import e2m1_values, unpack_fp4
+
 # Midpoints between consecutive magnitudes; at a tie the even code (mantissa bit 0) wins.
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _TIE_GOES_UP = torch.tensor([False, True, False, True, False, True, False])
@@ -35,11 +36,6 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     return idx.to(torch.uint8) | sign
 
 
-def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    mag = E2M1_MAGNITUDES[(codes & 7).long()]
-    return torch.where((codes & 8) != 0, -mag, mag)
-
-
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] codes 0..15 -> [N, K // 2] uint8, element 2j in the low nibble of byte j."""
     c = codes.view(codes.shape[0], -1, 2).to(torch.uint8)
@@ -47,7 +43,8 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    """[N, K // 2] uint8 -> [N, K] codes (the inverse of pack_nibbles)."""
+    return unpack_fp4(packed)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from moetier.core.layout import DTYPES
-from moetier.kernels.moe_ref import E2M1_MAGNITUDES
+from moetier.kernels.moe_ref import e2m1_values, unpack_fp4
 
 SUPPORTED = (
     "FP8 block-scaled (quant_method 'fp8', DeepSeek-V3 layout), MXFP4 (quant_method 'mxfp4', "
@@ -282,9 +282,7 @@ class _Decodable:
 def e2m1_decode(codes: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
     """codes [..., N, K/2] uint8 (element 2j low nibble), block_scale [..., N, K/b] float32
     -> [..., N, K] float32 = e2m1 * block_scale."""
-    nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
-    magnitudes = torch.tensor(E2M1_MAGNITUDES)[(nibbles & 7).long()]
-    values = torch.where((nibbles & 8) != 0, -magnitudes, magnitudes)
+    values = e2m1_values(unpack_fp4(codes))
     block = values.shape[-1] // block_scale.shape[-1]
     return values * block_scale.repeat_interleave(block, dim=-1)
 
