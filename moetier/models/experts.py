@@ -99,11 +99,13 @@ class ExpertsRuntime:
             self.delta_pairs += int(mask.sum())
         # host syncs: residency decisions are made on the host (the reference path)
         needed = sorted(set(topk_ids.flatten().tolist()))
-        weight_sum = (  # each expert's summed routing weight, for weight-aware cache policies
-            torch.zeros(self.residency.store.model_config.num_experts)
-            .index_add_(0, topk_ids.flatten().cpu(), topk_weights.flatten().float().cpu())
-            .tolist()
-        )
+        weight_sum = None  # each expert's summed routing weight, for weight-aware policies only
+        if self.residency.policy.weighted:
+            weight_sum = (
+                torch.zeros(self.residency.store.model_config.num_experts)
+                .index_add_(0, topk_ids.flatten().cpu(), topk_weights.flatten().float().cpu())
+                .tolist()
+            )
         with_delta = set(topk_ids[mask].tolist()) if mask is not None else set()
         # Experts are computed in chunks the pool can hold (base + delta blobs); each pair's result
         # lands in its own row of `out`, so the sum is identical whatever the chunking.
@@ -114,7 +116,10 @@ class ExpertsRuntime:
             chunk = needed[start : start + capacity]
             delta_experts = [e for e in chunk if e in with_delta]
             base_table, delta_table = self.residency.ensure_planes(
-                layer, chunk, delta_experts, [weight_sum[e] for e in chunk]
+                layer,
+                chunk,
+                delta_experts,
+                [weight_sum[e] for e in chunk] if weight_sum is not None else None,
             )
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
         return out.sum(dim=1).to(hidden.dtype)  # [T, H]

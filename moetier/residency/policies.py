@@ -30,6 +30,7 @@ class CachePolicy(ABC, Generic[K]):
     """The interface every replacement policy implements (see the module docstring)."""
 
     name: str = "policy"
+    weighted: bool = False  # whether on_access uses the routing weights (else pass None)
 
     @abstractmethod
     def on_access(self, keys: Sequence[K], weights: Sequence[float] | None = None) -> None:
