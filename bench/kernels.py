@@ -30,7 +30,7 @@ from moetier.core.layout import (
 )
 from moetier.kernels import moe_dispatch
 from moetier.kernels.moe_dispatch import KernelChoice, config_key
-from moetier.kernels.moe_triton import matrix_spec, moe_slots_triton
+from moetier.kernels.moe_triton import matrix_spec, moe_slots_triton, q2s_gemv_supports
 from moetier.quant.synthetic import random_blob
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -61,8 +61,9 @@ class Case:
         n = self.experts * (2 if delta else 1)
         self.pool = torch.empty(n, self.slot_bytes, dtype=torch.uint8, device="cuda")
         gen = torch.Generator().manual_seed(0)
-        # a few distinct random blobs, copied into every slot (contents do not change timing)
-        base = [random_blob(fmt, gen).cuda() for _ in range(distinct)]
+        # a few distinct random blobs copied into every slot; q2s with the b = 3a grid the
+        # quantizer writes (a fitted grid takes the kernel's slower b != 3a branch)
+        base = [random_blob(fmt, gen, fitted_grid=False).cuda() for _ in range(distinct)]
         for e in range(self.experts):
             self.pool[e, : fmt.nbytes] = base[e % distinct]
         if delta:
@@ -90,11 +91,15 @@ class Case:
         return sets
 
     def bytes_per_call(self, r: dict[str, torch.Tensor], split_k: int) -> tuple[int, int]:
-        """(bytes without the delta, delta bytes) moved by one call on routing `r`."""
+        """(bytes without the delta, delta bytes) moved by one call on routing `r`; split_k 0
+        means the q2s GEMV kernel (activations h [P, I] written and read, no partials)."""
         distinct = int(torch.unique(r["ids"]).numel())
         tokens, pairs = r["ids"].shape[0], r["ids"].numel()
         io = tokens * self.hidden * 2 + pairs * self.hidden * 4
-        io += 2 * split_k * pairs * 2 * self.inter * 4  # gate_up partials written, read
+        if split_k:
+            io += 2 * split_k * pairs * 2 * self.inter * 4  # gate_up partials written, read
+        else:
+            io += 2 * pairs * self.inter * 4
         delta = distinct * weight_bytes(self.delta) if self.delta else 0
         return distinct * weight_bytes(self.fmt) + io, delta
 
@@ -211,6 +216,34 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
     }
 
 
+def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
+    """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down."""
+    gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
+    assert gu is not None and dn is not None
+    cands = [
+        replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w)
+        for bn, bk, w in [(64, 512, 4), (128, 512, 4), (128, 512, 8), (64, 256, 4),
+                          (128, 256, 4), (32, 512, 4), (64, 1024, 4), (32, 256, 2)]
+    ]  # fmt: skip
+
+    def timed(c_gu: KernelChoice, c_dn: KernelChoice) -> float:
+        try:
+            ms = time_case(case, tokens, (c_gu, c_dn), max_sets=8)[0]
+            print(f"# q2s-gemv {tokens} {ms:.4f} ms {c_gu} / {c_dn}", file=sys.stderr)
+            return ms
+        except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
+            print(f"# skip {c_gu} / {c_dn}: {type(exc).__name__}", file=sys.stderr)
+            return float("inf")
+
+    best_gu = min(cands, key=lambda c: timed(c, moe_dispatch.Q2S_GEMV))
+    best_dn = min(cands, key=lambda c: timed(best_gu, c))
+    fields = ("block_n", "block_k", "num_warps")
+    return {
+        f"q2s-gemv:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
+        f"q2s-gemv:{dn.n}x{dn.k}": {f: asdict(best_dn)[f] for f in fields},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -233,7 +266,10 @@ def main() -> None:
         cases = {"q2s": Case(shape, q2s, None), "q2s+nvfp4": Case(shape, q2s, nvfp4)}
         if args.tune:
             for t in (int(t) for t in args.tune_tokens.split(",")):
-                tuned.update(tune(cases["q2s"], t))
+                if t * top_k < moe_dispatch.GEMM_MIN_PAIRS:
+                    tuned.update(tune_q2s_gemv(cases["q2s"], t))
+                else:
+                    tuned.update(tune(cases["q2s"], t))
             moe_dispatch.tuned_configs.cache_clear()
             path = moe_dispatch.CONFIG_DIR / f"{moe_dispatch._device_name()}.json"
             path.parent.mkdir(exist_ok=True)
@@ -248,7 +284,13 @@ def main() -> None:
                 ms, r = time_case(case, tokens)
                 pairs = tokens * top_k
                 gu = moe_dispatch.choose(pairs, experts, 2 * inter, hidden)
-                nbytes, dbytes = case.bytes_per_call(r, gu.split_k if not gu.grouped else 1)
+                split = gu.split_k if not gu.grouped else 1
+                specs = [matrix_spec(case.fmt, m) for m in ("gate_up", "down")]
+                dspecs = [matrix_spec(case.delta, m) if case.delta else None
+                          for m in ("gate_up", "down")]  # fmt: skip
+                if pairs < moe_dispatch.Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(*specs, *dspecs):  # type: ignore[arg-type]
+                    split = 0
+                nbytes, dbytes = case.bytes_per_call(r, split)
                 gbs = (nbytes + dbytes) / ms / 1e6
                 rec = {**info, "case": "moe", "shape": shape, "tokens": tokens, "format": name,
                        "ms": round(ms, 5), "MB": round((nbytes + dbytes) / 1e6, 2),

@@ -16,6 +16,9 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).parent / "configs"
 # Pairs per call above which the grouped tl.dot kernel wins (tokens * top_k).
 GEMM_MIN_PAIRS = 128
+# The same for q2s, whose GEMV kernel (H200, Qwen3-30B-A3B and DeepSeek shapes) still beats the
+# grouped kernel at 128 pairs by 3x; it reads each expert once per pair, so it stops at 512.
+Q2S_GEMV_MAX_PAIRS = 512
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class KernelChoice:
 
 
 GEMV = KernelChoice()
+# q2s GEMV kernel (`_q2s_gemv_kernel`): block_n = rows per program (four sub-tiles), no split-K
+Q2S_GEMV = KernelChoice(block_n=64, block_k=512, num_warps=4)
 GEMM = KernelChoice(grouped=True, use_dot=True, block_m=32, block_n=64, block_k=64, num_warps=4)
 
 
@@ -89,3 +94,9 @@ def choose(pairs: int, num_experts: int, n: int, k: int) -> KernelChoice:
         # split K until each pair has >= 8 programs per 128 rows: enough CTAs at batch 1
         base = replace(base, split_k=max(1, min(8, k // 512)))
     return base
+
+
+def choose_q2s_gemv(n: int, k: int) -> KernelChoice:
+    """Config of the q2s GEMV kernel for one [n, k] projection (few pairs per call)."""
+    tuned = tuned_configs(_device_name()).get(f"q2s-gemv:{n}x{k}")
+    return replace(Q2S_GEMV, **tuned) if tuned else Q2S_GEMV  # type: ignore[arg-type]

@@ -20,11 +20,16 @@ Two modes, chosen by `moe_dispatch.choose`:
   GEMM   pairs grouped by (expert, delta on/off) into blocks of BLOCK_M rows, `tl.dot`: prefill.
 A group holds only pairs with the delta on or only pairs with it off, so the delta is applied per
 (token, expert) pair exactly as the mask says, and a group with it off never reads the delta blob.
+
+q2s decode (below `Q2S_GEMV_MAX_PAIRS` pairs) has its own GEMV kernel, `_q2s_gemv_kernel`: int32
+words of 16 codes, four row sub-tiles sharing each load of x, gate_up applying the activation
+itself (gate and up rows of the same outputs in one program), so it writes h [P, I] and no split-K
+partials.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,13 +37,19 @@ import triton.language as tl
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat, format_kind, has_tensor, matrix_codecs
-from moetier.kernels.moe_dispatch import KernelChoice, choose_pair
+from moetier.kernels.moe_dispatch import (
+    Q2S_GEMV_MAX_PAIRS,
+    KernelChoice,
+    choose_pair,
+    choose_q2s_gemv,
+)
 
 # Kinds of a matrix inside a blob (constexpr in the kernels).
 NONE, RAW_F32, RAW_BF16, RAW_F16, Q2S, NVFP4, MXFP4, NESTED, NESTED_DELTA = range(-1, 8)
 _RAW_KINDS = {"float32": RAW_F32, "bfloat16": RAW_BF16, "float16": RAW_F16}
 _BIAS_KINDS = {"float32": 1, "bfloat16": 2, "float16": 3}
 ACTIVATIONS = {"silu": 0, "silu_clamped": 1, "gpt_oss": 2}
+Q2S_ONE = 0x3F800000  # bits of 1.0f (see _q2s_level)
 
 
 @dataclass(frozen=True)
@@ -254,40 +265,220 @@ def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISIO
 
 
 @triton.jit
-def _q2s_gemv_tile(ptr, codes, scales, aux, rows, nmask, k0, k_hi, row_bytes, row_groups, x,
-                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Σ_k W[n, k] x[k] over one K tile of a q2s matrix, without the row scale -> [BLOCK_N].
+def _q2s_level(word, J: tl.constexpr, one):
+    """1 + c/4 (float32) for code J of each int32 word (code J at bits 2J..2J+1): the code is
+    shifted into the top mantissa bits of 1.0 (`one` holds its bits; a runtime value, so the
+    mask-or compiles to one LOP3 instead of two)."""
+    if J <= 10:
+        t = word << (21 - 2 * J)
+    else:
+        t = word >> (2 * J - 21)
+    return ((t & (3 << 21)) | one).to(tl.float32, bitcast=True)
 
-    The tile is handled as [BLOCK_N, groups, bytes per group, 4 codes] so that bytes load
-    contiguously and groups reduce without reshaping registers. No per-element table lookup or
-    int->float conversion: code c placed in the top mantissa bits of 1.0 gives 1 + c/4 with one
-    shift and one mask-or; the level is linear in it when b = 3a (L = 8a(1 + c/4) - 11a), so per
-    group Σ L x = 8a Σ (1 + c/4) x - 11a Σ x; a grid with b != 3a adds (b - 3a) Σ v x,
-    v = [c = 3] - [c = 0]. Group scales are applied once per group."""
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    GB: tl.constexpr = GROUP // 4  # bytes per group
-    g = tl.arange(0, GROUPS)
-    bcol = k0 // 4 + g[:, None] * GB + tl.arange(0, GB)[None, :]  # [GROUPS, GB] byte index
-    bmask = nmask[:, None, None] & (bcol < k_hi // 4)[None, :, :]
-    at = ptr + codes + rows[:, None, None] * row_bytes + bcol[None, :, :]
-    byte = tl.load(at, mask=bmask, other=0).to(tl.int32)[:, :, :, None]  # [BN, GROUPS, GB, 1]
-    j = tl.arange(0, 4)[None, None, None, :]
-    lv = (((byte << (21 - 2 * j)) & (3 << 21)) | 0x3F800000).to(tl.float32, bitcast=True)
-    x4 = tl.reshape(x, (GROUPS, GB, 4))  # element k = GROUP * g + 4 * byte + j
-    s1 = tl.sum(tl.sum(lv * x4[None, :, :, :], axis=3), axis=2)  # [BN, GROUPS]
-    sx = tl.sum(tl.sum(x4, axis=2), axis=1)  # [GROUPS]
-    a = _f32_at(ptr, aux)
-    b = _f32_at(ptr, aux + 4)
-    part = 8 * a * s1 - 11 * a * sx[None, :]
-    corr = b - 3 * a
-    if corr != 0:
-        c = (byte >> (2 * j)) & 3
-        v = tl.where(c == 3, 1.0, 0.0) - tl.where(c == 0, 1.0, 0.0)
-        part += corr * tl.sum(tl.sum(v * x4[None, :, :, :], axis=3), axis=2)
-    gcol = k0 // GROUP + g
-    gmask = nmask[:, None] & (gcol < k_hi // GROUP)[None, :]
-    sc = tl.load(ptr + scales + rows[:, None] * row_groups + gcol[None, :], mask=gmask, other=0)
-    return tl.sum(_e4m3(sc) * part, axis=1)
+
+@triton.jit
+def _q2s_outer(word, J: tl.constexpr):
+    """[c = 3] - [c = 0] for code J: the part of a level not linear in c when b != 3a."""
+    c = (word >> (2 * J)) & 3
+    return (c == 3).to(tl.float32) - (c == 0).to(tl.float32)
+
+
+@triton.jit
+def _q2s_words(wbase, rows, rmask, wd, wmask, row_words):
+    return tl.load(wbase + rows[:, None] * row_words + wd[None, :],
+                   mask=rmask[:, None] & wmask[None, :], other=0)  # fmt: skip
+
+
+@triton.jit
+def _q2s_group_scale(bptr, scales, rows, rmask, wd, wmask, row_groups, WPG: tl.constexpr):
+    sc = tl.load(bptr + scales + rows[:, None] * row_groups + (wd // WPG)[None, :],
+                 mask=rmask[:, None] & wmask[None, :], other=0)  # fmt: skip
+    return _e4m3(sc)
+
+
+@triton.jit
+def _delta_dot(dptr, DKIND: tl.constexpr, d_codes, d_scales, d_aux, rows, rmask, cols, kmask, K,
+               DGROUP: tl.constexpr, x):  # fmt: skip
+    """Σ_k D[n, k] x[k] over one K tile of an additive delta matrix, without its row factor."""
+    dw = _decode(dptr, DKIND, d_codes, d_scales, d_aux, rows, cols, K, DGROUP,
+                 rmask[:, None] & kmask[None, :])  # fmt: skip
+    return tl.sum(dw * x, axis=1)
+
+
+@triton.jit
+def _q2s_gemv_kernel(
+    x_ptr, stride_x, stride_xk, topk_ids, topk_w, delta_mask,
+    pool, slot_table, slot_offsets, delta_table,
+    out, N, K, INTER, row_words, row_groups, one,
+    codes, scales, row_scale, aux, GROUP: tl.constexpr,
+    DKIND: tl.constexpr, d_codes, d_scales, d_row_scale, d_aux, d_tensor_scale,
+    DGROUP: tl.constexpr,
+    BIAS: tl.constexpr, in_bias, out_bias, ACT: tl.constexpr, limit, alpha,
+    IS_DOWN: tl.constexpr, TOPK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
+    load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
+    [SUB, W] tensor, its level 1 + c/4 built from bits (`_q2s_level`). The levels are linear in
+    that when b = 3a: L = 8a(1 + c/4) - 11a, so per word Σ L x = 8a Σ (1 + c/4) x - 11a Σ x, and
+    group scales multiply per word. A grid with b != 3a adds (b - 3a) Σ ([c=3] - [c=0]) x.
+
+    gate_up (IS_DOWN=0): sub-tiles are gate rows r, r + SUB and the matching up rows r + INTER,
+        r + SUB + INTER, so the activation is applied here: writes h[p, r] = act(gate, up).
+    down    (IS_DOWN=1): x = h[p]; sub-tiles are 4 consecutive row blocks; writes
+        out[p, n] = w_p · (W x + b).
+    An additive delta (pairs whose mask is on) is decoded in the same K loop (`_decode`)."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids + pair).to(tl.int32)
+    slot = tl.load(slot_table + expert)
+    use_delta = pair < 0  # False
+    dslot = slot
+    if DKIND >= 0:
+        dslot = tl.load(delta_table + expert)
+        use_delta = (tl.load(delta_mask + pair) != 0) & (dslot >= 0)
+    if slot >= 0:
+        bptr = pool + tl.multiple_of(tl.load(slot_offsets + slot), 256)
+        dptr = bptr
+        if DKIND >= 0:
+            if use_delta:
+                dptr = pool + tl.multiple_of(tl.load(slot_offsets + dslot), 256)
+        wbase = (bptr + codes).to(tl.pointer_type(tl.int32))
+        r = tl.arange(0, SUB)
+        if IS_DOWN:
+            rows0 = pid_n * 4 * SUB + r
+            rows1 = rows0 + SUB
+            rows2 = rows0 + 2 * SUB
+            rows3 = rows0 + 3 * SUB
+            m0, m1, m2, m3 = rows0 < N, rows1 < N, rows2 < N, rows3 < N
+            x_row = x_ptr + pair * stride_x
+        else:
+            rows0 = pid_n * 2 * SUB + r
+            rows1 = rows0 + SUB
+            rows2 = rows0 + INTER
+            rows3 = rows1 + INTER
+            m0, m1 = rows0 < INTER, rows1 < INTER
+            m2, m3 = m0, m1
+            x_row = x_ptr + (pair // TOPK) * stride_x
+        a = _f32_at(bptr, aux)
+        corr = _f32_at(bptr, aux + 4) - 3 * a  # b - 3a
+        W: tl.constexpr = BLOCK_K // 16
+        WPG: tl.constexpr = GROUP // 16  # words per group
+        acc0 = tl.zeros((SUB, W), tl.float32)
+        acc1 = tl.zeros((SUB, W), tl.float32)
+        acc2 = tl.zeros((SUB, W), tl.float32)
+        acc3 = tl.zeros((SUB, W), tl.float32)
+        # Σx per word times the group scale (the -11a term), and the b != 3a term
+        ax0 = tl.zeros((SUB, W), tl.float32)
+        ax1 = tl.zeros((SUB, W), tl.float32)
+        ax2 = tl.zeros((SUB, W), tl.float32)
+        ax3 = tl.zeros((SUB, W), tl.float32)
+        av0 = tl.zeros((SUB, W), tl.float32)
+        av1 = tl.zeros((SUB, W), tl.float32)
+        av2 = tl.zeros((SUB, W), tl.float32)
+        av3 = tl.zeros((SUB, W), tl.float32)
+        d0 = tl.zeros((SUB,), tl.float32)
+        d1 = tl.zeros((SUB,), tl.float32)
+        d2 = tl.zeros((SUB,), tl.float32)
+        d3 = tl.zeros((SUB,), tl.float32)
+        # the words of K tile i + 1 are loaded before tile i is decoded (a hand-made pipeline:
+        # each program holds few tiles, so load latency would otherwise stall every one)
+        wd = tl.arange(0, W)
+        wmask = wd < row_words
+        w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words)
+        w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words)
+        w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words)
+        w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words)
+        for k0 in range(0, K, BLOCK_K):
+            wd_next = wd + W
+            wmask_next = wd_next < row_words
+            n0 = _q2s_words(wbase, rows0, m0, wd_next, wmask_next, row_words)
+            n1 = _q2s_words(wbase, rows1, m1, wd_next, wmask_next, row_words)
+            n2 = _q2s_words(wbase, rows2, m2, wd_next, wmask_next, row_words)
+            n3 = _q2s_words(wbase, rows3, m3, wd_next, wmask_next, row_words)
+            sc0 = _q2s_group_scale(bptr, scales, rows0, m0, wd, wmask, row_groups, WPG)
+            sc1 = _q2s_group_scale(bptr, scales, rows1, m1, wd, wmask, row_groups, WPG)
+            sc2 = _q2s_group_scale(bptr, scales, rows2, m2, wd, wmask, row_groups, WPG)
+            sc3 = _q2s_group_scale(bptr, scales, rows3, m3, wd, wmask, row_groups, WPG)
+            s0 = tl.zeros((SUB, W), tl.float32)
+            s1 = tl.zeros((SUB, W), tl.float32)
+            s2 = tl.zeros((SUB, W), tl.float32)
+            s3 = tl.zeros((SUB, W), tl.float32)
+            v0 = tl.zeros((SUB, W), tl.float32)
+            v1 = tl.zeros((SUB, W), tl.float32)
+            v2 = tl.zeros((SUB, W), tl.float32)
+            v3 = tl.zeros((SUB, W), tl.float32)
+            sx = tl.zeros((1, W), tl.float32)
+            for j in tl.static_range(16):
+                xj = tl.load(x_row + (wd[None, :] * 16 + j) * stride_xk, mask=wmask[None, :],
+                             other=0.0).to(tl.float32)  # fmt: skip
+                sx += xj
+                s0 += _q2s_level(w0, j, one) * xj
+                s1 += _q2s_level(w1, j, one) * xj
+                s2 += _q2s_level(w2, j, one) * xj
+                s3 += _q2s_level(w3, j, one) * xj
+                if corr != 0:
+                    v0 += _q2s_outer(w0, j) * xj
+                    v1 += _q2s_outer(w1, j) * xj
+                    v2 += _q2s_outer(w2, j) * xj
+                    v3 += _q2s_outer(w3, j) * xj
+            acc0 += s0 * sc0
+            acc1 += s1 * sc1
+            acc2 += s2 * sc2
+            acc3 += s3 * sc3
+            ax0 += sx * sc0
+            ax1 += sx * sc1
+            ax2 += sx * sc2
+            ax3 += sx * sc3
+            if corr != 0:
+                av0 += v0 * sc0
+                av1 += v1 * sc1
+                av2 += v2 * sc2
+                av3 += v3 * sc3
+            if DKIND >= 0:
+                if use_delta:  # additive delta, its own product (natural-order x)
+                    cols = k0 + tl.arange(0, BLOCK_K)
+                    kmask = cols < K
+                    xn = tl.load(x_row + cols[None, :] * stride_xk, mask=kmask[None, :],
+                                 other=0.0).to(tl.float32)  # fmt: skip
+                    d0 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows0, m0, cols,
+                                     kmask, K, DGROUP, xn)  # fmt: skip
+                    d1 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows1, m1, cols,
+                                     kmask, K, DGROUP, xn)  # fmt: skip
+                    d2 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows2, m2, cols,
+                                     kmask, K, DGROUP, xn)  # fmt: skip
+                    d3 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows3, m3, cols,
+                                     kmask, K, DGROUP, xn)  # fmt: skip
+            w0, w1, w2, w3 = n0, n1, n2, n3
+            wd, wmask = wd_next, wmask_next
+        y0 = tl.sum(8 * a * acc0 - 11 * a * ax0 + corr * av0, axis=1)
+        y1 = tl.sum(8 * a * acc1 - 11 * a * ax1 + corr * av1, axis=1)
+        y2 = tl.sum(8 * a * acc2 - 11 * a * ax2 + corr * av2, axis=1)
+        y3 = tl.sum(8 * a * acc3 - 11 * a * ax3 + corr * av3, axis=1)
+        y0 = y0 * _row_factor(bptr, 3, row_scale, 0, rows0, m0)
+        y1 = y1 * _row_factor(bptr, 3, row_scale, 0, rows1, m1)
+        y2 = y2 * _row_factor(bptr, 3, row_scale, 0, rows2, m2)
+        y3 = y3 * _row_factor(bptr, 3, row_scale, 0, rows3, m3)
+        if DKIND >= 0:
+            if use_delta:
+                y0 += d0 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows0, m0)
+                y1 += d1 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows1, m1)
+                y2 += d2 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows2, m2)
+                y3 += d3 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows3, m3)
+        if BIAS > 0:
+            bias_at = out_bias if IS_DOWN else in_bias
+            y0 += _bias(bptr, BIAS, bias_at, rows0, m0)
+            y1 += _bias(bptr, BIAS, bias_at, rows1, m1)
+            y2 += _bias(bptr, BIAS, bias_at, rows2, m2)
+            y3 += _bias(bptr, BIAS, bias_at, rows3, m3)
+        if IS_DOWN:
+            weight = tl.load(topk_w + pair).to(tl.float32)
+            tl.store(out + pair * N + rows0, y0 * weight, mask=m0)
+            tl.store(out + pair * N + rows1, y1 * weight, mask=m1)
+            tl.store(out + pair * N + rows2, y2 * weight, mask=m2)
+            tl.store(out + pair * N + rows3, y3 * weight, mask=m3)
+        else:
+            tl.store(out + pair * INTER + rows0, _activation(y0, y2, ACT, limit, alpha), mask=m0)
+            tl.store(out + pair * INTER + rows1, _activation(y1, y3, ACT, limit, alpha), mask=m1)
 
 
 @triton.jit
@@ -297,7 +488,7 @@ def _moe_kernel(
     # experts
     pool, slot_table, slot_offsets, delta_table,
     # input/output
-    part_in, out, N, K, stride_part_s, row_bytes, row_groups,
+    part_in, out, N, K, stride_part_s,
     # base matrix
     KIND: tl.constexpr, codes, scales, row_scale, aux, tensor_scale, GROUP: tl.constexpr,
     # delta matrix
@@ -375,16 +566,12 @@ def _moe_kernel(
             else:
                 x_at = x_ptr + tokens[:, None] * stride_x + cols[None, :] * stride_xk
                 x = tl.load(x_at, mask=xmask, other=0.0).to(tl.float32)
-            if (KIND == 3) and (not USE_DOT):  # q2s GEMV: the fast path
-                acc += _q2s_gemv_tile(bptr, codes, scales, aux, rows, nmask, k0, k_hi, row_bytes,
-                                      row_groups, x, GROUP, BLOCK_N, BLOCK_K)[None, :]  # fmt: skip
-            else:
-                w = _decode(bptr, KIND, codes, scales, aux, rows, cols, K, GROUP, wmask)
-                if DKIND == 7:  # nested delta: the full FP4 code replaces the base decode
-                    if use_delta:
-                        w = _decode_nested_full(bptr, codes, scales, dptr, d_codes, rows, cols, K,
-                                                GROUP, wmask)  # fmt: skip
-                acc += _tile_product(x, w, USE_DOT, DOT_DTYPE, PRECISION)
+            w = _decode(bptr, KIND, codes, scales, aux, rows, cols, K, GROUP, wmask)
+            if DKIND == 7:  # nested delta: the full FP4 code replaces the base decode
+                if use_delta:
+                    w = _decode_nested_full(bptr, codes, scales, dptr, d_codes, rows, cols, K,
+                                            GROUP, wmask)  # fmt: skip
+            acc += _tile_product(x, w, USE_DOT, DOT_DTYPE, PRECISION)
             if (DKIND >= 0) and (DKIND != 7):  # additive delta: its own product, summed below
                 if use_delta:
                     dw = _decode(dptr, DKIND, d_codes, d_scales, d_aux, rows, cols, K, DGROUP,
@@ -500,8 +687,16 @@ def moe_slots_triton(
     inter = gu.n // 2
     if choice is None:
         experts = slot_table.shape[0]
-        choice = choose_pair(pairs, experts, (gu.n, gu.k), (dn.n, dn.k))
+        if pairs < Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(gu, dn, dgu, ddn):
+            choice = (choose_q2s_gemv(gu.n, gu.k), choose_q2s_gemv(dn.n, dn.k))
+        else:
+            choice = choose_pair(pairs, experts, (gu.n, gu.k), (dn.n, dn.k))
     c_gu, c_dn = choice
+    if not c_gu.grouped and q2s_gemv_supports(gu, dn, dgu, ddn):
+        _q2s_gemv(hidden, topk_ids.contiguous(), topk_weights.contiguous(), slot_table, pool,
+                  slot_offsets, fmt, act, out, gu, dn, dgu, ddn, c_gu, c_dn, delta_mask,
+                  delta_table if use_delta else None)  # fmt: skip
+        return
     if c_gu.grouped != c_dn.grouped or (c_gu.grouped and c_gu.block_m != c_dn.block_m):
         raise ValueError("gate_up and down must use the same pair grouping (mode and BLOCK_M)")
     topk_ids = topk_ids.contiguous()
@@ -528,14 +723,12 @@ def moe_slots_triton(
         (0, gu, dgu, c_gu, part),
         (1, dn, ddn, c_dn, out),
     ):
-        if spec.kind == Q2S and not c.use_dot:  # the q2s GEMV tile holds whole groups
-            c = replace(c, block_k=max(c.block_k, spec.group))
         grid = (blocks, triton.cdiv(spec.n, c.block_n), 1 if is_down else c.split_k)
         _moe_kernel[grid](
             hidden, hidden.stride(0), hidden.stride(1), topk_ids, topk_w, dmask, block_pairs,
             block_key, pairs,
             pool, slot_table, slot_offsets, dtable,
-            part, dst, spec.n, spec.k, part.stride(0), spec.k // 4, spec.k // spec.group,
+            part, dst, spec.n, spec.k, part.stride(0),
             spec.kind, spec.codes, spec.scales, spec.row_scale, spec.aux, spec.tensor_scale,
             spec.group,
             dspec.kind if dspec else NONE, dspec.codes if dspec else 0,
@@ -546,5 +739,74 @@ def moe_slots_triton(
             is_down, c_gu.split_k, top_k,
             grouped, c.use_dot, dot_dtype, "ieee" if hidden.dtype == torch.float32 else "tf32",
             c.block_m if grouped else 1, c.block_n, c.block_k,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )  # fmt: skip
+
+
+def q2s_gemv_supports(
+    gu: MatrixSpec, dn: MatrixSpec, dgu: MatrixSpec | None, ddn: MatrixSpec | None
+) -> bool:
+    """Whether `_q2s_gemv_kernel` runs this call: q2s base matrices whose K and groups are
+    whole int32 words (16 codes), and no delta or an additive one."""
+    for spec, dspec in ((gu, dgu), (dn, ddn)):
+        if spec.kind != Q2S or spec.k % 16 or spec.group % 16:
+            return False
+        if dspec is not None and dspec.kind in (NESTED, NESTED_DELTA):
+            return False
+    return True
+
+
+def _q2s_gemv(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    slot_table: torch.Tensor,
+    pool: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    fmt: BlobFormat,
+    act: ExpertActivation,
+    out: torch.Tensor,
+    gu: MatrixSpec,
+    dn: MatrixSpec,
+    dgu: MatrixSpec | None,
+    ddn: MatrixSpec | None,
+    c_gu: KernelChoice,
+    c_dn: KernelChoice,
+    delta_mask: torch.Tensor | None,
+    delta_table: torch.Tensor | None,
+) -> None:
+    """Two launches of `_q2s_gemv_kernel`: gate_up (+ activation) into h [P, I], then down."""
+    tokens, top_k = topk_ids.shape
+    pairs = tokens * top_k
+    inter = gu.n // 2
+    h = torch.empty(pairs, inter, device=hidden.device, dtype=torch.float32)
+    bias, in_bias, out_bias = _bias_kind(fmt)
+    has_delta = dgu is not None and delta_mask is not None and delta_table is not None
+    dmask = (
+        delta_mask.contiguous().to(torch.uint8)
+        if has_delta and delta_mask is not None
+        else topk_ids
+    )
+    dtable = delta_table if has_delta and delta_table is not None else slot_table
+    for is_down, spec, dspec, c, x, dst in (
+        (0, gu, dgu, c_gu, hidden, h),
+        (1, dn, ddn, c_dn, h, out),
+    ):
+        sub = max(1, c.block_n // 4)
+        block_k = min(c.block_k, max(16, triton.next_power_of_2(spec.k)))
+        rows = spec.n if is_down else inter
+        grid = (pairs, triton.cdiv(rows, (4 if is_down else 2) * sub))
+        dspec = dspec if has_delta else None
+        _q2s_gemv_kernel[grid](
+            x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,
+            pool, slot_table, slot_offsets, dtable,
+            dst, spec.n, spec.k, inter, spec.k // 16, spec.k // spec.group, Q2S_ONE,
+            spec.codes, spec.scales, spec.row_scale, spec.aux, spec.group,
+            dspec.kind if dspec else NONE, dspec.codes if dspec else 0,
+            dspec.scales if dspec else 0, dspec.row_scale if dspec else 0,
+            dspec.aux if dspec else 0, dspec.tensor_scale if dspec else 0,
+            dspec.group if dspec else 1,
+            bias, in_bias, out_bias, ACTIVATIONS[act.kind], act.limit, act.alpha,
+            is_down, top_k, sub, block_k,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip

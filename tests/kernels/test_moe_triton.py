@@ -24,7 +24,7 @@ from moetier.kernels.moe_ref import moe_slots_ref
 from moetier.quant.synthetic import random_blob
 
 triton = pytest.importorskip("triton")
-from moetier.kernels import moe_dispatch  # noqa: E402
+from moetier.kernels import moe_dispatch, moe_triton  # noqa: E402
 from moetier.kernels.moe_triton import moe_slots_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,6 +176,17 @@ def test_delta_masks(mask):
 
 def test_one_expert_non_contiguous_odd_tokens():
     run_case("q2s", 7, 3, 5, 64, 32, one_expert=True, non_contiguous=True, force=(GEMM, GEMM))
+
+
+def test_q2s_gemv_default_config():
+    """The q2s GEMV kernel with the dispatcher's own config (one K tile of up to 512, rows split
+    in four sub-tiles), both grids (even experts fitted, odd b = 3a) and an additive delta."""
+    gu = q2s_expert_format(64, 32, False, 32, 16)
+    assert moe_triton.q2s_gemv_supports(
+        moe_triton.matrix_spec(gu, "gate_up"), moe_triton.matrix_spec(gu, "down"), None, None
+    )
+    run_case("q2s", 3, 2, 6, 64, 32, present_frac=0.7, seed=13)
+    run_case("q2s+q2s", 3, 2, 6, 64, 32, mask="random", seed=14)
 
 
 def test_dispatch_is_shape_only():
