@@ -54,11 +54,37 @@ def active_bytes(store: Store, batch: int) -> int:
     return int(dense + len(store.moe_layers) * distinct * expert)
 
 
-def time_native(store_path: Path, batch: int, steps: int) -> dict[str, float]:
+def profile_step(dec: StaticDecoder, steps: int = 4) -> list[dict[str, object]]:
+    """CUDA kernels of `steps` eager decode steps: the 25 largest by total time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            dec.step_static()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "calls_per_step": e.count / steps,
+                         "us_per_step": round(us / steps, 1)})  # fmt: skip
+    rows.sort(key=lambda r: -float(r["us_per_step"]))  # type: ignore[arg-type]
+    total = sum(float(r["us_per_step"]) for r in rows)  # type: ignore[arg-type]
+    calls = sum(float(r["calls_per_step"]) for r in rows)  # type: ignore[arg-type]
+    return [{"kernel": "TOTAL", "calls_per_step": calls, "us_per_step": round(total, 1)}] + rows[
+        :25
+    ]
+
+
+def time_native(
+    store_path: Path, batch: int, steps: int, compile_step: bool, profile: bool = False
+) -> dict[str, object]:
     loaded = load_model(store_path, EngineConfig(device="cuda", dtype="bfloat16", native=True))
     loaded.runtime.pin_all()
     vocab = loaded.model_config.vocab_size
-    dec = StaticDecoder(loaded.model, batch, PROMPT + steps + 8, torch.bfloat16, "cuda")
+    dec = StaticDecoder(
+        loaded.model, batch, PROMPT + steps + 8, torch.bfloat16, "cuda", compile_step=compile_step
+    )
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, vocab, (batch, PROMPT), generator=gen).tolist()
     with torch.inference_mode():
@@ -74,6 +100,7 @@ def time_native(store_path: Path, batch: int, steps: int) -> dict[str, float]:
             dec.positions.add_(1)
         torch.cuda.synchronize()
         eager_ms = (time.perf_counter() - start) / 8 * 1e3
+        kernels = profile_step(dec) if profile else None
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -95,11 +122,12 @@ def time_native(store_path: Path, batch: int, steps: int) -> dict[str, float]:
     ms = begin.elapsed_time(end) / replays
     del graph, dec, loaded
     torch.cuda.empty_cache()
-    return {"ms": ms, "eager_ms": eager_ms}
+    return {"ms": ms, "eager_ms": eager_ms, "kernels": kernels}
 
 
 def time_hf(layers: int, batch: int, new_tokens: int) -> float:
-    """ms per decode step of HF transformers generate (bf16, batched_mm experts)."""
+    """ms per decode step of HF transformers generate (bf16, batched_mm experts): the time of
+    `new_tokens` tokens minus that of one (prefill + first token), over new_tokens - 1 steps."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**dict(QWEN3_30B_A3B, num_hidden_layers=layers))
@@ -109,15 +137,21 @@ def time_hf(layers: int, batch: int, new_tokens: int) -> float:
         ).eval()
     ids = torch.randint(0, config.vocab_size, (batch, PROMPT), device="cuda")
     kwargs = dict(do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)
+
+    def run(tokens: int, model: torch.nn.Module = model) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
         torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        run(2)  # warm-up
+        one = min(run(1) for _ in range(3))
+        full = run(new_tokens)
     del model
     torch.cuda.empty_cache()
-    return (time.perf_counter() - start) / new_tokens * 1e3
+    return (full - one) / (new_tokens - 1) * 1e3
 
 
 def main() -> None:
@@ -128,6 +162,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--experts", default="q2s", help="q2s and/or bfloat16, comma separated")
     parser.add_argument("--hf-tokens", type=int, default=16, help="0 skips the HF baseline")
+    parser.add_argument(
+        "--compile",
+        default="on",
+        choices=("on", "off", "both"),
+        help="decode step through torch.compile before the CUDA graph",
+    )
+    parser.add_argument("--profile", action="store_true", help="kernel table of eager steps")
     parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
     if args.steps < 16:
@@ -145,20 +186,27 @@ def main() -> None:
         )
         print(f"# store written in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         store = Store(path)
-        for batch in (int(b) for b in args.batch.split(",")):
-            t = time_native(path, batch, args.steps)
+        modes = {"on": [True], "off": [False], "both": [False, True]}[args.compile]
+        for batch, compiled in ((int(b), c) for b in args.batch.split(",") for c in modes):
+            t = time_native(path, batch, args.steps, compiled, args.profile)
+            ms = float(t["ms"])  # type: ignore[arg-type]
             nbytes = active_bytes(store, batch)
+            if t["kernels"]:
+                for row in t["kernels"]:  # type: ignore[union-attr]
+                    emit({**info, "case": "decode-profile", "layers": args.layers,
+                          "batch": batch, "compiled": compiled, **row})  # fmt: skip
             rec = {**info, "case": "decode-resident", "layers": args.layers, "batch": batch,
-                   "experts": experts, "ms_per_step": round(t["ms"], 4),
-                   "tok_s": round(batch * 1e3 / t["ms"], 1),
-                   "eager_ms_per_step": round(t["eager_ms"], 3),
+                   "experts": experts, "compiled": compiled, "ms_per_step": round(ms, 4),
+                   "tok_s": round(batch * 1e3 / ms, 1),
+                   "eager_ms_per_step": round(float(t["eager_ms"]), 3),  # type: ignore[arg-type]
                    "active_MB": round(nbytes / 1e6, 1),
-                   "GB/s": round(nbytes / t["ms"] / 1e6, 1),
+                   "GB/s": round(nbytes / ms / 1e6, 1),
                    "copy_GB/s": round(copy_bw / 1e9, 1)}  # fmt: skip
-            if args.hf_tokens and experts == args.experts.split(",")[0]:
+            first = compiled == modes[-1] and experts == args.experts.split(",")[0]
+            if args.hf_tokens and first:
                 hf_ms = time_hf(args.layers, batch, args.hf_tokens)
                 rec.update(hf_batched_mm_tok_s=round(batch * 1e3 / hf_ms, 2),
-                           vs_hf=round(hf_ms / t["ms"], 1))  # fmt: skip
+                           vs_hf=round(hf_ms / ms, 1))  # fmt: skip
             emit(rec)
         store.close()
 

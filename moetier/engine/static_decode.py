@@ -8,6 +8,9 @@ fixed-shape call, which is what a CUDA graph captures (`step_static`).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,13 +25,17 @@ class StaticDecoder:
         max_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        compile_step: bool = False,
     ) -> None:
+        """compile_step: run the decode step through torch.compile (inductor fuses the norms,
+        rotary and residual adds into a few Triton kernels; CUDA only, compiled on first use)."""
         self.model = model
         self.batch, self.max_len = batch, max_len
         self.cache: torch.Tensor = model.new_cache(batch, max_len, dtype, device)  # type: ignore[operator]
         self.input_ids = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.cache_used = False  # whether prefill ran
+        self.compile_step = compile_step
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], pad_id: int = 0) -> torch.Tensor:
@@ -58,7 +65,8 @@ class StaticDecoder:
 
     def step_static(self) -> torch.Tensor:
         """One decode step from the static buffers (no host sync, fixed shapes) -> [B, V]."""
-        return self.model(self.input_ids, self.positions, self.cache)[:, 0]
+        step = _compiled_step() if self.compile_step else _step
+        return step(self.model, self.input_ids, self.positions, self.cache)
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy continuation of each prompt (tokens past an eos are the caller's to trim)."""
@@ -72,3 +80,16 @@ class StaticDecoder:
             if i + 1 < max_new_tokens:
                 logits = self.step(tokens)
         return torch.stack(out, dim=1).tolist()  # one host sync, at the end
+
+
+def _step(
+    model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+) -> torch.Tensor:
+    return model(input_ids, positions, cache)[:, 0]
+
+
+@functools.cache
+def _compiled_step() -> Callable[..., torch.Tensor]:
+    """One compiled step shared by every decoder, so decoders of one model run the same kernels
+    (inductor autotunes some kernels on first use; two compilations could pick different ones)."""
+    return torch.compile(_step, dynamic=False)

@@ -41,6 +41,11 @@ class ExpertsRuntime:
         # Pairs with routing weight >= threshold use the delta (None: never). The confidence gate
         # replaces this rule later; the mask stays an input of the kernel.
         self.delta_threshold = delta_threshold if self.delta_formats else None
+        # the op names formats by small ints; looked up once here (torch.compile traces ints)
+        self.format_ids = {layer: format_id(fmt) for layer, fmt in formats.items()}
+        self.delta_format_ids = {
+            layer: format_id(fmt) for layer, fmt in (delta_formats or {}).items()
+        }
         self.pairs = 0
         self.delta_pairs = 0
         # Called as observer(layer, hidden, topk_ids, topk_weights) before each layer's experts
@@ -90,11 +95,13 @@ class ExpertsRuntime:
         mask = None
         if self.delta_threshold is not None:
             mask = topk_weights >= self.delta_threshold  # [T, k]
-        self.pairs += topk_ids.numel()
-        if layer in self.pinned:  # every expert resident: no host sync (delta_pairs not counted)
+        if layer in self.pinned:
+            # every expert resident: no host sync, no Python state touched (pairs are not
+            # counted: a mutated int would make torch.compile recompile the step every call)
             base_table, delta_table = self.pinned[layer]
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
             return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+        self.pairs += topk_ids.numel()
         if mask is not None:
             self.delta_pairs += int(mask.sum())
         # host syncs: residency decisions are made on the host (the reference path)
@@ -145,8 +152,8 @@ class ExpertsRuntime:
             out,
             mask,
             delta_table,
-            format_id(self.formats[layer]),
-            format_id(self.delta_formats.get(layer)),
+            self.format_ids[layer],
+            self.delta_format_ids.get(layer, -1),
             self.activation.kind,
             self.activation.alpha,
             self.activation.limit,

@@ -145,17 +145,19 @@ def test_pinned_experts_are_bit_identical(tiny, native):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_cuda_graph_decode_step_replays_eager(tiny, dtype_name):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cuda_graph_decode_step_replays_eager(tiny, dtype_name, compiled):
     """One native decode step (static ids/positions buffers, the cache, the experts op with every
-    expert pinned) captured into a CUDA graph; replays equal eager steps on a second cache."""
+    expert pinned) captured into a CUDA graph; replays equal eager steps on a second cache. With
+    `compiled`, both decoders run the step through torch.compile (greedy tokens must agree)."""
     loaded = load_model(
         tiny.store("qwen3_moe"), EngineConfig(device="cuda", dtype=dtype_name, native=True)
     )
     loaded.runtime.pin_all()
     ids = prompt(loaded.model_config.vocab_size, batch=2, length=9)
     prompts = [ids[0, :4].tolist(), ids[1].tolist()]
-    graphed = StaticDecoder(loaded.model, 2, 64, loaded.dtype, "cuda")
-    eager = StaticDecoder(loaded.model, 2, 64, loaded.dtype, "cuda")
+    graphed = StaticDecoder(loaded.model, 2, 64, loaded.dtype, "cuda", compile_step=compiled)
+    eager = StaticDecoder(loaded.model, 2, 64, loaded.dtype, "cuda", compile_step=compiled)
     logits = graphed.prefill(prompts)
     assert torch.equal(logits, eager.prefill(prompts))
     tokens = logits.argmax(-1)
