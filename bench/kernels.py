@@ -162,6 +162,18 @@ class GroupedMM:
         return distinct * 3 * self.hidden * self.inter * 2 + r["ids"].shape[0] * self.hidden * 2
 
 
+def time_config(case: Case, tokens: int, c_gu: KernelChoice, c_dn: KernelChoice) -> float:
+    """ms per call with these (gate_up, down) configs; inf for a config the compiler rejects
+    (e.g. out of shared memory)."""
+    try:
+        ms = time_case(case, tokens, (c_gu, c_dn), max_sets=8)[0]
+        print(f"# {tokens} {ms:.4f} ms {c_gu} / {c_dn}", file=sys.stderr)
+        return ms
+    except Exception as exc:  # noqa: BLE001
+        print(f"# skip {c_gu} / {c_dn}: {type(exc).__name__}", file=sys.stderr)
+        return float("inf")
+
+
 def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
     """Best (gate_up, down) configs for this case: gate_up swept with down at its default, then
     down with the best gate_up. Returns {config key: fields}."""
@@ -189,13 +201,7 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
         ]  # fmt: skip
 
     def timed(c_gu: KernelChoice, c_dn: KernelChoice) -> float:
-        try:
-            ms = time_case(case, tokens, (c_gu, c_dn), max_sets=8)[0]
-            print(f"# {tokens} {ms:.4f} ms {c_gu} / {c_dn}", file=sys.stderr)
-            return ms
-        except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)
-            print(f"# skip {c_gu} / {c_dn}: {type(exc).__name__}", file=sys.stderr)
-            return float("inf")
+        return time_config(case, tokens, c_gu, c_dn)
 
     def partner(c: KernelChoice) -> KernelChoice:  # down with the same pair grouping
         return replace(c, split_k=1) if c.grouped else default_dn
@@ -226,17 +232,8 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
                           (128, 256, 4), (32, 512, 4), (64, 1024, 4), (32, 256, 2)]
     ]  # fmt: skip
 
-    def timed(c_gu: KernelChoice, c_dn: KernelChoice) -> float:
-        try:
-            ms = time_case(case, tokens, (c_gu, c_dn), max_sets=8)[0]
-            print(f"# q2s-gemv {tokens} {ms:.4f} ms {c_gu} / {c_dn}", file=sys.stderr)
-            return ms
-        except Exception as exc:  # noqa: BLE001 - a config the compiler rejects
-            print(f"# skip {c_gu} / {c_dn}: {type(exc).__name__}", file=sys.stderr)
-            return float("inf")
-
-    best_gu = min(cands, key=lambda c: timed(c, moe_dispatch.Q2S_GEMV))
-    best_dn = min(cands, key=lambda c: timed(best_gu, c))
+    best_gu = min(cands, key=lambda c: time_config(case, tokens, c, moe_dispatch.Q2S_GEMV))
+    best_dn = min(cands, key=lambda c: time_config(case, tokens, best_gu, c))
     fields = ("block_n", "block_k", "num_warps")
     return {
         f"q2s-gemv:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
