@@ -306,6 +306,19 @@ def _delta_dot(dptr, DKIND: tl.constexpr, d_codes, d_scales, d_aux, rows, rmask,
 
 
 @triton.jit
+def _blob_ptrs(pool, slot_offsets, slot, dslot, use_delta, DKIND: tl.constexpr):
+    """(base blob, delta blob) pointers of a slotted pair; the delta's is the base's when the
+    pair does not use it. Slots start on TENSOR_ALIGN (256-byte) boundaries: say so, so loads
+    vectorize."""
+    bptr = pool + tl.multiple_of(tl.load(slot_offsets + slot), 256)
+    dptr = bptr
+    if DKIND >= 0:
+        if use_delta:
+            dptr = pool + tl.multiple_of(tl.load(slot_offsets + dslot), 256)
+    return bptr, dptr
+
+
+@triton.jit
 def _q2s_gemv_kernel(
     x_ptr, stride_x, stride_xk, topk_ids, topk_w, delta_mask,
     pool, slot_table, slot_offsets, delta_table,
@@ -337,11 +350,7 @@ def _q2s_gemv_kernel(
         dslot = tl.load(delta_table + expert)
         use_delta = (tl.load(delta_mask + pair) != 0) & (dslot >= 0)
     if slot >= 0:
-        bptr = pool + tl.multiple_of(tl.load(slot_offsets + slot), 256)
-        dptr = bptr
-        if DKIND >= 0:
-            if use_delta:
-                dptr = pool + tl.multiple_of(tl.load(slot_offsets + dslot), 256)
+        bptr, dptr = _blob_ptrs(pool, slot_offsets, slot, dslot, use_delta, DKIND)
         wbase = (bptr + codes).to(tl.pointer_type(tl.int32))
         r = tl.arange(0, SUB)
         if IS_DOWN:
@@ -527,16 +536,12 @@ def _moe_kernel(
             use_delta = tl.load(delta_mask + pid_m) != 0
         pmask = pairs < num_pairs
         slot = tl.load(slot_table + expert)
+    dslot = slot
     if DKIND >= 0:
         dslot = tl.load(delta_table + expert)
         use_delta = use_delta & (dslot >= 0)
     if slot >= 0:
-        # slots start on TENSOR_ALIGN (256-byte) boundaries: say so, so loads vectorize
-        bptr = pool + tl.multiple_of(tl.load(slot_offsets + slot), 256)
-        dptr = bptr
-        if DKIND >= 0:
-            if use_delta:
-                dptr = pool + tl.multiple_of(tl.load(slot_offsets + dslot), 256)
+        bptr, dptr = _blob_ptrs(pool, slot_offsets, slot, dslot, use_delta, DKIND)
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rows < N
         tokens = pairs // TOPK
