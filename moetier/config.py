@@ -234,6 +234,14 @@ class EngineConfig:
             "`moetier plan` shows the split"
         },
     )
+    host_memory: str = field(
+        default="",
+        metadata={
+            "help": "host RAM budget for expert blobs (e.g. 64GiB; pinned when CUDA is "
+            "available): cache misses it holds are copied from there instead of the store's "
+            "file; empty = no host tier"
+        },
+    )
     expert_cache_slots: int = field(
         default=0, metadata={"help": "cap the expert cache at this many experts (0 = no cap)"}
     )

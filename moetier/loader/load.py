@@ -89,10 +89,12 @@ def check_engine_config(store_path: str | Path, engine_config: EngineConfig) -> 
     make_policy(engine_config.cache_policy)
     if engine_config.expert_reads not in ("mmap", "direct"):
         raise ValueError(f"--expert-reads {engine_config.expert_reads!r}: use mmap or direct")
-    if engine_config.gpu_memory:
+    if engine_config.gpu_memory or engine_config.host_memory:
         from moetier.residency.planner import parse_bytes, plan
 
-        plan(Store(store_path), parse_bytes(engine_config.gpu_memory))
+        host = parse_bytes(engine_config.host_memory) if engine_config.host_memory else 0
+        if engine_config.gpu_memory:
+            plan(Store(store_path), parse_bytes(engine_config.gpu_memory), host)
 
 
 def loaded_model(
@@ -141,6 +143,12 @@ def experts_runtime(
         placement = plan(store, parse_bytes(engine_config.gpu_memory))
         print(placement.render(), file=sys.stderr)
         budget = max(1, placement.gpu_expert_bytes)
+    host = None
+    if engine_config.host_memory:
+        from moetier.residency.host_tier import HostTier
+        from moetier.residency.planner import parse_bytes
+
+        host = HostTier.for_budget(store, parse_bytes(engine_config.host_memory))
     residency = SlotPool.for_budget(
         store,
         device,
@@ -148,6 +156,7 @@ def experts_runtime(
         engine_config.expert_cache_slots,
         make_policy(engine_config.cache_policy, len(store.moe_layers)),
         DiskReader.for_store(store) if engine_config.expert_reads == "direct" else None,
+        host,
     )
     formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
     delta_formats = (

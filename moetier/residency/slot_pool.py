@@ -1,13 +1,18 @@
-"""One pool of fixed-size expert slots (GPU memory with CUDA, else host).
+"""One pool of fixed-size expert slots (GPU memory with CUDA, else host): the GPU tier.
 
 Which blob to evict is a replacement policy's choice (residency/policies.py: LRU by default,
-decayed LFU, routing-weight LFU). Misses are fetched blocking from the store's memory-mapped
-experts file. Knows nothing of models: it moves blobs identified by (layer, expert, plane).
+decayed LFU, routing-weight LFU). A miss is fetched, blocking, from the host tier when it holds
+the blob (an H2D copy from pinned RAM, residency/host_tier.py), else from the store's file (its
+memory mapping, or the disk reader's parallel direct reads). `prefetch` copies blobs ahead of
+need on a separate CUDA stream with an event per copy (synchronously on CPU); `place` makes an
+exact set resident (zero-copy promotions, layer-streamed prefill). Knows nothing of models: it
+moves blobs identified by (layer, expert, plane) and counts per tier what it served.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +20,9 @@ import torch
 from moetier.core.layout import TENSOR_ALIGN, align_up
 from moetier.quant.store import Store
 from moetier.residency.disk import DiskReader, read_size
+from moetier.residency.host_tier import HostTier
 from moetier.residency.policies import LRU, CachePolicy, online_policy
-from moetier.residency.telemetry import ResidencyTelemetry
+from moetier.residency.telemetry import ResidencyTelemetry, TierCounters
 
 BlobKey = tuple[int, int, str]
 
@@ -59,9 +65,11 @@ class SlotPool:
         slot_bytes: int,
         policy: CachePolicy[BlobKey] | None = None,
         disk: DiskReader | None = None,
+        host: HostTier | None = None,
     ) -> None:
         """`disk`: fetch misses with parallel (O_DIRECT where allowed) preads of the store's
-        file instead of copying from its memory mapping (which goes through the page cache)."""
+        file instead of copying from its memory mapping (which goes through the page cache).
+        `host`: the host tier; misses it holds are copied from there."""
         if num_slots < 1:
             raise ValueError(
                 "the expert cache needs at least one slot: raise --expert-cache-mb or --gpu-memory"
@@ -69,6 +77,8 @@ class SlotPool:
         self.store = store
         self.device = torch.device(device)
         self.slot_bytes = align_up(slot_bytes, TENSOR_ALIGN)
+        if host is not None and host.store is not store:
+            raise ValueError("the host tier holds blobs of another store")
         self.num_slots = num_slots
         self.pool = torch.empty(num_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)
         # byte offset of each slot from the pool's first byte: the kernels' slot -> address map
@@ -77,8 +87,14 @@ class SlotPool:
         self.policy: CachePolicy[BlobKey] = policy if policy is not None else LRU()
         self._slots: dict[BlobKey, int] = {}
         self.disk = disk
+        self.host = host
         self._free = list(range(num_slots - 1, -1, -1))
         self.stats = ResidencyStats()
+        # gpu-tier counters beyond `stats` (stall seconds, prefetch) and the disk tier's
+        self.counters = TierCounters()
+        self.disk_counters = TierCounters()
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._pending: dict[int, torch.cuda.Event] = {}  # slot -> its prefetch copy's event
 
     @classmethod
     def for_budget(
@@ -89,6 +105,7 @@ class SlotPool:
         max_slots: int = 0,
         policy: CachePolicy[BlobKey] | None = None,
         disk: DiskReader | None = None,
+        host: HostTier | None = None,
     ) -> SlotPool:
         """Size the pool from a byte budget (0 = every expert of the store fits)."""
         slot_bytes = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
@@ -101,7 +118,7 @@ class SlotPool:
                 f"an expert cache of {budget_bytes / 2**20:.1f} MiB holds no expert "
                 f"({slot_bytes / 2**20:.2f} MiB each): raise --expert-cache-mb or --gpu-memory"
             )
-        return cls(store, device, num_slots, slot_bytes, policy, disk)
+        return cls(store, device, num_slots, slot_bytes, policy, disk, host)
 
     @property
     def capacity(self) -> int:
@@ -160,70 +177,170 @@ class SlotPool:
         )
 
     def _ensure_keys(
-        self, keys: list[BlobKey], weights: Sequence[float] | None = None
+        self, keys: list[BlobKey], weights: Sequence[float] | None = None, count: bool = True
     ) -> list[int]:
-        """Make `keys` resident (none of them evicted for another); returns their slots."""
+        """Make `keys` resident (none of them evicted for another); returns their slots.
+        `count`: a request of the model (hit/miss counters, the policy's access), not a
+        placement."""
         wanted = set(keys)
         slots = []
         misses = []
         for key in keys:
             slot = self._slots.get(key)
             if slot is not None:
-                self.stats.hits += 1
+                self._wait_prefetch(slot)
+                if count:
+                    self.stats.hits += 1
             else:
                 slot = self._take_slot(wanted)
                 self._slots[key] = slot
                 misses.append((key, slot))
-                self.stats.misses += 1
+                if count:
+                    self.stats.misses += 1
             slots.append(slot)
         self._fetch(misses)
-        self.policy.on_access(keys, weights)
+        if count:
+            self.policy.on_access(keys, weights)
         return slots
+
+    def place(self, keys: Sequence[BlobKey]) -> dict[BlobKey, int]:
+        """Make exactly-chosen `keys` resident (a placement, not a model request: no hit/miss
+        counts, no policy access); returns key -> slot for them. Blobs not in `keys` may stay
+        resident where room allows."""
+        keys = list(dict.fromkeys(keys))
+        if len(keys) > self.num_slots:
+            raise ValueError(f"{len(keys)} blobs to place, the pool has {self.num_slots} slots")
+        return dict(zip(keys, self._ensure_keys(keys, count=False), strict=True))
+
+    def slot_of(self, key: BlobKey) -> int | None:
+        return self._slots.get(key)
 
     def _take_slot(self, protected: set[BlobKey]) -> int:
         """A free slot, or the slot of the policy's victim among blobs not in this request.
-        (A policy's `admit` is not consulted: the kernel reads every blob from a slot; serving a
-        miss uncached needs the host-pinned tier.)"""
+        (A policy's `admit` is not consulted: a miss is always cached; serving it uncached is
+        the zero-copy mode of models/experts.py, which reads the host tier directly.)"""
         if self._free:
             return self._free.pop()
         candidates = [key for key in self._slots if key not in protected]
-        if not candidates:  # unreachable: a request never exceeds num_slots
-            raise RuntimeError("no evictable slot")
+        if not candidates:
+            raise RuntimeError("no evictable slot")  # callers keep requests <= num_slots
         victim = self.policy.victim(candidates)
         self.policy.on_evict(victim)
         self.stats.evictions += 1
         return self._slots.pop(victim)
 
-    def _fetch(self, misses: list[tuple[BlobKey, int]]) -> None:
-        """Blocking fetch of the missed blobs into their slots (all in flight together when
-        reading with the disk reader)."""
-        if not misses:
+    def _wait_prefetch(self, slot: int) -> None:
+        """Make the compute stream wait (on the GPU, no host sync) for a prefetch copy into
+        `slot` still in flight, before the slot is read or overwritten."""
+        event = self._pending.pop(slot, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def _copy_in(self, misses: list[tuple[BlobKey, int]]) -> None:
+        """Copy blobs into slots on the current stream: from the host tier where it holds them,
+        else from the store (mmap, or the disk reader's parallel direct reads)."""
+        from_disk = []
+        for key, slot in misses:
+            if self.host is not None and key in self.host:
+                n = self.store.blobs[key].nbytes
+                self.pool[slot, :n].copy_(self.host.row(key)[:n], non_blocking=True)
+                self.stats.bytes_fetched += n
+                self.host.counters.hits += 1
+            else:
+                from_disk.append((key, slot))
+                if self.host is not None:
+                    self.host.counters.misses += 1
+        if not from_disk:
             return
+        self.disk_counters.hits += len(from_disk)
         if self.disk is None:
-            for key, slot in misses:
+            for key, slot in from_disk:
                 blob = self.store.blob(*key)
                 self.pool[slot, : blob.numel()].copy_(blob)
                 self.stats.bytes_fetched += blob.numel()
+                self.disk_counters.bytes += blob.numel()
             return
-        sizes = [self.store.blobs[key].nbytes for key, _ in misses]
+        sizes = [self.store.blobs[key].nbytes for key, _ in from_disk]
         staging = DiskReader.allocate(sum(read_size(n) for n in sizes))  # 4 KiB-aligned pieces
         starts = [0]
         for n in sizes[:-1]:
             starts.append(starts[-1] + read_size(n))
         buffers = [staging[s : s + read_size(n)] for s, n in zip(starts, sizes, strict=True)]
-        self.disk.read_blobs(self.store, [key for key, _ in misses], buffers)
-        for (_, slot), buffer, n in zip(misses, buffers, sizes, strict=True):
+        self.disk.read_blobs(self.store, [key for key, _ in from_disk], buffers)
+        for (_, slot), buffer, n in zip(from_disk, buffers, sizes, strict=True):
             self.pool[slot, :n].copy_(buffer[:n])
             self.stats.bytes_fetched += n
+            self.disk_counters.bytes += n
+
+    def _fetch(self, misses: list[tuple[BlobKey, int]]) -> None:
+        """Blocking fetch of the missed blobs into their slots (all in flight together when
+        reading with the disk reader). Stall seconds: host time spent here."""
+        if not misses:
+            return
+        start = time.perf_counter()
+        for _, slot in misses:
+            self._wait_prefetch(slot)  # a prefetch copy into a reused slot finishes first
+        self._copy_in(misses)
+        self.counters.stall_seconds += time.perf_counter() - start
+
+    def prefetch(self, keys: Sequence[BlobKey], protect: Iterable[BlobKey] = ()) -> int:
+        """Start copying the blobs of `keys` that are not resident into slots, never evicting a
+        blob of `keys` or `protect` (the request being computed); on CUDA on the pool's copy
+        stream, after the work already queued on the compute stream (so no slot a queued
+        kernel reads is overwritten), with an event the compute stream waits on before the slot
+        is next read or overwritten; on CPU synchronously. Stops when no slot is evictable;
+        returns the number of copies issued."""
+        keep = set(keys) | set(protect)
+        todo = [k for k in dict.fromkeys(keys) if k not in self._slots]
+        placed = []
+        for key in todo:
+            if not self._free and not any(k not in keep for k in self._slots):
+                break
+            slot = self._take_slot(keep)
+            self._slots[key] = slot
+            placed.append((key, slot))
+        if not placed:
+            return 0
+        if self._copy_stream is None:
+            self._copy_in(placed)
+        else:
+            compute = torch.cuda.current_stream(self.device)
+            for _, slot in placed:  # an older prefetch into the same slot, on the same stream
+                self._pending.pop(slot, None)
+            self._copy_stream.wait_stream(compute)
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_in(placed)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            for _, slot in placed:
+                self._pending[slot] = event
+        return len(placed)
+
+    def wait_prefetches(self) -> None:
+        """The compute stream waits for every prefetch copy in flight."""
+        for slot in list(self._pending):
+            self._wait_prefetch(slot)
+
+    def score_prediction(self, predicted: Iterable[BlobKey], needed: Iterable[BlobKey]) -> None:
+        """Count a layer's prediction against what it then asked for (precision: used /
+        predicted; recall: used / needed)."""
+        predicted, needed = set(predicted), set(needed)
+        self.counters.prefetch_issued += len(predicted)
+        self.counters.prefetch_used += len(predicted & needed)
+        self.counters.prefetch_needed += len(needed)
 
     def resident(self) -> list[BlobKey]:
         return list(self._slots)
 
     def telemetry(self) -> ResidencyTelemetry:
-        """Counters for /metrics: this pool's tier (gpu or host) and the store below it."""
+        """Counters for /metrics: this pool's tier ("gpu" under CUDA or when a host tier sits
+        below it, else "host"), the host tier and the store's file ("disk")."""
         out = ResidencyTelemetry()
-        tier = out["gpu" if self.device.type == "cuda" else "host"]
+        tier = out["gpu" if self.device.type == "cuda" or self.host is not None else "host"]
+        tier.add(self.counters)
         tier.hits, tier.misses = self.stats.hits, self.stats.misses
         tier.bytes = self.stats.bytes_fetched
-        out["disk"].hits = self.stats.misses  # every miss is served from the store's file
+        if self.host is not None:
+            out["host"].add(self.host.counters)
+        out["disk"].add(self.disk_counters)
         return out

@@ -26,8 +26,9 @@ class TierCounters:
     bytes: int = 0  # moved into this tier
     busy_seconds: float = 0.0  # its copy path was moving bytes
     stall_seconds: float = 0.0  # compute waited for it
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
+    prefetch_issued: int = 0  # blobs predicted for a layer before it ran
+    prefetch_used: int = 0  # of those, blobs the layer then asked for
+    prefetch_needed: int = 0  # blobs asked for by layers that had a prediction
 
     @property
     def hit_rate(self) -> float:
@@ -41,6 +42,15 @@ class TierCounters:
     @property
     def prefetch_precision(self) -> float:
         return self.prefetch_used / self.prefetch_issued if self.prefetch_issued else math.nan
+
+    @property
+    def prefetch_recall(self) -> float:
+        return self.prefetch_used / self.prefetch_needed if self.prefetch_needed else math.nan
+
+    def add(self, other: TierCounters) -> None:
+        """Add `other`'s counts to these."""
+        for name in TierCounters.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass
@@ -84,6 +94,12 @@ METRICS: tuple[tuple[str, str, str, Callable[[TierCounters], float]], ...] = (
         "Prefetched blobs later used.",
         lambda c: c.prefetch_used,
     ),
+    (
+        "prefetch_needed_total",
+        "counter",
+        "Blobs asked for by layers that had a prefetch.",
+        lambda c: c.prefetch_needed,
+    ),
     ("hit_ratio", "gauge", "Hits over requests (NaN before the first).", lambda c: c.hit_rate),
     (
         "bandwidth_gigabytes_per_second",
@@ -96,6 +112,12 @@ METRICS: tuple[tuple[str, str, str, Callable[[TierCounters], float]], ...] = (
         "gauge",
         "Prefetches used over prefetches issued (NaN before the first).",
         lambda c: c.prefetch_precision,
+    ),
+    (
+        "prefetch_recall_ratio",
+        "gauge",
+        "Prefetches used over blobs needed by prefetched layers (NaN before the first).",
+        lambda c: c.prefetch_recall,
     ),
 )
 

@@ -59,9 +59,10 @@ def test_every_counter_and_ratio_per_tier():
     t["gpu"].hits, t["gpu"].misses = 90, 10
     t["host"].hits, t["host"].misses, t["host"].bytes, t["host"].busy_seconds = 8, 2, 3e9, 0.5
     t["host"].prefetch_issued, t["host"].prefetch_used, t["host"].stall_seconds = 40, 30, 0.25
+    t["host"].prefetch_needed = 60
     t["disk"].bytes, t["disk"].busy_seconds = 7_000_000_000, 2.0
     families = parse(render_prometheus(t))
-    assert len(families) == 10
+    assert len(families) == 12
 
     def value(name, tier):
         return families["moetier_residency_" + name]["samples"][(("tier", tier),)]
@@ -72,6 +73,8 @@ def test_every_counter_and_ratio_per_tier():
     assert value("bandwidth_gigabytes_per_second", "host") == 6.0
     assert value("bandwidth_gigabytes_per_second", "disk") == 3.5
     assert value("prefetch_precision_ratio", "host") == 0.75
+    assert value("prefetch_recall_ratio", "host") == 0.5
+    assert math.isnan(value("prefetch_recall_ratio", "gpu"))
     assert value("stall_seconds_total", "host") == 0.25
     assert value("bytes_total", "disk") == 7e9
     assert families["moetier_residency_hits_total"]["type"] == "counter"
