@@ -16,7 +16,10 @@ import torch
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
 from moetier.kernels.moe_ops import format_id, moe_experts, triton_supports
-from moetier.residency.slot_pool import SlotPool
+from moetier.residency.host_tier import HostTier
+from moetier.residency.slot_pool import BlobKey, SlotPool
+from moetier.residency.telemetry import ResidencyTelemetry
+from moetier.residency.zero_copy import ZeroCopyPlacement
 
 IMPLEMENTATION_NAME = "moetier"
 
@@ -53,6 +56,67 @@ class ExpertsRuntime:
         self.observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         # layer -> (base table, delta table or None) once every expert is pinned resident
         self.pinned: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # zero-copy mode: hot blobs in GPU slots, the rest read from pinned host rows
+        self.zero_copy: ZeroCopyPlacement | None = None
+        self.count_accesses = True  # zero-copy: count pairs per expert on the device
+
+    def _check_capturable(self, what: str) -> None:
+        """On CUDA, every layer's formats must run in the Triton kernels (the reference path
+        syncs with the host and addresses only the plain pool layout)."""
+        if self.residency.device.type != "cuda":
+            return
+        for layer, fmt in self.formats.items():
+            delta = self.delta_formats.get(layer) if self.delta_threshold is not None else None
+            if not triton_supports(fmt, delta):
+                raise ValueError(
+                    f"layer {layer}'s experts ({fmt.name}) run on the reference path, which "
+                    f"syncs with the host and cannot be captured: convert with --experts "
+                    f"q2s, nvfp4, mxfp4 or nested (NVFP4), or do not {what}"
+                )
+
+    def planes(self) -> list[str]:
+        """The planes a forward reads: base, and delta when the delta is applied."""
+        return ["base"] + (["delta"] if self.delta_threshold is not None else [])
+
+    def enable_zero_copy(
+        self, host: HostTier | None = None, hot: list[BlobKey] | None = None
+    ) -> ZeroCopyPlacement:
+        """Zero-copy mode: every blob addressable without a host sync, `hot` blobs (default:
+        the first the pool holds, layer by layer) in GPU slots and every other blob read by the
+        kernel from its pinned row in `host` (default: the pool's host tier). `forward` then
+        runs one kernel call per layer from fixed tables, capturable in a CUDA graph;
+        `zero_copy.rebalance()` between steps moves the hot set. Numbers are unchanged."""
+        if self.pinned:
+            raise ValueError("experts are pinned already: zero-copy mode replaces pin_all")
+        host = host if host is not None else self.residency.host
+        if host is None:
+            raise ValueError(
+                "zero-copy mode reads blobs from the host tier: give --host-memory (or a HostTier)"
+            )
+        if self.residency.device.type == "cuda" and not host.pinned:
+            raise ValueError("zero-copy reads need the host tier in pinned memory")
+        self._check_capturable("use zero-copy mode")
+        placement = ZeroCopyPlacement(self.residency, host, list(self.formats), self.planes())
+        if hot is None:
+            hot = [k for k in placement.keys if k in host]
+        placement.promote(hot[: max(0, self.residency.capacity - len(placement.fixed))])
+        self.zero_copy = placement
+        return placement
+
+    def telemetry(self) -> ResidencyTelemetry:
+        """The pool's counters (residency.telemetry) plus, in zero-copy mode, the pairs read
+        from GPU slots (gpu hits) and from pinned host rows (gpu misses, host hits), whose
+        base-plane bytes count as moved into the GPU (one host read of the device counters)."""
+        out = self.residency.telemetry()
+        zc = self.zero_copy
+        if zc is not None:
+            pairs, gpu = int(zc.counts.sum()), int(zc.gpu_pairs)
+            blob = max(self.residency.store.blobs[(layer, 0, "base")].nbytes for layer in zc.layers)
+            out["gpu"].hits += gpu
+            out["gpu"].misses += pairs - gpu
+            out["host"].hits += pairs - gpu
+            out["gpu"].bytes += (pairs - gpu) * blob
+        return out
 
     def pin_all(self) -> None:
         """Make every expert of every layer resident for good (both planes where the delta is
@@ -69,15 +133,9 @@ class ExpertsRuntime:
                 f"{self.residency.capacity}: raise --expert-cache-mb (0 = room for all) or "
                 "--gpu-memory"
             )
-        if self.residency.device.type == "cuda":
-            for layer, fmt in self.formats.items():
-                delta = self.delta_formats.get(layer) if self.delta_threshold is not None else None
-                if not triton_supports(fmt, delta):
-                    raise ValueError(
-                        f"layer {layer}'s experts ({fmt.name}) run on the reference path, which "
-                        "syncs with the host and cannot be captured: convert with --experts "
-                        "q2s, nvfp4, mxfp4 or nested (NVFP4), or do not pin"
-                    )
+        if self.zero_copy is not None:
+            raise ValueError("zero-copy mode is on: pin_all would replace it")
+        self._check_capturable("pin")
         experts = list(range(store.model_config.num_experts))
         for layer in self.formats:
             with_delta = experts if self.delta_threshold is not None else []
@@ -100,6 +158,21 @@ class ExpertsRuntime:
             # counted: a mutated int would make torch.compile recompile the step every call)
             base_table, delta_table = self.pinned[layer]
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
+            return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+        zc = self.zero_copy
+        if zc is not None and layer in zc.layer_index:
+            # every blob addressable: GPU slot or pinned host row; no host sync on CUDA
+            index = zc.layer_index[layer]
+            if self.count_accesses:
+                zc.record(index, topk_ids)
+            delta_table = zc.delta_table[index] if zc.delta_table is not None else None
+            if self.residency.device.type == "cuda":
+                self._run(layer, hidden, topk_ids, topk_weights, zc.table[index], delta_table,
+                          mask, out, zc.offsets)  # fmt: skip
+            else:
+                pool, table, delta = zc.gather(index, topk_ids)
+                self._run(layer, hidden, topk_ids, topk_weights, table, delta, mask, out,
+                          pool=pool)  # fmt: skip
             return out.sum(dim=1).to(hidden.dtype)  # [T, H]
         self.pairs += topk_ids.numel()
         if mask is not None:
@@ -141,14 +214,21 @@ class ExpertsRuntime:
         delta_table: torch.Tensor | None,
         mask: torch.Tensor | None,
         out: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        pool: torch.Tensor | None = None,
     ) -> None:
+        """One kernel call; slots are `offsets` entries from `pool`'s first byte (default: the
+        slot pool's own table and memory; a `pool` alone is addressed row by row)."""
+        if pool is not None and offsets is None:
+            offsets = torch.arange(pool.shape[0], dtype=torch.int64, device=pool.device)
+            offsets *= pool.stride(0)
         moe_experts(
             hidden,
             topk_ids,
             topk_weights,
             base_table,
-            self.residency.slot_offsets,
-            self.residency.pool,
+            offsets if offsets is not None else self.residency.slot_offsets,
+            pool if pool is not None else self.residency.pool,
             out,
             mask,
             delta_table,

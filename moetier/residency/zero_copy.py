@@ -1,0 +1,162 @@
+"""Zero-copy placement: every expert blob addressable by the kernel without a host sync.
+
+Owns the address tables of the zero-copy decode mode: hot blobs sit in the GPU slot pool, every
+other blob is read by the kernel straight from its pinned host-tier row (CUDA's unified
+addressing). One address space indexes both: entries [0, S) are the pool's S slots, entries
+[S, S + H) the host tier's H rows, and `offsets` [S + H] int64 gives each entry's byte offset
+from the pool's first byte (host rows: host address - pool address, which may be negative or
+far beyond the pool; the Triton kernels add it to the pool pointer as a signed 64-bit offset).
+
+`table[i]` / `delta_table[i]` [E] int32 map each expert of the i-th MoE layer to its entry. The
+tensors are allocated once and only ever written in place (`promote`, between steps on the
+host), so a captured CUDA graph keeps reading the current placement. The decode step counts
+expert accesses on the device (`record`); `rebalance` reads those counts between steps and
+promotes the most used blobs (decayed counts), demoting others to their host rows.
+
+Knows nothing of models: layers, experts and planes are ints and names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moetier.residency.host_tier import HostTier
+from moetier.residency.slot_pool import BlobKey, SlotPool
+
+
+class ZeroCopyPlacement:
+    """Tables addressing the blobs of `layers` × experts × `planes` in `pool` or `host`."""
+
+    def __init__(
+        self, pool: SlotPool, host: HostTier, layers: Sequence[int], planes: Sequence[str]
+    ) -> None:
+        if pool.host is not None and pool.host is not host:
+            raise ValueError("the zero-copy host tier must be the slot pool's host tier")
+        if host.row_bytes > pool.slot_bytes:
+            raise ValueError("host rows are larger than the pool's slots")
+        self.pool, self.host = pool, host
+        self.layers, self.planes = list(layers), list(planes)
+        self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
+        self.num_experts = pool.store.model_config.num_experts
+        self.keys = [
+            (layer, e, plane)
+            for plane in self.planes
+            for layer in self.layers
+            for e in range(self.num_experts)
+        ]
+        self.fixed = [k for k in self.keys if k not in host]  # only the GPU can hold these
+        if len(self.fixed) > pool.capacity:
+            raise ValueError(
+                f"zero-copy reads need every blob off the GPU in the host tier: "
+                f"{len(self.fixed)} blobs are not in it and the GPU holds {pool.capacity}; "
+                "raise --host-memory (or the GPU expert budget)"
+            )
+        device = pool.device
+        self.slots = pool.num_slots
+        offsets = [int(o) for o in pool.slot_offsets.cpu()]
+        base = pool.pool.data_ptr()
+        offsets += [host.address(key) - base for key in host.keys]
+        self.offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
+        shape = (len(self.layers), self.num_experts)
+        self.table = torch.full(shape, -1, dtype=torch.int32, device=device)
+        self.delta_table = (
+            torch.full(shape, -1, dtype=torch.int32, device=device)
+            if "delta" in self.planes
+            else None
+        )
+        self.on_gpu = torch.zeros(shape, dtype=torch.bool, device=device)  # base planes
+        # device-side access counts (pairs per expert) and hits, written by the decode step
+        self.counts = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.gpu_pairs = torch.zeros((), dtype=torch.int64, device=device)
+        self.scores = torch.zeros(shape, dtype=torch.float64)  # host: decayed counts
+        self._seen = torch.zeros(shape, dtype=torch.int64)
+        self.promotions = 0
+        self.promoted_bytes = 0
+
+    def entry(self, key: BlobKey) -> int:
+        """The address entry of `key` now: its pool slot, else S + its host row."""
+        slot = self.pool.slot_of(key)
+        if slot is not None:
+            return slot
+        return self.slots + self.host.index[key]
+
+    def promote(self, gpu_keys: Sequence[BlobKey]) -> int:
+        """Make `gpu_keys` (plus the blobs only the GPU can hold) the pool's contents and
+        rewrite the tables in place; call between steps, outside a CUDA graph. Blobs are copied
+        on the current stream before the tables, so a later step sees both together. Returns
+        the number of blobs copied."""
+        wanted = list(dict.fromkeys([*self.fixed, *gpu_keys]))
+        before = self.pool.stats.bytes_fetched
+        resident = set(self.pool.resident())
+        self.pool.place(wanted[: self.pool.capacity])
+        copied = sum(1 for k in wanted[: self.pool.capacity] if k not in resident)
+        self.promoted_bytes += self.pool.stats.bytes_fetched - before
+        self.promotions += copied
+        table = torch.empty(self.table.shape, dtype=torch.int32)
+        delta = torch.empty(self.table.shape, dtype=torch.int32)
+        for layer, expert, plane in self.keys:
+            target = table if plane == "base" else delta
+            target[self.layer_index[layer], expert] = self.entry((layer, expert, plane))
+        self.table.copy_(table)
+        self.on_gpu.copy_(table < self.slots)
+        if self.delta_table is not None:
+            self.delta_table.copy_(delta)
+        return copied
+
+    def record(self, index: int, topk_ids: torch.Tensor) -> None:
+        """Count layer `index`'s pairs [T, k] on the device (no host sync; capturable)."""
+        flat = topk_ids.flatten()
+        self.counts[index].index_add_(0, flat, torch.ones_like(flat))
+        self.gpu_pairs.add_(self.on_gpu[index][flat].sum())
+
+    def hot_keys(self, scores: torch.Tensor) -> list[BlobKey]:
+        """Blobs by descending score [layers, E] (ties: resident first, then key order), as
+        many as the pool holds beyond the fixed ones; a delta blob scores as its expert."""
+        resident = set(self.pool.resident())
+        flat = scores.flatten().tolist()
+        e = self.num_experts
+        ranked = sorted(
+            (k for k in self.keys if k in self.host),
+            key=lambda k: (-flat[self.layer_index[k[0]] * e + k[1]], k not in resident),
+        )
+        return ranked[: max(0, self.pool.capacity - len(self.fixed))]
+
+    def rebalance(self, decay: float = 0.5) -> int:
+        """Host side, between steps: fold the counts since the last call into decayed scores
+        (one device-to-host read) and promote the top blobs. Returns the blobs copied."""
+        counts = self.counts.cpu()
+        self.scores = self.scores * decay + (counts - self._seen).double()
+        self._seen = counts
+        return self.promote(self.hot_keys(self.scores))
+
+    def gather(
+        self, index: int, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """CPU path: the reference kernel reads slots of one tensor, so the blobs layer `index`
+        needs for `topk_ids` are gathered, through their address entries, from the pool and
+        the host arenas into one scratch pool; returns (pool, table, delta table) over it."""
+        tables = [self.table[index]] + (
+            [self.delta_table[index]] if self.delta_table is not None else []
+        )
+        needed = torch.unique(topk_ids.flatten())
+        entries = torch.unique(torch.cat([t[needed] for t in tables]).long())
+        rows = []
+        for entry in entries.tolist():
+            if entry < self.slots:
+                rows.append(self.pool.pool[entry])
+            else:
+                rows.append(self.host.row(self.host.keys[entry - self.slots]))
+        scratch = torch.zeros(len(rows), self.pool.slot_bytes, dtype=torch.uint8)
+        for i, row in enumerate(rows):
+            scratch[i, : row.numel()] = row
+        lut = torch.full((self.slots + len(self.host),), -1, dtype=torch.int32)
+        lut[entries] = torch.arange(len(rows), dtype=torch.int32)
+        remapped = [lut[t.long()] for t in tables]
+        return scratch, remapped[0], remapped[1] if len(remapped) > 1 else None
+
+    def gpu_hit_rate(self) -> float:
+        """Share of counted pairs whose base blob was in a GPU slot (one host read)."""
+        pairs = int(self.counts.sum())
+        return int(self.gpu_pairs) / pairs if pairs else float("nan")

@@ -1,0 +1,94 @@
+"""Zero-copy mode: hot blobs in GPU slots, the rest read from host rows through signed 64-bit
+slot offsets; same logits as a full cache, before and after promotions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetier.config import EngineConfig, ExpertActivation
+from moetier.kernels.moe_ref import moe_slots_ref
+from moetier.loader.load import load_model
+
+
+def load(tiny, **engine):
+    return load_model(
+        tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32", **engine)
+    )
+
+
+def logits(loaded, ids):
+    with torch.no_grad():
+        return loaded.model(ids).logits
+
+
+def test_zero_copy_is_bit_identical_and_promotes(tiny):
+    ids = torch.randint(1, 300, (2, 7), generator=torch.Generator().manual_seed(4))
+    full = logits(load(tiny), ids)
+    loaded = load(tiny, expert_cache_slots=4, host_memory="64MiB")
+    zc = loaded.runtime.enable_zero_copy()
+    table_ptr = zc.table.data_ptr()
+    # 4 of 16 base blobs on the "GPU"; the others addressed in the host arenas
+    assert int((zc.table < zc.slots).sum()) == 4 and int((zc.table >= zc.slots).sum()) == 12
+    assert torch.equal(logits(loaded, ids), full)
+    pairs = 2 * 7 * loaded.model_config.top_k * len(zc.layers)
+    assert int(zc.counts.sum()) == pairs
+    counts = zc.counts.clone()
+    copied = zc.rebalance()
+    on_gpu = zc.table < zc.slots  # [layers, E]
+    assert int(on_gpu.sum()) == 4 and counts[on_gpu].min() >= counts[~on_gpu].max()
+    assert copied > 0 and zc.table.data_ptr() == table_ptr  # in place
+    assert torch.equal(logits(loaded, ids), full)
+    telemetry = loaded.runtime.telemetry()
+    assert telemetry["gpu"].hits + telemetry["gpu"].misses == 2 * pairs
+    assert telemetry["gpu"].hits == int(zc.gpu_pairs) > 0
+
+
+def test_zero_copy_needs_the_host_tier(tiny):
+    with pytest.raises(ValueError, match="zero-copy mode reads blobs from the host tier"):
+        load(tiny, expert_cache_slots=4).runtime.enable_zero_copy()
+    blob = load(tiny).runtime.residency.slot_bytes
+    small = load(tiny, expert_cache_slots=4, host_memory=f"{10 * blob}B")
+    with pytest.raises(ValueError, match="6 blobs are not in it and the GPU holds 4"):
+        small.runtime.enable_zero_copy()
+    pinned = load(tiny)
+    pinned.runtime.pin_all()
+    with pytest.raises(ValueError, match="zero-copy mode replaces pin_all"):
+        pinned.runtime.enable_zero_copy()
+
+
+def test_kernel_reads_host_rows_at_negative_and_far_offsets(tiny):
+    """The Triton kernel (interpreter on CPU) adds signed int64 offsets to the pool pointer: host
+    rows below the pool (negative offsets) and far above it are read as their bytes say, the
+    same figures as the reference kernel over the rows gathered into one pool."""
+    triton = pytest.importorskip("triton")  # noqa: F841
+    from moetier.kernels.moe_triton import moe_slots_triton
+
+    runtime = load(tiny).runtime
+    store, layer = runtime.residency.store, runtime.residency.store.moe_layers[0]
+    fmt, experts = runtime.formats[layer], store.model_config.num_experts
+    slot = runtime.residency.slot_bytes
+    # one buffer: rows 0..E-1 "host" (below the pool), the pool after a gap, then more host rows
+    buffer = torch.zeros(3 * experts + 64, slot, dtype=torch.uint8)
+    pool = buffer[experts + 32 : 2 * experts + 32]
+    below, above = buffer[:experts], buffer[2 * experts + 64 :]
+    gathered = torch.zeros(experts, slot, dtype=torch.uint8)
+    offsets = torch.zeros(experts, dtype=torch.int64)
+    for e in range(experts):
+        blob = store.blob(layer, e)
+        gathered[e, : blob.numel()] = blob
+        row = (below if e % 2 else above)[e]
+        row[: blob.numel()] = blob
+        offsets[e] = row.data_ptr() - pool.data_ptr()
+    assert (offsets < 0).sum() == experts // 2 and (offsets >= pool.numel()).sum() == experts // 2
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, store.model_config.hidden_size, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(3)])
+    weights = torch.rand(3, 2, generator=gen)
+    table = torch.arange(experts, dtype=torch.int32)
+    act = ExpertActivation(kind="silu")
+    want = torch.zeros(3, 2, hidden.shape[1])
+    moe_slots_ref(hidden, ids, weights, table, gathered, fmt, act, want)
+    got = torch.zeros_like(want)
+    moe_slots_triton(hidden, ids, weights, table, pool, fmt, act, got, slot_offsets=offsets)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
