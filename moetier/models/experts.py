@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,11 +18,17 @@ from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
 from moetier.kernels.moe_ops import format_id, moe_experts, triton_supports
 from moetier.residency.host_tier import HostTier
+from moetier.residency.predict import predict_experts
 from moetier.residency.slot_pool import BlobKey, SlotPool
 from moetier.residency.telemetry import ResidencyTelemetry
 from moetier.residency.zero_copy import ZeroCopyPlacement
 
 IMPLEMENTATION_NAME = "moetier"
+STREAM_TOKENS = 256  # a call of this many tokens or more streams its layer's experts
+
+
+def _keys(layer: int, experts: list[int], delta_experts: list[int]) -> list[BlobKey]:
+    return [(layer, e, "base") for e in experts] + [(layer, e, "delta") for e in delta_experts]
 
 
 class ExpertsRuntime:
@@ -59,6 +66,12 @@ class ExpertsRuntime:
         # zero-copy mode: hot blobs in GPU slots, the rest read from pinned host rows
         self.zero_copy: ZeroCopyPlacement | None = None
         self.count_accesses = True  # zero-copy: count pairs per expert on the device
+        # prefetch (enable_prefetch): layer -> (next MoE layer, its router [E, H], norm ratio [H])
+        self.predictors: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self.prefetch_m = 0
+        self._predicted: dict[int, list[BlobKey]] = {}  # layer -> blobs predicted for it
+        # layer-streamed prefill from this many tokens per call (0: off)
+        self.stream_tokens = STREAM_TOKENS
 
     def _check_capturable(self, what: str) -> None:
         """On CUDA, every layer's formats must run in the Triton kernels (the reference path
@@ -187,13 +200,19 @@ class ExpertsRuntime:
                 .tolist()
             )
         with_delta = set(topk_ids[mask].tolist()) if mask is not None else set()
+        self._score_prediction(layer, needed, with_delta)
         # Experts are computed in chunks the pool can hold (base + delta blobs); each pair's result
         # lands in its own row of `out`, so the sum is identical whatever the chunking.
         capacity = self.residency.capacity // 2 if with_delta else self.residency.capacity
         if capacity < 1:
             raise ValueError("the delta plane needs an expert cache of at least 2 slots")
-        for start in range(0, len(needed), capacity):
-            chunk = needed[start : start + capacity]
+        # Layer-streamed prefill: half the pool computes while the other half fills with the
+        # next chunk (or the next layer's first), copies on the pool's copy stream.
+        streamed = 0 < self.stream_tokens <= topk_ids.shape[0]
+        if streamed:
+            capacity = max(1, capacity // 2)
+        chunks = [needed[start : start + capacity] for start in range(0, len(needed), capacity)]
+        for i, chunk in enumerate(chunks):
             delta_experts = [e for e in chunk if e in with_delta]
             base_table, delta_table = self.residency.ensure_planes(
                 layer,
@@ -201,8 +220,76 @@ class ExpertsRuntime:
                 delta_experts,
                 [weight_sum[e] for e in chunk] if weight_sum is not None else None,
             )
+            current = _keys(layer, chunk, delta_experts)
+            if streamed:
+                if i + 1 < len(chunks):
+                    following = [e for e in chunks[i + 1] if e in with_delta]
+                    upcoming = _keys(layer, chunks[i + 1], following)
+                else:
+                    upcoming = self._next_layer_guess(layer, hidden, capacity)
+                self.residency.prefetch(upcoming, protect=current)
+            elif len(chunks) == 1 and layer in self.predictors:
+                self._prefetch_next(layer, hidden, current)
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
         return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+
+    def enable_prefetch(
+        self, routers: dict[int, torch.Tensor], norms: dict[int, torch.Tensor], m: int = 0
+    ) -> None:
+        """Prefetch on the residency path: layer L's experts op guesses the next MoE layer N's
+        experts with N's router (residency/predict.py) and copies the `m` best per token
+        (default: top-k) on the pool's copy stream while L computes. `routers[layer]`: [E, H]
+        router weight; `norms[layer]`: [H] weight of the RMSNorm in front of it.
+
+        The op's input is x·r·w_L (r: x's RMS factor, w_L: L's norm weight); N's router sees
+        x'·r'·w_N for the later residual x'. The guess applies N's router to x·r·w_N =
+        input · (w_N / w_L): the next layer's routing as if the residual stopped changing."""
+        layers = sorted(self.formats)
+        missing = [layer for layer in layers if layer not in routers or layer not in norms]
+        if missing:
+            raise ValueError(f"prefetch needs each MoE layer's router and norm; missing {missing}")
+        top_k = self.residency.store.model_config.top_k
+        self.predictors = {}
+        for layer, following in zip(layers, layers[1:], strict=False):
+            w_here, w_next = norms[layer].float(), norms[following].float()
+            scale = torch.where(w_here != 0, w_next / torch.where(w_here != 0, w_here, 1), 0)
+            self.predictors[layer] = (following, routers[following].detach(), scale.detach())
+        self.prefetch_m = m or top_k
+
+    def _predict(self, layer: int, hidden: torch.Tensor, m: int) -> tuple[int, list[int]]:
+        """(next MoE layer, its predicted experts: union over tokens of the top-m)."""
+        following, router, scale = self.predictors[layer]
+        guess = predict_experts(hidden.float() * scale, router, min(m, router.shape[0]))
+        return following, sorted(set(guess.flatten().tolist()))
+
+    def _prefetch_next(self, layer: int, hidden: torch.Tensor, current: list[BlobKey]) -> None:
+        following, experts = self._predict(layer, hidden, self.prefetch_m)
+        keys = _keys(following, experts, experts if self.delta_threshold == 0 else [])
+        self._predicted[following] = keys
+        self.residency.prefetch(keys, protect=current)
+
+    def _score_prediction(self, layer: int, needed: list[int], with_delta: set[int]) -> None:
+        keys = self._predicted.pop(layer, None)
+        if keys is not None:
+            needed_keys = _keys(layer, needed, [e for e in needed if e in with_delta])
+            if self.delta_threshold != 0:  # only base blobs were predicted
+                needed_keys = [k for k in needed_keys if k[2] == "base"]
+            self.residency.score_prediction(keys, needed_keys)
+
+    def _next_layer_guess(self, layer: int, hidden: torch.Tensor, capacity: int) -> list[BlobKey]:
+        """Blobs to stream in for the next MoE layer while `layer`'s last chunk computes: the
+        predicted experts when a predictor is set, else the lowest ids (a long prompt needs
+        nearly all experts, and chunks go in id order)."""
+        layers = sorted(self.formats)
+        if layer == layers[-1]:
+            return []
+        if layer in self.predictors:
+            following, experts = self._predict(layer, hidden, self.prefetch_m)
+        else:
+            following = layers[layers.index(layer) + 1]
+            experts = list(range(self.residency.store.model_config.num_experts))
+        experts = experts[:capacity]
+        return _keys(following, experts, experts if self.delta_threshold == 0 else [])
 
     def _run(
         self,
@@ -238,6 +325,30 @@ class ExpertsRuntime:
             self.activation.alpha,
             self.activation.limit,
         )
+
+
+def router_weights(
+    model: torch.nn.Module, layers: list[int]
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """(router weight [E, H], pre-router norm weight [H]) of each MoE layer of a Qwen3-MoE-style
+    model (native or transformers: `model.layers[i].mlp.gate` and `.post_attention_layernorm`),
+    for `ExpertsRuntime.enable_prefetch`."""
+    decoder = getattr(model, "model", model)
+    blocks: Any = getattr(decoder, "layers", None)
+    if blocks is None:
+        raise ValueError("prefetch prediction needs the model's decoder layers (`model.layers`)")
+    routers, norms = {}, {}
+    for layer in layers:
+        block = blocks[layer]
+        gate = getattr(getattr(block, "mlp", None), "gate", None)
+        norm = getattr(block, "post_attention_layernorm", None)
+        if gate is None or norm is None or not hasattr(gate, "weight"):
+            raise ValueError(
+                f"layer {layer} has no mlp.gate router or post_attention_layernorm: prefetch "
+                "prediction supports Qwen3-MoE-style layers"
+            )
+        routers[layer], norms[layer] = gate.weight, norm.weight
+    return routers, norms
 
 
 @dataclass(frozen=True)
