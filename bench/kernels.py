@@ -53,7 +53,14 @@ def weight_bytes(fmt: BlobFormat) -> int:
 class Case:
     """All experts of one layer in a GPU pool (base slots, then delta slots)."""
 
-    def __init__(self, shape: str, fmt: BlobFormat, delta: BlobFormat | None, distinct: int = 4):
+    def __init__(
+        self,
+        shape: str,
+        fmt: BlobFormat,
+        delta: BlobFormat | None,
+        distinct: int = 4,
+        fitted_grid: bool = False,
+    ):
         self.hidden, self.inter, self.experts, self.top_k = SHAPES[shape]
         self.fmt, self.delta = fmt, delta
         slot = max(fmt.nbytes, delta.nbytes if delta else 0)
@@ -61,9 +68,10 @@ class Case:
         n = self.experts * (2 if delta else 1)
         self.pool = torch.empty(n, self.slot_bytes, dtype=torch.uint8, device="cuda")
         gen = torch.Generator().manual_seed(0)
-        # a few distinct random blobs copied into every slot; q2s with the b = 3a grid the
-        # quantizer writes (a fitted grid takes the kernel's slower b != 3a branch)
-        base = [random_blob(fmt, gen, fitted_grid=False).cuda() for _ in range(distinct)]
+        # a few distinct random blobs copied into every slot; q2s with the b = 3a grid, or a
+        # fitted grid (b != 3a, what the importance-aware quantizer writes: the kernel's extra
+        # high-bit products)
+        base = [random_blob(fmt, gen, fitted_grid=fitted_grid).cuda() for _ in range(distinct)]
         for e in range(self.experts):
             self.pool[e, : fmt.nbytes] = base[e % distinct]
         if delta:
@@ -90,9 +98,13 @@ class Case:
             )
         return sets
 
-    def bytes_per_call(self, r: dict[str, torch.Tensor], split_k: int) -> tuple[int, int]:
+    def bytes_per_call(
+        self, r: dict[str, torch.Tensor], split_k: int, int8: bool = False
+    ) -> tuple[int, int]:
         """(bytes without the delta, delta bytes) moved by one call on routing `r`; split_k 0
-        means the q2s GEMV kernel (activations h [P, I] written and read, no partials)."""
+        means the q2s GEMV kernel (activations h [P, I] written and read, no partials); int8:
+        its activations rounded to int8 words first (x and h read once more, 1.5 bytes per
+        column of int8 + scale + sum written and read)."""
         distinct = int(torch.unique(r["ids"]).numel())
         tokens, pairs = r["ids"].shape[0], r["ids"].numel()
         io = tokens * self.hidden * 2 + pairs * self.hidden * 4
@@ -100,6 +112,8 @@ class Case:
             io += 2 * split_k * pairs * 2 * self.inter * 4  # gate_up partials written, read
         else:
             io += 2 * pairs * self.inter * 4
+        if int8:
+            io += tokens * self.hidden * (2 + 3) + pairs * self.inter * (4 + 3)
         delta = distinct * weight_bytes(self.delta) if self.delta else 0
         return distinct * weight_bytes(self.fmt) + io, delta
 
@@ -227,14 +241,23 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
     gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
     assert gu is not None and dn is not None
     cands = [
-        replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w)
+        replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w, int8_act=i8)
         for bn, bk, w in [(64, 512, 4), (128, 512, 4), (128, 512, 8), (64, 256, 4),
                           (128, 256, 4), (32, 512, 4), (64, 1024, 4), (32, 256, 2)]
+        for i8 in (True, False)
     ]  # fmt: skip
 
-    best_gu = min(cands, key=lambda c: time_config(case, tokens, c, moe_dispatch.Q2S_GEMV))
-    best_dn = min(cands, key=lambda c: time_config(case, tokens, best_gu, c))
-    fields = ("block_n", "block_k", "num_warps")
+    best_gu = min(
+        cands,
+        key=lambda c: time_config(
+            case, tokens, c, replace(moe_dispatch.Q2S_GEMV, int8_act=c.int8_act)
+        ),
+    )
+    best_dn = min(
+        (c for c in cands if c.int8_act == best_gu.int8_act),
+        key=lambda c: time_config(case, tokens, best_gu, c),
+    )
+    fields = ("block_n", "block_k", "num_warps", "int8_act")
     return {
         f"q2s-gemv:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
         f"q2s-gemv:{dn.n}x{dn.k}": {f: asdict(best_dn)[f] for f in fields},
@@ -260,7 +283,11 @@ def main() -> None:
         q2s = q2s_expert_format(hidden, inter, False, 32, 16)
         nvfp4 = fp4_expert_format("nvfp4", hidden, inter, False)
         bf16 = raw_expert_format("bfloat16", hidden, inter, False)
-        cases = {"q2s": Case(shape, q2s, None), "q2s+nvfp4": Case(shape, q2s, nvfp4)}
+        cases = {
+            "q2s": Case(shape, q2s, None),
+            "q2s-fitted": Case(shape, q2s, None, fitted_grid=True),
+            "q2s+nvfp4": Case(shape, q2s, nvfp4),
+        }
         if args.tune:
             for t in (int(t) for t in args.tune_tokens.split(",")):
                 if t * top_k < moe_dispatch.GEMM_MIN_PAIRS:
@@ -287,12 +314,13 @@ def main() -> None:
                           for m in ("gate_up", "down")]  # fmt: skip
                 if pairs < moe_dispatch.Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(*specs, *dspecs):  # type: ignore[arg-type]
                     split = 0
-                nbytes, dbytes = case.bytes_per_call(r, split)
+                int8 = split == 0 and moe_dispatch.choose_q2s_gemv(2 * inter, hidden).int8_act
+                nbytes, dbytes = case.bytes_per_call(r, split, int8)
                 gbs = (nbytes + dbytes) / ms / 1e6
                 rec = {**info, "case": "moe", "shape": shape, "tokens": tokens, "format": name,
                        "ms": round(ms, 5), "MB": round((nbytes + dbytes) / 1e6, 2),
                        "GB/s": round(gbs, 1), "copy_GB/s": round(copy_bw / 1e9, 1),
-                       "of_copy": round(gbs * 1e9 / copy_bw, 3)}  # fmt: skip
+                       "of_copy": round(gbs * 1e9 / copy_bw, 3), "int8_act": int8}  # fmt: skip
                 if name == "q2s":
                     base_bw = nbytes / ms
                 elif name == "q2s+nvfp4" and base_bw:

@@ -31,11 +31,12 @@ class KernelChoice:
     split_k: int = 1  # gate_up only; the down projection is never split
     num_warps: int = 4
     num_stages: int = 2
+    int8_act: bool = False  # q2s GEMV only: activations quantized to int8 per 16 columns, IDP4A
 
 
 GEMV = KernelChoice()
 # q2s GEMV kernel (`_q2s_gemv_kernel`): block_n = rows per program (four sub-tiles), no split-K
-Q2S_GEMV = KernelChoice(block_n=64, block_k=512, num_warps=4)
+Q2S_GEMV = KernelChoice(block_n=64, block_k=512, num_warps=4, int8_act=True)
 GEMM = KernelChoice(grouped=True, use_dot=True, block_m=32, block_n=64, block_k=64, num_warps=4)
 
 

@@ -157,6 +157,18 @@ def expert_matrix_with_delta(
     )
 
 
+def quant_words_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [R, K] -> x rounded to int8 per 16-column word (scale absmax / 127, round half up),
+    returned dequantized in float32: the activations the int8 q2s GEMV kernel multiplies
+    (moe_triton.quant_words / `_quant_words_kernel`)."""
+    rows, k = x.shape
+    v = x.float().reshape(rows, k // 16, 16)
+    amax = v.abs().amax(dim=2, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    q = torch.floor(v * inv + 0.5)
+    return (q * (amax / 127.0)).reshape(rows, k)
+
+
 def expert_activation_ref(
     gate: torch.Tensor, up: torch.Tensor, act: ExpertActivation
 ) -> torch.Tensor:
@@ -184,6 +196,7 @@ def moe_slots_ref(
     delta_mask: torch.Tensor | None = None,
     delta_table: torch.Tensor | None = None,
     delta_fmt: BlobFormat | None = None,
+    act_int8: bool = False,
 ) -> None:
     """Compute the routed pairs whose expert has a slot, writing each into `out`.
 
@@ -197,6 +210,8 @@ def moe_slots_ref(
     delta_mask:   [T, k] bool, pairs that use base + delta weights (additive delta plane)
     delta_table:  [E] int32, slot of each expert's delta blob, -1 = none; an expert's delta is
                   read only when one of its pairs has the mask on
+    act_int8:     both matrices' inputs rounded as `quant_words_ref` and the MLP run in float32
+                  (the twin of the q2s GEMV kernel with int8 activations)
     """
     if (
         hidden.dim() != 2
@@ -229,7 +244,7 @@ def moe_slots_ref(
                 w_gu = expert_matrix_with_delta(blob, fmt, delta, delta_fmt, "gate_up")
                 w_down = expert_matrix_with_delta(blob, fmt, delta, delta_fmt, "down")
             t, j = token_idx[rows], k_idx[rows]
-            y = _expert_mlp(hidden[t], w_gu, w_down, blob, fmt, act)  # [n, H]
+            y = _expert_mlp(hidden[t], w_gu, w_down, blob, fmt, act, act_int8)  # [n, H]
             out[t, j] = y.to(out.dtype) * topk_weights[t, j, None].to(out.dtype)
 
 
@@ -240,13 +255,20 @@ def _expert_mlp(
     blob: torch.Tensor,
     fmt: BlobFormat,
     act: ExpertActivation,
+    act_int8: bool = False,
 ) -> torch.Tensor:
-    """x [n, H] -> [n, H] in x's dtype; biases (gpt-oss) come from the base blob."""
+    """x [n, H] -> [n, H] in x's dtype; biases (gpt-oss) come from the base blob. act_int8:
+    inputs of both matrices rounded to int8 words (`quant_words_ref`), float32 throughout."""
+    if act_int8:
+        x = quant_words_ref(x)
     h = F.linear(x, gate_up.to(x.dtype))  # [n, 2I]
     if has_tensor(fmt, "gate_up_bias"):
         h = h + blob_view(blob, fmt.tensor("gate_up_bias")).to(x.dtype)
     gate, up = h.chunk(2, dim=-1)
-    y = F.linear(expert_activation_ref(gate, up, act), down.to(x.dtype))
+    h = expert_activation_ref(gate, up, act)
+    if act_int8:
+        h = quant_words_ref(h)
+    y = F.linear(h, down.to(x.dtype))
     if has_tensor(fmt, "down_bias"):
         y = y + blob_view(blob, fmt.tensor("down_bias")).to(x.dtype)
     return y

@@ -29,7 +29,8 @@ partials.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -284,16 +285,110 @@ def _q2s_outer(word, J: tl.constexpr):
 
 
 @triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + Σ_j a.u8[j] · b.s8[j] per int32 lane (one IDP4A; plain integer ops under the
+    interpreter, which has no inline assembly)."""
+    if ASM:
+        y = tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        y = c
+        for j in tl.static_range(4):
+            y += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)
+    return y
+
+
+@triton.jit
+def _q2s_word_dots(w, q0, q1, q2, q3, corr, ASM: tl.constexpr):
+    """Per int32 word of 16 codes: C = Σ c·q and (when corr != 0) Hx2 = Σ 2[c >= 2]·q, q the
+    int8 activations of the word's 16 columns packed as `_quant_words_kernel` writes them
+    (int32 s holds columns s, s + 4, s + 8, s + 12, the columns of bytes (w >> 2s) & 0x03030303)."""
+    c = tl.zeros(w.shape, tl.int32)
+    h = tl.zeros(w.shape, tl.int32)
+    for s in tl.static_range(4):
+        if s == 0:
+            q = q0
+        elif s == 1:
+            q = q1
+        elif s == 2:
+            q = q2
+        else:
+            q = q3
+        t = w >> (2 * s)
+        c = _dp4a(t & 0x03030303, tl.broadcast_to(q, w.shape), c, ASM)
+        if corr != 0:
+            h = _dp4a(t & 0x02020202, tl.broadcast_to(q, w.shape), h, ASM)
+    return c, h
+
+
+@triton.jit
+def _dequant_words(xq_row, xs_row, cols, K, mask):
+    """Columns `cols` of one row of `_quant_words_kernel`'s output, as float32 (q · scale)."""
+    packed = tl.load(xq_row + (cols % 4) * (K // 16) + cols // 16, mask=mask, other=0)
+    q = (packed << (24 - 8 * ((cols % 16) // 4))) >> 24  # byte (col % 16) // 4, sign-extended
+    return q.to(tl.float32) * tl.load(xs_row + cols // 16, mask=mask, other=0.0)
+
+
+@triton.jit
+def _quant_store(v, wd, KW, xq_row, xs_row, xsum_row, wmask):
+    """Round v [NW, 16] (words wd [NW] of one row of KW words) to int8 per word and store it as
+    `_quant_words_kernel` documents."""
+    NW: tl.constexpr = v.shape[0]
+    col = tl.arange(0, 16)
+    amax = tl.max(tl.abs(v), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = tl.floor(v * inv[:, None] + 0.5).to(tl.int32)
+    qb = (q & 0xFF) << ((col[None, :] // 4) * 8)  # column 4j + s -> byte j of int32 s
+    packed = tl.sum(tl.reshape(qb, (NW, 4, 4)), axis=1)  # [NW, 4 (s)]
+    s_idx = tl.arange(0, 4)
+    tl.store(xq_row + s_idx[None, :] * KW + wd[:, None], packed, mask=wmask[:, None])
+    tl.store(xs_row + wd, amax / 127.0, mask=wmask)
+    tl.store(xsum_row + wd, tl.sum(q, axis=1), mask=wmask)
+
+
+@triton.jit
+def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, K, BLOCK_W: tl.constexpr):
+    """x [R, K] float -> int8 per 16-column word with a float32 scale each (absmax / 127, round
+    half up): xq int32 [R, 4, K/16], xs float32 [R, K/16], xsum int32 [R, K/16] = Σ q over the
+    word (twin: moe_ref.quant_words_ref). xq's (row, s, w) holds the bytes of columns
+    16w + s + 4j, j = 0..3, so the GEMV loads each s for consecutive words as one vector."""
+    row = tl.program_id(0)
+    wd = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    wmask = wd < K // 16
+    col = tl.arange(0, 16)
+    v = tl.load(x_ptr + row * stride_r + (wd[:, None] * 16 + col[None, :]) * stride_k,
+                mask=wmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    _quant_store(v, wd, K // 16, xq + row * (K // 4), xs + row * (K // 16),
+                 xsum + row * (K // 16), wmask)  # fmt: skip
+
+
+@triton.jit
 def _q2s_words(wbase, rows, rmask, wd, wmask, row_words):
     return tl.load(wbase + rows[:, None] * row_words + wd[None, :],
                    mask=rmask[:, None] & wmask[None, :], other=0)  # fmt: skip
 
 
 @triton.jit
-def _q2s_group_scale(bptr, scales, rows, rmask, wd, wmask, row_groups, WPG: tl.constexpr):
-    sc = tl.load(bptr + scales + rows[:, None] * row_groups + (wd // WPG)[None, :],
-                 mask=rmask[:, None] & wmask[None, :], other=0)  # fmt: skip
-    return _e4m3(sc)
+def _q2s_group_scale(bptr, scales, rows, rmask, k0, row_groups, GROUP: tl.constexpr,
+                     W: tl.constexpr):  # fmt: skip
+    """Group scales of the K tile starting at column k0, one per word: [SUB, W] float32. Loaded
+    once per group ([SUB, W / words per group], contiguous) and repeated by joins, so the result
+    keeps the words' register layout (a per-word byte gather made Triton shuffle every
+    accumulator through shared memory)."""
+    WPG: tl.constexpr = GROUP // 16
+    NG: tl.constexpr = W // WPG
+    gd = k0 // GROUP + tl.arange(0, NG)
+    sc = _e4m3(tl.load(bptr + scales + rows[:, None] * row_groups + gd[None, :],
+                       mask=rmask[:, None] & (gd < row_groups)[None, :], other=0))  # fmt: skip
+    if WPG >= 2:
+        sc = tl.join(sc, sc)
+    if WPG >= 4:
+        sc = tl.join(sc, sc)
+    if WPG >= 8:
+        sc = tl.join(sc, sc)
+    return tl.reshape(sc, (rows.shape[0], W))
 
 
 @triton.jit
@@ -328,6 +423,8 @@ def _q2s_gemv_kernel(
     DGROUP: tl.constexpr,
     BIAS: tl.constexpr, in_bias, out_bias, ACT: tl.constexpr, limit, alpha,
     IS_DOWN: tl.constexpr, TOPK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+    xq, xs, xsum, INT8: tl.constexpr, ASM: tl.constexpr,
+    oq, osc, osum, QUANT_OUT: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -339,7 +436,14 @@ def _q2s_gemv_kernel(
         r + SUB + INTER, so the activation is applied here: writes h[p, r] = act(gate, up).
     down    (IS_DOWN=1): x = h[p]; sub-tiles are 4 consecutive row blocks; writes
         out[p, n] = w_p · (W x + b).
-    An additive delta (pairs whose mask is on) is decoded in the same K loop (`_decode`)."""
+    An additive delta (pairs whose mask is on) is decoded in the same K loop (`_decode`).
+
+    INT8: x comes as int8 words (`_quant_words_kernel`: q, scale per 16 columns, Σq) and each
+    word's dot products are integer (`_q2s_word_dots`, IDP4A): L = a(2c - 3) + (b - 3a)o with
+    o = [c=3] - [c=0] = c - h - 1 (h the code's high bit), so per word
+    Σ L q = a(2C - 3Σq) + (b - 3a)(C - H - Σq); one float multiply-add per word and row.
+    QUANT_OUT (gate_up, SUB a multiple of 16, INTER of 16): h is written as int8 words (oq, osc,
+    osum: `_quant_store`) instead of float, so no launch rounds it for down."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids + pair).to(tl.int32)
@@ -360,6 +464,7 @@ def _q2s_gemv_kernel(
             rows3 = rows0 + 3 * SUB
             m0, m1, m2, m3 = rows0 < N, rows1 < N, rows2 < N, rows3 < N
             x_row = x_ptr + pair * stride_x
+            x_idx = pair
         else:
             rows0 = pid_n * 2 * SUB + r
             rows1 = rows0 + SUB
@@ -368,10 +473,14 @@ def _q2s_gemv_kernel(
             m0, m1 = rows0 < INTER, rows1 < INTER
             m2, m3 = m0, m1
             x_row = x_ptr + (pair // TOPK) * stride_x
+            x_idx = pair // TOPK
+        xq_row = xq + x_idx * (K // 4)
+        xs_row = xs + x_idx * (K // 16)
+        xsum_row = xsum + x_idx * (K // 16)
         a = _f32_at(bptr, aux)
         corr = _f32_at(bptr, aux + 4) - 3 * a  # b - 3a
         W: tl.constexpr = BLOCK_K // 16
-        WPG: tl.constexpr = GROUP // 16  # words per group
+        DELTA_K: tl.constexpr = 64 if BLOCK_K > 64 else BLOCK_K
         acc0 = tl.zeros((SUB, W), tl.float32)
         acc1 = tl.zeros((SUB, W), tl.float32)
         acc2 = tl.zeros((SUB, W), tl.float32)
@@ -404,65 +513,101 @@ def _q2s_gemv_kernel(
             n1 = _q2s_words(wbase, rows1, m1, wd_next, wmask_next, row_words)
             n2 = _q2s_words(wbase, rows2, m2, wd_next, wmask_next, row_words)
             n3 = _q2s_words(wbase, rows3, m3, wd_next, wmask_next, row_words)
-            sc0 = _q2s_group_scale(bptr, scales, rows0, m0, wd, wmask, row_groups, WPG)
-            sc1 = _q2s_group_scale(bptr, scales, rows1, m1, wd, wmask, row_groups, WPG)
-            sc2 = _q2s_group_scale(bptr, scales, rows2, m2, wd, wmask, row_groups, WPG)
-            sc3 = _q2s_group_scale(bptr, scales, rows3, m3, wd, wmask, row_groups, WPG)
-            s0 = tl.zeros((SUB, W), tl.float32)
-            s1 = tl.zeros((SUB, W), tl.float32)
-            s2 = tl.zeros((SUB, W), tl.float32)
-            s3 = tl.zeros((SUB, W), tl.float32)
-            v0 = tl.zeros((SUB, W), tl.float32)
-            v1 = tl.zeros((SUB, W), tl.float32)
-            v2 = tl.zeros((SUB, W), tl.float32)
-            v3 = tl.zeros((SUB, W), tl.float32)
-            sx = tl.zeros((1, W), tl.float32)
-            for j in tl.static_range(16):
-                xj = tl.load(x_row + (wd[None, :] * 16 + j) * stride_xk, mask=wmask[None, :],
-                             other=0.0).to(tl.float32)  # fmt: skip
-                sx += xj
-                s0 += _q2s_level(w0, j, one) * xj
-                s1 += _q2s_level(w1, j, one) * xj
-                s2 += _q2s_level(w2, j, one) * xj
-                s3 += _q2s_level(w3, j, one) * xj
-                if corr != 0:
-                    v0 += _q2s_outer(w0, j) * xj
-                    v1 += _q2s_outer(w1, j) * xj
-                    v2 += _q2s_outer(w2, j) * xj
-                    v3 += _q2s_outer(w3, j) * xj
-            acc0 += s0 * sc0
-            acc1 += s1 * sc1
-            acc2 += s2 * sc2
-            acc3 += s3 * sc3
-            ax0 += sx * sc0
-            ax1 += sx * sc1
-            ax2 += sx * sc2
-            ax3 += sx * sc3
-            if corr != 0:
-                av0 += v0 * sc0
-                av1 += v1 * sc1
-                av2 += v2 * sc2
-                av3 += v3 * sc3
-            if DKIND >= 0:
-                if use_delta:  # additive delta, its own product (natural-order x)
-                    cols = k0 + tl.arange(0, BLOCK_K)
-                    kmask = cols < K
-                    xn = tl.load(x_row + cols[None, :] * stride_xk, mask=kmask[None, :],
+            sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W)
+            sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W)
+            sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W)
+            sc3 = _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W)
+            if INT8:
+                q0 = tl.load(xq_row + wd, mask=wmask, other=0)[None, :]
+                q1 = tl.load(xq_row + row_words + wd, mask=wmask, other=0)[None, :]
+                q2 = tl.load(xq_row + 2 * row_words + wd, mask=wmask, other=0)[None, :]
+                q3 = tl.load(xq_row + 3 * row_words + wd, mask=wmask, other=0)[None, :]
+                xsc = tl.load(xs_row + wd, mask=wmask, other=0.0)[None, :]
+                qs = tl.load(xsum_row + wd, mask=wmask, other=0)[None, :]
+                c0, h0 = _q2s_word_dots(w0, q0, q1, q2, q3, corr, ASM)
+                c1, h1 = _q2s_word_dots(w1, q0, q1, q2, q3, corr, ASM)
+                c2, h2 = _q2s_word_dots(w2, q0, q1, q2, q3, corr, ASM)
+                c3, h3 = _q2s_word_dots(w3, q0, q1, q2, q3, corr, ASM)
+                sc0 = sc0 * xsc
+                sc1 = sc1 * xsc
+                sc2 = sc2 * xsc
+                sc3 = sc3 * xsc
+                acc0 += (2 * c0 - 3 * qs).to(tl.float32) * sc0
+                acc1 += (2 * c1 - 3 * qs).to(tl.float32) * sc1
+                acc2 += (2 * c2 - 3 * qs).to(tl.float32) * sc2
+                acc3 += (2 * c3 - 3 * qs).to(tl.float32) * sc3
+                if corr != 0:  # 2(C - H - Σq), H = Hx2 / 2
+                    av0 += (2 * c0 - h0 - 2 * qs).to(tl.float32) * sc0
+                    av1 += (2 * c1 - h1 - 2 * qs).to(tl.float32) * sc1
+                    av2 += (2 * c2 - h2 - 2 * qs).to(tl.float32) * sc2
+                    av3 += (2 * c3 - h3 - 2 * qs).to(tl.float32) * sc3
+            else:
+                s0 = tl.zeros((SUB, W), tl.float32)
+                s1 = tl.zeros((SUB, W), tl.float32)
+                s2 = tl.zeros((SUB, W), tl.float32)
+                s3 = tl.zeros((SUB, W), tl.float32)
+                v0 = tl.zeros((SUB, W), tl.float32)
+                v1 = tl.zeros((SUB, W), tl.float32)
+                v2 = tl.zeros((SUB, W), tl.float32)
+                v3 = tl.zeros((SUB, W), tl.float32)
+                sx = tl.zeros((1, W), tl.float32)
+                for j in tl.static_range(16):
+                    xj = tl.load(x_row + (wd[None, :] * 16 + j) * stride_xk, mask=wmask[None, :],
                                  other=0.0).to(tl.float32)  # fmt: skip
-                    d0 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows0, m0, cols,
-                                     kmask, K, DGROUP, xn)  # fmt: skip
-                    d1 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows1, m1, cols,
-                                     kmask, K, DGROUP, xn)  # fmt: skip
-                    d2 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows2, m2, cols,
-                                     kmask, K, DGROUP, xn)  # fmt: skip
-                    d3 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows3, m3, cols,
-                                     kmask, K, DGROUP, xn)  # fmt: skip
+                    sx += xj
+                    s0 += _q2s_level(w0, j, one) * xj
+                    s1 += _q2s_level(w1, j, one) * xj
+                    s2 += _q2s_level(w2, j, one) * xj
+                    s3 += _q2s_level(w3, j, one) * xj
+                    if corr != 0:
+                        v0 += _q2s_outer(w0, j) * xj
+                        v1 += _q2s_outer(w1, j) * xj
+                        v2 += _q2s_outer(w2, j) * xj
+                        v3 += _q2s_outer(w3, j) * xj
+                acc0 += s0 * sc0
+                acc1 += s1 * sc1
+                acc2 += s2 * sc2
+                acc3 += s3 * sc3
+                ax0 += sx * sc0
+                ax1 += sx * sc1
+                ax2 += sx * sc2
+                ax3 += sx * sc3
+                if corr != 0:
+                    av0 += v0 * sc0
+                    av1 += v1 * sc1
+                    av2 += v2 * sc2
+                    av3 += v3 * sc3
+            if DKIND >= 0:
+                if use_delta:  # additive delta, its own product (natural-order x), decoded
+                    # DELTA_K columns at a time (a whole BLOCK_K tile of float weights spills)
+                    for kk in range(0, BLOCK_K, DELTA_K):
+                        cols = k0 + kk + tl.arange(0, DELTA_K)
+                        kmask = cols < K
+                        if INT8:  # the same rounded activations as the base plane
+                            xn = _dequant_words(xq_row, xs_row, cols, K, kmask)[None, :]
+                        else:
+                            xn = tl.load(x_row + cols[None, :] * stride_xk, mask=kmask[None, :],
+                                         other=0.0).to(tl.float32)  # fmt: skip
+                        d0 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows0, m0, cols,
+                                         kmask, K, DGROUP, xn)  # fmt: skip
+                        d1 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows1, m1, cols,
+                                         kmask, K, DGROUP, xn)  # fmt: skip
+                        d2 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows2, m2, cols,
+                                         kmask, K, DGROUP, xn)  # fmt: skip
+                        d3 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows3, m3, cols,
+                                         kmask, K, DGROUP, xn)  # fmt: skip
             w0, w1, w2, w3 = n0, n1, n2, n3
             wd, wmask = wd_next, wmask_next
-        y0 = tl.sum(8 * a * acc0 - 11 * a * ax0 + corr * av0, axis=1)
-        y1 = tl.sum(8 * a * acc1 - 11 * a * ax1 + corr * av1, axis=1)
-        y2 = tl.sum(8 * a * acc2 - 11 * a * ax2 + corr * av2, axis=1)
-        y3 = tl.sum(8 * a * acc3 - 11 * a * ax3 + corr * av3, axis=1)
+        if INT8:
+            y0 = tl.sum(a * acc0 + 0.5 * corr * av0, axis=1)
+            y1 = tl.sum(a * acc1 + 0.5 * corr * av1, axis=1)
+            y2 = tl.sum(a * acc2 + 0.5 * corr * av2, axis=1)
+            y3 = tl.sum(a * acc3 + 0.5 * corr * av3, axis=1)
+        else:
+            y0 = tl.sum(8 * a * acc0 - 11 * a * ax0 + corr * av0, axis=1)
+            y1 = tl.sum(8 * a * acc1 - 11 * a * ax1 + corr * av1, axis=1)
+            y2 = tl.sum(8 * a * acc2 - 11 * a * ax2 + corr * av2, axis=1)
+            y3 = tl.sum(8 * a * acc3 - 11 * a * ax3 + corr * av3, axis=1)
         y0 = y0 * _row_factor(bptr, 3, row_scale, 0, rows0, m0)
         y1 = y1 * _row_factor(bptr, 3, row_scale, 0, rows1, m1)
         y2 = y2 * _row_factor(bptr, 3, row_scale, 0, rows2, m2)
@@ -486,8 +631,19 @@ def _q2s_gemv_kernel(
             tl.store(out + pair * N + rows2, y2 * weight, mask=m2)
             tl.store(out + pair * N + rows3, y3 * weight, mask=m3)
         else:
-            tl.store(out + pair * INTER + rows0, _activation(y0, y2, ACT, limit, alpha), mask=m0)
-            tl.store(out + pair * INTER + rows1, _activation(y1, y3, ACT, limit, alpha), mask=m1)
+            h0 = _activation(y0, y2, ACT, limit, alpha)
+            h1 = _activation(y1, y3, ACT, limit, alpha)
+            if QUANT_OUT:  # h rounded to int8 words here, for the down launch (SUB % 16 == 0)
+                hw: tl.constexpr = SUB // 16
+                word0 = pid_n * 2 * hw + tl.arange(0, hw)
+                hrow = INTER // 16
+                _quant_store(tl.reshape(h0, (hw, 16)), word0, hrow, oq + pair * (INTER // 4),
+                             osc + pair * hrow, osum + pair * hrow, word0 < hrow)  # fmt: skip
+                _quant_store(tl.reshape(h1, (hw, 16)), word0 + hw, hrow, oq + pair * (INTER // 4),
+                             osc + pair * hrow, osum + pair * hrow, word0 + hw < hrow)  # fmt: skip
+            else:
+                tl.store(out + pair * INTER + rows0, h0, mask=m0)
+                tl.store(out + pair * INTER + rows1, h1, mask=m1)
 
 
 @triton.jit
@@ -660,12 +816,13 @@ def moe_slots_triton(
     delta_fmt: BlobFormat | None = None,
     slot_offsets: torch.Tensor | None = None,
     choice: tuple[KernelChoice, KernelChoice] | None = None,
-) -> None:
+) -> tuple[KernelChoice, KernelChoice]:
     """Same contract as `moe_ref.moe_slots_ref`, plus:
 
     slot_offsets: [S] int64, byte offset of each slot from pool's first byte (default: slot s at
                   s * pool.stride(0)); slots outside `pool` (pinned host memory) are allowed
     choice:       (gate_up, down) kernel configs; default `moe_dispatch.choose`
+    Returns the configs it ran (int8_act: the twin is moe_slots_ref(..., act_int8=True)).
     """
     tokens, top_k = topk_ids.shape
     if hidden.dim() != 2 or hidden.shape[0] != tokens or topk_weights.shape != topk_ids.shape:
@@ -701,7 +858,8 @@ def moe_slots_triton(
         _q2s_gemv(hidden, topk_ids.contiguous(), topk_weights.contiguous(), slot_table, pool,
                   slot_offsets, fmt, act, out, gu, dn, dgu, ddn, c_gu, c_dn, delta_mask,
                   delta_table if use_delta else None)  # fmt: skip
-        return
+        return c_gu, c_dn
+    c_gu, c_dn = replace(c_gu, int8_act=False), replace(c_dn, int8_act=False)
     if c_gu.grouped != c_dn.grouped or (c_gu.grouped and c_gu.block_m != c_dn.block_m):
         raise ValueError("gate_up and down must use the same pair grouping (mode and BLOCK_M)")
     topk_ids = topk_ids.contiguous()
@@ -746,6 +904,7 @@ def moe_slots_triton(
             c.block_m if grouped else 1, c.block_n, c.block_k,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
+    return c_gu, c_dn
 
 
 def q2s_gemv_supports(
@@ -784,7 +943,9 @@ def _q2s_gemv(
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     inter = gu.n // 2
-    h = torch.empty(pairs, inter, device=hidden.device, dtype=torch.float32)
+    int8 = c_gu.int8_act
+    if int8 != c_dn.int8_act:
+        raise ValueError("gate_up and down must agree on int8 activations")
     bias, in_bias, out_bias = _bias_kind(fmt)
     has_delta = dgu is not None and delta_mask is not None and delta_table is not None
     dmask = (
@@ -793,6 +954,14 @@ def _q2s_gemv(
         else topk_ids
     )
     dtable = delta_table if has_delta and delta_table is not None else slot_table
+    # gate_up rounds h to int8 words itself when its row sub-tiles hold whole words
+    sub_gu = max(1, c_gu.block_n // 4)
+    quant_out = int8 and sub_gu % 16 == 0 and inter % 16 == 0
+    hq = quant_words_buffers(pairs, inter, hidden.device) if quant_out else None
+    if hq is None:
+        h = torch.empty(pairs, inter, device=hidden.device, dtype=torch.float32)
+    else:
+        h = hq[1]  # placeholder: no float h is written
     for is_down, spec, dspec, c, x, dst in (
         (0, gu, dgu, c_gu, hidden, h),
         (1, dn, ddn, c_dn, h, out),
@@ -802,6 +971,10 @@ def _q2s_gemv(
         rows = spec.n if is_down else inter
         grid = (pairs, triton.cdiv(rows, (4 if is_down else 2) * sub))
         dspec = dspec if has_delta else None
+        xq = xs = xsum = x  # placeholders, unused without int8 activations
+        if int8:
+            xq, xs, xsum = hq if is_down and hq is not None else quant_words(x)
+        oq, os_, osum = hq if not is_down and hq is not None else (x, x, x)
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,
             pool, slot_table, slot_offsets, dtable,
@@ -812,6 +985,36 @@ def _q2s_gemv(
             dspec.aux if dspec else 0, dspec.tensor_scale if dspec else 0,
             dspec.group if dspec else 1,
             bias, in_bias, out_bias, ACTIVATIONS[act.kind], act.limit, act.alpha,
-            is_down, top_k, sub, block_k,
+            is_down, top_k, sub, block_k, xq, xs, xsum, int8, _inline_asm(),
+            oq, os_, osum, quant_out and not is_down,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
+
+
+def _inline_asm() -> bool:
+    """Under TRITON_INTERPRET=1 (the CPU tests) there is no inline assembly: `_dp4a` then uses
+    plain integer ops."""
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def quant_words_buffers(
+    rows: int, k: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (q int32 [rows, 4, k/16], scale float32 [rows, k/16], Σq int32 [rows, k/16])."""
+    return (
+        torch.empty(rows, 4, k // 16, device=device, dtype=torch.int32),
+        torch.empty(rows, k // 16, device=device, dtype=torch.float32),
+        torch.empty(rows, k // 16, device=device, dtype=torch.int32),
+    )
+
+
+def quant_words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, K] float (K a multiple of 16) -> (q packed int32 [R, 4, K/16], scale float32 [R, K/16],
+    Σq int32 [R, K/16]): `_quant_words_kernel`, twin of moe_ref.quant_words_ref."""
+    rows, k = x.shape
+    xq, xs, xsum = quant_words_buffers(rows, k, x.device)
+    block_w = min(64, triton.next_power_of_2(k // 16))
+    _quant_words_kernel[(rows, triton.cdiv(k // 16, block_w))](
+        x, x.stride(0), x.stride(1), xq, xs, xsum, k, block_w
+    )
+    return xq, xs, xsum
