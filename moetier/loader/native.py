@@ -18,7 +18,7 @@ from torch import nn
 
 from moetier.config import DecoderConfig, EngineConfig
 from moetier.loader.load import LoadedModel, device_and_dtype, experts_runtime, loaded_model
-from moetier.models.layers import RotaryEmbedding
+from moetier.models.layers import Attention, RotaryEmbedding
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from moetier.quant.store import DENSE_FILE, Store
 
@@ -58,6 +58,9 @@ def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedMo
         "model"
     ).rotary_emb = rotary  # built off meta: it holds the computed frequencies
     _assign_by_name(model, store.path / DENSE_FILE, device, dtype, config.tie_word_embeddings)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.fuse_qkv()
     model.eval()
 
     runtime = experts_runtime(store, engine_config, device)

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetier.kernels.router import router_topk
+
 
 class RMSNorm(nn.Module):
     """transformers' RMSNorm: normalise in fp32, scale in the input dtype."""
@@ -117,6 +119,27 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm: nn.Module = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm: nn.Module = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
+        # [q; k; v] weight and bias after `fuse_qkv` (plain attributes: the checkpoint names
+        # stay those of the three projections, which become views of these)
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_qkv(self) -> None:
+        """Store q, k and v's weights (and biases) as one tensor so that the three projections
+        run as one GEMM (at batch 1, one GEMV launch instead of three); the three modules keep
+        views of it, so nothing is duplicated."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([p.weight.detach() for p in projections])
+        biases = [p.bias for p in projections]
+        if all(b is not None for b in biases):
+            self.qkv_bias = torch.cat([b.detach() for b in biases if b is not None])
+        start = 0
+        for p in projections:
+            rows = p.weight.shape[0]
+            p.weight = nn.Parameter(self.qkv_weight[start : start + rows], requires_grad=False)
+            if self.qkv_bias is not None:
+                p.bias = nn.Parameter(self.qkv_bias[start : start + rows], requires_grad=False)
+            start += rows
 
     def forward(
         self,
@@ -130,9 +153,16 @@ class Attention(nn.Module):
         """x [B, T, H]; positions [B, T]; mask [B, 1, T, L]; cache [layers, 2, B, kvh, L, D]
         (this layer's keys/values are written in place) -> [B, T, H]."""
         batch, tokens, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, tokens, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(batch, tokens, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2)
+        if self.qkv_weight is not None:
+            q_, k_, v_ = F.linear(x, self.qkv_weight, self.qkv_bias).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features],
+                dim=-1,
+            )
+        else:
+            q_, k_, v_ = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q_.reshape(batch, tokens, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k_.reshape(batch, tokens, -1, self.head_dim)).transpose(1, 2)
+        v = v_.reshape(batch, tokens, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, h, T, D]
         index = positions[:, None, :, None].expand(batch, self.num_kv_heads, tokens, self.head_dim)
         cache[self.layer, 0].scatter_(2, index, k)
@@ -181,8 +211,5 @@ class SoftmaxTopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in x's dtype)."""
         logits = F.linear(x, self.weight)  # [T, E]
-        probs = logits.softmax(dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        ids, weights = router_topk(logits, self.top_k, self.norm_topk)  # one kernel on CUDA
         return ids, weights.to(logits.dtype)
