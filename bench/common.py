@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -74,3 +75,92 @@ def time_cuda(fn: Any, reps: int = 20, warmup: int = 3) -> float:
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+def _time_host(fn: Any, reps: int = 5) -> float:
+    """Median seconds of fn() on the host clock (CPU runs)."""
+    import time
+
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def memory_bandwidth(device: str, nbytes: int = 2**30) -> float:
+    """The HBM figure of the floor, bytes/s: `copy_bandwidth` on CUDA; on CPU the same
+    read-plus-write count of a host memcpy."""
+    if device == "cuda":
+        return copy_bandwidth(nbytes)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _time_host(lambda: dst.copy_(src))
+
+
+def h2d_bandwidth(device: str, nbytes: int = 2**28, reps: int = 20) -> float:
+    """Pinned host -> device copy bandwidth in bytes/s (bytes moved once); on CPU a host memcpy
+    (bytes read once)."""
+    if device != "cuda":
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        return nbytes / _time_host(lambda: dst.copy_(src))
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return nbytes / (time_cuda(lambda: dst.copy_(src, non_blocking=True), reps) / 1e3)
+
+
+@functools.cache
+def _read_host_kernel() -> Any:
+    """A Triton kernel copying n int32 words from dst + offset (host memory) to dst."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_host(dst, offset, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < n
+        tl.store(dst + idx, tl.load(dst + offset + idx, mask=mask), mask=mask)
+
+    return read_host
+
+
+def zero_copy_bandwidth(device: str, nbytes: int = 2**28, reps: int = 20) -> float:
+    """Bytes/s at which a Triton kernel reads pinned host memory through a signed offset from a
+    device tensor (the way the MoE kernels read host-tier rows); on CPU a host memcpy."""
+    if device != "cuda":
+        return h2d_bandwidth(device, nbytes)
+    import triton
+
+    words = nbytes // 4
+    src = torch.randint(0, 2**30, (words,), dtype=torch.int32).pin_memory()
+    dst = torch.empty(words, dtype=torch.int32, device="cuda")
+    offset = (src.data_ptr() - dst.data_ptr()) // 4  # int32 elements; any sign
+    block = 4096
+
+    def run() -> None:
+        _read_host_kernel()[(triton.cdiv(words, block),)](dst, offset, words, BLOCK=block)
+
+    ms = time_cuda(run, reps)
+    if not torch.equal(dst.cpu(), src):
+        raise RuntimeError("the zero-copy read kernel did not read the host buffer")
+    return nbytes / (ms / 1e3)
+
+
+def disk_bandwidth(store: Any, keys: list[Any]) -> float:
+    """Bytes/s of the disk reader (O_DIRECT where the filesystem allows, parallel preads)
+    reading `keys`' blobs of `store` once."""
+    import time
+
+    from moetier.residency.disk import DiskReader
+
+    sizes = [store.blobs[k].nbytes for k in keys]
+    buffers = [DiskReader.allocate(n) for n in sizes]
+    with DiskReader.for_store(store) as reader:
+        start = time.perf_counter()
+        reader.read_blobs(store, keys, buffers)
+        seconds = time.perf_counter() - start
+    return sum(sizes) / seconds

@@ -6,6 +6,23 @@ bandwidth measured in the same run. One JSON line per case.
   python bench/decode.py --resident --layers 8 --batch 1,4,16     # the 8-layer slice
   python bench/decode.py --resident --layers 48 --batch 1          # the full Qwen3-30B-A3B shape
 
+Tiered decode (issue #6): batch 1 with a GPU expert budget of each --gpu-fraction of the base
+blobs, every other blob in pinned host RAM (HostTier), optionally --disk-fraction of the blobs
+only in the store's file (read with the disk reader). Misses are served as the cost model
+(moetier/residency/cost.py) picks from the link speeds measured at the start of the run, or as
+--strategy says: zero_copy (hot blobs in slots, the rest read by the kernel from pinned rows,
+step replayed from a CUDA graph), prefetch (next-layer prediction, copies on a copy stream) or
+blocking (copy on a miss); a fraction of 1.0 pins every expert (resident).
+
+  python bench/decode.py --tiered --layers 8 --gpu-fraction 0.25,0.5,1.0 --disk-fraction 0,0.05
+  python bench/decode.py --tiered --device cpu --layers 2 --shape tiny --steps 4   # smoke test
+
+Per case: tok/s, ms/token, the floor = active bytes / HBM copy GB/s + missed bytes / pinned H2D
+GB/s + disk bytes / disk GB/s (link speeds measured in the same run; the bytes are the budget's
+under near-uniform routing: the GPU serves gpu-fraction of the active expert bytes, the rest
+crosses PCIe, disk-fraction of all expert bytes from disk), ratio to the floor, the measured GPU
+hit rate and bytes per token per tier.
+
 Weights are random (synthetic store written directly in q2s form, quant/synthetic.py); routing
 is the model's own router on them (near-uniform). Active bytes per step: every dense weight
 (attention, routers, norms, lm_head; one embedding row per sequence) plus, per MoE layer, the
@@ -16,10 +33,12 @@ bytes.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,14 +47,32 @@ from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import load_model
 from moetier.quant.store import Store
 from moetier.quant.synthetic import QWEN3_30B_A3B, write_synthetic_store
+from moetier.residency.cost import (
+    STRATEGIES,
+    LinkSpeeds,
+    TokenTraffic,
+    choose,
+    floor_seconds,
+    miss_costs,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, emit, run_info  # noqa: E402
+from common import (  # noqa: E402
+    copy_bandwidth,
+    disk_bandwidth,
+    emit,
+    h2d_bandwidth,
+    memory_bandwidth,
+    run_info,
+    zero_copy_bandwidth,
+)
 
 PROMPT = 16
 
 
-def active_bytes(store: Store, batch: int) -> int:
+def dense_bytes(store: Store, batch: int) -> int:
+    """Bytes of the non-expert weights one decode step reads (bf16; one embedding row per
+    sequence)."""
     from safetensors import safe_open
 
     cfg = store.model_config
@@ -49,6 +86,12 @@ def active_bytes(store: Store, batch: int) -> int:
             if "embed_tokens" in key:
                 numel = batch * cfg.hidden_size
             dense += numel * 2
+    return dense
+
+
+def active_bytes(store: Store, batch: int) -> int:
+    cfg = store.model_config
+    dense = dense_bytes(store, batch)
     expert = next(iter(store.blobs.values())).nbytes
     distinct = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** batch)
     return int(dense + len(store.moe_layers) * distinct * expert)
@@ -154,9 +197,249 @@ def time_hf(layers: int, batch: int, new_tokens: int) -> float:
     return (full - one) / (new_tokens - 1) * 1e3
 
 
+TINY_SHAPE = dict(  # the CPU smoke-test shape: Qwen3-MoE layout, tiny sizes
+    QWEN3_30B_A3B,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    moe_intermediate_size=64,
+    intermediate_size=256,
+    num_experts=16,
+    num_experts_per_tok=4,
+    vocab_size=512,
+)
+WARMUP = 4  # eager decode steps before timing (compile, counts for the hot set)
+
+
+def measure_links(device: str, store: Store, disk_keys: list[Any]) -> LinkSpeeds:
+    """The floor's and the cost model's link speeds, measured now (bytes/s)."""
+    big = device == "cuda"
+    probe = disk_keys or sorted(store.blobs)[: min(64, len(store.blobs))]
+    return LinkSpeeds(
+        hbm=memory_bandwidth(device, 2**30 if big else 2**26),
+        h2d=h2d_bandwidth(device, 2**28 if big else 2**24),
+        zero_copy=zero_copy_bandwidth(device, 2**28 if big else 2**24),
+        disk=disk_bandwidth(store, probe),
+    )
+
+
+def predicted_costs(
+    store: Store, speeds: LinkSpeeds, gpu_fraction: float, disk_fraction: float, sync_s: float
+) -> tuple[TokenTraffic, dict[str, float]]:
+    """The budget's bytes per token (batch 1, near-uniform routing) and the cost model's
+    seconds per token for each miss strategy."""
+    cfg = store.model_config
+    expert = next(iter(store.blobs.values())).nbytes
+    experts = len(store.moe_layers) * cfg.top_k * expert
+    disk = experts * disk_fraction
+    traffic = TokenTraffic(
+        dense=dense_bytes(store, 1),
+        gpu=experts * gpu_fraction,
+        host=max(0.0, experts * (1 - gpu_fraction) - disk),
+        disk=disk,
+        sync_seconds=sync_s,
+    )
+    return traffic, miss_costs(traffic, speeds)
+
+
+def counters(runtime: Any) -> dict[str, float]:
+    """Cumulative figures of the runtime (one host read): requested pairs, pairs served from
+    GPU slots, bytes over PCIe from host RAM and from disk, prefetch scores."""
+    zc = runtime.zero_copy
+    pool = runtime.residency
+    if zc is not None:
+        pairs, gpu = float(zc.counts.sum()), float(zc.gpu_pairs)
+        expert = pool.store.blobs[(zc.layers[0], 0, "base")].nbytes
+        return {"pairs": pairs, "gpu": gpu, "host_bytes": (pairs - gpu) * expert
+                + zc.promoted_bytes, "disk_bytes": 0.0}  # fmt: skip
+    stats, c = pool.stats, pool.counters
+    return {"pairs": float(stats.hits + stats.misses), "gpu": float(stats.hits),
+            "host_bytes": float(stats.bytes_fetched - pool.disk_counters.bytes),
+            "disk_bytes": float(pool.disk_counters.bytes), "issued": float(c.prefetch_issued),
+            "used": float(c.prefetch_used), "needed": float(c.prefetch_needed)}  # fmt: skip
+
+
+def time_tiered(
+    path: Path, device: str, gpu_fraction: float, disk_keys: set[Any], strategy: str,
+    steps: int, rebalance_every: int, compiled: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Decode `steps` tokens at batch 1 under one tier configuration; ms per token, the
+    eager ms per token (host-decided paths and graph warm-up), and counter deltas per token."""
+    from moetier.models.experts import router_weights
+    from moetier.residency.host_tier import HostTier
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    probe = Store(path)
+    base = [k for k in probe.blobs if k[2] == "base"]
+    slots = max(1, round(gpu_fraction * len(base)))
+    probe.close()
+    engine = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."), native=True,
+                          expert_cache_slots=slots,
+                          expert_reads="direct" if disk_keys else "mmap")  # fmt: skip
+    loaded = load_model(path, engine)
+    runtime = loaded.runtime
+    store = runtime.residency.store
+    if strategy == "resident":
+        runtime.pin_all()
+    else:
+        runtime.residency.host = HostTier(
+            store, [k for k in sorted(store.blobs) if k not in disk_keys]
+        )
+        if strategy == "zero_copy":
+            runtime.enable_zero_copy()
+        elif strategy == "prefetch":
+            runtime.enable_prefetch(*router_weights(loaded.model, sorted(runtime.formats)))
+    graphed = device == "cuda" and strategy in ("resident", "zero_copy")
+    dec = StaticDecoder(loaded.model, 1, PROMPT + WARMUP + steps + 8, dtype, device,
+                        compile_step=compiled and graphed)  # fmt: skip
+    prompt = torch.randint(0, loaded.model_config.vocab_size, (1, PROMPT),
+                           generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def eager_step() -> None:
+        dec.input_ids.copy_(dec.step_static().argmax(-1)[:, None])
+        dec.positions.add_(1)
+
+    with torch.inference_mode():
+        dec.input_ids.copy_(dec.prefill(prompt).argmax(-1)[:, None])
+        eager_step()  # first step: compilation
+        sync()
+        start = time.perf_counter()
+        for _ in range(WARMUP):
+            eager_step()
+        sync()
+        eager_ms = (time.perf_counter() - start) / WARMUP * 1e3
+        if strategy == "zero_copy":
+            runtime.zero_copy.rebalance()  # hot set from the warm-up's counts
+        step = eager_step
+        if graphed:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                dec.step_static()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                eager_step()
+            graph.replay()
+            step = graph.replay
+        sync()
+        before = counters(runtime)
+        start = time.perf_counter()
+        for i in range(steps):
+            if rebalance_every and strategy == "zero_copy" and i and i % rebalance_every == 0:
+                runtime.zero_copy.rebalance()  # between replays, outside the graph
+            step()
+        sync()
+        ms = (time.perf_counter() - start) / steps * 1e3
+        after = counters(runtime)
+    delta = {k: (after[k] - before[k]) / steps for k in after}
+    return {"ms": ms, "eager_ms": eager_ms, "per_token": delta, "slots": slots}
+
+
+def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
+    device = args.device
+    shape = dict(TINY_SHAPE if args.shape == "tiny" else QWEN3_30B_A3B,
+                 num_hidden_layers=args.layers)  # fmt: skip
+    experts = args.experts.split(",")[0]
+    path = write_synthetic_store(
+        args.tmp / f"moetier-tiered-{args.shape}-{experts}-{args.layers}", shape, experts,
+        DEFAULT_STORE,
+    )  # fmt: skip
+    store = Store(path)
+    base = sorted(k for k in store.blobs if k[2] == "base")
+    fractions = sorted((float(f) for f in args.gpu_fraction.split(",")), reverse=True)
+    disk_fractions = [float(f) for f in args.disk_fraction.split(",")]
+    for f in fractions + disk_fractions:
+        if not 0 <= f <= 1:
+            raise SystemExit(f"fractions are in [0, 1], got {f}")
+    gen = torch.Generator().manual_seed(1)
+    order = [base[i] for i in torch.randperm(len(base), generator=gen).tolist()]
+    disk_sets = {d: set(order[: round(d * len(base))]) for d in disk_fractions}
+    speeds = measure_links(device, store, sorted(disk_sets[max(disk_fractions)]))
+    gbps = {f"{name}_GB/s": round(getattr(speeds, name) / 1e9, 2)
+            for name in ("hbm", "h2d", "zero_copy", "disk")}  # fmt: skip
+    emit({**info, "case": "links", **gbps})
+    sync_s = 0.0  # host-decision overhead per token, from the resident case when it runs
+    for gpu_fraction in fractions:
+        for disk_fraction in disk_fractions:
+            if gpu_fraction >= 1 and disk_fraction > 0:
+                continue  # nothing is off the GPU
+            traffic, costs = predicted_costs(store, speeds, gpu_fraction, disk_fraction, sync_s)
+            if gpu_fraction >= 1:
+                strategies = ["resident"]
+            elif args.strategy == "auto":
+                strategies = [choose(costs)]
+            else:
+                strategies = args.strategy.split(",")
+            for strategy in strategies:
+                if strategy == "zero_copy" and disk_fraction > 0:
+                    print("# zero_copy cannot serve blobs on disk: skipped", file=sys.stderr)
+                    continue
+                t = time_tiered(path, device, gpu_fraction, disk_sets[disk_fraction],
+                                strategy, args.steps, args.rebalance_every,
+                                args.compile != "off")  # fmt: skip
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                if strategy == "resident":
+                    sync_s = max(0.0, (t["eager_ms"] - t["ms"]) / 1e3)
+                per = t["per_token"]
+                expert_bytes = per["pairs"] * next(iter(store.blobs.values())).nbytes
+                floor_s = floor_seconds(traffic, speeds)
+                rec = {**info, "case": "decode-tiered", "device_kind": device,
+                       "layers": args.layers, "shape": args.shape, "batch": 1,
+                       "experts": experts, "gpu_fraction": gpu_fraction,
+                       "disk_fraction": disk_fraction, "gpu_slots": t["slots"],
+                       "strategy": strategy,
+                       "chosen_by": "budget" if strategy == "resident" else
+                                    "cost model" if args.strategy == "auto" else "flag",
+                       # None: the strategy cannot serve this configuration (zero_copy + disk)
+                       "predicted_ms": {k: round(v * 1e3, 4) if math.isfinite(v) else None
+                                        for k, v in costs.items()},
+                       "ms_per_token": round(t["ms"], 4), "tok_s": round(1e3 / t["ms"], 1),
+                       "eager_ms_per_token": round(t["eager_ms"], 4),
+                       "floor_ms": round(floor_s * 1e3, 4),
+                       "ratio_to_floor": round(t["ms"] / (floor_s * 1e3), 3),
+                       "hit_rate": round(per["gpu"] / per["pairs"], 4) if per["pairs"] else None,
+                       "bytes_per_token": {"gpu": round(expert_bytes * per["gpu"] / per["pairs"]
+                                                        if per["pairs"] else 0),
+                                           "host": round(per["host_bytes"]),
+                                           "disk": round(per["disk_bytes"])},
+                       "floor_bytes_per_token": {"active": round(traffic.active),
+                                                 "missed": round(traffic.host + traffic.disk),
+                                                 "disk": round(traffic.disk)},
+                       **gbps}  # fmt: skip
+                if strategy == "resident":
+                    rec["hit_rate"] = 1.0
+                if per.get("issued"):
+                    rec["prefetch_precision"] = round(per["used"] / per["issued"], 3)
+                    rec["prefetch_recall"] = round(per["used"] / per["needed"], 3)
+                emit(rec)
+    store.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--resident", action="store_true", help="every expert on the GPU")
+    parser.add_argument(
+        "--tiered", action="store_true", help="GPU expert budgets, the rest in host RAM / disk"
+    )
+    parser.add_argument("--gpu-fraction", default="0.25,0.5,1.0", help="tiered: GPU budgets")
+    parser.add_argument("--disk-fraction", default="0", help="tiered: blobs only on disk")
+    parser.add_argument(
+        "--strategy",
+        default="auto",
+        help="tiered: auto (the cost model picks) or a comma list of zero_copy, prefetch, blocking",
+    )
+    parser.add_argument(
+        "--rebalance-every", type=int, default=0, help="tiered zero_copy: promote every N steps"
+    )
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="tiered")
+    parser.add_argument("--shape", default="qwen3", choices=("qwen3", "tiny"), help="tiered")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", default="1,4,16")
     parser.add_argument("--steps", type=int, default=64)
@@ -171,10 +454,20 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel table of eager steps")
     parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
+    if args.resident == args.tiered:
+        parser.error("choose --resident or --tiered")
+    if args.tiered:
+        for name in args.strategy.split(","):
+            if name not in ("auto", *STRATEGIES):
+                parser.error(f"--strategy {name!r}: use auto or {', '.join(STRATEGIES)}")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            parser.error("no CUDA device: run with --device cpu --shape tiny")
+        if args.steps < 1:
+            parser.error("--steps must be at least 1")
+        run_tiered(args, run_info())
+        return
     if args.steps < 16:
         parser.error("--steps must be at least 16 (8 eager steps, then the timed replays)")
-    if not args.resident:
-        parser.error("only --resident is implemented (tiered decode is issue #6's bench)")
     info = run_info()
     copy_bw = copy_bandwidth()
     emit({**info, "case": "copy", "GB/s": round(copy_bw / 1e9, 1)})
