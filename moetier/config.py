@@ -267,6 +267,21 @@ class EngineConfig:
             "the transformers model class; only for model types with one (qwen3_moe)"
         },
     )
+    cuda_graph: bool = field(
+        default=True,
+        metadata={
+            "help": "with --native on CUDA: pin every expert on the GPU when they all fit the "
+            "expert cache and replay each decode step from a CUDA graph (one per context-length "
+            "bucket); --no-cuda-graph decodes eagerly"
+        },
+    )
+    compile_decode: bool = field(
+        default=False,
+        metadata={
+            "help": "with the CUDA graph: compile the decode step with torch.compile first "
+            "(faster steps, ~1 min of compilation per context-length bucket on first use)"
+        },
+    )
     delta: str = field(
         default="all",
         metadata={

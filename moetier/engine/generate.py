@@ -7,6 +7,7 @@ end-of-sequence token, a stop string (never emitted), or `max_new_tokens`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,11 @@ import torch
 from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import LoadedModel
+
+# CUDA-graph decode: context-length buckets are powers of two from this size; the decoders
+# (each with its own KV cache) of this many buckets are kept between requests.
+GRAPH_MIN_BUCKET = 256
+GRAPH_BUCKETS_KEPT = 2
 
 # Tokens that end an assistant turn in common chat templates, added to the stop ids in chat mode.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<|endoftext|>")
@@ -48,6 +54,26 @@ class Generator:
         self.eos_ids = self._eos_ids()
         self.chat_end_ids = self.eos_ids | self._vocab_ids(END_OF_TURN_TOKENS)
         self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
+        # CUDA-graph decode (native models on CUDA with every expert pinned): one StaticDecoder
+        # and graph per context-length bucket, kept for the next request
+        self.graphs = self._can_graph()
+        self._decoders: dict[int, tuple[StaticDecoder, Callable[[], torch.Tensor] | None]] = {}
+
+    def _can_graph(self) -> bool:
+        engine = self.loaded.engine_config
+        runtime = self.loaded.runtime
+        if not (engine.cuda_graph and self.loaded.device.type == "cuda"):
+            return False
+        if not hasattr(self.model, "new_cache"):
+            return False
+        if runtime.pinned or getattr(runtime, "zero_copy", None) is not None:
+            return True
+        try:
+            runtime.pin_all()
+        except ValueError as exc:  # experts do not all fit: eager decode with the slot cache
+            print(f"moetier: decoding without CUDA graphs ({exc})", file=sys.stderr)
+            return False
+        return True
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ValueError for a prompt the model cannot take (empty, or no room to generate)."""
@@ -126,6 +152,8 @@ class Generator:
         """A function that takes the prompt, then one token per call -> logits [1, V] of the last:
         the native model's static cache (models/layers.py) or a transformers DynamicCache."""
         device = self.loaded.device
+        if self.graphs:
+            return self._graphed_fn(max_len)
         if hasattr(self.model, "new_cache"):  # a native model file
             decoder = StaticDecoder(self.model, 1, max_len, self.loaded.dtype, device)
 
@@ -149,6 +177,34 @@ class Generator:
             return out.logits[:, -1]
 
         return hf
+
+    def _graphed_fn(self, max_len: int) -> Callable[[list[int]], torch.Tensor]:
+        """Like the native path of `_forward_fn`, each decode step replayed from the CUDA graph
+        of the smallest bucket (a power of two >= 256 positions) that holds `max_len`."""
+        bucket = max(GRAPH_MIN_BUCKET, 1 << (max_len - 1).bit_length())
+        if bucket not in self._decoders:
+            while len(self._decoders) >= GRAPH_BUCKETS_KEPT:  # free the oldest bucket's cache
+                del self._decoders[next(iter(self._decoders))]
+            decoder = StaticDecoder(
+                self.model, 1, bucket, self.loaded.dtype, self.loaded.device,
+                compile_step=self.loaded.engine_config.compile_decode,
+            )  # fmt: skip
+            self._decoders[bucket] = (decoder, None)
+        decoder, replay = self._decoders[bucket]
+        decoder.cache_used = False  # a new request: prefill overwrites the cache from 0
+        device = self.loaded.device
+
+        def graphed(ids: list[int]) -> torch.Tensor:
+            nonlocal replay
+            if not decoder.cache_used:
+                return decoder.prefill([ids])
+            decoder.input_ids.copy_(torch.tensor(ids, device=device)[:, None])
+            if replay is None:
+                replay = decoder.capture()
+                self._decoders[bucket] = (decoder, replay)
+            return replay()
+
+        return graphed
 
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, chat: bool = False

@@ -68,6 +68,27 @@ class StaticDecoder:
         step = _compiled_step() if self.compile_step else _step
         return step(self.model, self.input_ids, self.positions, self.cache)
 
+    def capture(self) -> Callable[[], torch.Tensor]:
+        """A CUDA graph of one `step`: returns replay() -> logits [B, V] (a static buffer,
+        valid until the next replay), which reads `input_ids` and `positions` and advances
+        the positions. Call after prefill, with `input_ids` already holding the next tokens:
+        the warm-up step writes the same cache entries the first replay writes again."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            self.step_static()  # warm-up (and compilation) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.inference_mode():
+            logits = self.step_static()
+            self.positions.add_(1)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return logits
+
+        return replay
+
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy continuation of each prompt (tokens past an eos are the caller's to trim)."""
         if max(len(p) for p in prompts) + max_new_tokens > self.max_len:

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 from tiny_models import TEXT, build_tokenizer
 
-from moetier.config import EngineConfig
+from moetier.config import EngineConfig, replace
+from moetier.engine import generate as generate_module
 from moetier.engine.generate import Generator, _StreamingDetokenizer
 from moetier.engine.sampler import SamplingParams
 from moetier.loader.load import load_model
@@ -83,3 +84,34 @@ def test_native_model_generates_as_transformers_path(tiny, generator):
         SamplingParams(max_new_tokens=12, temperature=0.9, seed=3),
     ):
         assert native.generate(ids, params).token_ids == generator.generate(ids, params).token_ids
+
+
+def test_cuda_graph_needs_cuda_and_a_native_model(tiny, generator):
+    assert not generator.graphs  # transformers path, CPU
+    native = Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True)))
+    assert not native.graphs  # CPU: eager decode, nothing pinned
+    assert not native.loaded.runtime.pinned
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_cuda_graph_decode_equals_eager(tiny, compile_decode, monkeypatch):
+    """Serving's decode path on CUDA (experts pinned, each step replayed from the graph of its
+    context bucket) gives the tokens of eager decode, over two requests that reuse the bucket's
+    decoder and graph, and for a request in a larger bucket."""
+    monkeypatch.setattr(generate_module, "GRAPH_MIN_BUCKET", 32)  # the tiny context is 256
+    store = tiny.store("qwen3_moe")
+    config = EngineConfig(device="cuda", dtype="float32", native=True)
+    eager = Generator(load_model(store, replace(config, cuda_graph=False)))
+    graphed = Generator(load_model(store, replace(config, compile_decode=compile_decode)))
+    assert graphed.graphs and graphed.loaded.runtime.pinned and not eager.graphs
+    ids = eager.prompt_ids(TEXT[:40])
+    cases = [
+        (ids, SamplingParams(max_new_tokens=16, temperature=0)),
+        (ids[:9], SamplingParams(max_new_tokens=12, temperature=0.9, seed=3)),
+        (ids, SamplingParams(max_new_tokens=150, temperature=0)),  # a larger bucket
+    ]
+    for prompt_ids, params in cases:
+        want = eager.generate(prompt_ids, params).token_ids
+        assert graphed.generate(prompt_ids, params).token_ids == want
+    assert len(graphed._decoders) == 2
