@@ -33,6 +33,7 @@ bytes.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
@@ -168,12 +169,13 @@ def time_native(
     return {"ms": ms, "eager_ms": eager_ms, "kernels": kernels}
 
 
-def time_hf(layers: int, batch: int, new_tokens: int) -> float:
-    """ms per decode step of HF transformers generate (bf16, batched_mm experts): the time of
-    `new_tokens` tokens minus that of one (prefill + first token), over new_tokens - 1 steps."""
+def time_hf(shape: dict[str, Any], batch: int, new_tokens: int) -> float:
+    """ms per decode step of HF transformers generate (bf16, batched_mm experts, random weights
+    of config `shape`): the time of `new_tokens` tokens minus that of one (prefill + first
+    token), over new_tokens - 1 steps."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**dict(QWEN3_30B_A3B, num_hidden_layers=layers))
+    config = AutoConfig.for_model(**shape)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.bfloat16, experts_implementation="batched_mm"
@@ -400,9 +402,9 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
                        # None: the strategy cannot serve this configuration (zero_copy + disk)
                        "predicted_ms": {k: round(v * 1e3, 4) if math.isfinite(v) else None
                                         for k, v in costs.items()},
-                       "ms_per_token": round(t["ms"], 4), "tok_s": round(1e3 / t["ms"], 1),
+                       "ms_per_token": round(t["ms"], 6), "tok_s": round(1e3 / t["ms"], 1),
                        "eager_ms_per_token": round(t["eager_ms"], 4),
-                       "floor_ms": round(floor_s * 1e3, 4),
+                       "floor_ms": round(floor_s * 1e3, 6),
                        "ratio_to_floor": round(t["ms"] / (floor_s * 1e3), 3),
                        "hit_rate": round(per["gpu"] / per["pairs"], 4) if per["pairs"] else None,
                        "bytes_per_token": {"gpu": round(expert_bytes * per["gpu"] / per["pairs"]
@@ -441,6 +443,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="tiered")
     parser.add_argument("--shape", default="qwen3", choices=("qwen3", "tiny"), help="tiered")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument(
+        "--store", type=Path, help="resident: time this converted store (e.g. eval-moe-70m)"
+    )
     parser.add_argument("--batch", default="1,4,16")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--experts", default="q2s", help="q2s and/or bfloat16, comma separated")
@@ -472,13 +477,21 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     emit({**info, "case": "copy", "GB/s": round(copy_bw / 1e9, 1)})
     shape = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
-    for experts in args.experts.split(","):
+    if args.store:  # a converted model: its own experts format, its config for the HF baseline
+        shape = json.loads((args.store / "config.json").read_text())
+        shape.pop("architectures", None)
+        shape.pop("transformers_version", None)
+    for experts in [args.store.name] if args.store else args.experts.split(","):
         start = time.perf_counter()
-        path = write_synthetic_store(
-            args.tmp / f"moetier-decode-{experts}-{args.layers}", shape, experts, DEFAULT_STORE
-        )
-        print(f"# store written in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        if args.store:
+            path = args.store
+        else:
+            path = write_synthetic_store(
+                args.tmp / f"moetier-decode-{experts}-{args.layers}", shape, experts, DEFAULT_STORE
+            )
+            print(f"# store written in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         store = Store(path)
+        layers = len(store.moe_layers)
         modes = {"on": [True], "off": [False], "both": [False, True]}[args.compile]
         for batch, compiled in ((int(b), c) for b in args.batch.split(",") for c in modes):
             t = time_native(path, batch, args.steps, compiled, args.profile)
@@ -486,18 +499,19 @@ def main() -> None:
             nbytes = active_bytes(store, batch)
             if t["kernels"]:
                 for row in t["kernels"]:  # type: ignore[union-attr]
-                    emit({**info, "case": "decode-profile", "layers": args.layers,
+                    emit({**info, "case": "decode-profile", "layers": layers,
                           "batch": batch, "compiled": compiled, **row})  # fmt: skip
-            rec = {**info, "case": "decode-resident", "layers": args.layers, "batch": batch,
+            rec = {**info, "case": "decode-resident", "layers": layers, "batch": batch,
                    "experts": experts, "compiled": compiled, "ms_per_step": round(ms, 4),
                    "tok_s": round(batch * 1e3 / ms, 1),
                    "eager_ms_per_step": round(float(t["eager_ms"]), 3),  # type: ignore[arg-type]
                    "active_MB": round(nbytes / 1e6, 1),
                    "GB/s": round(nbytes / ms / 1e6, 1),
                    "copy_GB/s": round(copy_bw / 1e9, 1)}  # fmt: skip
-            first = compiled == modes[-1] and experts == args.experts.split(",")[0]
+            first_experts = bool(args.store) or experts == args.experts.split(",")[0]
+            first = compiled == modes[-1] and first_experts
             if args.hf_tokens and first:
-                hf_ms = time_hf(args.layers, batch, args.hf_tokens)
+                hf_ms = time_hf(shape, batch, args.hf_tokens)
                 rec.update(hf_batched_mm_tok_s=round(batch * 1e3 / hf_ms, 2),
                            vs_hf=round(hf_ms / ms, 1))  # fmt: skip
             emit(rec)
