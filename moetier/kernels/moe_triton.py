@@ -301,6 +301,74 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
+def _prmt(a, b, sel, ASM: tl.constexpr):
+    """PRMT: byte i of the result is byte (nibble i of sel) & 7 of the 8 bytes (a, then b), or
+    that byte's sign replicated (0x00 / 0xFF) when the nibble's bit 3 is set (plain integer ops
+    under the interpreter)."""
+    if ASM:
+        y = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        y = tl.zeros(sel.shape, tl.int32)
+        for i in tl.static_range(4):
+            nib = (sel >> (4 * i)) & 0xF
+            idx = nib & 7
+            byte = tl.where(idx < 4, (a >> (8 * (idx & 3))) & 0xFF, (b >> (8 * (idx & 3))) & 0xFF)
+            byte = tl.where(nib >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
+            y = y | (byte << (8 * i))
+    return y
+
+
+@triton.jit
+def _fp4_word_dot(d_lo, d_hi, x0, x1, x2, x3, ASM: tl.constexpr):
+    """Σ 2·e2m1(code)·q over one 16-column word, per int32 lane: d_lo / d_hi hold the E2M1 codes
+    of columns 0-7 / 8-15 (nibble i = column i, bit 3 the sign), xj the int8 q of columns
+    4j..4j+3 in column order. PRMT turns 4 codes into the bytes 2|e2m1| = (0 1 2 3 4 6 8 12) of
+    the positive codes (0 for negative ones; flipping the sign bits gives the negative codes'),
+    so each 4 columns take two PRMT and two IDP4A."""
+    t_lo = tl.full(d_lo.shape, 0x03020100, tl.int32)
+    t_hi = tl.full(d_lo.shape, 0x0C080604, tl.int32)
+    p = tl.zeros(d_lo.shape, tl.int32)
+    n = tl.zeros(d_lo.shape, tl.int32)
+    for j in tl.static_range(4):
+        if j == 0:
+            sel = d_lo
+            x = x0
+        elif j == 1:
+            sel = d_lo >> 16
+            x = x1
+        elif j == 2:
+            sel = d_hi
+            x = x2
+        else:
+            sel = d_hi >> 16
+            x = x3
+        xb = tl.broadcast_to(x, d_lo.shape)
+        p = _dp4a(_prmt(t_lo, t_hi, sel, ASM), xb, p, ASM)
+        n = _dp4a(_prmt(t_lo, t_hi, sel ^ 0x8888, ASM), xb, n, ASM)
+    return p - n
+
+
+@triton.jit
+def _fp4_delta_words(dptr, d_codes, d_scales, rows, rmask, k0, wd, wmask, K, xn0, xn1, xn2, xn3,
+                     xsc, ASM: tl.constexpr):  # fmt: skip
+    """One K tile of an NVFP4 delta times int8 activations: [SUB, W] per-word partial sums
+    (2·Σ e2m1·q times block and activation scales; the tensor scale comes after the loop)."""
+    m = rmask[:, None] & wmask[None, :]
+    # both int32 of each word in one contiguous (coalesced) load, then split
+    dw2 = k0 // 8 + tl.arange(0, 2 * wd.shape[0])
+    dwords = (dptr + d_codes).to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8)
+    d = tl.load(dwords + dw2[None, :], mask=rmask[:, None] & (dw2 < K // 8)[None, :], other=0)
+    d_lo, d_hi = tl.split(tl.reshape(d, (rows.shape[0], wd.shape[0], 2)))
+    dsc = _e4m3(tl.load(dptr + d_scales + rows[:, None] * (K // 16) + wd[None, :], mask=m,
+                        other=0))  # fmt: skip
+    dot = _fp4_word_dot(d_lo, d_hi, xn0, xn1, xn2, xn3, ASM)
+    return dot.to(tl.float32) * (dsc * xsc)
+
+
+@triton.jit
 def _q2s_word_dots(w, q0, q1, q2, q3, corr, ASM: tl.constexpr):
     """Per int32 word of 16 codes: C = Σ c·q and (when corr != 0) Hx2 = Σ 2[c >= 2]·q, q the
     int8 activations of the word's 16 columns packed as `_quant_words_kernel` writes them
@@ -332,7 +400,7 @@ def _dequant_words(xq_row, xs_row, cols, K, mask):
 
 
 @triton.jit
-def _quant_store(v, wd, KW, xq_row, xs_row, xsum_row, wmask):
+def _quant_store(v, wd, KW, xq_row, xs_row, xsum_row, xqn_row, wmask):
     """Round v [NW, 16] (words wd [NW] of one row of KW words) to int8 per word and store it as
     `_quant_words_kernel` documents."""
     NW: tl.constexpr = v.shape[0]
@@ -346,14 +414,19 @@ def _quant_store(v, wd, KW, xq_row, xs_row, xsum_row, wmask):
     tl.store(xq_row + s_idx[None, :] * KW + wd[:, None], packed, mask=wmask[:, None])
     tl.store(xs_row + wd, amax / 127.0, mask=wmask)
     tl.store(xsum_row + wd, tl.sum(q, axis=1), mask=wmask)
+    qn = (q & 0xFF) << ((col[None, :] % 4) * 8)  # column 4j + s -> byte s of int32 j
+    natural = tl.sum(tl.reshape(qn, (NW, 4, 4)), axis=2)  # [NW, 4 (j)]
+    tl.store(xqn_row + wd[:, None] * 4 + s_idx[None, :], natural, mask=wmask[:, None])
 
 
 @triton.jit
-def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, K, BLOCK_W: tl.constexpr):
+def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
+                        BLOCK_W: tl.constexpr):  # fmt: skip
     """x [R, K] float -> int8 per 16-column word with a float32 scale each (absmax / 127, round
     half up): xq int32 [R, 4, K/16], xs float32 [R, K/16], xsum int32 [R, K/16] = Σ q over the
     word (twin: moe_ref.quant_words_ref). xq's (row, s, w) holds the bytes of columns
-    16w + s + 4j, j = 0..3, so the GEMV loads each s for consecutive words as one vector."""
+    16w + s + 4j, j = 0..3, so the GEMV loads each s for consecutive words as one vector; xqn
+    int32 [R, K/4] holds the same bytes in column order (the FP4 delta's products)."""
     row = tl.program_id(0)
     wd = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     wmask = wd < K // 16
@@ -361,7 +434,7 @@ def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, K, BLOCK_W: tl.
     v = tl.load(x_ptr + row * stride_r + (wd[:, None] * 16 + col[None, :]) * stride_k,
                 mask=wmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
     _quant_store(v, wd, K // 16, xq + row * (K // 4), xs + row * (K // 16),
-                 xsum + row * (K // 16), wmask)  # fmt: skip
+                 xsum + row * (K // 16), xqn + row * (K // 4), wmask)  # fmt: skip
 
 
 @triton.jit
@@ -423,8 +496,8 @@ def _q2s_gemv_kernel(
     DGROUP: tl.constexpr,
     BIAS: tl.constexpr, in_bias, out_bias, ACT: tl.constexpr, limit, alpha,
     IS_DOWN: tl.constexpr, TOPK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
-    xq, xs, xsum, INT8: tl.constexpr, ASM: tl.constexpr,
-    oq, osc, osum, QUANT_OUT: tl.constexpr,
+    xq, xs, xsum, xqn, INT8: tl.constexpr, ASM: tl.constexpr,
+    oq, osc, osum, oqn, QUANT_OUT: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -475,12 +548,19 @@ def _q2s_gemv_kernel(
             x_row = x_ptr + (pair // TOPK) * stride_x
             x_idx = pair // TOPK
         xq_row = xq + x_idx * (K // 4)
+        xqn_row = xqn + x_idx * (K // 4)
         xs_row = xs + x_idx * (K // 16)
         xsum_row = xsum + x_idx * (K // 16)
         a = _f32_at(bptr, aux)
         corr = _f32_at(bptr, aux + 4) - 3 * a  # b - 3a
         W: tl.constexpr = BLOCK_K // 16
         DELTA_K: tl.constexpr = 64 if BLOCK_K > 64 else BLOCK_K
+        # NVFP4 delta with int8 activations: PRMT + IDP4A per word (`_fp4_delta_words`)
+        FP4_INT8: tl.constexpr = INT8 and DKIND == 4 and DGROUP == 16
+        dv0 = tl.zeros((SUB, W), tl.float32)
+        dv1 = tl.zeros((SUB, W), tl.float32)
+        dv2 = tl.zeros((SUB, W), tl.float32)
+        dv3 = tl.zeros((SUB, W), tl.float32)
         acc0 = tl.zeros((SUB, W), tl.float32)
         acc1 = tl.zeros((SUB, W), tl.float32)
         acc2 = tl.zeros((SUB, W), tl.float32)
@@ -578,7 +658,21 @@ def _q2s_gemv_kernel(
                     av2 += v2 * sc2
                     av3 += v3 * sc3
             if DKIND >= 0:
-                if use_delta:  # additive delta, its own product (natural-order x), decoded
+                if use_delta and FP4_INT8:  # NVFP4 delta, integer products per word
+                    xw = xqn_row + wd * 4
+                    xn0 = tl.load(xw, mask=wmask, other=0)[None, :]
+                    xn1 = tl.load(xw + 1, mask=wmask, other=0)[None, :]
+                    xn2 = tl.load(xw + 2, mask=wmask, other=0)[None, :]
+                    xn3 = tl.load(xw + 3, mask=wmask, other=0)[None, :]
+                    dv0 += _fp4_delta_words(dptr, d_codes, d_scales, rows0, m0, k0, wd, wmask, K,
+                                            xn0, xn1, xn2, xn3, xsc, ASM)  # fmt: skip
+                    dv1 += _fp4_delta_words(dptr, d_codes, d_scales, rows1, m1, k0, wd, wmask, K,
+                                            xn0, xn1, xn2, xn3, xsc, ASM)  # fmt: skip
+                    dv2 += _fp4_delta_words(dptr, d_codes, d_scales, rows2, m2, k0, wd, wmask, K,
+                                            xn0, xn1, xn2, xn3, xsc, ASM)  # fmt: skip
+                    dv3 += _fp4_delta_words(dptr, d_codes, d_scales, rows3, m3, k0, wd, wmask, K,
+                                            xn0, xn1, xn2, xn3, xsc, ASM)  # fmt: skip
+                elif use_delta:  # additive delta, its own product (natural-order x), decoded
                     # DELTA_K columns at a time (a whole BLOCK_K tile of float weights spills)
                     for kk in range(0, BLOCK_K, DELTA_K):
                         cols = k0 + kk + tl.arange(0, DELTA_K)
@@ -612,6 +706,11 @@ def _q2s_gemv_kernel(
         y1 = y1 * _row_factor(bptr, 3, row_scale, 0, rows1, m1)
         y2 = y2 * _row_factor(bptr, 3, row_scale, 0, rows2, m2)
         y3 = y3 * _row_factor(bptr, 3, row_scale, 0, rows3, m3)
+        if FP4_INT8:
+            d0 = 0.5 * tl.sum(dv0, axis=1)
+            d1 = 0.5 * tl.sum(dv1, axis=1)
+            d2 = 0.5 * tl.sum(dv2, axis=1)
+            d3 = 0.5 * tl.sum(dv3, axis=1)
         if DKIND >= 0:
             if use_delta:
                 y0 += d0 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows0, m0)
@@ -638,9 +737,11 @@ def _q2s_gemv_kernel(
                 word0 = pid_n * 2 * hw + tl.arange(0, hw)
                 hrow = INTER // 16
                 _quant_store(tl.reshape(h0, (hw, 16)), word0, hrow, oq + pair * (INTER // 4),
-                             osc + pair * hrow, osum + pair * hrow, word0 < hrow)  # fmt: skip
+                             osc + pair * hrow, osum + pair * hrow, oqn + pair * (INTER // 4),
+                             word0 < hrow)  # fmt: skip
                 _quant_store(tl.reshape(h1, (hw, 16)), word0 + hw, hrow, oq + pair * (INTER // 4),
-                             osc + pair * hrow, osum + pair * hrow, word0 + hw < hrow)  # fmt: skip
+                             osc + pair * hrow, osum + pair * hrow, oqn + pair * (INTER // 4),
+                             word0 + hw < hrow)  # fmt: skip
             else:
                 tl.store(out + pair * INTER + rows0, h0, mask=m0)
                 tl.store(out + pair * INTER + rows1, h1, mask=m1)
@@ -971,10 +1072,10 @@ def _q2s_gemv(
         rows = spec.n if is_down else inter
         grid = (pairs, triton.cdiv(rows, (4 if is_down else 2) * sub))
         dspec = dspec if has_delta else None
-        xq = xs = xsum = x  # placeholders, unused without int8 activations
+        xq = xs = xsum = xqn = x  # placeholders, unused without int8 activations
         if int8:
-            xq, xs, xsum = hq if is_down and hq is not None else quant_words(x)
-        oq, os_, osum = hq if not is_down and hq is not None else (x, x, x)
+            xq, xs, xsum, xqn = hq if is_down and hq is not None else quant_words(x)
+        oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,
             pool, slot_table, slot_offsets, dtable,
@@ -985,8 +1086,8 @@ def _q2s_gemv(
             dspec.aux if dspec else 0, dspec.tensor_scale if dspec else 0,
             dspec.group if dspec else 1,
             bias, in_bias, out_bias, ACTIVATIONS[act.kind], act.limit, act.alpha,
-            is_down, top_k, sub, block_k, xq, xs, xsum, int8, _inline_asm(),
-            oq, os_, osum, quant_out and not is_down,
+            is_down, top_k, sub, block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
+            oq, os_, osum, oqn, quant_out and not is_down,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
 
@@ -999,22 +1100,27 @@ def _inline_asm() -> bool:
 
 def quant_words_buffers(
     rows: int, k: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty (q int32 [rows, 4, k/16], scale float32 [rows, k/16], Σq int32 [rows, k/16])."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (q int32 [rows, 4, k/16], scale float32 [rows, k/16], Σq int32 [rows, k/16],
+    q in column order int32 [rows, k/4])."""
     return (
         torch.empty(rows, 4, k // 16, device=device, dtype=torch.int32),
         torch.empty(rows, k // 16, device=device, dtype=torch.float32),
         torch.empty(rows, k // 16, device=device, dtype=torch.int32),
+        torch.empty(rows, k // 4, device=device, dtype=torch.int32),
     )
 
 
-def quant_words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [R, K] float (K a multiple of 16) -> (q packed int32 [R, 4, K/16], scale float32 [R, K/16],
-    Σq int32 [R, K/16]): `_quant_words_kernel`, twin of moe_ref.quant_words_ref."""
+def quant_words(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [R, K] float (K a multiple of 16) -> (q packed int32 [R, 4, K/16], scale float32
+    [R, K/16], Σq int32 [R, K/16], q in column order int32 [R, K/4]): `_quant_words_kernel`,
+    twin of moe_ref.quant_words_ref."""
     rows, k = x.shape
-    xq, xs, xsum = quant_words_buffers(rows, k, x.device)
+    xq, xs, xsum, xqn = quant_words_buffers(rows, k, x.device)
     block_w = min(64, triton.next_power_of_2(k // 16))
     _quant_words_kernel[(rows, triton.cdiv(k // 16, block_w))](
-        x, x.stride(0), x.stride(1), xq, xs, xsum, k, block_w
+        x, x.stride(0), x.stride(1), xq, xs, xsum, xqn, k, block_w
     )
-    return xq, xs, xsum
+    return xq, xs, xsum, xqn

@@ -207,7 +207,7 @@ def test_q2s_gemv_int8(fmt_name):
 def test_quant_words_matches_ref():
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * 3
     x[1, 16:32] = 0.0  # an all-zero word
-    xq, xs, xsum = moe_triton.quant_words(x.to(DEVICE))
+    xq, xs, xsum, xqn = moe_triton.quant_words(x.to(DEVICE))
     # xq [R, 4 (s), W]: byte j of (s, w) holds column 16w + s + 4j
     q = torch.stack([(xq.cpu() >> (8 * j)).to(torch.int8) for j in range(4)], dim=-1)
     q = q.permute(0, 2, 3, 1).reshape(5, 96).float()  # [R, w, j, s] -> column 16w + 4j + s
@@ -216,6 +216,8 @@ def test_quant_words_matches_ref():
     deq = q * xs.cpu().repeat_interleave(16, dim=1)
     assert torch.equal(deq, quant_words_ref(x))
     assert torch.equal(xsum.cpu(), q.reshape(5, 6, 16).sum(dim=2).int())
+    natural = torch.stack([(xqn.cpu() >> (8 * j)).to(torch.int8) for j in range(4)], dim=-1)
+    assert torch.equal(natural.reshape(5, 96).float(), q)  # byte j of int32 c: column 4c + j
 
 
 def test_dispatch_is_shape_only():
