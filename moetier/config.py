@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,20 @@ class DecoderConfig:
     norm_topk_prob: bool
     moe_layers: tuple[int, ...]  # decoder layers whose MLP is a sparse MoE block
     rope_type: str
+    # DeepSeek-V3-style routing (sigmoid scores, group-limited top-k, scaled weights) and shared
+    # experts; the defaults leave softmax-routed families as they are
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    # multi-head latent attention (MLA); kv_lora_rank 0 = not MLA, q_lora_rank 0 = plain q_proj
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    mla_softmax_scale: float = 0.0  # qk_head_dim ** -0.5 times yarn's mscale(mscale_all_dim) ** 2
 
     @classmethod
     def from_transformers(cls, hf: Any) -> DecoderConfig:
@@ -161,13 +176,29 @@ class DecoderConfig:
         layers = int(hf.num_hidden_layers)
         sparse_step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
         mlp_only = set(getattr(hf, "mlp_only_layers", None) or ())
-        num_experts = int(hf.num_experts)
+        first_dense = int(getattr(hf, "first_k_dense_replace", 0) or 0)  # DeepSeek: dense first
+        num_experts = int(getattr(hf, "num_experts", None) or hf.num_local_experts)
         moe_layers = tuple(
             i
             for i in range(layers)
-            if i not in mlp_only and num_experts > 0 and (i + 1) % sparse_step == 0
+            if i not in mlp_only
+            and i >= first_dense
+            and num_experts > 0
+            and (i + 1) % sparse_step == 0
         )
         heads = int(hf.num_attention_heads)
+        mla: dict[str, Any] = {}
+        if getattr(hf, "kv_lora_rank", None):
+            nope, rope = int(hf.qk_nope_head_dim), int(hf.qk_rope_head_dim)
+            mla = dict(
+                q_lora_rank=int(getattr(hf, "q_lora_rank", None) or 0),
+                kv_lora_rank=int(hf.kv_lora_rank),
+                qk_nope_head_dim=nope,
+                qk_rope_head_dim=rope,
+                v_head_dim=int(hf.v_head_dim),
+                rope_interleave=bool(getattr(hf, "rope_interleave", False)),
+                mla_softmax_scale=_mla_softmax_scale(hf.rope_parameters or {}, nope + rope),
+            )
         return cls(
             model_type=hf.model_type,
             vocab_size=int(hf.vocab_size),
@@ -187,7 +218,25 @@ class DecoderConfig:
             norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
             moe_layers=moe_layers,
             rope_type=rope_type,
+            n_group=int(getattr(hf, "n_group", None) or 1),
+            topk_group=int(getattr(hf, "topk_group", None) or 1),
+            routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", None) or 1.0),
+            n_shared_experts=int(getattr(hf, "n_shared_experts", None) or 0),
+            **mla,
         )
+
+
+def _mla_softmax_scale(rope_parameters: dict[str, Any], qk_head_dim: int) -> float:
+    """transformers' DeepSeek-V3 attention scale (yarn_apply_mscale): qk_head_dim ** -0.5, times
+    mscale(factor, mscale_all_dim) ** 2 when the rope is scaled and mscale_all_dim is set."""
+    scale = qk_head_dim**-0.5
+    if rope_parameters.get("rope_type", "default") != "default":
+        mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
+        factor = rope_parameters["factor"]
+        if mscale_all_dim and factor > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale = scale * mscale * mscale
+    return scale
 
 
 def _kv_width(hf: dict[str, Any]) -> int:

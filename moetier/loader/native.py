@@ -18,6 +18,7 @@ from torch import nn
 
 from moetier.config import DecoderConfig, EngineConfig
 from moetier.loader.load import LoadedModel, device_and_dtype, experts_runtime, loaded_model
+from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 from moetier.models.layers import Attention, RotaryEmbedding
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from moetier.quant.store import DENSE_FILE, Store
@@ -27,9 +28,20 @@ from moetier.quant.store import DENSE_FILE, Store
 class NativeFamily:
     model_class: type[nn.Module]
     hf_rotary_class: str  # transformers' rotary module of the family: the rope's one source
+    moe_block_class: type[nn.Module]  # its MoE blocks, whose `experts` the loader wires
+    # parameter names ending so stay fp32 at any --dtype (transformers' keep-in-fp32 list)
+    keep_fp32: tuple[str, ...] = ()
 
 
-NATIVE_FAMILIES = {"qwen3_moe": NativeFamily(Qwen3MoeForCausalLM, "Qwen3MoeRotaryEmbedding")}
+NATIVE_FAMILIES = {
+    "qwen3_moe": NativeFamily(Qwen3MoeForCausalLM, "Qwen3MoeRotaryEmbedding", SparseMoeBlock),
+    "deepseek_v3": NativeFamily(
+        DeepseekV3ForCausalLM,
+        "DeepseekV3RotaryEmbedding",
+        DeepseekV3MoE,
+        keep_fp32=("e_score_correction_bias",),
+    ),
+}
 
 
 def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedModel:
@@ -57,7 +69,14 @@ def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedMo
     model.get_submodule(
         "model"
     ).rotary_emb = rotary  # built off meta: it holds the computed frequencies
-    _assign_by_name(model, store.path / DENSE_FILE, device, dtype, config.tie_word_embeddings)
+    _assign_by_name(
+        model,
+        store.path / DENSE_FILE,
+        device,
+        dtype,
+        config.tie_word_embeddings,
+        family.keep_fp32,
+    )
     for module in model.modules():
         if isinstance(module, Attention):
             module.fuse_qkv()
@@ -65,8 +84,8 @@ def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedMo
 
     runtime = experts_runtime(store, engine_config, device)
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
-            module.experts = runtime.forward
+        if isinstance(module, family.moe_block_class):
+            setattr(module, "experts", runtime.forward)  # noqa: B010
     return loaded_model(model, store, runtime, engine_config, device, dtype)
 
 
@@ -81,10 +100,16 @@ def _rope(hf_config: Any, family: NativeFamily) -> tuple[torch.Tensor, float]:
 
 
 def _assign_by_name(
-    model: nn.Module, path: Path, device: torch.device, dtype: torch.dtype, tied: bool
+    model: nn.Module,
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    tied: bool,
+    keep_fp32: tuple[str, ...] = (),
 ) -> None:
-    """Every parameter from the file tensor of the same name (cast to `dtype` if floating);
-    ValueError for a file tensor the model lacks or a parameter the file lacks."""
+    """Every parameter from the file tensor of the same name (cast to `dtype` if floating, to
+    fp32 if its name ends with one of `keep_fp32`); ValueError for a file tensor the model lacks
+    or a parameter the file lacks."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -98,7 +123,7 @@ def _assign_by_name(
                 )
             tensor = f.get_tensor(key)  # a view of the memory-mapped file
             if tensor.is_floating_point():
-                tensor = tensor.to(dtype)
+                tensor = tensor.to(torch.float32 if key.endswith(keep_fp32) else dtype)
             _set_param(model, key, nn.Parameter(tensor.to(device), requires_grad=False))
             done.add(key)
     if tied and "lm_head.weight" not in done:

@@ -1,5 +1,6 @@
 """Shared building blocks of the native model files: RMSNorm, rotary embedding, attention over a
-static KV cache, the dense SwiGLU MLP and the softmax top-k router.
+static KV cache, the dense SwiGLU MLP and the softmax top-k router; for the DeepSeek-V3 family,
+multi-head latent attention over a static latent cache and the sigmoid group-limited router.
 
 Parameter names are those of the HF checkpoints (`q_proj.weight`, `q_norm.weight`, `gate.weight`
 ...), so a native model loads a store's dense.safetensors by name. Every function here is shape-
@@ -11,15 +12,26 @@ Token t of row b is written at cache position positions[b, t] and attends to eve
 <= its own. Prefill and decode share that one code path. Rows of different lengths are right-
 padded: a pad token gets the positions after its row's last real token, so its (finite) keys land
 where that row's later decode tokens overwrite them before any query can see them.
+MLA's cache is one tensor [layers, batch, max_len, kv_lora_rank + rope_dim] with the same rules.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moetier.kernels.router import router_topk
+
+
+class Experts(Protocol):
+    """What an MoE block calls for its routed experts: ExpertsRuntime.forward's signature."""
+
+    def __call__(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -213,3 +225,158 @@ class SoftmaxTopKRouter(nn.Module):
         logits = F.linear(x, self.weight)  # [T, E]
         ids, weights = router_topk(logits, self.top_k, self.norm_topk)  # one kernel on CUDA
         return ids, weights.to(logits.dtype)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, R] whose dims pair up interleaved, (x0, x1), (x2, x3) ... (DeepSeek's
+    `rope_interleave`); cos/sin [B, T, R] as RotaryEmbedding gives them. Returns the rotated
+    pairs de-interleaved ([evens; odds]), as transformers does: q and k get the same layout, so
+    their dot products are those of the interleaved rotation."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, None, :, :half], sin[:, None, :, :half]  # [B, 1, T, R / 2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
+def new_latent_cache(
+    num_layers: int,
+    batch: int,
+    max_len: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """The MLA cache [layers, batch, max_len, width], width = kv_lora_rank + qk_rope_head_dim:
+    per token the normalised KV latent and the rotated shared rope key. Zeroed (finite), as
+    new_kv_cache."""
+    return torch.zeros(num_layers, batch, max_len, width, dtype=dtype, device=device)
+
+
+def head_folded_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
+    """causal_mask's [B, 1, T, L] -> [B, 1, heads * T, L], row h * T + t = token t of head h:
+    the mask of MLAttention's queries, whose heads share one latent key (MQA-like)."""
+    batch, _, tokens, length = mask.shape
+    return mask[:, :, None].expand(batch, 1, heads, tokens, length).reshape(batch, 1, -1, length)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3, transformers' DeepseekV3Attention) over the
+    static latent cache of `new_latent_cache`.
+
+    The cache holds what transformers' cache holds (the normalised latent and the rotated rope
+    key, kv_lora_rank + rope dims per token), never per-head keys and values. Attention runs in
+    the latent space: kv_b_proj's key rows are folded into the query (q_nope @ W_k) and its value
+    rows applied to the attended latent, so a step reads only the latent cache and expands
+    nothing; all heads attend to one shared key, as one SDPA call with heads folded into the
+    query rows. The same arithmetic as expanding keys and values, in another order (fp32 logits
+    of the tiny model agree with transformers to ~1e-6)."""
+
+    def __init__(
+        self,
+        layer: int,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        nope_dim: int,
+        rope_dim: int,
+        v_head_dim: int,
+        softmax_scale: float,
+        interleave: bool,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.layer, self.num_heads, self.scale = layer, num_heads, softmax_scale
+        self.interleave, self.q_lora = interleave, bool(q_lora_rank)
+        self.dims = (kv_lora_rank, nope_dim, rope_dim, v_head_dim)
+        q_out = num_heads * (nope_dim + rope_dim)
+        if self.q_lora:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6)  # transformers' default eps, as there
+            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden_size, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (nope_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [B, T, H]; positions [B, T]; mask [B, 1, heads * T, L] (head_folded_mask); cache
+        [layers, B, L, kv_lora_rank + rope_dim] (this layer's entries written in place)
+        -> [B, T, H]."""
+        batch, tokens, _ = x.shape
+        lora, nope, rope, v_dim = self.dims
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(batch, tokens, self.num_heads, nope + rope).transpose(1, 2)  # [B, h, T, qk]
+        q_nope, q_rot = q.split([nope, rope], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
+        rotate = apply_rotary_interleaved if self.interleave else apply_rotary
+        q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[:, None], cos, sin)[:, 0]
+        entry = torch.cat((self.kv_a_layernorm(latent), k_rot), dim=-1)  # [B, T, lora + rope]
+        cache[self.layer].scatter_(1, positions[:, :, None].expand_as(entry), entry)
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, nope + v_dim, lora)
+        w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]  # [h, nope, lora], [h, v, lora]
+        query = torch.cat((q_nope @ w_k, q_rot), dim=-1)  # [B, h, T, lora + rope]
+        keys = cache[self.layer][:, None]  # [B, 1, L, lora + rope], one key for all heads
+        out = F.scaled_dot_product_attention(
+            query.reshape(batch, 1, -1, lora + rope),  # [B, 1, h * T, lora + rope]
+            keys,
+            keys[..., :lora],  # the latent is the value
+            attn_mask=mask,
+            scale=self.scale,
+        )  # [B, 1, h * T, lora]
+        out = out.view(batch, self.num_heads, tokens, lora) @ w_v.transpose(1, 2)  # [B, h, T, v]
+        return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+
+
+class SigmoidGroupTopKRouter(nn.Module):
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter), in fp32: sigmoid scores; the
+    selection adds `e_score_correction_bias` and keeps the `topk_group` of `n_group` groups with
+    the best two-expert sums; weights are the unbiased scores of the chosen experts, renormalised
+    if `norm_topk`, times `scaling`. Shape-static (top-k and masks, no host sync)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk: bool,
+        scaling: float,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))  # kept in fp32
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk, self.scaling = norm_topk, scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32, as transformers hands
+        its experts)."""
+        experts = self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.view(-1, self.n_group, experts // self.n_group)  # [T, G, E / G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, experts)  # [T, E]
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling

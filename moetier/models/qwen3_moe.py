@@ -8,8 +8,6 @@ residency step; see ExpertsRuntime.forward_resident for the capturable experts c
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
@@ -17,20 +15,13 @@ from moetier.config import DecoderConfig
 from moetier.models.layers import (
     MLP,
     Attention,
+    Experts,
     RMSNorm,
     RotaryEmbedding,
     SoftmaxTopKRouter,
     causal_mask,
     new_kv_cache,
 )
-
-
-class Experts(Protocol):
-    """What the MoE block calls: ExpertsRuntime.forward's signature."""
-
-    def __call__(
-        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor: ...
 
 
 class SparseMoeBlock(nn.Module):

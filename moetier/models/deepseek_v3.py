@@ -1,0 +1,158 @@
+"""Native DeepSeek-V3 (HF model_type `deepseek_v3`: DeepSeek-V3/R1, Kimi K2): module names are the
+checkpoint's, so the dense tensors of a moetier store load by name; routed experts run through
+moetier's experts runtime, shared experts are a dense MLP beside them.
+
+forward(input_ids [B, T], positions [B, T], cache) -> logits, prefill and decode alike, as
+qwen3_moe. Attention is multi-head latent attention (layers.MLAttention) over a static latent
+cache [layers, B, L, kv_lora_rank + qk_rope_head_dim]: per token the normalised KV latent and the
+rotated rope key, what transformers' own cache holds (576 values per token and layer at the real
+shape, against 128 heads x (192 + 128) for expanded keys and values); decode attends in the
+latent space, so nothing is expanded per step. The first `first_k_dense_replace` layers have a
+dense MLP; the rest a sigmoid, group-limited router (layers.SigmoidGroupTopKRouter).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetier.config import DecoderConfig
+from moetier.models.layers import (
+    MLP,
+    Experts,
+    MLAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    SigmoidGroupTopKRouter,
+    causal_mask,
+    head_folded_mask,
+    new_latent_cache,
+)
+
+
+class DeepseekV3MoE(nn.Module):
+    """DeepseekV3MoE: router `gate`, routed experts (weights are the store's expert blobs; the
+    loader sets `experts`) plus `shared_experts`, a SwiGLU MLP of n_shared_experts x the expert
+    width, on the same input."""
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.gate = SigmoidGroupTopKRouter(
+            config.hidden_size,
+            config.num_experts,
+            config.top_k,
+            config.n_group,
+            config.topk_group,
+            config.norm_topk_prob,
+            config.routed_scaling_factor,
+        )
+        self.shared_experts = MLP(
+            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+        )
+        self.experts: Experts | None = None  # set by the loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts is None:
+            raise RuntimeError("experts not wired: load native models with moetier.loader")
+        batch, tokens, hidden = x.shape
+        flat = x.reshape(-1, hidden)  # [B*T, H]
+        ids, weights = self.gate(flat)  # weights fp32, as transformers passes them
+        routed = self.experts(self.layer, flat, ids, weights).view(batch, tokens, hidden)
+        return routed + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(
+            layer,
+            config.hidden_size,
+            config.num_heads,
+            config.q_lora_rank,
+            config.kv_lora_rank,
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+            config.mla_softmax_scale,
+            config.rope_interleave,
+            bias=config.attention_bias,
+        )
+        self.mlp: nn.Module = (
+            DeepseekV3MoE(config, layer)
+            if layer in config.moe_layers
+            else MLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = rotary
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [B, T, rope_dim]
+        mask = head_folded_mask(causal_mask(positions, cache.shape[2]), self.num_heads)
+        for layer in self.layers:
+            x = layer(x, cos, sin, positions, mask, cache)
+        return self.norm(x)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """The native model. `config` is the normalised DecoderConfig; `rotary` carries the inverse
+    frequencies and attention scaling from transformers' DeepseekV3RotaryEmbedding (yarn's
+    mscale included)."""
+
+    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        if config.model_type != "deepseek_v3":
+            raise ValueError(f"native deepseek_v3 model asked to build {config.model_type!r}")
+        if not config.kv_lora_rank:
+            raise ValueError("deepseek_v3 config without kv_lora_rank: not an MLA model")
+        self.config = config
+        self.model = DeepseekV3Model(config, rotary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def new_cache(
+        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor:
+        """A zeroed static latent cache [layers, batch, max_len, kv_lora_rank + rope_dim]."""
+        c = self.config
+        width = c.kv_lora_rank + c.qk_rope_head_dim
+        return new_latent_cache(c.num_layers, batch, max_len, width, dtype, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        last_only: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [B, T] int64; cache written in place -> logits [B, T, V]; with
+        last_only [B] (index of each row's last real token) -> [B, V]."""
+        hidden = self.model(input_ids, positions, cache)  # [B, T, H]
+        if last_only is not None:
+            index = last_only[:, None, None].expand(-1, 1, hidden.shape[-1])
+            hidden = hidden.gather(1, index)[:, 0]  # [B, H]
+        return self.lm_head(hidden)
