@@ -313,7 +313,7 @@ class EngineConfig:
         default=False,
         metadata={
             "help": "run the native model file (static KV cache, CUDA-graph friendly) instead of "
-            "the transformers model class; only for model types with one (qwen3_moe)"
+            "the transformers model class; only for model types with one (qwen3_moe, deepseek_v3)"
         },
     )
     cuda_graph: bool = field(
