@@ -60,7 +60,13 @@ def main() -> None:
                         else:
                             gemv.linear_triton(x, w, block=block)
 
-                ms = time_cuda(calls) / len(ws)
+                # replayed from a CUDA graph: a plain loop times the launches, not the kernels
+                calls()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    calls()
+                ms = time_cuda(graph.replay) / len(ws)
                 emit({**info, "case": "gemv", "shape": name, "n": n, "k": k, "tokens": tokens,
                       "kernel": label, "us": round(ms * 1e3, 2),
                       "GB/s": round(nbytes / ms / 1e6, 1), "copy_GB/s": round(copy_bw / 1e9, 1),
