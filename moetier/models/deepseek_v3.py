@@ -21,6 +21,7 @@ from moetier.models.layers import (
     MLP,
     Experts,
     MLAttention,
+    PreNormLayer,
     RMSNorm,
     RotaryEmbedding,
     SigmoidGroupTopKRouter,
@@ -62,10 +63,9 @@ class DeepseekV3MoE(nn.Module):
         return routed + self.shared_experts(x)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: DecoderConfig, layer: int) -> None:
-        super().__init__()
-        self.self_attn = MLAttention(
+        attention = MLAttention(
             layer,
             config.hidden_size,
             config.num_heads,
@@ -78,25 +78,12 @@ class DecoderLayer(nn.Module):
             config.rope_interleave,
             bias=config.attention_bias,
         )
-        self.mlp: nn.Module = (
+        mlp: nn.Module = (
             DeepseekV3MoE(config, layer)
             if layer in config.moe_layers
             else MLP(config.hidden_size, config.intermediate_size)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(attention, mlp, config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV3Model(nn.Module):

@@ -198,6 +198,30 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     )
 
 
+class PreNormLayer(nn.Module):
+    """A decoder layer of the native families (HF names): x + self_attn(input_layernorm(x)),
+    then + mlp(post_attention_layernorm(x)); the family passes its attention and MLP modules."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class MLP(nn.Module):
     """The dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 

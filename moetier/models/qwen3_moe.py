@@ -16,6 +16,7 @@ from moetier.models.layers import (
     MLP,
     Attention,
     Experts,
+    PreNormLayer,
     RMSNorm,
     RotaryEmbedding,
     SoftmaxTopKRouter,
@@ -45,10 +46,9 @@ class SparseMoeBlock(nn.Module):
         return self.experts(self.layer, flat, ids, weights).view(batch, tokens, hidden)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: DecoderConfig, layer: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(
+        attention = Attention(
             layer,
             config.hidden_size,
             config.num_heads,
@@ -57,25 +57,12 @@ class DecoderLayer(nn.Module):
             config.rms_norm_eps,
             bias=config.attention_bias,
         )
-        self.mlp: nn.Module = (
+        mlp: nn.Module = (
             SparseMoeBlock(config, layer)
             if layer in config.moe_layers
             else MLP(config.hidden_size, config.intermediate_size)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: torch.Tensor,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(attention, mlp, config.hidden_size, config.rms_norm_eps)
 
 
 class Qwen3MoeModel(nn.Module):
