@@ -240,10 +240,12 @@ def _mla_softmax_scale(rope_parameters: dict[str, Any], qk_head_dim: int) -> flo
 
 
 def _kv_width(hf: dict[str, Any]) -> int:
+    """Values cached per token and layer: keys and values of each KV head, or for MLA the
+    compressed latent and the shared rope key (what transformers >= 5 and the native
+    deepseek_v3 file cache; full per-head keys and values would be ~70x more)."""
     heads = int(hf.get("num_attention_heads") or 1)
-    if hf.get("kv_lora_rank"):  # MLA: per head, keys of nope + rope dims and values
-        nope, rope = int(hf.get("qk_nope_head_dim") or 0), int(hf.get("qk_rope_head_dim") or 0)
-        return heads * (nope + rope + int(hf.get("v_head_dim") or nope + rope))
+    if hf.get("kv_lora_rank"):
+        return int(hf["kv_lora_rank"]) + int(hf.get("qk_rope_head_dim") or 0)
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
     return 2 * int(hf.get("num_key_value_heads") or heads) * head_dim
 

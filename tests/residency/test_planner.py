@@ -51,6 +51,18 @@ def test_split_by_hand(store):
     assert "no expert traffic" in everything.render()
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_kv_width_is_what_the_model_caches(tiny, model_type):
+    """The planner's KV bytes per token and layer equal the native model's static cache (GQA:
+    keys and values per KV head; MLA: the latent plus the rope key, as transformers caches)."""
+    loaded = load_model(
+        tiny.store(model_type), EngineConfig(device="cpu", dtype="float32", native=True)
+    )
+    cache = loaded.model.new_cache(1, 8, torch.float32, "cpu")
+    per_token_layer = cache.numel() // (loaded.model_config.num_layers * 8)
+    assert loaded.model_config.kv_width == per_token_layer
+
+
 def test_refuses_when_dense_does_not_fit(store):
     with pytest.raises(ValueError, match="more than --gpu-memory .*: raise --gpu-memory"):
         plan(store, 64 * MIB)
