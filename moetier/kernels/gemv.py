@@ -66,6 +66,10 @@ def linear_triton(
 ) -> torch.Tensor:
     """x [T, K] (T <= GEMV_MAX_TOKENS), weight [N, K] (rows contiguous) -> [T, N] in x's dtype
     (also runs on CPU under TRITON_INTERPRET=1, for the tests); block: (BLOCK_N, BLOCK_K)."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [T, K] and [N, K]"
+        )
     tokens, k = x.shape
     n = weight.shape[0]
     if x.stride(-1) != 1:

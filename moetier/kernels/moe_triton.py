@@ -1010,13 +1010,17 @@ def moe_slots_triton(
     return c_gu, c_dn
 
 
+Q2S_GEMV_GROUPS = (16, 32, 64, 128)  # q2s groups the q2s GEMV kernel takes
+
+
 def q2s_gemv_supports(
     gu: MatrixSpec, dn: MatrixSpec, dgu: MatrixSpec | None, ddn: MatrixSpec | None
 ) -> bool:
-    """Whether `_q2s_gemv_kernel` runs this call: q2s base matrices whose K and groups are
-    whole int32 words (16 codes), and no delta or an additive one."""
+    """Whether `_q2s_gemv_kernel` runs this call: q2s base matrices whose K is whole int32 words
+    (16 codes) and whose groups are 1, 2, 4 or 8 words (`_q2s_group_scale` repeats each group's
+    scale by joins), and no delta or an additive one."""
     for spec, dspec in ((gu, dgu), (dn, ddn)):
-        if spec.kind != Q2S or spec.k % 16 or spec.group % 16:
+        if spec.kind != Q2S or spec.k % 16 or spec.group not in Q2S_GEMV_GROUPS:
             return False
         if dspec is not None and dspec.kind in (NESTED, NESTED_DELTA):
             return False
@@ -1070,7 +1074,8 @@ def _q2s_gemv(
         (1, dn, ddn, c_dn, h, out),
     ):
         sub = max(1, c.block_n // 4)
-        block_k = min(c.block_k, max(16, triton.next_power_of_2(spec.k)))
+        # whole groups per K tile (a group of 8 words needs BLOCK_K >= 128)
+        block_k = max(spec.group, min(c.block_k, max(16, triton.next_power_of_2(spec.k))))
         rows = spec.n if is_down else inter
         grid = (pairs, triton.cdiv(rows, (4 if is_down else 2) * sub))
         dspec = dspec if has_delta else None

@@ -43,6 +43,7 @@ try:
         for i in tl.static_range(K):
             m = tl.max(p, axis=0)
             idx = tl.min(tl.where(p == m, e, BLOCK_E), axis=0)
+            idx = tl.minimum(idx, E - 1)  # NaN logits match nothing: stay inside the table
             got_w = tl.where(k == i, m, got_w)
             got_i = tl.where(k == i, idx.to(tl.int64), got_i)
             p = tl.where(e == idx, -1.0, p)

@@ -204,6 +204,36 @@ def test_q2s_gemv_int8(fmt_name):
     run_case(fmt_name, 3, 2, 6, 128, 64, present_frac=0.7, force=(Q2S_INT8, Q2S_INT8), seed=15)
 
 
+@pytest.mark.parametrize("group", [64, 128, 48])
+def test_q2s_gemv_groups(group):
+    """Groups of 4 and 8 words take the q2s GEMV kernel (scales repeated by joins; a 128-column
+    group widens a 64-column K tile); other multiples of 16 fall back to the generic kernel."""
+    fmt = q2s_expert_format(384, 64, False, group, 16)
+    gu, dn = moetier_specs(fmt)
+    assert moe_triton.q2s_gemv_supports(gu, dn, None, None) == (group != 48)
+    gen = torch.Generator().manual_seed(group)
+    experts, tokens, top_k = 4, 2, 2
+    pool = Pool(fmt, None, experts, torch.ones(experts, dtype=torch.bool), gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    x = torch.randn(tokens, 384, generator=gen)
+    dev_pool, offsets, table, _ = pool.device_args()
+    got = torch.empty(tokens, top_k, 384, device=DEVICE)
+    choice = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True)
+    used = moe_slots_triton(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), table, dev_pool,
+                            fmt, ExpertActivation(), got, slot_offsets=offsets,
+                            choice=(choice, choice))  # fmt: skip
+    ref = torch.empty(tokens, top_k, 384)
+    moe_slots_ref(x, ids, weights, pool.slot_table, pool.pool, fmt, ExpertActivation(), ref,
+                  act_int8=used[0].int8_act)  # fmt: skip
+    err = (got.cpu() - ref).norm() / ref.norm()
+    assert err < 1e-3, err
+
+
+def moetier_specs(fmt):
+    return moe_triton.matrix_spec(fmt, "gate_up"), moe_triton.matrix_spec(fmt, "down")
+
+
 def test_quant_words_matches_ref():
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * 3
     x[1, 16:32] = 0.0  # an all-zero word
