@@ -58,6 +58,7 @@ class Generator:
         # and graph per context-length bucket, kept for the next request
         self.graphs = self._can_graph()
         self._decoders: dict[int, tuple[StaticDecoder, Callable[[], torch.Tensor] | None]] = {}
+        self._busy = False  # a graphed stream is running (its decoder's cache is in use)
 
     def _can_graph(self) -> bool:
         engine = self.loaded.engine_config
@@ -73,6 +74,7 @@ class Generator:
         except ValueError as exc:  # experts do not all fit: eager decode with the slot cache
             print(f"moetier: decoding without CUDA graphs ({exc})", file=sys.stderr)
             return False
+        runtime.residency.host = None  # every blob is on the GPU: free the pinned host copies
         return True
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -131,22 +133,26 @@ class Generator:
                 budget, self.max_context - len(prompt_ids)
             )  # stop when the context is full
         forward = self._forward_fn(len(prompt_ids) + budget)
-        input_ids = prompt_ids
-        for _ in range(budget):
-            token = int(sample(forward(input_ids), params, generator)[0])
-            if token in stop_ids:
-                finish = "stop"
-                break
-            unsent.append(token)
-            text, stopped = detok.push(token)
-            if text:
-                yield Delta(text, tuple(unsent))
-                unsent = []
-            if stopped:
-                finish = "stop"
-                break
-            input_ids = [token]
-        yield Delta("" if detok.stopped else detok.flush(), tuple(unsent), finish)
+        self._busy = self.graphs
+        try:
+            input_ids = prompt_ids
+            for _ in range(budget):
+                token = int(sample(forward(input_ids), params, generator)[0])
+                if token in stop_ids:
+                    finish = "stop"
+                    break
+                unsent.append(token)
+                text, stopped = detok.push(token)
+                if text:
+                    yield Delta(text, tuple(unsent))
+                    unsent = []
+                if stopped:
+                    finish = "stop"
+                    break
+                input_ids = [token]
+            yield Delta("" if detok.stopped else detok.flush(), tuple(unsent), finish)
+        finally:  # also when the consumer closes the stream early
+            self._busy = False
 
     def _forward_fn(self, max_len: int) -> Callable[[list[int]], torch.Tensor]:
         """A function that takes the prompt, then one token per call -> logits [1, V] of the last:
@@ -181,9 +187,18 @@ class Generator:
     def _graphed_fn(self, max_len: int) -> Callable[[list[int]], torch.Tensor]:
         """Like the native path of `_forward_fn`, each decode step replayed from the CUDA graph
         of the smallest bucket (a power of two >= 256 positions) that holds `max_len`."""
+        if self._busy:
+            raise RuntimeError(
+                "another generation is still running on this Generator (its KV caches are "
+                "shared): finish or close that stream first (the server serialises requests)"
+            )
         bucket = max(GRAPH_MIN_BUCKET, 1 << (max_len - 1).bit_length())
-        if bucket not in self._decoders:
-            while len(self._decoders) >= GRAPH_BUCKETS_KEPT:  # free the oldest bucket's cache
+        if self.max_context is not None:
+            bucket = max(max_len, min(bucket, self.max_context))  # no cache past the context
+        if bucket in self._decoders:
+            self._decoders[bucket] = self._decoders.pop(bucket)  # most recently used last
+        else:
+            while len(self._decoders) >= GRAPH_BUCKETS_KEPT:  # free the least recently used
                 del self._decoders[next(iter(self._decoders))]
             decoder = StaticDecoder(
                 self.model, 1, bucket, self.loaded.dtype, self.loaded.device,

@@ -7,6 +7,7 @@ from moetier.config import EngineConfig, replace
 from moetier.engine import generate as generate_module
 from moetier.engine.generate import Generator, _StreamingDetokenizer
 from moetier.engine.sampler import SamplingParams
+from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import load_model
 
 
@@ -93,25 +94,68 @@ def test_cuda_graph_needs_cuda_and_a_native_model(tiny, generator):
     assert not native.loaded.runtime.pinned
 
 
+def test_graphed_path_on_cpu(tiny, generator, monkeypatch):
+    """The Generator's graphed path (buckets, reuse, one stream at a time) with the capture
+    replaced by the same step run eagerly, on CPU: the tokens of the eager native path; a second
+    stream while one is open is refused (they would share a KV cache) until the first closes."""
+
+    def eager_capture(self):
+        def replay():
+            logits = self.step_static()
+            self.positions.add_(1)
+            return logits
+
+        return replay
+
+    monkeypatch.setattr(StaticDecoder, "capture", eager_capture)
+    monkeypatch.setattr(generate_module, "GRAPH_MIN_BUCKET", 32)
+    native = Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True)))
+    native.graphs = True
+    ids = native.prompt_ids(TEXT[:40])[:20]
+    params = SamplingParams(max_new_tokens=10, temperature=0)
+    for prompt_ids in (ids, ids[:12]):  # both in bucket 32: the second reuses the decoder
+        assert (
+            native.generate(prompt_ids, params).token_ids
+            == generator.generate(prompt_ids, params).token_ids
+        )
+    assert list(native._decoders) == [32]
+    first = native.stream(ids, SamplingParams(max_new_tokens=40, temperature=0, stop=()))
+    next(first)
+    with pytest.raises(RuntimeError, match="another generation is still running"):
+        next(native.stream(ids, params))
+    first.close()
+    assert not native._busy
+    assert len(native.generate(ids, params).token_ids) > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile_decode", [False, True])
 def test_cuda_graph_decode_equals_eager(tiny, compile_decode, monkeypatch):
     """Serving's decode path on CUDA (experts pinned, each step replayed from the graph of its
-    context bucket) gives the tokens of eager decode, over two requests that reuse the bucket's
-    decoder and graph, and for a request in a larger bucket."""
+    context bucket) gives the tokens of eager decode: two requests in one bucket (the second
+    reuses the first's decoder and graph over a cache holding the first's entries), one in a
+    larger bucket, then the first bucket again."""
     monkeypatch.setattr(generate_module, "GRAPH_MIN_BUCKET", 32)  # the tiny context is 256
     store = tiny.store("qwen3_moe")
     config = EngineConfig(device="cuda", dtype="float32", native=True)
     eager = Generator(load_model(store, replace(config, cuda_graph=False)))
     graphed = Generator(load_model(store, replace(config, compile_decode=compile_decode)))
     assert graphed.graphs and graphed.loaded.runtime.pinned and not eager.graphs
-    ids = eager.prompt_ids(TEXT[:40])
-    cases = [
-        (ids, SamplingParams(max_new_tokens=16, temperature=0)),
-        (ids[:9], SamplingParams(max_new_tokens=12, temperature=0.9, seed=3)),
-        (ids, SamplingParams(max_new_tokens=150, temperature=0)),  # a larger bucket
+    ids = eager.prompt_ids(TEXT[:40])[:20]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, stop=())
+    cases = [  # (prompt, params, bucket: the power of two >= prompt + new tokens, from 32)
+        (ids, greedy, 32),
+        (ids[:15], SamplingParams(max_new_tokens=10, temperature=0.9, seed=3), 32),
+        (ids, SamplingParams(max_new_tokens=150, temperature=0), 256),
+        (ids[:7], greedy, 32),
     ]
-    for prompt_ids, params in cases:
+    first = None
+    for prompt_ids, params, bucket in cases:
         want = eager.generate(prompt_ids, params).token_ids
         assert graphed.generate(prompt_ids, params).token_ids == want
-    assert len(graphed._decoders) == 2
+        decoder, replay = graphed._decoders[bucket]
+        assert replay is not None  # the decode steps ran from the graph
+        if bucket == 32:
+            first = first or (decoder, replay)
+            assert (decoder, replay) == first  # reused, not captured again
+    assert sorted(graphed._decoders) == [32, 256]
