@@ -140,7 +140,8 @@ def experts_runtime(
 
         from moetier.residency.planner import parse_bytes, plan
 
-        placement = plan(store, parse_bytes(engine_config.gpu_memory))
+        host_budget = parse_bytes(engine_config.host_memory) if engine_config.host_memory else 0
+        placement = plan(store, parse_bytes(engine_config.gpu_memory), host_memory=host_budget)
         print(placement.render(), file=sys.stderr)
         budget = max(1, placement.gpu_expert_bytes)
     host = None

@@ -61,7 +61,9 @@ class HostTier:
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         if self.pinned and not torch.cuda.is_available():
             raise ValueError("pinned host memory needs CUDA: pass pinned=False on a CPU machine")
-        per_arena = max(1, ARENA_BYTES // self.row_bytes)
+        # an arena's rows plus the alignment slack stay within ARENA_BYTES: the pinned allocator
+        # rounds a request up to a power of two, so 1 GiB + 256 bytes would take 2 GiB
+        per_arena = max(1, (ARENA_BYTES - TENSOR_ALIGN) // self.row_bytes)
         self.arenas: list[torch.Tensor] = []
         for start in range(0, len(keys), per_arena):
             rows = min(per_arena, len(keys) - start)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moetier.config import EngineConfig
+from moetier.core.layout import TENSOR_ALIGN
 from moetier.loader.load import load_model
 from moetier.quant.store import Store
 from moetier.residency.host_tier import HostTier, default_order
@@ -38,7 +39,7 @@ def test_arenas_split_large_tiers(store, monkeypatch):
     import moetier.residency.host_tier as host_tier
 
     row = HostTier.for_budget(store, 0).row_bytes
-    monkeypatch.setattr(host_tier, "ARENA_BYTES", 3 * row)
+    monkeypatch.setattr(host_tier, "ARENA_BYTES", 3 * row + TENSOR_ALIGN)  # 3 rows + slack
     tier = HostTier(store, default_order(store)[:7], pinned=False)
     assert [a.shape[0] for a in tier.arenas] == [3, 3, 1]
     assert tier.location(tier.keys[4]) == (1, 1)
