@@ -1,0 +1,108 @@
+"""SASS instruction counts of the q2s GEMV kernel's K loop, compiled here for sm_90 (no GPU
+needed: Triton's bundled ptxas and nvdisasm).
+
+  python bench/sass_count.py                   # int8 activations, b = 3a path, no delta
+  python bench/sass_count.py --float           # float activations
+  python bench/sass_count.py --delta nvfp4     # with the NVFP4 delta decoded in the loop
+
+Prints one JSON line: registers, spilled bytes, instructions of the loop body on the path
+without the runtime branches (fitted grid, delta on), weights per thread per K step, and the
+instructions per weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moetier.kernels import moe_triton
+
+POINTERS = {
+    "x_ptr": "*fp32", "topk_ids": "*i64", "topk_w": "*fp32", "delta_mask": "*u8", "pool": "*u8",
+    "slot_table": "*i32", "slot_offsets": "*i64", "delta_table": "*i32", "out": "*fp32",
+    "xq": "*i32", "xs": "*fp32", "xsum": "*i32", "xqn": "*i32", "oq": "*i32", "osc": "*fp32",
+    "osum": "*i32", "oqn": "*i32",
+}  # fmt: skip
+NOT_DIVISIBLE = {"limit", "alpha", "stride_xk", "topk_ids", "topk_w", "delta_mask", "slot_table",
+                 "slot_offsets", "delta_table", "in_bias", "out_bias", "N", "INTER"}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--float", action="store_true", help="float activations (INT8=0)")
+    parser.add_argument("--delta", choices=("none", "nvfp4"), default="none")
+    parser.add_argument("--sub", type=int, default=16, help="rows per sub-tile (block_n / 4)")
+    parser.add_argument("--block-k", type=int, default=512)
+    parser.add_argument("--warps", type=int, default=4)
+    args = parser.parse_args()
+    fn = moe_triton._q2s_gemv_kernel
+    int8 = 0 if args.float else 1
+    const = dict(GROUP=32, DKIND=moe_triton.NVFP4 if args.delta == "nvfp4" else -1, DGROUP=16,
+                 BIAS=0, ACT=0, IS_DOWN=0, TOPK=8, SUB=args.sub, BLOCK_K=args.block_k,
+                 INT8=int8, ASM=1, QUANT_OUT=int8)  # fmt: skip
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = POINTERS.get(name, "fp32" if name in ("limit", "alpha") else "i32")
+    divisible = [
+        i for i, n in enumerate(fn.arg_names) if sig[n] != "constexpr" and n not in NOT_DIVISIBLE
+    ]
+    source = ASTSource(fn, sig, const, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    kernel = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps}
+    )
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))  # type: ignore[union-attr]
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))  # type: ignore[union-attr]
+    lines = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", line).split(";")[0].strip()
+             for line in sass.splitlines()]  # fmt: skip
+    # the K loop: from the label its backward branch targets to that branch
+    branches = [(i, m.group(1)) for i, line in enumerate(lines)
+                if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line))]  # fmt: skip
+    labels = {line[:-1]: i for i, line in enumerate(lines) if line.startswith(".L_x_")}
+    start, end = max(((labels[t], i) for i, t in branches if labels.get(t, i) < i),
+                     key=lambda r: r[1] - r[0])  # fmt: skip
+    body, skip = [], None
+    for line in lines[start + 1 : end + 1]:
+        m = re.search(r"@!?P\d BRA `\((\.L_x_\d+)\)", line)
+        if skip is None and m and labels.get(m.group(1), 0) > labels.get(line, -1):
+            skip = m.group(1) + ":"  # a forward branch around a runtime-conditional block
+            continue
+        if skip is not None:
+            skip = None if line == skip else skip
+            continue
+        if line and not line.startswith("."):
+            body.append(line)
+    ops = collections.Counter(re.sub(r"^@!?P\d\s+", "", op).split()[0].split(".")[0]
+                              for op in body)  # fmt: skip
+    weights = 4 * args.sub * args.block_k // (32 * args.warps)  # per thread per K step
+    print(json.dumps({"case": "sass", "int8": bool(int8), "delta": args.delta, "sub": args.sub,
+                      "block_k": args.block_k, "warps": args.warps, "registers": regs,
+                      "stack_bytes": stack, "loop_instructions": len(body),
+                      "weights_per_thread": weights,
+                      "per_weight": round(len(body) / weights, 2),
+                      "top_ops": dict(ops.most_common(8))}))  # fmt: skip
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
