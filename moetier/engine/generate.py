@@ -22,6 +22,9 @@ from moetier.loader.load import LoadedModel
 # (each with its own KV cache) of this many buckets are kept between requests.
 GRAPH_MIN_BUCKET = 256
 GRAPH_BUCKETS_KEPT = 2
+# Zero-copy decode: tokens between two moves of the GPU-resident hot set (a host read of the
+# device-side counts and copies of the promoted blobs, between graph replays).
+ZERO_COPY_REBALANCE_TOKENS = 64
 
 # Tokens that end an assistant turn in common chat templates, added to the stop ids in chat mode.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<|endoftext|>")
@@ -59,21 +62,37 @@ class Generator:
         self.graphs = self._can_graph()
         self._decoders: dict[int, tuple[StaticDecoder, Callable[[], torch.Tensor] | None]] = {}
         self._busy = False  # a graphed stream is running (its decoder's cache is in use)
+        self._tokens = 0  # decoded by graphed streams (zero-copy rebalances every N)
 
     def _can_graph(self) -> bool:
         engine = self.loaded.engine_config
-        runtime = self.loaded.runtime
         if not (engine.cuda_graph and self.loaded.device.type == "cuda"):
             return False
-        if not hasattr(self.model, "new_cache"):
-            return False
-        if runtime.pinned or getattr(runtime, "zero_copy", None) is not None:
+        return hasattr(self.model, "new_cache") and self._capturable_experts()
+
+    def _capturable_experts(self) -> bool:
+        """Put the experts where a captured step can read them without host syncs: all pinned
+        in GPU slots when they fit; else, with a host tier (--host-memory), the hot ones in GPU
+        slots and the rest read by the kernel from pinned host RAM (zero-copy, rebalanced every
+        ZERO_COPY_REBALANCE_TOKENS tokens). False (eager decode, misses fetched) otherwise."""
+        runtime = self.loaded.runtime
+        if runtime.pinned or runtime.zero_copy is not None:
             return True
         try:
             runtime.pin_all()
-        except ValueError as exc:  # experts do not all fit: eager decode with the slot cache
-            print(f"moetier: decoding without CUDA graphs ({exc})", file=sys.stderr)
-            return False
+        except ValueError as exc:
+            if runtime.residency.host is None:
+                hint = "--host-memory would read the others from host RAM without host syncs"
+                print(f"moetier: decoding without CUDA graphs ({exc}; {hint})", file=sys.stderr)
+                return False
+            try:
+                runtime.enable_zero_copy()
+            except ValueError as zc_exc:
+                print(f"moetier: decoding without CUDA graphs ({zc_exc})", file=sys.stderr)
+                return False
+            note = "the most used stay in GPU slots, the others are read from pinned host RAM"
+            print(f"moetier: the experts do not all fit the GPU cache: {note}", file=sys.stderr)
+            return True
         runtime.residency.host = None  # every blob is on the GPU: free the pinned host copies
         return True
 
@@ -150,6 +169,11 @@ class Generator:
                     finish = "stop"
                     break
                 input_ids = [token]
+                zero_copy = self.loaded.runtime.zero_copy
+                if self.graphs and zero_copy is not None:
+                    self._tokens += 1
+                    if self._tokens % ZERO_COPY_REBALANCE_TOKENS == 0:
+                        zero_copy.rebalance()  # between replays: the hot set follows routing
             yield Delta("" if detok.stopped else detok.flush(), tuple(unsent), finish)
         finally:  # also when the consumer closes the stream early
             self._busy = False

@@ -128,6 +128,35 @@ def test_graphed_path_on_cpu(tiny, generator, monkeypatch):
     assert len(native.generate(ids, params).token_ids) > 0
 
 
+def test_zero_copy_when_experts_do_not_fit(tiny, generator, monkeypatch):
+    """Experts that do not all fit the expert cache, with a host tier: the Generator keeps the
+    graphed path through zero-copy mode (hot blobs in slots, the rest read from host rows), gives
+    the tokens of the eager path, and rebalances the hot set between steps. (CPU: the capture is
+    replaced by the same step run eagerly; zero-copy gathers the host rows.)"""
+
+    def eager_capture(self):
+        def replay():
+            logits = self.step_static()
+            self.positions.add_(1)
+            return logits
+
+        return replay
+
+    monkeypatch.setattr(StaticDecoder, "capture", eager_capture)
+    monkeypatch.setattr(generate_module, "GRAPH_MIN_BUCKET", 32)
+    monkeypatch.setattr(generate_module, "ZERO_COPY_REBALANCE_TOKENS", 3)
+    config = EngineConfig(device="cpu", native=True, expert_cache_slots=4, host_memory="64MiB")
+    native = Generator(load_model(tiny.store("qwen3_moe"), config))
+    assert not native.graphs  # CPU
+    native.graphs = native._capturable_experts()
+    zero_copy = native.loaded.runtime.zero_copy
+    assert native.graphs and zero_copy is not None and not native.loaded.runtime.pinned
+    ids = native.prompt_ids(TEXT[:40])[:20]
+    params = SamplingParams(max_new_tokens=10, temperature=0, stop=())
+    assert native.generate(ids, params).token_ids == generator.generate(ids, params).token_ids
+    assert zero_copy.scores.sum() > 0  # rebalanced: counts folded into the scores
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile_decode", [False, True])
 def test_cuda_graph_decode_equals_eager(tiny, compile_decode, monkeypatch):
@@ -159,3 +188,21 @@ def test_cuda_graph_decode_equals_eager(tiny, compile_decode, monkeypatch):
             first = first or (decoder, replay)
             assert (decoder, replay) == first  # reused, not captured again
     assert sorted(graphed._decoders) == [32, 256]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_zero_copy_decode_equals_eager(tiny):
+    """On CUDA, experts that do not fit 4 slots decode from CUDA graphs in zero-copy mode (the
+    rest read from pinned host RAM by the kernel) with the tokens of eager decode."""
+    store = tiny.store("qwen3_moe")
+    config = EngineConfig(device="cuda", dtype="float32", native=True)
+    eager = Generator(load_model(store, replace(config, cuda_graph=False)))
+    limited = replace(config, expert_cache_slots=4, host_memory="64MiB")
+    graphed = Generator(load_model(store, limited))
+    assert graphed.graphs and graphed.loaded.runtime.zero_copy is not None
+    ids = eager.prompt_ids(TEXT[:40])
+    for params in (
+        SamplingParams(max_new_tokens=16, temperature=0),
+        SamplingParams(max_new_tokens=80, temperature=0.9, seed=3),  # past a rebalance
+    ):
+        assert graphed.generate(ids, params).token_ids == eager.generate(ids, params).token_ids
