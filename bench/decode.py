@@ -199,6 +199,56 @@ def time_hf(shape: dict[str, Any], batch: int, new_tokens: int) -> float:
     return (full - one) / (new_tokens - 1) * 1e3
 
 
+def time_accelerate(
+    shape: dict[str, Any], gpu_fraction: float, new_tokens: int, tmp: Path, device: str
+) -> dict[str, float]:
+    """The issue's offload baseline: HF transformers + accelerate (`device_map="auto"`, bf16)
+    with a GPU memory cap of the dense weights plus `gpu_fraction` of the bf16 expert bytes, the
+    rest offloaded to CPU RAM; decode-only ms per token as in `time_hf`. The random checkpoint
+    is written to `tmp` first (from_pretrained is what dispatches the offload)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**shape)
+    path = tmp / f"moetier-accelerate-{shape['num_hidden_layers']}"
+    if not (path / "config.json").exists():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(path)
+        del model
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    sizes = {n: p.numel() * 2 for n, p in meta.named_parameters()}
+    experts = sum(v for n, v in sizes.items() if ".experts." in n)
+    dense = sum(sizes.values()) - experts
+    cap = int(dense + gpu_fraction * experts) + 2**30  # + activations / workspace
+    max_memory: dict[Any, Any] = {"cpu": 2**40}
+    if device == "cuda":
+        max_memory[0] = cap
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device_map="auto", max_memory=max_memory,
+        experts_implementation="batched_mm",
+    ).eval()  # fmt: skip
+    first = "cuda" if device == "cuda" else "cpu"
+    ids = torch.randint(0, config.vocab_size, (1, PROMPT), device=first)
+
+    def run(tokens: int, model: torch.nn.Module = model) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,  # type: ignore[operator]
+                       pad_token_id=0)  # fmt: skip
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        run(2)
+        one = run(1)
+        full = run(new_tokens)
+    del model
+    ms = (full - one) / (new_tokens - 1) * 1e3
+    return {"ms": ms, "gpu_cap_bytes": float(cap if device == "cuda" else 0)}
+
+
 TINY_SHAPE = dict(  # the CPU smoke-test shape: Qwen3-MoE layout, tiny sizes
     QWEN3_30B_A3B,
     hidden_size=128,
@@ -366,6 +416,16 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
     gbps = {f"{name}_GB/s": round(getattr(speeds, name) / 1e9, 2)
             for name in ("hbm", "h2d", "zero_copy", "disk")}  # fmt: skip
     emit({**info, "case": "links", **gbps})
+    accelerate: dict[float, float] = {}  # gpu fraction -> HF + accelerate offload tok/s
+    for f in fractions if args.accelerate_tokens else []:
+        if f >= 1:
+            continue
+        t = time_accelerate(shape, f, args.accelerate_tokens, args.tmp, device)
+        accelerate[f] = 1e3 / t["ms"]
+        emit({**info, "case": "decode-accelerate", "device_kind": device, "layers": args.layers,
+              "shape": args.shape, "batch": 1, "gpu_fraction": f,
+              "gpu_cap_GiB": round(t["gpu_cap_bytes"] / 2**30, 2),
+              "ms_per_token": round(t["ms"], 3), "tok_s": round(accelerate[f], 3)})  # fmt: skip
     sync_s = 0.0  # host-decision overhead per token, from the resident case when it runs
     for gpu_fraction in fractions:
         for disk_fraction in disk_fractions:
@@ -417,6 +477,8 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
                        **gbps}  # fmt: skip
                 if strategy == "resident":
                     rec["hit_rate"] = 1.0
+                if gpu_fraction in accelerate and disk_fraction == 0:
+                    rec["vs_accelerate"] = round(1e3 / t["ms"] / accelerate[gpu_fraction], 3)
                 if per.get("issued"):
                     rec["prefetch_precision"] = round(per["used"] / per["issued"], 3)
                     rec["prefetch_recall"] = round(per["used"] / per["needed"], 3)
@@ -439,6 +501,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--rebalance-every", type=int, default=0, help="tiered zero_copy: promote every N steps"
+    )
+    parser.add_argument(
+        "--accelerate-tokens",
+        type=int,
+        default=0,
+        help="tiered: also time HF + accelerate offload (bf16, GPU capped at each budget) over "
+        "this many new tokens (0: skip; needs the accelerate package)",
     )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="tiered")
     parser.add_argument("--shape", default="qwen3", choices=("qwen3", "tiny"), help="tiered")
