@@ -393,6 +393,45 @@ def time_tiered(
     return {"ms": ms, "eager_ms": eager_ms, "per_token": delta, "slots": slots}
 
 
+def time_prefill(path: Path, device: str, gpu_fraction: float, tokens: int) -> dict[str, float]:
+    """One prefill of `tokens` tokens (batch 1) with `gpu_fraction` of the base blobs' slots and
+    every blob in a pinned host tier: calls of >= STREAM_TOKENS stream each layer's experts, the
+    next chunk copied while one computes. Seconds (best of 2 after a warm-up) and the bytes the
+    timed prefill moved host -> GPU."""
+    from moetier.residency.host_tier import HostTier
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    probe = Store(path)
+    slots = max(2, round(gpu_fraction * sum(1 for k in probe.blobs if k[2] == "base")))
+    probe.close()
+    engine = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."), native=True,
+                          expert_cache_slots=slots)  # fmt: skip
+    loaded = load_model(path, engine)
+    runtime = loaded.runtime
+    store = runtime.residency.store
+    runtime.residency.host = HostTier(store, sorted(store.blobs))
+    ids = torch.randint(0, loaded.model_config.vocab_size, (1, tokens),
+                        generator=torch.Generator().manual_seed(tokens)).tolist()  # fmt: skip
+    dec = StaticDecoder(loaded.model, 1, tokens + 8, dtype, device)
+    best, moved = math.inf, 0.0
+    with torch.inference_mode():
+        for i in range(3):
+            before = counters(runtime)["host_bytes"]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            dec.prefill(ids)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            if i and seconds < best:
+                best, moved = seconds, counters(runtime)["host_bytes"] - before
+    del dec, loaded
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"seconds": best, "host_bytes": moved, "slots": float(slots)}
+
+
 def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
     device = args.device
     shape = dict(TINY_SHAPE if args.shape == "tiny" else QWEN3_30B_A3B,
@@ -416,6 +455,19 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
     gbps = {f"{name}_GB/s": round(getattr(speeds, name) / 1e9, 2)
             for name in ("hbm", "h2d", "zero_copy", "disk")}  # fmt: skip
     emit({**info, "case": "links", **gbps})
+    for f in fractions if args.prefill_tokens else []:
+        if f >= 1:
+            continue
+        p = time_prefill(path, device, f, args.prefill_tokens)
+        floor_s = p["host_bytes"] / speeds.h2d  # the PCIe-bound floor: its bytes at pinned H2D
+        emit({**info, "case": "prefill-tiered", "device_kind": device, "layers": args.layers,
+              "shape": args.shape, "experts": experts, "gpu_fraction": f,
+              "gpu_slots": int(p["slots"]), "tokens": args.prefill_tokens,
+              "ms": round(p["seconds"] * 1e3, 3),
+              "tok_s": round(args.prefill_tokens / p["seconds"], 1),
+              "host_MB": round(p["host_bytes"] / 1e6, 2),
+              "floor_ms": round(floor_s * 1e3, 3),
+              "of_floor": round(floor_s / p["seconds"], 3), **gbps})  # fmt: skip
     accelerate: dict[float, float] = {}  # gpu fraction -> HF + accelerate offload tok/s
     for f in fractions if args.accelerate_tokens else []:
         if f >= 1:
@@ -501,6 +553,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--rebalance-every", type=int, default=0, help="tiered zero_copy: promote every N steps"
+    )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=0,
+        help="tiered: also time one prefill of this many tokens per GPU budget (streamed from "
+        "the host tier) against its PCIe-bound floor (0: skip)",
     )
     parser.add_argument(
         "--accelerate-tokens",

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tiered_decode_bench_smoke(tmp_path):
     command = [sys.executable, str(ROOT / "bench" / "decode.py"), "--tiered", "--device", "cpu",
                "--layers", "2", "--shape", "tiny", "--steps", "3", "--gpu-fraction", "0.25,1.0",
-               "--disk-fraction", "0,0.25", "--accelerate-tokens", "3",
+               "--disk-fraction", "0,0.25", "--accelerate-tokens", "3", "--prefill-tokens", "300",
                "--tmp", str(tmp_path)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -24,7 +24,12 @@ def test_tiered_decode_bench_smoke(tmp_path):
     assert links["case"] == "links" and all(links[f"{k}_GB/s"] > 0 for k in ("hbm", "h2d", "disk"))
     offload = [r for r in lines if r["case"] == "decode-accelerate"]  # HF + accelerate baseline
     assert [r["gpu_fraction"] for r in offload] == [0.25] and offload[0]["tok_s"] > 0
-    lines = [r for r in lines if r["case"] != "decode-accelerate"]
+    prefill = [r for r in lines if r["case"] == "prefill-tiered"]  # streamed from the host tier
+    assert [r["gpu_fraction"] for r in prefill] == [0.25] and prefill[0]["host_MB"] > 0
+    assert prefill[0]["of_floor"] == pytest.approx(
+        prefill[0]["floor_ms"] / prefill[0]["ms"], rel=0.05, abs=2e-3
+    )
+    lines = [r for r in lines if r["case"] not in ("decode-accelerate", "prefill-tiered")]
     cases = {(r["gpu_fraction"], r["disk_fraction"]): r for r in lines[1:]}
     assert set(cases) == {(1.0, 0.0), (0.25, 0.0), (0.25, 0.25)}
     assert cases[(1.0, 0.0)]["strategy"] == "resident" and cases[(1.0, 0.0)]["hit_rate"] == 1.0
