@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.model_name or generator.loaded.name
     print(f"serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(
-        create_app(generator, name, params, telemetry=generator.loaded.runtime.residency.telemetry),
+        create_app(generator, name, params, telemetry=generator.loaded.runtime.telemetry),
         host=args.host,
         port=args.port,
         log_level="info",

@@ -155,8 +155,10 @@ class Generator:
         self._busy = self.graphs
         try:
             input_ids = prompt_ids
+            runtime = self.loaded.runtime
             for _ in range(budget):
                 token = int(sample(forward(input_ids), params, generator)[0])
+                runtime.count_pinned(len(input_ids))  # no-op unless every expert is pinned
                 if token in stop_ids:
                     finish = "stop"
                     break
@@ -169,7 +171,7 @@ class Generator:
                     finish = "stop"
                     break
                 input_ids = [token]
-                zero_copy = self.loaded.runtime.zero_copy
+                zero_copy = runtime.zero_copy
                 if self.graphs and zero_copy is not None:
                     self._tokens += 1
                     if self._tokens % ZERO_COPY_REBALANCE_TOKENS == 0:

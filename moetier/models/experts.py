@@ -63,6 +63,9 @@ class ExpertsRuntime:
         self.observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         # layer -> (base table, delta table or None) once every expert is pinned resident
         self.pinned: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # pairs served by the pinned path: counted by the caller per forward (`count_pinned`),
+        # since the captured step itself touches no Python state
+        self.pinned_pairs = 0
         # zero-copy mode: hot blobs in GPU slots, the rest read from pinned host rows
         self.zero_copy: ZeroCopyPlacement | None = None
         self.count_accesses = True  # zero-copy: count pairs per expert on the device
@@ -116,11 +119,21 @@ class ExpertsRuntime:
         self.zero_copy = placement
         return placement
 
+    def count_pinned(self, tokens: int) -> None:
+        """Record that a forward of `tokens` tokens ran with every expert pinned: each of its
+        (token, expert) pairs in each MoE layer was a GPU hit."""
+        if self.pinned:
+            top_k = self.residency.store.model_config.top_k
+            self.pinned_pairs += tokens * len(self.pinned) * top_k
+
     def telemetry(self) -> ResidencyTelemetry:
-        """The pool's counters (residency.telemetry) plus, in zero-copy mode, the pairs read
-        from GPU slots (gpu hits) and from pinned host rows (gpu misses, host hits), whose
-        base-plane bytes count as moved into the GPU (one host read of the device counters)."""
+        """The pool's counters (residency.telemetry), plus the pinned path's pairs (hits of the
+        pool's tier)
+        and, in zero-copy mode, the pairs read from GPU slots (gpu hits) and from pinned host rows
+        (gpu misses, host hits), whose base-plane bytes count as moved into the GPU (one host
+        read of the device counters)."""
         out = self.residency.telemetry()
+        out[self.residency.tier_name].hits += self.pinned_pairs
         zc = self.zero_copy
         if zc is not None:
             pairs, gpu = int(zc.counts.sum()), int(zc.gpu_pairs)

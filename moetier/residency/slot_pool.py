@@ -332,11 +332,16 @@ class SlotPool:
     def resident(self) -> list[BlobKey]:
         return list(self._slots)
 
+    @property
+    def tier_name(self) -> str:
+        """This pool's tier in telemetry: "gpu" under CUDA or above a host tier, else "host"."""
+        return "gpu" if self.device.type == "cuda" or self.host is not None else "host"
+
     def telemetry(self) -> ResidencyTelemetry:
         """Counters for /metrics: this pool's tier ("gpu" under CUDA or when a host tier sits
         below it, else "host"), the host tier and the store's file ("disk")."""
         out = ResidencyTelemetry()
-        tier = out["gpu" if self.device.type == "cuda" or self.host is not None else "host"]
+        tier = out[self.tier_name]
         tier.add(self.counters)
         tier.hits, tier.misses = self.stats.hits, self.stats.misses
         tier.bytes = self.stats.bytes_fetched

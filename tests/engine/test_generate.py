@@ -206,3 +206,20 @@ def test_cuda_graph_zero_copy_decode_equals_eager(tiny):
         SamplingParams(max_new_tokens=80, temperature=0.9, seed=3),  # past a rebalance
     ):
         assert graphed.generate(ids, params).token_ids == eager.generate(ids, params).token_ids
+
+
+def test_pinned_pairs_are_counted_as_gpu_hits(tiny):
+    """With every expert pinned the step touches no Python state; the Generator counts each
+    forward's pairs instead, and the runtime's telemetry (what /metrics serves) reports them as
+    hits of the pool's tier: tokens forwarded x MoE layers x top-k."""
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True))
+    loaded.runtime.pin_all()
+    native = Generator(loaded)
+    ids = native.prompt_ids(TEXT[:40])
+    done = native.generate(ids, SamplingParams(max_new_tokens=6, temperature=0, stop=()))
+    sampled = len(done.token_ids) + (done.finish_reason == "stop")  # a sampled eos ends the loop
+    forwarded = len(ids) + sampled - 1  # the prompt, then every sampled token but the last
+    cfg = loaded.model_config
+    assert loaded.runtime.pinned_pairs == forwarded * len(loaded.store.moe_layers) * cfg.top_k
+    tel = loaded.runtime.telemetry()[loaded.runtime.residency.tier_name]  # "host" on CPU
+    assert tel.hits == loaded.runtime.pinned_pairs + loaded.runtime.residency.stats.hits
