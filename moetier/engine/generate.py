@@ -170,12 +170,14 @@ class Generator:
                 if stopped:
                     finish = "stop"
                     break
-                input_ids = [token]
                 zero_copy = runtime.zero_copy
                 if self.graphs and zero_copy is not None:
+                    # between replays, the hot set follows routing: after each prefill (its
+                    # many tokens' counts) and every ZERO_COPY_REBALANCE_TOKENS decoded tokens
                     self._tokens += 1
-                    if self._tokens % ZERO_COPY_REBALANCE_TOKENS == 0:
-                        zero_copy.rebalance()  # between replays: the hot set follows routing
+                    if len(input_ids) > 1 or self._tokens % ZERO_COPY_REBALANCE_TOKENS == 0:
+                        zero_copy.rebalance()
+                input_ids = [token]
             yield Delta("" if detok.stopped else detok.flush(), tuple(unsent), finish)
         finally:  # also when the consumer closes the stream early
             self._busy = False

@@ -128,10 +128,9 @@ class ExpertsRuntime:
 
     def telemetry(self) -> ResidencyTelemetry:
         """The pool's counters (residency.telemetry), plus the pinned path's pairs (hits of the
-        pool's tier)
-        and, in zero-copy mode, the pairs read from GPU slots (gpu hits) and from pinned host rows
-        (gpu misses, host hits), whose base-plane bytes count as moved into the GPU (one host
-        read of the device counters)."""
+        pool's tier) and, in zero-copy mode, the pairs read from GPU slots (gpu hits) and from
+        pinned host rows (gpu misses, host hits), whose base-plane bytes count as moved into the
+        GPU (one host read of the device counters)."""
         out = self.residency.telemetry()
         out[self.residency.tier_name].hits += self.pinned_pairs
         zc = self.zero_copy
