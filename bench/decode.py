@@ -38,6 +38,7 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,26 +146,18 @@ def time_native(
         torch.cuda.synchronize()
         eager_ms = (time.perf_counter() - start) / 8 * 1e3
         kernels = profile_step(dec) if profile else None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            dec.step_static()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            dec.input_ids.copy_(dec.step_static().argmax(-1)[:, None])  # greedy feedback
-            dec.positions.add_(1)
+        replay = dec.capture(greedy=True)  # one step + greedy feedback
         replays = steps - 8 - 2
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         for _ in range(replays):
-            graph.replay()
+            replay()
         end.record()
         end.synchronize()
     ms = begin.elapsed_time(end) / replays
-    del graph, dec, loaded
+    del replay, dec, loaded
     torch.cuda.empty_cache()
     return {"ms": ms, "eager_ms": eager_ms, "kernels": kernels}
 
@@ -367,18 +360,10 @@ def time_tiered(
         eager_ms = (time.perf_counter() - start) / WARMUP * 1e3
         if strategy == "zero_copy":
             runtime.zero_copy.rebalance()  # hot set from the warm-up's counts
-        step = eager_step
+        step: Callable[[], object] = eager_step
         if graphed:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                dec.step_static()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                eager_step()
-            graph.replay()
-            step = graph.replay
+            step = dec.capture(greedy=True)  # the eager step, replayed
+            step()
         sync()
         before = counters(runtime)
         start = time.perf_counter()

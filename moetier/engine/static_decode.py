@@ -68,11 +68,13 @@ class StaticDecoder:
         step = _compiled_step() if self.compile_step else _step
         return step(self.model, self.input_ids, self.positions, self.cache)
 
-    def capture(self) -> Callable[[], torch.Tensor]:
+    def capture(self, greedy: bool = False) -> Callable[[], torch.Tensor]:
         """A CUDA graph of one `step`: returns replay() -> logits [B, V] (a static buffer,
         valid until the next replay), which reads `input_ids` and `positions` and advances
-        the positions. Call after prefill, with `input_ids` already holding the next tokens:
-        the warm-up step writes the same cache entries the first replay writes again."""
+        the positions; with `greedy` it also writes each row's argmax into `input_ids` (the
+        next step's tokens, no host round trip). Call after prefill, with `input_ids` already
+        holding the next tokens: the warm-up step writes the same cache entries the first
+        replay writes again."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():
@@ -81,6 +83,8 @@ class StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.inference_mode():
             logits = self.step_static()
+            if greedy:
+                self.input_ids.copy_(logits.argmax(-1)[:, None])
             self.positions.add_(1)
 
         def replay() -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_native import graph_replays_eager
 from test_oracle import hf_greedy, hf_reference, moetier_greedy, prompt
 
 from moetier.config import EngineConfig, replace
@@ -159,33 +160,7 @@ def test_cuda_graph_decode_step_replays_eager(tiny, dtype_name, compiled):
     router and the experts op with every expert pinned) captured into a CUDA graph; replays equal
     eager steps on a second cache. With `compiled`, both decoders run the step through
     torch.compile."""
-    loaded = load_model(
-        tiny.store("deepseek_v3"), EngineConfig(device="cuda", dtype=dtype_name, native=True)
-    )
-    loaded.runtime.pin_all()
-    ids = prompt(loaded.model_config.vocab_size, batch=2, length=9)
-    prompts = [ids[0, :4].tolist(), ids[1].tolist()]
-    graphed = StaticDecoder(loaded.model, 2, 64, loaded.dtype, "cuda", compile_step=compiled)
-    eager = StaticDecoder(loaded.model, 2, 64, loaded.dtype, "cuda", compile_step=compiled)
-    logits = graphed.prefill(prompts)
-    assert torch.equal(logits, eager.prefill(prompts))
-    tokens = logits.argmax(-1)
-    graphed.input_ids.copy_(tokens[:, None])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.inference_mode():
-        graphed.step_static()  # warm-up (rewrites the same cache entries the replay writes)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.inference_mode():
-        static_logits = graphed.step_static()
-    for _ in range(6):
-        graphed.input_ids.copy_(tokens[:, None])
-        graph.replay()
-        graphed.positions.add_(1)
-        expected = eager.step(tokens)
-        assert torch.equal(static_logits, expected)
-        tokens = expected.argmax(-1)
+    graph_replays_eager(tiny.store("deepseek_v3"), dtype_name, compiled)
 
 
 @pytest.mark.gpu

@@ -104,23 +104,12 @@ def graph_decode(loaded, prompt: list[int], steps: int, rebalance_at: int = -1) 
     dec = StaticDecoder(loaded.model, 1, 64, torch.float32, "cuda")
     with torch.inference_mode():
         dec.input_ids.copy_(dec.prefill([prompt]).argmax(-1)[:, None])
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture stream, as capture requires
-            dec.step_static()
-        torch.cuda.current_stream().wait_stream(side)
-        logits = torch.zeros(1, loaded.model_config.vocab_size, device="cuda")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits.copy_(dec.step_static())
-            dec.input_ids.copy_(logits.argmax(-1)[:, None])
-            dec.positions.add_(1)
+        replay = dec.capture(greedy=True)
         outs = []
         for step in range(steps):
             if step == rebalance_at:
                 loaded.runtime.zero_copy.rebalance()
-            graph.replay()
-            outs.append(logits.clone())
+            outs.append(replay().clone())
     return torch.cat(outs)
 
 
