@@ -133,8 +133,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--m", default="64,256,1024", help="tokens (rows of x)")
     parser.add_argument("--check-only", action="store_true")
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     args = parser.parse_args()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     n, k = args.n, args.k
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 256, (n, k // 4), generator=gen, dtype=torch.uint8)

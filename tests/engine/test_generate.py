@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+import torch
 from tiny_models import TEXT, build_tokenizer
 
 from moetier.config import EngineConfig, replace
@@ -94,18 +97,22 @@ def test_cuda_graph_needs_cuda_and_a_native_model(tiny, generator):
     assert not native.loaded.runtime.pinned
 
 
+def eager_capture(self: StaticDecoder) -> Callable[[], torch.Tensor]:
+    """Stand-in for `StaticDecoder.capture` on CPU: the same step and position advance, run
+    eagerly at each "replay"."""
+
+    def replay() -> torch.Tensor:
+        logits = self.step_static()
+        self.positions.add_(1)
+        return logits
+
+    return replay
+
+
 def test_graphed_path_on_cpu(tiny, generator, monkeypatch):
     """The Generator's graphed path (buckets, reuse, one stream at a time) with the capture
     replaced by the same step run eagerly, on CPU: the tokens of the eager native path; a second
     stream while one is open is refused (they would share a KV cache) until the first closes."""
-
-    def eager_capture(self):
-        def replay():
-            logits = self.step_static()
-            self.positions.add_(1)
-            return logits
-
-        return replay
 
     monkeypatch.setattr(StaticDecoder, "capture", eager_capture)
     monkeypatch.setattr(generate_module, "GRAPH_MIN_BUCKET", 32)
@@ -133,14 +140,6 @@ def test_zero_copy_when_experts_do_not_fit(tiny, generator, monkeypatch):
     graphed path through zero-copy mode (hot blobs in slots, the rest read from host rows), gives
     the tokens of the eager path, and rebalances the hot set between steps. (CPU: the capture is
     replaced by the same step run eagerly; zero-copy gathers the host rows.)"""
-
-    def eager_capture(self):
-        def replay():
-            logits = self.step_static()
-            self.positions.add_(1)
-            return logits
-
-        return replay
 
     monkeypatch.setattr(StaticDecoder, "capture", eager_capture)
     monkeypatch.setattr(generate_module, "GRAPH_MIN_BUCKET", 32)
