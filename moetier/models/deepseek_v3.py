@@ -21,6 +21,7 @@ from moetier.models.layers import (
     MLP,
     Experts,
     MLAttention,
+    NativeCausalLM,
     PreNormLayer,
     RMSNorm,
     RotaryEmbedding,
@@ -106,7 +107,7 @@ class DeepseekV3Model(nn.Module):
         return self.norm(x)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(NativeCausalLM):
     """The native model. `config` is the normalised DecoderConfig; `rotary` carries the inverse
     frequencies and attention scaling from transformers' DeepseekV3RotaryEmbedding (yarn's
     mscale included)."""
@@ -128,18 +129,3 @@ class DeepseekV3ForCausalLM(nn.Module):
         c = self.config
         width = c.kv_lora_rank + c.qk_rope_head_dim
         return new_latent_cache(c.num_layers, batch, max_len, width, dtype, device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: torch.Tensor,
-        last_only: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions [B, T] int64; cache written in place -> logits [B, T, V]; with
-        last_only [B] (index of each row's last real token) -> [B, V]."""
-        hidden = self.model(input_ids, positions, cache)  # [B, T, H]
-        if last_only is not None:
-            index = last_only[:, None, None].expand(-1, 1, hidden.shape[-1])
-            hidden = hidden.gather(1, index)[:, 0]  # [B, H]
-        return self.lm_head(hidden)

@@ -222,6 +222,29 @@ class PreNormLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class NativeCausalLM(nn.Module):
+    """What the native model files share: `model` (embeddings, layers, final norm: hidden
+    [B, T, H]) then `lm_head`. Subclasses set config, model and lm_head, and new_cache."""
+
+    model: nn.Module
+    lm_head: nn.Linear
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        last_only: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [B, T] int64; cache written in place -> logits [B, T, V]; with
+        last_only [B] (index of each row's last real token) -> [B, V]."""
+        hidden = self.model(input_ids, positions, cache)  # [B, T, H]
+        if last_only is not None:
+            index = last_only[:, None, None].expand(-1, 1, hidden.shape[-1])
+            hidden = hidden.gather(1, index)[:, 0]  # [B, H]
+        return self.lm_head(hidden)
+
+
 class MLP(nn.Module):
     """The dense SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 

@@ -16,6 +16,7 @@ from moetier.models.layers import (
     MLP,
     Attention,
     Experts,
+    NativeCausalLM,
     PreNormLayer,
     RMSNorm,
     RotaryEmbedding,
@@ -84,7 +85,7 @@ class Qwen3MoeModel(nn.Module):
         return self.norm(x)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(NativeCausalLM):
     """The native model. `config` is the normalised DecoderConfig; `rotary` carries the inverse
     frequencies from transformers' rope initialiser for this config."""
 
@@ -102,18 +103,3 @@ class Qwen3MoeForCausalLM(nn.Module):
         """A zeroed static KV cache [layers, 2, batch, kv_heads, max_len, head_dim]."""
         c = self.config
         return new_kv_cache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, dtype, device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: torch.Tensor,
-        last_only: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions [B, T] int64; cache written in place -> logits [B, T, V] fp32-or-
-        model-dtype; with last_only [B] (index of each row's last real token) -> [B, V]."""
-        hidden = self.model(input_ids, positions, cache)  # [B, T, H]
-        if last_only is not None:
-            index = last_only[:, None, None].expand(-1, 1, hidden.shape[-1])
-            hidden = hidden.gather(1, index)[:, 0]  # [B, H]
-        return self.lm_head(hidden)
