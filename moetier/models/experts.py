@@ -202,8 +202,9 @@ class ExpertsRuntime:
         self.pairs += topk_ids.numel()
         if mask is not None:
             self.delta_pairs += int(mask.sum())
-        # host syncs: residency decisions are made on the host (the reference path)
-        needed = sorted(set(topk_ids.flatten().tolist()))
+        # host syncs: residency decisions are made on the host (the reference path); the
+        # distinct experts are found on the device, so one sync moves at most E ints
+        needed = torch.unique(topk_ids).tolist()  # sorted
         weight_sum = None  # each expert's summed routing weight, for weight-aware policies only
         if self.residency.policy.weighted:
             weight_sum = (
@@ -237,10 +238,17 @@ class ExpertsRuntime:
                 if i + 1 < len(chunks):
                     following = [e for e in chunks[i + 1] if e in with_delta]
                     upcoming = _keys(layer, chunks[i + 1], following)
-                else:
+                else:  # (a predictor syncs with the host: before this chunk's kernel is queued)
                     upcoming = self._next_layer_guess(layer, hidden, capacity)
-                self.residency.prefetch(upcoming, protect=current)
-            elif len(chunks) == 1 and layer in self.predictors:
+                # the chunk's kernel is queued before the next chunk's copies are issued (their
+                # host-side issue would delay it); the copies wait only for the work queued up
+                # to here (`ready`), so they overlap this kernel and overwrite no slot it reads
+                ready = self.residency.mark()
+                self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask,
+                          out)  # fmt: skip
+                self.residency.prefetch(upcoming, protect=current, after=ready)
+                continue
+            if len(chunks) == 1 and layer in self.predictors:
                 self._prefetch_next(layer, hidden, current)
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
         return out.sum(dim=1).to(hidden.dtype)  # [T, H]

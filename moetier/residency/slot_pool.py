@@ -185,10 +185,11 @@ class SlotPool:
         wanted = set(keys)
         slots = []
         misses = []
+        waited: dict[int, torch.cuda.Event] = {}  # prefetch events waited on (one per batch)
         for key in keys:
             slot = self._slots.get(key)
             if slot is not None:
-                self._wait_prefetch(slot)
+                self._wait_prefetch(slot, waited)
                 if count:
                     self.stats.hits += 1
             else:
@@ -229,12 +230,16 @@ class SlotPool:
         self.stats.evictions += 1
         return self._slots.pop(victim)
 
-    def _wait_prefetch(self, slot: int) -> None:
+    def _wait_prefetch(self, slot: int, waited: dict[int, torch.cuda.Event] | None = None) -> None:
         """Make the compute stream wait (on the GPU, no host sync) for a prefetch copy into
-        `slot` still in flight, before the slot is read or overwritten."""
+        `slot` still in flight, before the slot is read or overwritten. `waited`: the events
+        this request already waited on, by id (a prefetch batch shares one event; held here so
+        no id is reused), skipped."""
         event = self._pending.pop(slot, None)
-        if event is not None:
+        if event is not None and (waited is None or id(event) not in waited):
             torch.cuda.current_stream(self.device).wait_event(event)
+            if waited is not None:
+                waited[id(event)] = event
 
     def _copy_in(self, misses: list[tuple[BlobKey, int]]) -> None:
         """Copy blobs into slots on the current stream: from the host tier where it holds them,
@@ -283,13 +288,29 @@ class SlotPool:
         self._copy_in(misses)
         self.counters.stall_seconds += time.perf_counter() - start
 
-    def prefetch(self, keys: Sequence[BlobKey], protect: Iterable[BlobKey] = ()) -> int:
+    def mark(self) -> torch.cuda.Event | None:
+        """An event recorded now on the compute stream (None on CPU): `prefetch(after=...)`
+        copies wait for the work queued up to this point only."""
+        if self._copy_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def prefetch(
+        self,
+        keys: Sequence[BlobKey],
+        protect: Iterable[BlobKey] = (),
+        after: torch.cuda.Event | None = None,
+    ) -> int:
         """Start copying the blobs of `keys` that are not resident into slots, never evicting a
         blob of `keys` or `protect` (the request being computed); on CUDA on the pool's copy
         stream, after the work already queued on the compute stream (so no slot a queued
         kernel reads is overwritten), with an event the compute stream waits on before the slot
-        is next read or overwritten; on CPU synchronously. Stops when no slot is evictable;
-        returns the number of copies issued."""
+        is next read or overwritten; on CPU synchronously. `after` (from `mark`): wait only for
+        the work queued before it instead; the caller guarantees that what it queued since
+        reads no slot outside `keys` and `protect`. Stops when no slot is evictable; returns the
+        number of copies issued."""
         keep = set(keys) | set(protect)
         todo = [k for k in dict.fromkeys(keys) if k not in self._slots]
         placed = []
@@ -307,7 +328,10 @@ class SlotPool:
             compute = torch.cuda.current_stream(self.device)
             for _, slot in placed:  # an older prefetch into the same slot, on the same stream
                 self._pending.pop(slot, None)
-            self._copy_stream.wait_stream(compute)
+            if after is not None:
+                self._copy_stream.wait_event(after)
+            else:
+                self._copy_stream.wait_stream(compute)
             with torch.cuda.stream(self._copy_stream):
                 self._copy_in(placed)
                 event = torch.cuda.Event()

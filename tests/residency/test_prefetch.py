@@ -77,3 +77,47 @@ def test_streamed_prefill_prefetches_the_next_chunk(tiny):
     below = native(tiny, stream=25, expert_cache_slots=4)  # under the threshold: no streaming
     greedy(below, prompt, 0)
     assert below.runtime.residency.stats.hits == 0
+
+
+def test_streamed_chunk_kernels_are_queued_before_the_next_copies(tiny, monkeypatch):
+    """Each streamed chunk: an event is marked, the chunk's kernel queued, then the next chunk's
+    (or next layer's) copies issued waiting on that mark only, so the copies overlap the kernel
+    and the kernel's launch does not wait for the copies' issue; no blob crosses twice in a
+    layer."""
+    loaded = native(tiny, stream=16, expert_cache_slots=4)
+    runtime, pool = loaded.runtime, loaded.runtime.residency
+    calls: list[tuple[str, object]] = []
+    real_run, real_prefetch, real_copy_in = runtime._run, pool.prefetch, pool._copy_in
+
+    def mark():
+        token = object()  # stands in for the CUDA event
+        calls.append(("mark", token))
+        return token
+
+    def run(layer, *args, **kwargs):
+        calls.append(("run", layer))
+        return real_run(layer, *args, **kwargs)
+
+    def prefetch(keys, protect=(), after=None):
+        calls.append(("prefetch", after))
+        return real_prefetch(keys, protect)
+
+    copied: list[tuple[int, int, str]] = []
+
+    def copy_in(misses):
+        copied.extend(key for key, _ in misses)
+        return real_copy_in(misses)
+
+    monkeypatch.setattr(pool, "mark", mark)
+    monkeypatch.setattr(runtime, "_run", run)
+    monkeypatch.setattr(pool, "prefetch", prefetch)
+    monkeypatch.setattr(pool, "_copy_in", copy_in)
+    prompt = torch.randint(1, 300, (1, 24), generator=torch.Generator().manual_seed(7))
+    greedy(loaded, prompt, 0)
+    kinds = [kind for kind, _ in calls]
+    assert kinds and kinds == ["mark", "run", "prefetch"] * (len(kinds) // 3)
+    for i in range(0, len(calls), 3):
+        assert calls[i + 2][1] is calls[i][1]  # the copies wait on the mark before the kernel
+    for layer in {key[0] for key in copied}:
+        in_layer = [key for key in copied if key[0] == layer]
+        assert len(in_layer) == len(set(in_layer)), layer
