@@ -113,6 +113,24 @@ def h2d_bandwidth(device: str, nbytes: int = 2**28, reps: int = 20) -> float:
     return nbytes / (time_cuda(lambda: dst.copy_(src, non_blocking=True), reps) / 1e3)
 
 
+def h2d_blob_bandwidth(device: str, blob_bytes: int, count: int = 128, reps: int = 10) -> float:
+    """Pinned host -> device bytes/s of `count` blob-sized copies, one copy call per blob
+    between distinct rows (how the slot pool fetches and streams experts); on CPU host memcpys.
+    Next to `h2d_bandwidth` (one large copy) it shows what per-copy overhead costs."""
+    pin = device == "cuda"
+    src = torch.randint(0, 255, (count, blob_bytes), dtype=torch.uint8)
+    src = src.pin_memory() if pin else src
+    dst = torch.empty(count, blob_bytes, dtype=torch.uint8, device=device)
+
+    def run() -> None:
+        for i in range(count):
+            dst[i].copy_(src[i], non_blocking=pin)
+
+    if device != "cuda":
+        return count * blob_bytes / _time_host(run)
+    return count * blob_bytes / (time_cuda(run, reps) / 1e3)
+
+
 @functools.cache
 def _read_host_kernel() -> Any:
     """A Triton kernel copying n int32 words from dst + offset (host memory) to dst."""

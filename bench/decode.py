@@ -23,11 +23,37 @@ under near-uniform routing: the GPU serves gpu-fraction of the active expert byt
 crosses PCIe, disk-fraction of all expert bytes from disk), ratio to the floor, the measured GPU
 hit rate and bytes per token per tier.
 
-Weights are random (synthetic store written directly in q2s form, quant/synthetic.py); routing
-is the model's own router on them (near-uniform). Active bytes per step: every dense weight
-(attention, routers, norms, lm_head; one embedding row per sequence) plus, per MoE layer, the
-expected number of distinct experts a batch touches under uniform routing times an expert's
-bytes.
+Weights are random (synthetic store written directly in q2s form, quant/synthetic.py). Routing
+(--routing, a comma list; each runs every case): `model`, the model's own router on them
+(near-uniform); `trace:PATH`, each MoE layer's top-k replayed from a routing trace in token
+order (bench/trace_routing.py says how a trace's layers and experts map onto the shape;
+eval-moe-70m's router_trace.npz maps onto the Qwen3 shape as 4 groups of 32 experts, 2 per
+group). The device machine has no ../shared: from the repo root, copy the trace into the
+gitignored .carry/ and carry that folder:
+
+  mkdir -p .carry && cp ../shared/models/eval-moe-70m/router_trace.npz .carry/   # 0.7 MB
+  python bench/decode.py --tiered --layers 8 --gpu-fraction 0.25,0.5,1.0 \
+      --routing model,trace:.carry/router_trace.npz
+
+Under trace routing the floor is that of the trace rows the timed steps routed, with the best
+fixed GPU set of the budget's slots for exactly those rows (hindsight; `oracle_hit_rate`); the
+uniform-budget floor is printed beside it (`floor_ms_uniform`).
+
+--prefill-tokens N (each budget below 1, each routing): one N-token prefill streamed from the
+host tier (all experts off the GPU: the slots cycle through the layers), against its PCIe-bound
+floor = bytes of each layer's distinct routed experts / pinned H2D GB/s (same run); beside it
+the same prefill with every blob already in a GPU slot (`resident_ms`: same streamed code path,
+no copies) and with every expert pinned (`pinned_ms`: no host syncs). `bound_ms` = max(floor,
+resident_ms) is what full copy/compute overlap would give; `of_bound` = bound / measured. The
+links line also gives `h2d_per_blob_GB/s`: blob-sized copies one call each, as the pool issues.
+
+--accelerate-tokens N: HF transformers + accelerate offload (bf16 random checkpoint written once
+under --tmp, device_map="auto" with the GPU capped at the dense bytes + the budget's share of
+the bf16 expert bytes + 1 GiB), decode-only ms per token; `vs_accelerate` on the decode lines.
+
+Active bytes per step: every dense weight (attention, routers, norms, lm_head; one embedding
+row per sequence) plus, per MoE layer, the expected number of distinct experts a batch touches
+under uniform routing times an expert's bytes.
 """
 
 from __future__ import annotations
@@ -39,9 +65,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from moetier.config import DEFAULT_STORE, EngineConfig
@@ -59,11 +87,13 @@ from moetier.residency.cost import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
+import trace_routing  # noqa: E402
 from common import (  # noqa: E402
     copy_bandwidth,
     disk_bandwidth,
     emit,
     h2d_bandwidth,
+    h2d_blob_bandwidth,
     memory_bandwidth,
     run_info,
     zero_copy_bandwidth,
@@ -269,23 +299,90 @@ def measure_links(device: str, store: Store, disk_keys: list[Any]) -> LinkSpeeds
     )
 
 
-def predicted_costs(
-    store: Store, speeds: LinkSpeeds, gpu_fraction: float, disk_fraction: float, sync_s: float
-) -> tuple[TokenTraffic, dict[str, float]]:
-    """The budget's bytes per token (batch 1, near-uniform routing) and the cost model's
-    seconds per token for each miss strategy."""
+@dataclass(frozen=True)
+class Routing:
+    """How the MoE layers route: the model's own routers ("model"), or a routing trace mapped
+    onto the shape (bench/trace_routing.py): ids / weights [MoE layers, tokens, k]."""
+
+    name: str
+    ids: np.ndarray | None = None
+    weights: np.ndarray | None = None
+
+    def install(self, model: torch.nn.Module) -> list[trace_routing.TraceRouter]:
+        if self.ids is None or self.weights is None:
+            return []
+        return trace_routing.install(model, self.ids, self.weights)
+
+
+CARRY_TRACE = (
+    "mkdir -p .carry && cp ../shared/models/eval-moe-70m/router_trace.npz .carry/  # 0.7 MB"
+)
+
+
+def parse_routings(spec: str, store: Store) -> list[Routing]:
+    """`--routing`: a comma list of `model` and `trace:PATH`."""
+    cfg = store.model_config
+    out = []
+    for item in spec.split(","):
+        if item == "model":
+            out.append(Routing("model"))
+        elif item.startswith("trace:"):
+            path = Path(item.removeprefix("trace:"))
+            if not path.is_file():
+                raise SystemExit(
+                    f"--routing {item}: no such file (from the repo root: {CARRY_TRACE})"
+                )
+            ids, probs, experts = trace_routing.load_trace(path)
+            try:
+                mapped = trace_routing.map_trace(
+                    ids, probs, experts, len(store.moe_layers), cfg.num_experts, cfg.top_k
+                )
+            except ValueError as e:
+                raise SystemExit(f"--routing {item}: {e}") from None
+            out.append(Routing(f"trace:{path.name}", *mapped))
+        else:
+            raise SystemExit(f"--routing {item!r}: use model or trace:PATH")
+    return out
+
+
+def uniform_traffic(
+    store: Store, gpu_fraction: float, disk_fraction: float, sync_s: float
+) -> TokenTraffic:
+    """The budget's bytes per token at batch 1 under near-uniform routing: the GPU serves
+    gpu_fraction of the active expert bytes, disk_fraction of them come from disk, the rest
+    crosses PCIe from host RAM."""
     cfg = store.model_config
     expert = next(iter(store.blobs.values())).nbytes
     experts = len(store.moe_layers) * cfg.top_k * expert
     disk = experts * disk_fraction
-    traffic = TokenTraffic(
+    return TokenTraffic(
         dense=dense_bytes(store, 1),
         gpu=experts * gpu_fraction,
         host=max(0.0, experts * (1 - gpu_fraction) - disk),
         disk=disk,
         sync_seconds=sync_s,
     )
-    return traffic, miss_costs(traffic, speeds)
+
+
+def trace_traffic(
+    store: Store, ids: np.ndarray, rows: range, slots: int, disk_keys: set[Any], sync_s: float
+) -> TokenTraffic:
+    """Bytes per token of trace `rows` if the GPU held the best fixed set of `slots` blobs for
+    exactly those rows (trace_routing.oracle_hot_set): hits read from HBM, disk-only blobs
+    from disk, the rest over PCIe from host RAM."""
+    cfg = store.model_config
+    expert = next(iter(store.blobs.values())).nbytes
+    counts = trace_routing.trace_counts(ids, rows, cfg.num_experts)  # [L, E]
+    hot = trace_routing.oracle_hot_set(counts, slots)
+    on_disk = np.zeros(counts.shape, dtype=bool)
+    for layer, e, _ in disk_keys:
+        on_disk[store.moe_layers.index(layer), e] = True
+    tokens = max(1, len(rows))
+    gpu = counts[hot].sum() * expert / tokens
+    disk = counts[~hot & on_disk].sum() * expert / tokens
+    host = counts[~hot & ~on_disk].sum() * expert / tokens
+    return TokenTraffic(dense=dense_bytes(store, 1), gpu=float(gpu), host=float(host),
+                        disk=float(disk), sync_seconds=sync_s)  # fmt: skip
 
 
 def counters(runtime: Any) -> dict[str, float]:
@@ -307,10 +404,11 @@ def counters(runtime: Any) -> dict[str, float]:
 
 def time_tiered(
     path: Path, device: str, gpu_fraction: float, disk_keys: set[Any], strategy: str,
-    steps: int, rebalance_every: int, compiled: bool,
+    steps: int, rebalance_every: int, compiled: bool, routing: Routing,
 ) -> dict[str, Any]:  # fmt: skip
     """Decode `steps` tokens at batch 1 under one tier configuration; ms per token, the
-    eager ms per token (host-decided paths and graph warm-up), and counter deltas per token."""
+    eager ms per token (host-decided paths and graph warm-up), counter deltas per token and
+    the trace rows the timed steps routed by (trace routing)."""
     from moetier.models.experts import router_weights
     from moetier.residency.host_tier import HostTier
 
@@ -323,6 +421,7 @@ def time_tiered(
                           expert_cache_slots=slots,
                           expert_reads="direct" if disk_keys else "mmap")  # fmt: skip
     loaded = load_model(path, engine)
+    routers = routing.install(loaded.model)
     runtime = loaded.runtime
     store = runtime.residency.store
     if strategy == "resident":
@@ -366,6 +465,7 @@ def time_tiered(
             step()
         sync()
         before = counters(runtime)
+        first_row = int(routers[0].cursor) if routers else 0
         start = time.perf_counter()
         for i in range(steps):
             if rebalance_every and strategy == "zero_copy" and i and i % rebalance_every == 0:
@@ -374,34 +474,28 @@ def time_tiered(
         sync()
         ms = (time.perf_counter() - start) / steps * 1e3
         after = counters(runtime)
+        last_row = int(routers[0].cursor) if routers else 0
     delta = {k: (after[k] - before[k]) / steps for k in after}
-    return {"ms": ms, "eager_ms": eager_ms, "per_token": delta, "slots": slots}
+    return {"ms": ms, "eager_ms": eager_ms, "per_token": delta, "slots": slots,
+            "rows": range(first_row, last_row)}  # fmt: skip
 
 
-def time_prefill(path: Path, device: str, gpu_fraction: float, tokens: int) -> dict[str, float]:
-    """One prefill of `tokens` tokens (batch 1) with `gpu_fraction` of the base blobs' slots and
-    every blob in a pinned host tier: calls of >= STREAM_TOKENS stream each layer's experts, the
-    next chunk copied while one computes. Seconds (best of 2 after a warm-up) and the bytes the
-    timed prefill moved host -> GPU."""
-    from moetier.residency.host_tier import HostTier
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    probe = Store(path)
-    slots = max(2, round(gpu_fraction * sum(1 for k in probe.blobs if k[2] == "base")))
-    probe.close()
-    engine = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."), native=True,
-                          expert_cache_slots=slots)  # fmt: skip
-    loaded = load_model(path, engine)
+def _time_prefills(
+    loaded: Any, routers: list[Any], ids: list[list[int]], device: str
+) -> tuple[float, float, float]:
+    """Best seconds of 2 prefills of `ids` after a warm-up (the same tokens and, with trace
+    routing, the same trace rows each time), with the host bytes moved in and the expert
+    blobs requested (pairs of distinct experts per layer) by the best one."""
     runtime = loaded.runtime
-    store = runtime.residency.store
-    runtime.residency.host = HostTier(store, sorted(store.blobs))
-    ids = torch.randint(0, loaded.model_config.vocab_size, (1, tokens),
-                        generator=torch.Generator().manual_seed(tokens)).tolist()  # fmt: skip
-    dec = StaticDecoder(loaded.model, 1, tokens + 8, dtype, device)
-    best, moved = math.inf, 0.0
+    dec = StaticDecoder(loaded.model, 1, len(ids[0]) + 8, next(loaded.model.parameters()).dtype,
+                        device)  # fmt: skip
+    stats = runtime.residency.stats
+    best, moved, requested = math.inf, 0.0, 0.0
     with torch.inference_mode():
         for i in range(3):
-            before = counters(runtime)["host_bytes"]
+            for router in routers:
+                router.cursor.zero_()
+            before, asked = counters(runtime)["host_bytes"], stats.hits + stats.misses
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -411,10 +505,51 @@ def time_prefill(path: Path, device: str, gpu_fraction: float, tokens: int) -> d
             seconds = time.perf_counter() - start
             if i and seconds < best:
                 best, moved = seconds, counters(runtime)["host_bytes"] - before
-    del dec, loaded
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return {"seconds": best, "host_bytes": moved, "slots": float(slots)}
+                requested = float(stats.hits + stats.misses - asked)
+    del dec
+    return best, moved, requested
+
+
+def time_prefill(
+    path: Path, device: str, gpu_fraction: float, tokens: int, routing: Routing
+) -> dict[str, float]:
+    """One prefill of `tokens` tokens (batch 1) with `gpu_fraction` of the base blobs' slots and
+    every blob in a pinned host tier: calls of >= STREAM_TOKENS stream each layer's experts, the
+    next chunk (or layer) copied while one computes. Seconds (best of 2 after a warm-up), the
+    bytes moved host -> GPU and the expert bytes the prefill needed (each layer's distinct
+    experts); then the same prefill with every blob already in a GPU slot (same streamed code
+    path, no copies: its compute and host syncs) and with every expert pinned (one kernel call
+    per layer, no host sync)."""
+    from moetier.residency.host_tier import HostTier
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    probe = Store(path)
+    n_blobs = len(probe.blobs)
+    blob = next(iter(probe.blobs.values())).nbytes
+    slots = max(2, round(gpu_fraction * sum(1 for k in probe.blobs if k[2] == "base")))
+    prompt = torch.randint(0, probe.model_config.vocab_size, (1, tokens),
+                           generator=torch.Generator().manual_seed(tokens)).tolist()  # fmt: skip
+    probe.close()
+    out: dict[str, float] = {"slots": float(slots)}
+    for case, cache_slots in (("tiered", slots), ("resident", n_blobs)):
+        engine = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."),
+                              native=True, expert_cache_slots=cache_slots)  # fmt: skip
+        loaded = load_model(path, engine)
+        routers = routing.install(loaded.model)
+        runtime = loaded.runtime
+        store = runtime.residency.store
+        runtime.residency.host = HostTier(store, sorted(store.blobs))
+        seconds, moved, requested = _time_prefills(loaded, routers, prompt, device)
+        if case == "tiered":
+            out.update(seconds=seconds, host_bytes=moved, needed_bytes=requested * blob)
+        else:
+            out.update(resident_seconds=seconds, resident_host_bytes=moved)
+            runtime.pin_all()  # every blob is in a slot already: no copies
+            out["pinned_seconds"] = _time_prefills(loaded, routers, prompt, device)[0]
+        del loaded, runtime, store, routers
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
@@ -427,7 +562,9 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
         DEFAULT_STORE,
     )  # fmt: skip
     store = Store(path)
+    routings = parse_routings(args.routing, store)
     base = sorted(k for k in store.blobs if k[2] == "base")
+    blob_bytes = next(iter(store.blobs.values())).nbytes
     fractions = sorted((float(f) for f in args.gpu_fraction.split(",")), reverse=True)
     disk_fractions = [float(f) for f in args.disk_fraction.split(",")]
     for f in fractions + disk_fractions:
@@ -439,36 +576,75 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
     speeds = measure_links(device, store, sorted(disk_sets[max(disk_fractions)]))
     gbps = {f"{name}_GB/s": round(getattr(speeds, name) / 1e9, 2)
             for name in ("hbm", "h2d", "zero_copy", "disk")}  # fmt: skip
-    emit({**info, "case": "links", **gbps})
-    for f in fractions if args.prefill_tokens else []:
-        if f >= 1:
-            continue
-        p = time_prefill(path, device, f, args.prefill_tokens)
-        floor_s = p["host_bytes"] / speeds.h2d  # the PCIe-bound floor: its bytes at pinned H2D
-        emit({**info, "case": "prefill-tiered", "device_kind": device, "layers": args.layers,
-              "shape": args.shape, "experts": experts, "gpu_fraction": f,
-              "gpu_slots": int(p["slots"]), "tokens": args.prefill_tokens,
-              "ms": round(p["seconds"] * 1e3, 3),
-              "tok_s": round(args.prefill_tokens / p["seconds"], 1),
-              "host_MB": round(p["host_bytes"] / 1e6, 2),
-              "floor_ms": round(floor_s * 1e3, 3),
-              "of_floor": round(floor_s / p["seconds"], 3), **gbps})  # fmt: skip
+    # per-blob copies (as the slot pool issues them) next to the one large copy of h2d_GB/s
+    per_blob = h2d_blob_bandwidth(device, blob_bytes, min(128, len(base)))
+    emit({**info, "case": "links", **gbps, "h2d_per_blob_GB/s": round(per_blob / 1e9, 2),
+          "blob_bytes": blob_bytes})  # fmt: skip
+    common = {"device_kind": device, "layers": args.layers, "shape": args.shape,
+              "experts": experts}  # fmt: skip
+    for routing in routings if args.prefill_tokens else []:
+        for f in fractions:
+            if f >= 1:
+                continue
+            p = time_prefill(path, device, f, args.prefill_tokens, routing)
+            # the PCIe-bound floor: each layer's needed experts cross once, at pinned H2D
+            floor_s = p["needed_bytes"] / speeds.h2d
+            bound_s = max(floor_s, p["resident_seconds"])  # what full overlap would give
+            emit({**info, "case": "prefill-tiered", **common, "routing": routing.name,
+                  "gpu_fraction": f, "gpu_slots": int(p["slots"]),
+                  "tokens": args.prefill_tokens, "ms": round(p["seconds"] * 1e3, 3),
+                  "tok_s": round(args.prefill_tokens / p["seconds"], 1),
+                  "host_MB": round(p["host_bytes"] / 1e6, 2),
+                  "needed_MB": round(p["needed_bytes"] / 1e6, 2),
+                  "floor_ms": round(floor_s * 1e3, 3),
+                  "of_floor": round(floor_s / p["seconds"], 3),
+                  "resident_ms": round(p["resident_seconds"] * 1e3, 3),
+                  "resident_host_MB": round(p["resident_host_bytes"] / 1e6, 2),
+                  "pinned_ms": round(p["pinned_seconds"] * 1e3, 3),
+                  "bound_ms": round(bound_s * 1e3, 3),
+                  "of_bound": round(bound_s / p["seconds"], 3), **gbps})  # fmt: skip
     accelerate: dict[float, float] = {}  # gpu fraction -> HF + accelerate offload tok/s
     for f in fractions if args.accelerate_tokens else []:
         if f >= 1:
             continue
         t = time_accelerate(shape, f, args.accelerate_tokens, args.tmp, device)
         accelerate[f] = 1e3 / t["ms"]
-        emit({**info, "case": "decode-accelerate", "device_kind": device, "layers": args.layers,
-              "shape": args.shape, "batch": 1, "gpu_fraction": f,
+        emit({**info, "case": "decode-accelerate", **common, "batch": 1, "gpu_fraction": f,
               "gpu_cap_GiB": round(t["gpu_cap_bytes"] / 2**30, 2),
               "ms_per_token": round(t["ms"], 3), "tok_s": round(accelerate[f], 3)})  # fmt: skip
+    for routing in routings:
+        run_decode_cases(args, info, path, store, routing, fractions, disk_fractions, disk_sets,
+                         speeds, gbps, accelerate)  # fmt: skip
+    store.close()
+
+
+def run_decode_cases(
+    args: argparse.Namespace, info: dict[str, Any], path: Path, store: Store, routing: Routing,
+    fractions: list[float], disk_fractions: list[float], disk_sets: dict[float, set[Any]],
+    speeds: LinkSpeeds, gbps: dict[str, float], accelerate: dict[float, float],
+) -> None:  # fmt: skip
+    """One decode line per (GPU budget, disk fraction, strategy) under `routing`. The floor is
+    the budget's under near-uniform routing (model routing) or the trace rows' with the best
+    fixed GPU placement (trace routing; the uniform one is printed beside it)."""
+    device = args.device
+    experts = args.experts.split(",")[0]
+    blob_bytes = next(iter(store.blobs.values())).nbytes
+    # trace rows the timed steps will roughly use (prompt, first step, warm-up, capture): for
+    # the cost model's choice before the run; the floor uses the rows actually routed
+    expected = range(PROMPT + WARMUP + 2, PROMPT + WARMUP + 2 + args.steps)
     sync_s = 0.0  # host-decision overhead per token, from the resident case when it runs
     for gpu_fraction in fractions:
         for disk_fraction in disk_fractions:
             if gpu_fraction >= 1 and disk_fraction > 0:
                 continue  # nothing is off the GPU
-            traffic, costs = predicted_costs(store, speeds, gpu_fraction, disk_fraction, sync_s)
+            slots = max(1, round(gpu_fraction * len(store.moe_layers)
+                                 * store.model_config.num_experts))  # fmt: skip
+            disk_keys = disk_sets[disk_fraction]
+            uniform = uniform_traffic(store, gpu_fraction, disk_fraction, sync_s)
+            traffic = uniform
+            if routing.ids is not None:
+                traffic = trace_traffic(store, routing.ids, expected, slots, disk_keys, sync_s)
+            costs = miss_costs(traffic, speeds)
             if gpu_fraction >= 1:
                 strategies = ["resident"]
             elif args.strategy == "auto":
@@ -479,39 +655,50 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
                 if strategy == "zero_copy" and disk_fraction > 0:
                     print("# zero_copy cannot serve blobs on disk: skipped", file=sys.stderr)
                     continue
-                t = time_tiered(path, device, gpu_fraction, disk_sets[disk_fraction],
-                                strategy, args.steps, args.rebalance_every,
-                                args.compile != "off")  # fmt: skip
+                t = time_tiered(path, device, gpu_fraction, disk_keys, strategy, args.steps,
+                                args.rebalance_every, args.compile != "off", routing)  # fmt: skip
                 if device == "cuda":
                     torch.cuda.empty_cache()
                 if strategy == "resident":
                     sync_s = max(0.0, (t["eager_ms"] - t["ms"]) / 1e3)
                 per = t["per_token"]
-                expert_bytes = per["pairs"] * next(iter(store.blobs.values())).nbytes
-                floor_s = floor_seconds(traffic, speeds)
+                expert_bytes = per["pairs"] * blob_bytes
+                floor_traffic, floor_kind = uniform, "uniform budget"
+                extra: dict[str, Any] = {}
+                if routing.ids is not None:
+                    extra["floor_ms_uniform"] = round(floor_seconds(uniform, speeds) * 1e3, 6)
+                    floor_traffic = trace_traffic(store, routing.ids, t["rows"], t["slots"],
+                                                  disk_keys, sync_s)  # fmt: skip
+                    floor_kind = "trace rows, best fixed GPU set"
+                    extra["trace_rows"] = [t["rows"].start, t["rows"].stop]
+                    moved = floor_traffic.gpu + floor_traffic.host + floor_traffic.disk
+                    extra["oracle_hit_rate"] = round(floor_traffic.gpu / moved, 4)
+                floor_s = floor_seconds(floor_traffic, speeds)
                 rec = {**info, "case": "decode-tiered", "device_kind": device,
                        "layers": args.layers, "shape": args.shape, "batch": 1,
-                       "experts": experts, "gpu_fraction": gpu_fraction,
-                       "disk_fraction": disk_fraction, "gpu_slots": t["slots"],
-                       "strategy": strategy,
+                       "experts": experts, "routing": routing.name,
+                       "gpu_fraction": gpu_fraction, "disk_fraction": disk_fraction,
+                       "gpu_slots": t["slots"], "strategy": strategy,
                        "chosen_by": "budget" if strategy == "resident" else
                                     "cost model" if args.strategy == "auto" else "flag",
+                       "rebalance_every": args.rebalance_every,
                        # None: the strategy cannot serve this configuration (zero_copy + disk)
                        "predicted_ms": {k: round(v * 1e3, 4) if math.isfinite(v) else None
                                         for k, v in costs.items()},
                        "ms_per_token": round(t["ms"], 6), "tok_s": round(1e3 / t["ms"], 1),
                        "eager_ms_per_token": round(t["eager_ms"], 4),
-                       "floor_ms": round(floor_s * 1e3, 6),
+                       "floor_ms": round(floor_s * 1e3, 6), "floor_kind": floor_kind,
                        "ratio_to_floor": round(t["ms"] / (floor_s * 1e3), 3),
                        "hit_rate": round(per["gpu"] / per["pairs"], 4) if per["pairs"] else None,
                        "bytes_per_token": {"gpu": round(expert_bytes * per["gpu"] / per["pairs"]
                                                         if per["pairs"] else 0),
                                            "host": round(per["host_bytes"]),
                                            "disk": round(per["disk_bytes"])},
-                       "floor_bytes_per_token": {"active": round(traffic.active),
-                                                 "missed": round(traffic.host + traffic.disk),
-                                                 "disk": round(traffic.disk)},
-                       **gbps}  # fmt: skip
+                       "floor_bytes_per_token": {"active": round(floor_traffic.active),
+                                                 "missed": round(floor_traffic.host
+                                                                 + floor_traffic.disk),
+                                                 "disk": round(floor_traffic.disk)},
+                       **extra, **gbps}  # fmt: skip
                 if strategy == "resident":
                     rec["hit_rate"] = 1.0
                 if gpu_fraction in accelerate and disk_fraction == 0:
@@ -520,7 +707,6 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
                     rec["prefetch_precision"] = round(per["used"] / per["issued"], 3)
                     rec["prefetch_recall"] = round(per["used"] / per["needed"], 3)
                 emit(rec)
-    store.close()
 
 
 def main() -> None:
@@ -552,6 +738,12 @@ def main() -> None:
         default=0,
         help="tiered: also time HF + accelerate offload (bf16, GPU capped at each budget) over "
         "this many new tokens (0: skip; needs the accelerate package)",
+    )
+    parser.add_argument(
+        "--routing",
+        default="model",
+        help="tiered: comma list of model (the model's own routers) and trace:PATH (each MoE "
+        "layer's top-k replayed from a routing trace .npz, bench/trace_routing.py)",
     )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="tiered")
     parser.add_argument("--shape", default="qwen3", choices=("qwen3", "tiny"), help="tiered")
