@@ -49,7 +49,8 @@ links line also gives `h2d_per_blob_GB/s`: blob-sized copies one call each, as t
 
 --accelerate-tokens N: HF transformers + accelerate offload (bf16 random checkpoint written once
 under --tmp, device_map="auto" with the GPU capped at the dense bytes + the budget's share of
-the bf16 expert bytes + 1 GiB), decode-only ms per token; `vs_accelerate` on the decode lines.
+the bf16 expert bytes + 1 GiB; `gpu_expert_fraction`: the expert bytes it put on the GPU),
+decode-only ms per token; `vs_accelerate` on the decode lines.
 
 Active bytes per step: every dense weight (attention, routers, norms, lm_head; one embedding
 row per sequence) plus, per MoE layer, the expected number of distinct experts a batch touches
@@ -61,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -232,11 +234,19 @@ def time_accelerate(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**shape)
-    path = tmp / f"moetier-accelerate-{shape['num_hidden_layers']}"
+    path = tmp / f"moetier-accelerate-{shape['hidden_size']}-{shape['num_hidden_layers']}"
     if not (path / "config.json").exists():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.save_pretrained(path)
+        # random init on the GPU when there is one (seconds, not a minute of CPU init for the
+        # 8-layer slice's 10 GB), written to a side folder and renamed when complete
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        partial = path.with_name(path.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(partial)
+        partial.rename(path)
         del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     sizes = {n: p.numel() * 2 for n, p in meta.named_parameters()}
@@ -250,6 +260,13 @@ def time_accelerate(
         path, dtype=torch.bfloat16, device_map="auto", max_memory=max_memory,
         experts_implementation="batched_mm",
     ).eval()  # fmt: skip
+    placed = getattr(model, "hf_device_map", {}) or {}
+
+    def on_gpu(name: str) -> bool:  # the device of the longest module prefix of `name`
+        prefixes = [m for m in placed if name == m or name.startswith(m + ".") or m == ""]
+        return bool(prefixes) and placed[max(prefixes, key=len)] not in ("cpu", "disk")
+
+    gpu_experts = sum(v for n, v in sizes.items() if ".experts." in n and on_gpu(n))
     first = "cuda" if device == "cuda" else "cpu"
     ids = torch.randint(0, config.vocab_size, (1, PROMPT), device=first)
 
@@ -269,7 +286,8 @@ def time_accelerate(
         full = run(new_tokens)
     del model
     ms = (full - one) / (new_tokens - 1) * 1e3
-    return {"ms": ms, "gpu_cap_bytes": float(cap if device == "cuda" else 0)}
+    return {"ms": ms, "gpu_cap_bytes": float(cap if device == "cuda" else 0),
+            "gpu_expert_fraction": gpu_experts / experts}  # fmt: skip
 
 
 TINY_SHAPE = dict(  # the CPU smoke-test shape: Qwen3-MoE layout, tiny sizes
@@ -611,6 +629,8 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
         accelerate[f] = 1e3 / t["ms"]
         emit({**info, "case": "decode-accelerate", **common, "batch": 1, "gpu_fraction": f,
               "gpu_cap_GiB": round(t["gpu_cap_bytes"] / 2**30, 2),
+              # share of the bf16 expert bytes accelerate placed on the GPU under the cap
+              "gpu_expert_fraction": round(t["gpu_expert_fraction"], 3),
               "ms_per_token": round(t["ms"], 3), "tok_s": round(accelerate[f], 3)})  # fmt: skip
     for routing in routings:
         run_decode_cases(args, info, path, store, routing, fractions, disk_fractions, disk_sets,
@@ -774,6 +794,17 @@ def main() -> None:
             parser.error("no CUDA device: run with --device cpu --shape tiny")
         if args.steps < 1:
             parser.error("--steps must be at least 1")
+        if args.accelerate_tokens:
+            import importlib.util
+
+            if args.accelerate_tokens < 2:
+                parser.error("--accelerate-tokens must be at least 2 (decode-only time)")
+            if importlib.util.find_spec("accelerate") is None:
+                parser.error(
+                    "--accelerate-tokens needs the accelerate package; with no registry, carry a "
+                    "wheel: pip download accelerate==1.13.0 --no-deps -d .carry/wheels (here), "
+                    "pip install --no-deps .carry/wheels/accelerate-*.whl (there)"
+                )
         run_tiered(args, run_info())
         return
     if args.steps < 16:

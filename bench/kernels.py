@@ -264,12 +264,47 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
     }
 
 
+def tune_q2s_mma(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
+    """Best q2s prefill kernel (`q2s_mma.py`) configs: gate_up swept with down at its default,
+    then down over the candidates with the best gate_up's BLOCK_M."""
+    pairs = tokens * case.top_k
+    gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
+    assert gu is not None and dn is not None
+    rows = moe_dispatch.mean_rows(pairs, case.experts)
+    base = moe_dispatch.Q2S_MMA
+    cands = [
+        replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+        for bm, bn, bk, w, st in [
+            (16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (32, 128, 64, 4, 3),
+            (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3),
+            (64, 64, 128, 4, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 4), (32, 64, 128, 4, 3),
+        ]
+        if bm <= max(16, 2 * rows)
+    ]  # fmt: skip
+    dn_default = moe_dispatch.choose_q2s_mma(pairs, case.experts, (gu.n, gu.k), (dn.n, dn.k))[1]
+    best_gu = min(
+        cands, key=lambda c: time_config(case, tokens, c, replace(dn_default, block_m=c.block_m))
+    )
+    best_dn = min(
+        (c for c in cands if c.block_m == best_gu.block_m),
+        key=lambda c: time_config(case, tokens, best_gu, c),
+    )
+    fields = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    return {
+        f"q2s-mma:{gu.n}x{gu.k}:m{rows}": {f: asdict(best_gu)[f] for f in fields},
+        f"q2s-mma:{dn.n}x{dn.k}:m{rows}": {f: asdict(best_dn)[f] for f in fields},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--tune", action="store_true", help="sweep configs first")
     parser.add_argument("--tune-tokens", default="1,4096")
+    parser.add_argument(
+        "--tune-mma", default="", help="tokens to tune the q2s prefill kernel at (e.g. 512,4096)"
+    )
     parser.add_argument("--configs-out", type=Path, help="where --tune writes the tuned JSON")
     parser.add_argument("--no-baseline", action="store_true")
     args = parser.parse_args()
@@ -288,12 +323,14 @@ def main() -> None:
             "q2s-fitted": Case(shape, q2s, None, fitted_grid=True),
             "q2s+nvfp4": Case(shape, q2s, nvfp4),
         }
-        if args.tune:
-            for t in (int(t) for t in args.tune_tokens.split(",")):
+        if args.tune or args.tune_mma:
+            for t in (int(t) for t in args.tune_tokens.split(",") if args.tune):
                 if t * top_k < moe_dispatch.GEMM_MIN_PAIRS:
                     tuned.update(tune_q2s_gemv(cases["q2s"], t))
                 else:
                     tuned.update(tune(cases["q2s"], t))
+            for t in (int(t) for t in args.tune_mma.split(",") if t):
+                tuned.update(tune_q2s_mma(cases["q2s"], t))
             moe_dispatch.tuned_configs.cache_clear()
             path = moe_dispatch.CONFIG_DIR / f"{moe_dispatch._device_name()}.json"
             path.parent.mkdir(exist_ok=True)

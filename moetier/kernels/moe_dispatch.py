@@ -32,12 +32,15 @@ class KernelChoice:
     num_warps: int = 4
     num_stages: int = 2
     int8_act: bool = False  # q2s GEMV only: activations quantized to int8 per 16 columns, IDP4A
+    q2s_mma: bool = False  # q2s grouped GEMM on tensor cores (`q2s_mma.py`), prefill
 
 
 GEMV = KernelChoice()
 # q2s GEMV kernel (`_q2s_gemv_kernel`): block_n = rows per program (four sub-tiles), no split-K
 Q2S_GEMV = KernelChoice(block_n=64, block_k=512, num_warps=4, int8_act=True)
 GEMM = KernelChoice(grouped=True, use_dot=True, block_m=32, block_n=64, block_k=64, num_warps=4)
+# q2s prefill kernel (`q2s_mma.py`); block_m follows the mean pairs per expert (`mean_rows`)
+Q2S_MMA = replace(GEMM, block_n=64, block_k=64, num_stages=3, q2s_mma=True)
 
 
 def _device_name() -> str:
@@ -58,13 +61,16 @@ def tuned_configs(device_name: str) -> dict[str, dict[str, int | bool]]:
     return data
 
 
+def mean_rows(pairs: int, num_experts: int) -> int:
+    """Mean pairs per expert as a power of two, 16..128: what sets the best BLOCK_M."""
+    return max(16, min(128, 1 << max(0, (pairs // max(1, num_experts) - 1).bit_length())))
+
+
 def config_key(pairs: int, num_experts: int, n: int, k: int) -> str:
-    """Key of a tuned config: mode, weight shape, and for GEMM the mean rows per expert as a
-    power of two (16..128), which sets the best BLOCK_M."""
+    """Key of a tuned config: mode, weight shape, and for GEMM the mean rows per expert."""
     if pairs < GEMM_MIN_PAIRS:
         return f"gemv:{n}x{k}"
-    rows = max(16, min(128, 1 << max(0, (pairs // max(1, num_experts) - 1).bit_length())))
-    return f"gemm:{n}x{k}:m{rows}"
+    return f"gemm:{n}x{k}:m{mean_rows(pairs, num_experts)}"
 
 
 def choose_pair(
@@ -101,3 +107,18 @@ def choose_q2s_gemv(n: int, k: int) -> KernelChoice:
     """Config of the q2s GEMV kernel for one [n, k] projection (few pairs per call)."""
     tuned = tuned_configs(_device_name()).get(f"q2s-gemv:{n}x{k}")
     return replace(Q2S_GEMV, **tuned) if tuned else Q2S_GEMV  # type: ignore[arg-type]
+
+
+def choose_q2s_mma(
+    pairs: int, num_experts: int, gate_up: tuple[int, int], down: tuple[int, int]
+) -> tuple[KernelChoice, KernelChoice]:
+    """Configs of the q2s prefill kernel's two launches; down takes gate_up's BLOCK_M (both walk
+    the same blocks of pairs)."""
+    rows = mean_rows(pairs, num_experts)
+    table = tuned_configs(_device_name())
+    base = replace(Q2S_MMA, block_m=min(64, rows))
+    tuned = table.get(f"q2s-mma:{gate_up[0]}x{gate_up[1]}:m{rows}")
+    c_gu = replace(base, **tuned) if tuned else base  # type: ignore[arg-type]
+    tuned = table.get(f"q2s-mma:{down[0]}x{down[1]}:m{rows}")
+    c_dn = replace(base, **tuned) if tuned else base  # type: ignore[arg-type]
+    return c_gu, replace(c_dn, block_m=c_gu.block_m, split_k=1)

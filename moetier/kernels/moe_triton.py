@@ -45,6 +45,7 @@ from moetier.kernels.moe_dispatch import (
     KernelChoice,
     choose_pair,
     choose_q2s_gemv,
+    choose_q2s_mma,
 )
 
 # Kinds of a matrix inside a blob (constexpr in the kernels).
@@ -950,13 +951,24 @@ def moe_slots_triton(
         slot_offsets *= pool.stride(0)
     pairs = tokens * top_k
     inter = gu.n // 2
+    from moetier.kernels import q2s_mma  # it imports this module's tile decoders
+
     if choice is None:
         experts = slot_table.shape[0]
         if pairs < Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(gu, dn, dgu, ddn):
             choice = (choose_q2s_gemv(gu.n, gu.k), choose_q2s_gemv(dn.n, dn.k))
+        elif q2s_mma.supports(gu, dn, dgu, ddn):
+            choice = choose_q2s_mma(pairs, experts, (gu.n, gu.k), (dn.n, dn.k))
         else:
             choice = choose_pair(pairs, experts, (gu.n, gu.k), (dn.n, dn.k))
     c_gu, c_dn = choice
+    if c_gu.q2s_mma:
+        if not (c_dn.q2s_mma and q2s_mma.supports(gu, dn, dgu, ddn)):
+            raise ValueError(f"the q2s prefill kernel does not run {fmt.name} (both launches)")
+        q2s_mma.q2s_mma(hidden, topk_ids, topk_weights, slot_table, pool, slot_offsets, fmt, act,
+                        out, gu, dn, dgu, ddn, c_gu, c_dn, delta_mask,
+                        delta_table if use_delta else None)  # fmt: skip
+        return c_gu, c_dn
     if not c_gu.grouped and q2s_gemv_supports(gu, dn, dgu, ddn):
         _q2s_gemv(hidden, topk_ids.contiguous(), topk_weights.contiguous(), slot_table, pool,
                   slot_offsets, fmt, act, out, gu, dn, dgu, ddn, c_gu, c_dn, delta_mask,

@@ -295,3 +295,34 @@ def test_gpu_awkward_shapes():
     run_case("q2s", 64, 8, 16, 512, 96, one_expert=True, non_contiguous=True, seed=10)
     run_case("q2s", 2, 2, 64, 256, 96, present_frac=0.1, seed=11)  # most experts absent
     run_case("bfloat16", 7, 2, 8, 256, 97, dtype=torch.bfloat16, seed=12)  # odd N
+
+
+Q2S_MMA = moe_dispatch.KernelChoice(
+    grouped=True, use_dot=True, block_m=16, block_n=16, block_k=32, q2s_mma=True
+)
+
+
+@pytest.mark.parametrize("fmt_name", ["q2s", "q2s+nvfp4", "q2s+q2s"])
+def test_q2s_mma(fmt_name):
+    run_case(fmt_name, 9, 2, 6, 64, 32, force=(Q2S_MMA, Q2S_MMA), present_frac=0.7, seed=3)
+
+
+@pytest.mark.parametrize("act", ["silu_clamped", "gpt_oss"])
+def test_q2s_mma_activations_and_bias(act):
+    run_case("q2s", 9, 2, 4, 64, 32, act=act, bias=True, force=(Q2S_MMA, Q2S_MMA), seed=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_q2s_mma(dtype):
+    """The prefill kernel (PRMT lookup for 16-bit dots) at every size and awkward shape."""
+    force = (Q2S_MMA, Q2S_MMA)
+    for tokens in (1, 7, 65, 600):
+        run_case("q2s", tokens, 4, 16, 256, 96, dtype=dtype, force=force, seed=tokens)
+    run_case("q2s", 65, 8, 32, 32, 32, dtype=dtype, force=force, seed=9)  # K = the group
+    run_case("q2s", 64, 8, 16, 512, 96, dtype=dtype, force=force, one_expert=True,
+             non_contiguous=True, seed=10)  # fmt: skip
+    run_case("q2s", 33, 2, 8, 256, 97 * 16, dtype=dtype, force=force, seed=12)  # odd row tiles
+    for mask in ("off", "on", "random"):
+        run_case("q2s+nvfp4", 65, 4, 16, 256, 96, dtype=dtype, mask=mask, force=force,
+                 host_slots=10, seed=13)  # fmt: skip
