@@ -5,9 +5,11 @@ needed: Triton's bundled ptxas and nvdisasm).
   python bench/sass_count.py --float           # float activations
   python bench/sass_count.py --delta nvfp4     # with the NVFP4 delta decoded in the loop
 
-Prints one JSON line: registers, spilled bytes, instructions of the loop body on the path
-without the runtime branches (fitted grid, delta on), weights per thread per K step, and the
-instructions per weight.
+Prints one JSON line: registers, spilled bytes, weights per thread per K step, and the K loop's
+instructions per weight on each path through its runtime-conditional blocks: `per_weight` skips
+them all (b = 3a grid, delta off), `per_weight_fitted` takes the fitted grid's blocks (b != 3a),
+`per_weight_delta` the delta's (blocks holding PRMT: the NVFP4 delta), `per_weight_all` every
+block. `--dump FILE` writes the loop's SASS.
 """
 
 from __future__ import annotations
@@ -44,12 +46,16 @@ def main() -> None:
     parser.add_argument("--sub", type=int, default=16, help="rows per sub-tile (block_n / 4)")
     parser.add_argument("--block-k", type=int, default=512)
     parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--group", type=int, default=32, help="q2s group (columns per scale)")
+    parser.add_argument("--even", type=int, default=1, help="EVEN constexpr (whole tiles)")
+    parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
     int8 = 0 if args.float else 1
-    const = dict(GROUP=32, DKIND=moe_triton.NVFP4 if args.delta == "nvfp4" else -1, DGROUP=16,
-                 BIAS=0, ACT=0, IS_DOWN=0, TOPK=8, SUB=args.sub, BLOCK_K=args.block_k,
-                 INT8=int8, ASM=1, QUANT_OUT=int8)  # fmt: skip
+    dkind = moe_triton.NVFP4 if args.delta == "nvfp4" else -1
+    const = dict(GROUP=args.group, DKIND=dkind, DGROUP=16, BIAS=0, ACT=0, IS_DOWN=0, TOPK=8,
+                 SUB=args.sub, BLOCK_K=args.block_k, INT8=int8, ASM=1,
+                 QUANT_OUT=int(int8 and args.sub % 16 == 0), EVEN=args.even)  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -81,26 +87,42 @@ def main() -> None:
     labels = {line[:-1]: i for i, line in enumerate(lines) if line.startswith(".L_x_")}
     start, end = max(((labels[t], i) for i, t in branches if labels.get(t, i) < i),
                      key=lambda r: r[1] - r[0])  # fmt: skip
-    body, skip = [], None
+    # split the loop body into the straight path and the blocks a forward branch jumps over
+    # (runtime conditions: the fitted grid, the delta)
+    straight, blocks, block, skip = [], [], [], None
     for line in lines[start + 1 : end + 1]:
         m = re.search(r"@!?P\d BRA `\((\.L_x_\d+)\)", line)
         if skip is None and m and labels.get(m.group(1), 0) > labels.get(line, -1):
-            skip = m.group(1) + ":"  # a forward branch around a runtime-conditional block
+            skip, block = m.group(1) + ":", []
+            straight.append(line)  # the branch itself is on every path
             continue
-        if skip is not None:
-            skip = None if line == skip else skip
+        if skip is not None and line == skip:
+            blocks.append(block)
+            skip = None
             continue
         if line and not line.startswith("."):
-            body.append(line)
+            (block if skip is not None else straight).append(line)
+    delta_blocks = [b for b in blocks if any(op.split()[0] == "PRMT" for op in b)]
+    fitted_blocks = [b for b in blocks if b not in delta_blocks]
+    body = straight + [op for b in blocks for op in b]
     ops = collections.Counter(re.sub(r"^@!?P\d\s+", "", op).split()[0].split(".")[0]
-                              for op in body)  # fmt: skip
+                              for op in straight)  # fmt: skip
     weights = 4 * args.sub * args.block_k // (32 * args.warps)  # per thread per K step
+
+    def per_weight(extra: list[list[str]]) -> float:
+        return round((len(straight) + sum(len(b) for b in extra)) / weights, 3)
+
+    if args.dump:
+        args.dump.write_text("\n".join(lines[start : end + 1]) + "\n")
     print(json.dumps({"case": "sass", "int8": bool(int8), "delta": args.delta, "sub": args.sub,
-                      "block_k": args.block_k, "warps": args.warps, "registers": regs,
-                      "stack_bytes": stack, "loop_instructions": len(body),
-                      "weights_per_thread": weights,
-                      "per_weight": round(len(body) / weights, 2),
-                      "top_ops": dict(ops.most_common(8))}))  # fmt: skip
+                      "block_k": args.block_k, "warps": args.warps, "group": args.group,
+                      "even": args.even, "registers": regs, "stack_bytes": stack,
+                      "loop_instructions": len(straight), "weights_per_thread": weights,
+                      "per_weight": per_weight([]),
+                      "per_weight_fitted": per_weight(fitted_blocks),
+                      "per_weight_delta": per_weight(delta_blocks),
+                      "per_weight_all": round(len(body) / weights, 3),
+                      "top_ops": dict(ops.most_common(10))}))  # fmt: skip
     sys.stdout.flush()
 
 

@@ -355,43 +355,54 @@ def _fp4_word_dot(d_lo, d_hi, x0, x1, x2, x3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _fp4_delta_words(dptr, d_codes, d_scales, rows, rmask, k0, wd, wmask, K, xn0, xn1, xn2, xn3,
-                     xsc, ASM: tl.constexpr):  # fmt: skip
+def _fp4_delta_words(dptr, d_codes, d_scales, rows, rmask, k0, wd, wmask, row_words, xn0, xn1,
+                     xn2, xn3, xsc, EVEN: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """One K tile of an NVFP4 delta times int8 activations: [SUB, W] per-word partial sums
-    (2·Σ e2m1·q times block and activation scales; the tensor scale comes after the loop)."""
-    m = rmask[:, None] & wmask[None, :]
-    # both int32 of each word in one contiguous (coalesced) load, then split
-    dw2 = k0 // 8 + tl.arange(0, 2 * wd.shape[0])
-    dwords = (dptr + d_codes).to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8)
-    d = tl.load(dwords + dw2[None, :], mask=rmask[:, None] & (dw2 < K // 8)[None, :], other=0)
-    d_lo, d_hi = tl.split(tl.reshape(d, (rows.shape[0], wd.shape[0], 2)))
-    dsc = _e4m3(tl.load(dptr + d_scales + rows[:, None] * (K // 16) + wd[None, :], mask=m,
-                        other=0))  # fmt: skip
+    (2·Σ e2m1·q times block and activation scales; the tensor scale comes after the loop). Each
+    word's 16 codes are one int64, loaded in the base words' [SUB, W] layout and split in
+    registers (a [SUB, 2W] int32 load split by a reshape made Triton move it through shared
+    memory every K step)."""
+    dwords = (dptr + d_codes).to(tl.pointer_type(tl.int64)) + rows[:, None] * row_words
+    dsc_at = dptr + d_scales + rows[:, None] * row_words + wd[None, :]
+    if EVEN:
+        d = tl.load(dwords + wd[None, :])
+        dsc = _e4m3(tl.load(dsc_at))
+    else:
+        m = rmask[:, None] & wmask[None, :]
+        d = tl.load(dwords + wd[None, :], mask=m, other=0)
+        dsc = _e4m3(tl.load(dsc_at, mask=m, other=0))
+    d_lo = d.to(tl.int32)  # columns 0-7 of the word
+    d_hi = (d >> 32).to(tl.int32)  # columns 8-15
     dot = _fp4_word_dot(d_lo, d_hi, xn0, xn1, xn2, xn3, ASM)
     return dot.to(tl.float32) * (dsc * xsc)
 
 
 @triton.jit
-def _q2s_word_dots(w, q0, q1, q2, q3, corr, ASM: tl.constexpr):
-    """Per int32 word of 16 codes: C = Σ c·q and (when corr != 0) Hx2 = Σ 2[c >= 2]·q, q the
-    int8 activations of the word's 16 columns packed as `_quant_words_kernel` writes them
-    (int32 s holds columns s, s + 4, s + 8, s + 12, the columns of bytes (w >> 2s) & 0x03030303)."""
-    c = tl.zeros(w.shape, tl.int32)
-    h = tl.zeros(w.shape, tl.int32)
-    for s in tl.static_range(4):
-        if s == 0:
-            q = q0
-        elif s == 1:
-            q = q1
-        elif s == 2:
-            q = q2
-        else:
-            q = q3
-        t = w >> (2 * s)
-        c = _dp4a(t & 0x03030303, tl.broadcast_to(q, w.shape), c, ASM)
-        if corr != 0:
-            h = _dp4a(t & 0x02020202, tl.broadcast_to(q, w.shape), h, ASM)
-    return c, h
+def _q2s_word_dots(w, q0, q1, q2, q3, init, ASM: tl.constexpr):
+    """R = 64·Σ c·q + init per int32 word w of 16 codes, q the int8 activations of the word's 16
+    columns packed as `_quant_words_kernel` writes them (int32 s holds the bytes of columns s,
+    s + 4, s + 8, s + 12). Byte j of w holds the codes of columns 4j..4j+3, code s at bits 2s, so
+    w & 0xC0C0C0C0 is 64·code 3 of each byte, (w << 4) & 0xC0C0C0C0 64·code 1, and the 0x30
+    masks 16·codes 2 and 0: one shift, four LOP3, four IDP4A and one LEA per word (shifting
+    each code down to bits 0-1 took three shifts)."""
+    w4 = w << 4
+    hi = _dp4a(w & (0xC0C0C0C0 - (1 << 32)), tl.broadcast_to(q3, w.shape), init, ASM)
+    hi = _dp4a(w4 & (0xC0C0C0C0 - (1 << 32)), tl.broadcast_to(q1, w.shape), hi, ASM)
+    lo = _dp4a(w & 0x30303030, tl.broadcast_to(q2, w.shape), 0, ASM)
+    lo = _dp4a(w4 & 0x30303030, tl.broadcast_to(q0, w.shape), lo, ASM)
+    return hi + (lo << 2)
+
+
+@triton.jit
+def _q2s_high_dots(w, q0, q1, q2, q3, init, ASM: tl.constexpr):
+    """RH = 128·Σ h·q + init per word, h = the high bit of each code (as `_q2s_word_dots`, with
+    the masks of bit 1 of each code: 0x80 of 128·h of codes 3 and 1, 0x20 of 32·h of 2 and 0)."""
+    w4 = w << 4
+    hi = _dp4a(w & (0x80808080 - (1 << 32)), tl.broadcast_to(q3, w.shape), init, ASM)
+    hi = _dp4a(w4 & (0x80808080 - (1 << 32)), tl.broadcast_to(q1, w.shape), hi, ASM)
+    lo = _dp4a(w & 0x20202020, tl.broadcast_to(q2, w.shape), 0, ASM)
+    lo = _dp4a(w4 & 0x20202020, tl.broadcast_to(q0, w.shape), lo, ASM)
+    return hi + (lo << 2)
 
 
 @triton.jit
@@ -419,7 +430,7 @@ def _quant_store(v, wd, KW, xq_row, xs_row, xsum_row, xqn_row, wmask):
     tl.store(xsum_row + wd, tl.sum(q, axis=1), mask=wmask)
     qn = (q & 0xFF) << ((col[None, :] % 4) * 8)  # column 4j + s -> byte s of int32 j
     natural = tl.sum(tl.reshape(qn, (NW, 4, 4)), axis=2)  # [NW, 4 (j)]
-    tl.store(xqn_row + wd[:, None] * 4 + s_idx[None, :], natural, mask=wmask[:, None])
+    tl.store(xqn_row + s_idx[None, :] * KW + wd[:, None], natural, mask=wmask[:, None])
 
 
 @triton.jit
@@ -429,7 +440,8 @@ def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
     half up): xq int32 [R, 4, K/16], xs float32 [R, K/16], xsum int32 [R, K/16] = Σ q over the
     word (twin: moe_ref.quant_words_ref). xq's (row, s, w) holds the bytes of columns
     16w + s + 4j, j = 0..3, so the GEMV loads each s for consecutive words as one vector; xqn
-    int32 [R, K/4] holds the same bytes in column order (the FP4 delta's products)."""
+    int32 [R, 4, K/16] holds the same bytes in column order: byte s of (row, j, w) is column
+    16w + 4j + s (the FP4 delta's products), again one vector per j."""
     row = tl.program_id(0)
     wd = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     wmask = wd < K // 16
@@ -441,14 +453,17 @@ def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
 
 
 @triton.jit
-def _q2s_words(wbase, rows, rmask, wd, wmask, row_words):
-    return tl.load(wbase + rows[:, None] * row_words + wd[None, :],
-                   mask=rmask[:, None] & wmask[None, :], other=0)  # fmt: skip
+def _q2s_words(wbase, rows, rmask, wd, wmask, row_words, EVEN: tl.constexpr):
+    """Words wd of rows `rows`: [SUB, W] int32 (EVEN: whole tiles, no mask)."""
+    at = wbase + rows[:, None] * row_words + wd[None, :]
+    if EVEN:
+        return tl.load(at)
+    return tl.load(at, mask=rmask[:, None] & wmask[None, :], other=0)
 
 
 @triton.jit
 def _q2s_group_scale(bptr, scales, rows, rmask, k0, row_groups, GROUP: tl.constexpr,
-                     W: tl.constexpr):  # fmt: skip
+                     W: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
     """Group scales of the K tile starting at column k0, one per word: [SUB, W] float32. Loaded
     once per group ([SUB, W / words per group], contiguous) and repeated by joins, so the result
     keeps the words' register layout (a per-word byte gather made Triton shuffle every
@@ -456,8 +471,11 @@ def _q2s_group_scale(bptr, scales, rows, rmask, k0, row_groups, GROUP: tl.conste
     WPG: tl.constexpr = GROUP // 16
     NG: tl.constexpr = W // WPG
     gd = k0 // GROUP + tl.arange(0, NG)
-    sc = _e4m3(tl.load(bptr + scales + rows[:, None] * row_groups + gd[None, :],
-                       mask=rmask[:, None] & (gd < row_groups)[None, :], other=0))  # fmt: skip
+    at = bptr + scales + rows[:, None] * row_groups + gd[None, :]
+    if EVEN:
+        sc = _e4m3(tl.load(at))
+    else:
+        sc = _e4m3(tl.load(at, mask=rmask[:, None] & (gd < row_groups)[None, :], other=0))
     if WPG >= 2:
         sc = tl.join(sc, sc)
     if WPG >= 4:
@@ -500,7 +518,7 @@ def _q2s_gemv_kernel(
     BIAS: tl.constexpr, in_bias, out_bias, ACT: tl.constexpr, limit, alpha,
     IS_DOWN: tl.constexpr, TOPK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
     xq, xs, xsum, xqn, INT8: tl.constexpr, ASM: tl.constexpr,
-    oq, osc, osum, oqn, QUANT_OUT: tl.constexpr,
+    oq, osc, osum, oqn, QUANT_OUT: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -515,11 +533,16 @@ def _q2s_gemv_kernel(
     An additive delta (pairs whose mask is on) is decoded in the same K loop (`_decode`).
 
     INT8: x comes as int8 words (`_quant_words_kernel`: q, scale per 16 columns, Σq) and each
-    word's dot products are integer (`_q2s_word_dots`, IDP4A): L = a(2c - 3) + (b - 3a)o with
-    o = [c=3] - [c=0] = c - h - 1 (h the code's high bit), so per word
-    Σ L q = a(2C - 3Σq) + (b - 3a)(C - H - Σq); one float multiply-add per word and row.
+    word's dot products are integer (IDP4A). The levels (-b, -a, a, b) are linear in the code's
+    two bits: L = β(2c - 3) + γ(2h - 1), h the high bit, β = (b - a)/2, γ = (3a - b)/2 (zero when
+    b = 3a). Per word, `_q2s_word_dots` gives R = 32(2C - 3Σq) (C = Σ c·q, the -96Σq entering
+    as the first IDP4A's addend) and, for a fitted grid, `_q2s_high_dots` RH = 64(2H - Σq); each
+    is converted once per word and row and multiplied by the group and activation scales:
+    y = β/32 Σ R·s + γ/64 Σ RH·s.
     QUANT_OUT (gate_up, SUB a multiple of 16, INTER of 16): h is written as int8 words (oq, osc,
-    osum: `_quant_store`) instead of float, so no launch rounds it for down."""
+    osum: `_quant_store`) instead of float, so no launch rounds it for down.
+    EVEN: K a multiple of BLOCK_K and the rows a multiple of the program's, so no load is
+    masked but the prefetch past the last K tile (one scalar predicate, nothing filled)."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids + pair).to(tl.int32)
@@ -550,10 +573,12 @@ def _q2s_gemv_kernel(
             m2, m3 = m0, m1
             x_row = x_ptr + (pair // TOPK) * stride_x
             x_idx = pair // TOPK
-        xq_row = xq + x_idx * (K // 4)
-        xqn_row = xqn + x_idx * (K // 4)
-        xs_row = xs + x_idx * (K // 16)
-        xsum_row = xsum + x_idx * (K // 16)
+        # row_words (= K / 16) rather than K // 16: an argument, so its divisibility is known
+        # and the per-word loads below vectorize
+        xq_row = xq + x_idx * (4 * row_words)
+        xqn_row = xqn + x_idx * (4 * row_words)
+        xs_row = xs + x_idx * row_words
+        xsum_row = xsum + x_idx * row_words
         a = _f32_at(bptr, aux)
         corr = _f32_at(bptr, aux + 4) - 3 * a  # b - 3a
         W: tl.constexpr = BLOCK_K // 16
@@ -568,7 +593,8 @@ def _q2s_gemv_kernel(
         acc1 = tl.zeros((SUB, W), tl.float32)
         acc2 = tl.zeros((SUB, W), tl.float32)
         acc3 = tl.zeros((SUB, W), tl.float32)
-        # Σx per word times the group scale (the -11a term), and the b != 3a term
+        # float path: Σx per word times the group scale (the -11a term); both paths: the
+        # b != 3a term
         ax0 = tl.zeros((SUB, W), tl.float32)
         ax1 = tl.zeros((SUB, W), tl.float32)
         ax2 = tl.zeros((SUB, W), tl.float32)
@@ -585,45 +611,59 @@ def _q2s_gemv_kernel(
         # each program holds few tiles, so load latency would otherwise stall every one)
         wd = tl.arange(0, W)
         wmask = wd < row_words
-        w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words)
-        w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words)
-        w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words)
-        w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words)
+        w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN)
+        w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
+        w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
+        w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
         for k0 in range(0, K, BLOCK_K):
             wd_next = wd + W
             wmask_next = wd_next < row_words
-            n0 = _q2s_words(wbase, rows0, m0, wd_next, wmask_next, row_words)
-            n1 = _q2s_words(wbase, rows1, m1, wd_next, wmask_next, row_words)
-            n2 = _q2s_words(wbase, rows2, m2, wd_next, wmask_next, row_words)
-            n3 = _q2s_words(wbase, rows3, m3, wd_next, wmask_next, row_words)
-            sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W)
-            sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W)
-            sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W)
-            sc3 = _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W)
+            pref = wd_next
+            if EVEN:  # the last tile's prefetch reloads that tile (from L1), so no mask at all
+                kw_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, K - BLOCK_K) // 16, W)
+                pref = kw_next + tl.arange(0, W)
+            n0 = _q2s_words(wbase, rows0, m0, pref, wmask_next, row_words, EVEN)
+            n1 = _q2s_words(wbase, rows1, m1, pref, wmask_next, row_words, EVEN)
+            n2 = _q2s_words(wbase, rows2, m2, pref, wmask_next, row_words, EVEN)
+            n3 = _q2s_words(wbase, rows3, m3, pref, wmask_next, row_words, EVEN)
+            sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W, EVEN)
+            sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W, EVEN)
+            sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN)
+            sc3 = _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W, EVEN)
             if INT8:
-                q0 = tl.load(xq_row + wd, mask=wmask, other=0)[None, :]
-                q1 = tl.load(xq_row + row_words + wd, mask=wmask, other=0)[None, :]
-                q2 = tl.load(xq_row + 2 * row_words + wd, mask=wmask, other=0)[None, :]
-                q3 = tl.load(xq_row + 3 * row_words + wd, mask=wmask, other=0)[None, :]
-                xsc = tl.load(xs_row + wd, mask=wmask, other=0.0)[None, :]
-                qs = tl.load(xsum_row + wd, mask=wmask, other=0)[None, :]
-                c0, h0 = _q2s_word_dots(w0, q0, q1, q2, q3, corr, ASM)
-                c1, h1 = _q2s_word_dots(w1, q0, q1, q2, q3, corr, ASM)
-                c2, h2 = _q2s_word_dots(w2, q0, q1, q2, q3, corr, ASM)
-                c3, h3 = _q2s_word_dots(w3, q0, q1, q2, q3, corr, ASM)
+                if EVEN:
+                    q0 = tl.load(xq_row + wd)[None, :]
+                    q1 = tl.load(xq_row + row_words + wd)[None, :]
+                    q2 = tl.load(xq_row + 2 * row_words + wd)[None, :]
+                    q3 = tl.load(xq_row + 3 * row_words + wd)[None, :]
+                    xsc = tl.load(xs_row + wd)[None, :]
+                    qs = tl.load(xsum_row + wd)[None, :]
+                else:
+                    q0 = tl.load(xq_row + wd, mask=wmask, other=0)[None, :]
+                    q1 = tl.load(xq_row + row_words + wd, mask=wmask, other=0)[None, :]
+                    q2 = tl.load(xq_row + 2 * row_words + wd, mask=wmask, other=0)[None, :]
+                    q3 = tl.load(xq_row + 3 * row_words + wd, mask=wmask, other=0)[None, :]
+                    xsc = tl.load(xs_row + wd, mask=wmask, other=0.0)[None, :]
+                    qs = tl.load(xsum_row + wd, mask=wmask, other=0)[None, :]
+                init = qs * -96  # R = 64C - 96Σq = 32(2C - 3Σq)
+                r0 = _q2s_word_dots(w0, q0, q1, q2, q3, init, ASM)
+                r1 = _q2s_word_dots(w1, q0, q1, q2, q3, init, ASM)
+                r2 = _q2s_word_dots(w2, q0, q1, q2, q3, init, ASM)
+                r3 = _q2s_word_dots(w3, q0, q1, q2, q3, init, ASM)
                 sc0 = sc0 * xsc
                 sc1 = sc1 * xsc
                 sc2 = sc2 * xsc
                 sc3 = sc3 * xsc
-                acc0 += (2 * c0 - 3 * qs).to(tl.float32) * sc0
-                acc1 += (2 * c1 - 3 * qs).to(tl.float32) * sc1
-                acc2 += (2 * c2 - 3 * qs).to(tl.float32) * sc2
-                acc3 += (2 * c3 - 3 * qs).to(tl.float32) * sc3
-                if corr != 0:  # 2(C - H - Σq), H = Hx2 / 2
-                    av0 += (2 * c0 - h0 - 2 * qs).to(tl.float32) * sc0
-                    av1 += (2 * c1 - h1 - 2 * qs).to(tl.float32) * sc1
-                    av2 += (2 * c2 - h2 - 2 * qs).to(tl.float32) * sc2
-                    av3 += (2 * c3 - h3 - 2 * qs).to(tl.float32) * sc3
+                acc0 += r0.to(tl.float32) * sc0
+                acc1 += r1.to(tl.float32) * sc1
+                acc2 += r2.to(tl.float32) * sc2
+                acc3 += r3.to(tl.float32) * sc3
+                if corr != 0:  # RH = 128H - 64Σq = 64(2H - Σq)
+                    hinit = qs * -64
+                    av0 += _q2s_high_dots(w0, q0, q1, q2, q3, hinit, ASM).to(tl.float32) * sc0
+                    av1 += _q2s_high_dots(w1, q0, q1, q2, q3, hinit, ASM).to(tl.float32) * sc1
+                    av2 += _q2s_high_dots(w2, q0, q1, q2, q3, hinit, ASM).to(tl.float32) * sc2
+                    av3 += _q2s_high_dots(w3, q0, q1, q2, q3, hinit, ASM).to(tl.float32) * sc3
             else:
                 s0 = tl.zeros((SUB, W), tl.float32)
                 s1 = tl.zeros((SUB, W), tl.float32)
@@ -662,19 +702,29 @@ def _q2s_gemv_kernel(
                     av3 += v3 * sc3
             if DKIND >= 0:
                 if use_delta and FP4_INT8:  # NVFP4 delta, integer products per word
-                    xw = xqn_row + wd * 4
-                    xn0 = tl.load(xw, mask=wmask, other=0)[None, :]
-                    xn1 = tl.load(xw + 1, mask=wmask, other=0)[None, :]
-                    xn2 = tl.load(xw + 2, mask=wmask, other=0)[None, :]
-                    xn3 = tl.load(xw + 3, mask=wmask, other=0)[None, :]
-                    dv0 += _fp4_delta_words(dptr, d_codes, d_scales, rows0, m0, k0, wd, wmask, K,
-                                            xn0, xn1, xn2, xn3, xsc, ASM)  # fmt: skip
-                    dv1 += _fp4_delta_words(dptr, d_codes, d_scales, rows1, m1, k0, wd, wmask, K,
-                                            xn0, xn1, xn2, xn3, xsc, ASM)  # fmt: skip
-                    dv2 += _fp4_delta_words(dptr, d_codes, d_scales, rows2, m2, k0, wd, wmask, K,
-                                            xn0, xn1, xn2, xn3, xsc, ASM)  # fmt: skip
-                    dv3 += _fp4_delta_words(dptr, d_codes, d_scales, rows3, m3, k0, wd, wmask, K,
-                                            xn0, xn1, xn2, xn3, xsc, ASM)  # fmt: skip
+                    xw = xqn_row + wd
+                    if EVEN:
+                        xn0 = tl.load(xw)[None, :]
+                        xn1 = tl.load(xw + row_words)[None, :]
+                        xn2 = tl.load(xw + 2 * row_words)[None, :]
+                        xn3 = tl.load(xw + 3 * row_words)[None, :]
+                    else:
+                        xn0 = tl.load(xw, mask=wmask, other=0)[None, :]
+                        xn1 = tl.load(xw + row_words, mask=wmask, other=0)[None, :]
+                        xn2 = tl.load(xw + 2 * row_words, mask=wmask, other=0)[None, :]
+                        xn3 = tl.load(xw + 3 * row_words, mask=wmask, other=0)[None, :]
+                    dv0 += _fp4_delta_words(dptr, d_codes, d_scales, rows0, m0, k0, wd, wmask,
+                                            row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
+                                            ASM)  # fmt: skip
+                    dv1 += _fp4_delta_words(dptr, d_codes, d_scales, rows1, m1, k0, wd, wmask,
+                                            row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
+                                            ASM)  # fmt: skip
+                    dv2 += _fp4_delta_words(dptr, d_codes, d_scales, rows2, m2, k0, wd, wmask,
+                                            row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
+                                            ASM)  # fmt: skip
+                    dv3 += _fp4_delta_words(dptr, d_codes, d_scales, rows3, m3, k0, wd, wmask,
+                                            row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
+                                            ASM)  # fmt: skip
                 elif use_delta:  # additive delta, its own product (natural-order x), decoded
                     # DELTA_K columns at a time (a whole BLOCK_K tile of float weights spills)
                     for kk in range(0, BLOCK_K, DELTA_K):
@@ -696,10 +746,13 @@ def _q2s_gemv_kernel(
             w0, w1, w2, w3 = n0, n1, n2, n3
             wd, wmask = wd_next, wmask_next
         if INT8:
-            y0 = tl.sum(a * acc0 + 0.5 * corr * av0, axis=1)
-            y1 = tl.sum(a * acc1 + 0.5 * corr * av1, axis=1)
-            y2 = tl.sum(a * acc2 + 0.5 * corr * av2, axis=1)
-            y3 = tl.sum(a * acc3 + 0.5 * corr * av3, axis=1)
+            # β/32 and γ/64 (module docstring); β = a exactly when b = 3a
+            beta = tl.where(corr != 0, 0.5 * (_f32_at(bptr, aux + 4) - a), a) / 32
+            gamma = -corr / 128
+            y0 = tl.sum(beta * acc0 + gamma * av0, axis=1)
+            y1 = tl.sum(beta * acc1 + gamma * av1, axis=1)
+            y2 = tl.sum(beta * acc2 + gamma * av2, axis=1)
+            y3 = tl.sum(beta * acc3 + gamma * av3, axis=1)
         else:
             y0 = tl.sum(8 * a * acc0 - 11 * a * ax0 + corr * av0, axis=1)
             y1 = tl.sum(8 * a * acc1 - 11 * a * ax1 + corr * av1, axis=1)
@@ -1089,7 +1142,10 @@ def _q2s_gemv(
         # whole groups per K tile (a group of 8 words needs BLOCK_K >= 128)
         block_k = max(spec.group, min(c.block_k, max(16, triton.next_power_of_2(spec.k))))
         rows = spec.n if is_down else inter
-        grid = (pairs, triton.cdiv(rows, (4 if is_down else 2) * sub))
+        tile_rows = (4 if is_down else 2) * sub
+        grid = (pairs, triton.cdiv(rows, tile_rows))
+        # whole K tiles and row tiles: no masks in the K loop
+        even = spec.k % block_k == 0 and rows % tile_rows == 0
         dspec = dspec if has_delta else None
         xq = xs = xsum = xqn = x  # placeholders, unused without int8 activations
         if int8:
@@ -1106,7 +1162,7 @@ def _q2s_gemv(
             dspec.group if dspec else 1,
             bias, in_bias, out_bias, ACTIVATIONS[act.kind], act.limit, act.alpha,
             is_down, top_k, sub, block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
-            oq, os_, osum, oqn, quant_out and not is_down,
+            oq, os_, osum, oqn, quant_out and not is_down, even,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
 
@@ -1121,12 +1177,12 @@ def quant_words_buffers(
     rows: int, k: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Empty (q int32 [rows, 4, k/16], scale float32 [rows, k/16], Σq int32 [rows, k/16],
-    q in column order int32 [rows, k/4])."""
+    q in column order int32 [rows, 4, k/16])."""
     return (
         torch.empty(rows, 4, k // 16, device=device, dtype=torch.int32),
         torch.empty(rows, k // 16, device=device, dtype=torch.float32),
         torch.empty(rows, k // 16, device=device, dtype=torch.int32),
-        torch.empty(rows, k // 4, device=device, dtype=torch.int32),
+        torch.empty(rows, 4, k // 16, device=device, dtype=torch.int32),
     )
 
 
@@ -1134,7 +1190,7 @@ def quant_words(
     x: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, K] float (K a multiple of 16) -> (q packed int32 [R, 4, K/16], scale float32
-    [R, K/16], Σq int32 [R, K/16], q in column order int32 [R, K/4]): `_quant_words_kernel`,
+    [R, K/16], Σq int32 [R, K/16], q in column order int32 [R, 4, K/16]): `_quant_words_kernel`,
     twin of moe_ref.quant_words_ref."""
     rows, k = x.shape
     xq, xs, xsum, xqn = quant_words_buffers(rows, k, x.device)

@@ -204,6 +204,13 @@ def test_q2s_gemv_int8(fmt_name):
     run_case(fmt_name, 3, 2, 6, 128, 64, present_frac=0.7, force=(Q2S_INT8, Q2S_INT8), seed=15)
 
 
+@pytest.mark.parametrize("fmt_name", ["q2s", "q2s+nvfp4"])
+def test_q2s_gemv_int8_ragged_tiles(fmt_name):
+    """K not a multiple of BLOCK_K and rows not a multiple of the program's (the masked path,
+    EVEN=0): K = 96 is 1.5 tiles of 64 in both launches, and down's 96 rows 1.5 programs."""
+    run_case(fmt_name, 2, 2, 5, 96, 96, force=(Q2S_INT8, Q2S_INT8), seed=16)
+
+
 @pytest.mark.parametrize("group", [64, 128, 48])
 def test_q2s_gemv_groups(group):
     """Groups of 4 and 8 words take the q2s GEMV kernel (scales repeated by joins; a 128-column
@@ -246,8 +253,9 @@ def test_quant_words_matches_ref():
     deq = q * xs.cpu().repeat_interleave(16, dim=1)
     assert torch.equal(deq, quant_words_ref(x))
     assert torch.equal(xsum.cpu(), q.reshape(5, 6, 16).sum(dim=2).int())
-    natural = torch.stack([(xqn.cpu() >> (8 * j)).to(torch.int8) for j in range(4)], dim=-1)
-    assert torch.equal(natural.reshape(5, 96).float(), q)  # byte j of int32 c: column 4c + j
+    # xqn [R, 4 (j), W]: byte s of (j, w) holds column 16w + 4j + s
+    natural = torch.stack([(xqn.cpu() >> (8 * s)).to(torch.int8) for s in range(4)], dim=-1)
+    assert torch.equal(natural.permute(0, 2, 1, 3).reshape(5, 96).float(), q)
 
 
 def test_dispatch_is_shape_only():
