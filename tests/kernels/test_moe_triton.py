@@ -7,6 +7,8 @@ scattered in GPU memory and in pinned host memory.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -330,7 +332,8 @@ def test_gpu_q2s_mma(dtype):
     run_case("q2s", 65, 8, 32, 32, 32, dtype=dtype, force=force, seed=9)  # K = the group
     run_case("q2s", 64, 8, 16, 512, 96, dtype=dtype, force=force, one_expert=True,
              non_contiguous=True, seed=10)  # fmt: skip
-    run_case("q2s", 33, 2, 8, 256, 97 * 16, dtype=dtype, force=force, seed=12)  # odd row tiles
+    wide = replace(Q2S_MMA, block_m=32, block_n=64, block_k=64)  # 288 and 96 rows: odd tiles
+    run_case("q2s", 33, 2, 8, 288, 96, dtype=dtype, force=(wide, wide), seed=12)
     for mask in ("off", "on", "random"):
         run_case("q2s+nvfp4", 65, 4, 16, 256, 96, dtype=dtype, mask=mask, force=force,
                  host_slots=10, seed=13)  # fmt: skip
