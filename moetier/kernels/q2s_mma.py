@@ -13,11 +13,11 @@ the K loop. Two launches:
   gate_up: h[p, n] = act(g, u), g / u = rows n / I + n of W_gu[e_p] . x[t_p]   (h: x's dtype)
   down:    out[p, :] = w_p . (W_down[e_p] . h[p] + b)
 
-An additive delta (any format `moe_triton._decode` reads) adds its own product for the blocks
-whose flag is on; blocks with it off never read the delta blob. Same contract and twin as
-`moe_triton.moe_slots_triton` (`moe_ref.moe_slots_ref`, float activations): the gate_up
-activation is rounded to x's dtype before the down dot, exactly as the generic kernel's dot
-rounds it.
+An additive delta (FP4 and q2s decoded by words, raw formats by `moe_triton._decode`) adds its
+own product for the blocks whose flag is on; blocks with it off never read the delta blob.
+Same contract and twin as `moe_triton.moe_slots_triton` (`moe_ref.moe_slots_ref`, float
+activations): the gate_up activation is rounded to x's dtype before the down dot, exactly as
+the generic kernel's dot rounds it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from moetier.kernels.moe_triton import (
     _bias_kind,
     _blob_ptrs,
     _decode,
+    _e2m1,
     _e4m3,
     _f32_at,
     _group_pairs,
@@ -161,6 +162,48 @@ def _q2s_tile(bptr, codes, scales, rows, rmask, k0, row_words, row_groups, a, b,
 
 
 @triton.jit
+def _fp4_tile(dptr, codes, scales, rows, rmask, k0, K, GROUP: tl.constexpr, E8M0: tl.constexpr,
+              BK: tl.constexpr, DOT_DTYPE: tl.constexpr):  # fmt: skip
+    """Rows `rows`, columns k0..k0+BK of an NVFP4 / MXFP4 matrix times its block scales (no
+    tensor scale): [BN, BK] in DOT_DTYPE. int32 words of 8 codes (code j at bits 4j) and one
+    scale load per word, instead of `_decode`'s two byte gathers per element."""
+    W: tl.constexpr = BK // 8
+    BN: tl.constexpr = rows.shape[0]
+    wd = k0 // 8 + tl.arange(0, W)
+    m = rmask[:, None] & (wd < K // 8)[None, :]
+    words = tl.load((dptr + codes).to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8)
+                    + wd[None, :], mask=m, other=0)  # fmt: skip
+    byte = tl.load(dptr + scales + rows[:, None] * (K // GROUP) + (wd // (GROUP // 8))[None, :],
+                   mask=m, other=0)  # fmt: skip
+    if E8M0:
+        sc = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    else:
+        sc = _e4m3(byte)
+    c = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15
+    w = (_e2m1(c) * sc[:, :, None]).to(DOT_DTYPE)
+    return tl.reshape(w, (BN, BK))
+
+
+@triton.jit
+def _delta_tile(dptr, DKIND: tl.constexpr, d_codes, d_scales, d_aux, rows, nmask, cols, kmask,
+                k0, K, DGROUP: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                LUT: tl.constexpr):  # fmt: skip
+    """One K tile of an additive delta matrix without its row / tensor factor: FP4 and q2s by
+    words, raw formats by `_decode`."""
+    if (DKIND == 4) or (DKIND == 5):  # NVFP4 / MXFP4
+        dw = _fp4_tile(dptr, d_codes, d_scales, rows, nmask, k0, K, DGROUP, DKIND == 5, BK,
+                       DOT_DTYPE)  # fmt: skip
+    elif DKIND == 3:  # q2s
+        dw = _q2s_tile(dptr, d_codes, d_scales, rows, nmask, k0, K // 16, K // DGROUP,
+                       _f32_at(dptr, d_aux), _f32_at(dptr, d_aux + 4), DGROUP, BK, DOT_DTYPE,
+                       LUT)  # fmt: skip
+    else:
+        dw = _decode(dptr, DKIND, d_codes, d_scales, d_aux, rows, cols, K, DGROUP,
+                     nmask[:, None] & kmask[None, :]).to(DOT_DTYPE)  # fmt: skip
+    return dw
+
+
+@triton.jit
 def _dot(w, x, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """w [BN, BK] times x [BM, BK]^T: [BN, BM]. The decoded weights are the dot's first operand,
     which wgmma takes from registers (as the second, they would go through shared memory)."""
@@ -222,13 +265,14 @@ def _q2s_mma_kernel(
                 acc_up += _dot(w, x, DOT_DTYPE, PRECISION)
             if DKIND >= 0:
                 if use_delta:
-                    wm = nmask[:, None] & kmask[None, :]
-                    dw = _decode(dptr, DKIND, d_codes, d_scales, d_aux, rows, cols, K, DGROUP, wm)
-                    acc_d += _dot(dw.to(DOT_DTYPE), x, DOT_DTYPE, PRECISION)
+                    dw = _delta_tile(dptr, DKIND, d_codes, d_scales, d_aux, rows, nmask, cols,
+                                     kmask, k0, K, DGROUP, BLOCK_K, DOT_DTYPE, LUT)  # fmt: skip
+                    acc_d += _dot(dw, x, DOT_DTYPE, PRECISION)
                     if not IS_DOWN:
-                        dw = _decode(dptr, DKIND, d_codes, d_scales, d_aux, N + rows, cols, K,
-                                     DGROUP, wm)  # fmt: skip
-                        acc_dup += _dot(dw.to(DOT_DTYPE), x, DOT_DTYPE, PRECISION)
+                        dw = _delta_tile(dptr, DKIND, d_codes, d_scales, d_aux, N + rows,
+                                         nmask, cols, kmask, k0, K, DGROUP, BLOCK_K, DOT_DTYPE,
+                                         LUT)  # fmt: skip
+                        acc_dup += _dot(dw, x, DOT_DTYPE, PRECISION)
         rs = tl.load((bptr + row_scale).to(tl.pointer_type(tl.float32)) + rows, mask=nmask,
                      other=0.0)  # fmt: skip
         acc = acc * rs[:, None]
