@@ -592,7 +592,8 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
     order = [base[i] for i in torch.randperm(len(base), generator=gen).tolist()]
     disk_sets = {d: set(order[: round(d * len(base))]) for d in disk_fractions}
     speeds = measure_links(device, store, sorted(disk_sets[max(disk_fractions)]))
-    gbps = {f"{name}_GB/s": round(getattr(speeds, name) / 1e9, 2)
+    # 4 significant digits: a tiny CPU smoke store's disk reads can be well under 0.01 GB/s
+    gbps = {f"{name}_GB/s": float(f"{getattr(speeds, name) / 1e9:.4g}")
             for name in ("hbm", "h2d", "zero_copy", "disk")}  # fmt: skip
     # per-blob copies (as the slot pool issues them) next to the one large copy of h2d_GB/s
     per_blob = h2d_blob_bandwidth(device, blob_bytes, min(128, len(base)))
