@@ -245,6 +245,11 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
         for bn, bk, w in [(64, 512, 4), (128, 512, 4), (128, 512, 8), (64, 256, 4),
                           (128, 256, 4), (32, 512, 4), (64, 1024, 4), (32, 256, 2)]
         for i8 in (True, False)
+    ] + [
+        # int8 sums per q2s group: half the accumulators, so 32 words and rows per thread fit
+        replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w, group_acc=True)
+        for bn, bk, w in [(64, 512, 4), (64, 1024, 8), (128, 512, 8), (64, 1024, 4),
+                          (128, 512, 4), (128, 1024, 8)]
     ]  # fmt: skip
 
     best_gu = min(
@@ -257,7 +262,7 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
         (c for c in cands if c.int8_act == best_gu.int8_act),
         key=lambda c: time_config(case, tokens, best_gu, c),
     )
-    fields = ("block_n", "block_k", "num_warps", "int8_act")
+    fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc")
     return {
         f"q2s-gemv:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
         f"q2s-gemv:{dn.n}x{dn.k}": {f: asdict(best_dn)[f] for f in fields},

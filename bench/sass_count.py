@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--group", type=int, default=32, help="q2s group (columns per scale)")
     parser.add_argument("--even", type=int, default=1, help="EVEN constexpr (whole tiles)")
+    parser.add_argument("--group-acc", type=int, default=0, help="GROUP_ACC constexpr")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
@@ -55,7 +56,8 @@ def main() -> None:
     dkind = moe_triton.NVFP4 if args.delta == "nvfp4" else -1
     const = dict(GROUP=args.group, DKIND=dkind, DGROUP=16, BIAS=0, ACT=0, IS_DOWN=0, TOPK=8,
                  SUB=args.sub, BLOCK_K=args.block_k, INT8=int8, ASM=1,
-                 QUANT_OUT=int(int8 and args.sub % 16 == 0), EVEN=args.even)  # fmt: skip
+                 QUANT_OUT=int(int8 and args.sub % 16 == 0), EVEN=args.even,
+                 GROUP_ACC=args.group_acc)  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -116,7 +118,8 @@ def main() -> None:
         args.dump.write_text("\n".join(lines[start : end + 1]) + "\n")
     print(json.dumps({"case": "sass", "int8": bool(int8), "delta": args.delta, "sub": args.sub,
                       "block_k": args.block_k, "warps": args.warps, "group": args.group,
-                      "even": args.even, "registers": regs, "stack_bytes": stack,
+                      "even": args.even, "group_acc": args.group_acc,
+                      "registers": regs, "stack_bytes": stack,
                       "loop_instructions": len(straight), "weights_per_thread": weights,
                       "per_weight": per_weight([]),
                       "per_weight_fitted": per_weight(fitted_blocks),

@@ -32,6 +32,7 @@ class KernelChoice:
     num_warps: int = 4
     num_stages: int = 2
     int8_act: bool = False  # q2s GEMV only: activations quantized to int8 per 16 columns, IDP4A
+    group_acc: bool = False  # q2s GEMV int8 only: sums kept per q2s group (fewer FMUL, registers)
     q2s_mma: bool = False  # q2s grouped GEMM on tensor cores (`q2s_mma.py`), prefill
 
 

@@ -463,7 +463,7 @@ def _q2s_words(wbase, rows, rmask, wd, wmask, row_words, EVEN: tl.constexpr):
 
 @triton.jit
 def _q2s_group_scale(bptr, scales, rows, rmask, k0, row_groups, GROUP: tl.constexpr,
-                     W: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+                     W: tl.constexpr, EVEN: tl.constexpr, PER_GROUP: tl.constexpr):  # fmt: skip
     """Group scales of the K tile starting at column k0, one per word: [SUB, W] float32. Loaded
     once per group ([SUB, W / words per group], contiguous) and repeated by joins, so the result
     keeps the words' register layout (a per-word byte gather made Triton shuffle every
@@ -476,13 +476,21 @@ def _q2s_group_scale(bptr, scales, rows, rmask, k0, row_groups, GROUP: tl.conste
         sc = _e4m3(tl.load(at))
     else:
         sc = _e4m3(tl.load(at, mask=rmask[:, None] & (gd < row_groups)[None, :], other=0))
-    if WPG >= 2:
-        sc = tl.join(sc, sc)
-    if WPG >= 4:
-        sc = tl.join(sc, sc)
-    if WPG >= 8:
-        sc = tl.join(sc, sc)
-    return tl.reshape(sc, (rows.shape[0], W))
+    if not PER_GROUP:  # [SUB, W], else [SUB, NG]
+        if WPG >= 2:
+            sc = tl.join(sc, sc)
+        if WPG >= 4:
+            sc = tl.join(sc, sc)
+        if WPG >= 8:
+            sc = tl.join(sc, sc)
+        sc = tl.reshape(sc, (rows.shape[0], W))
+    return sc
+
+
+@triton.jit
+def _group_sum(t, WPG: tl.constexpr):
+    """[SUB, W] -> [SUB, W / WPG]: sums of WPG consecutive words (one group each)."""
+    return tl.sum(tl.reshape(t, (t.shape[0], t.shape[1] // WPG, WPG)), axis=2)
 
 
 @triton.jit
@@ -519,6 +527,7 @@ def _q2s_gemv_kernel(
     IS_DOWN: tl.constexpr, TOPK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
     xq, xs, xsum, xqn, INT8: tl.constexpr, ASM: tl.constexpr,
     oq, osc, osum, oqn, QUANT_OUT: tl.constexpr, EVEN: tl.constexpr,
+    GROUP_ACC: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -542,7 +551,11 @@ def _q2s_gemv_kernel(
     QUANT_OUT (gate_up, SUB a multiple of 16, INTER of 16): h is written as int8 words (oq, osc,
     osum: `_quant_store`) instead of float, so no launch rounds it for down.
     EVEN: K a multiple of BLOCK_K and the rows a multiple of the program's, so no load is
-    masked but the prefetch past the last K tile (one scalar predicate, nothing filled)."""
+    masked (the prefetch past the last K tile reloads that tile).
+    GROUP_ACC (int8, groups of 2+ words; `KernelChoice.group_acc`): the sums are kept per group
+    ([SUB, W / words per group]), a group's words multiplied by their x scales and added before
+    its scale multiplies once: fewer FMUL and half the accumulator registers, so larger tiles
+    fit (sm_90: 1.08 instructions per weight at 32 words and rows per thread, no spills)."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids + pair).to(tl.int32)
@@ -589,20 +602,25 @@ def _q2s_gemv_kernel(
         dv1 = tl.zeros((SUB, W), tl.float32)
         dv2 = tl.zeros((SUB, W), tl.float32)
         dv3 = tl.zeros((SUB, W), tl.float32)
-        acc0 = tl.zeros((SUB, W), tl.float32)
-        acc1 = tl.zeros((SUB, W), tl.float32)
-        acc2 = tl.zeros((SUB, W), tl.float32)
-        acc3 = tl.zeros((SUB, W), tl.float32)
+        # GROUP_ACC (int8, groups of 2+ words): the int8 path's sums are kept per group, each
+        # word's product with its x scale summed over the group before the group scale
+        WPG: tl.constexpr = GROUP // 16
+        GSUM: tl.constexpr = GROUP_ACC and INT8 and WPG >= 2
+        AW: tl.constexpr = W // WPG if GSUM else W
+        acc0 = tl.zeros((SUB, AW), tl.float32)
+        acc1 = tl.zeros((SUB, AW), tl.float32)
+        acc2 = tl.zeros((SUB, AW), tl.float32)
+        acc3 = tl.zeros((SUB, AW), tl.float32)
         # float path: Σx per word times the group scale (the -11a term); both paths: the
         # b != 3a term
         ax0 = tl.zeros((SUB, W), tl.float32)
         ax1 = tl.zeros((SUB, W), tl.float32)
         ax2 = tl.zeros((SUB, W), tl.float32)
         ax3 = tl.zeros((SUB, W), tl.float32)
-        av0 = tl.zeros((SUB, W), tl.float32)
-        av1 = tl.zeros((SUB, W), tl.float32)
-        av2 = tl.zeros((SUB, W), tl.float32)
-        av3 = tl.zeros((SUB, W), tl.float32)
+        av0 = tl.zeros((SUB, AW), tl.float32)
+        av1 = tl.zeros((SUB, AW), tl.float32)
+        av2 = tl.zeros((SUB, AW), tl.float32)
+        av3 = tl.zeros((SUB, AW), tl.float32)
         d0 = tl.zeros((SUB,), tl.float32)
         d1 = tl.zeros((SUB,), tl.float32)
         d2 = tl.zeros((SUB,), tl.float32)
@@ -626,10 +644,10 @@ def _q2s_gemv_kernel(
             n1 = _q2s_words(wbase, rows1, m1, pref, wmask_next, row_words, EVEN)
             n2 = _q2s_words(wbase, rows2, m2, pref, wmask_next, row_words, EVEN)
             n3 = _q2s_words(wbase, rows3, m3, pref, wmask_next, row_words, EVEN)
-            sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W, EVEN)
-            sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W, EVEN)
-            sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN)
-            sc3 = _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W, EVEN)
+            sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W, EVEN, GSUM)
+            sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W, EVEN, GSUM)
+            sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN, GSUM)
+            sc3 = _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W, EVEN, GSUM)
             if INT8:
                 if EVEN:
                     q0 = tl.load(xq_row + wd)[None, :]
@@ -650,20 +668,40 @@ def _q2s_gemv_kernel(
                 r1 = _q2s_word_dots(w1, q0, q1, q2, q3, init, ASM)
                 r2 = _q2s_word_dots(w2, q0, q1, q2, q3, init, ASM)
                 r3 = _q2s_word_dots(w3, q0, q1, q2, q3, init, ASM)
-                sc0 = sc0 * xsc
-                sc1 = sc1 * xsc
-                sc2 = sc2 * xsc
-                sc3 = sc3 * xsc
-                acc0 += r0.to(tl.float32) * sc0
-                acc1 += r1.to(tl.float32) * sc1
-                acc2 += r2.to(tl.float32) * sc2
-                acc3 += r3.to(tl.float32) * sc3
-                if corr != 0:  # RH = 128H - 64Σq = 64(2H - Σq)
-                    hinit = qs * -64
-                    av0 += _q2s_high_dots(w0, q0, q1, q2, q3, hinit, ASM).to(tl.float32) * sc0
-                    av1 += _q2s_high_dots(w1, q0, q1, q2, q3, hinit, ASM).to(tl.float32) * sc1
-                    av2 += _q2s_high_dots(w2, q0, q1, q2, q3, hinit, ASM).to(tl.float32) * sc2
-                    av3 += _q2s_high_dots(w3, q0, q1, q2, q3, hinit, ASM).to(tl.float32) * sc3
+                if GSUM:
+                    acc0 += _group_sum(r0.to(tl.float32) * xsc, WPG) * sc0
+                    acc1 += _group_sum(r1.to(tl.float32) * xsc, WPG) * sc1
+                    acc2 += _group_sum(r2.to(tl.float32) * xsc, WPG) * sc2
+                    acc3 += _group_sum(r3.to(tl.float32) * xsc, WPG) * sc3
+                    if corr != 0:  # RH = 128H - 64Σq = 64(2H - Σq)
+                        hinit = qs * -64
+                        h0 = _q2s_high_dots(w0, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        h1 = _q2s_high_dots(w1, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        h2 = _q2s_high_dots(w2, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        h3 = _q2s_high_dots(w3, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        av0 += _group_sum(h0 * xsc, WPG) * sc0
+                        av1 += _group_sum(h1 * xsc, WPG) * sc1
+                        av2 += _group_sum(h2 * xsc, WPG) * sc2
+                        av3 += _group_sum(h3 * xsc, WPG) * sc3
+                else:
+                    sc0 = sc0 * xsc
+                    sc1 = sc1 * xsc
+                    sc2 = sc2 * xsc
+                    sc3 = sc3 * xsc
+                    acc0 += r0.to(tl.float32) * sc0
+                    acc1 += r1.to(tl.float32) * sc1
+                    acc2 += r2.to(tl.float32) * sc2
+                    acc3 += r3.to(tl.float32) * sc3
+                    if corr != 0:  # RH = 128H - 64Σq = 64(2H - Σq)
+                        hinit = qs * -64
+                        h0 = _q2s_high_dots(w0, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        h1 = _q2s_high_dots(w1, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        h2 = _q2s_high_dots(w2, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        h3 = _q2s_high_dots(w3, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        av0 += h0 * sc0
+                        av1 += h1 * sc1
+                        av2 += h2 * sc2
+                        av3 += h3 * sc3
             else:
                 s0 = tl.zeros((SUB, W), tl.float32)
                 s1 = tl.zeros((SUB, W), tl.float32)
@@ -1162,7 +1200,7 @@ def _q2s_gemv(
             dspec.group if dspec else 1,
             bias, in_bias, out_bias, ACTIVATIONS[act.kind], act.limit, act.alpha,
             is_down, top_k, sub, block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
-            oq, os_, osum, oqn, quant_out and not is_down, even,
+            oq, os_, osum, oqn, quant_out and not is_down, even, c.group_acc,
             num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
 

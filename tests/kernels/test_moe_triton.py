@@ -213,6 +213,15 @@ def test_q2s_gemv_int8_ragged_tiles(fmt_name):
     run_case(fmt_name, 2, 2, 5, 96, 96, force=(Q2S_INT8, Q2S_INT8), seed=16)
 
 
+@pytest.mark.parametrize("fmt_name", ["q2s", "q2s+nvfp4"])
+def test_q2s_gemv_group_acc(fmt_name):
+    """Sums kept per q2s group (`KernelChoice.group_acc`): gate_up's groups of 2 words (K = 128
+    in one tile), down's of 1 (the per-word path), whole and ragged tiles."""
+    choice = moe_dispatch.KernelChoice(block_n=64, block_k=128, int8_act=True, group_acc=True)
+    run_case(fmt_name, 3, 2, 6, 128, 64, present_frac=0.7, force=(choice, choice), seed=17)
+    run_case(fmt_name, 2, 2, 5, 96, 96, force=(choice, choice), seed=18)
+
+
 @pytest.mark.parametrize("group", [64, 128, 48])
 def test_q2s_gemv_groups(group):
     """Groups of 4 and 8 words take the q2s GEMV kernel (scales repeated by joins; a 128-column
