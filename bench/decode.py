@@ -298,7 +298,7 @@ TINY_SHAPE = dict(  # the CPU smoke-test shape: Qwen3-MoE layout, tiny sizes
     head_dim=32,
     moe_intermediate_size=64,
     intermediate_size=256,
-    num_experts=16,
+    num_experts=32,  # eval-moe-70m's router_trace.npz maps onto it (CPU smoke)
     num_experts_per_tok=4,
     vocab_size=512,
 )
@@ -633,7 +633,7 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
               # share of the bf16 expert bytes accelerate placed on the GPU under the cap
               "gpu_expert_fraction": round(t["gpu_expert_fraction"], 3),
               "ms_per_token": round(t["ms"], 3), "tok_s": round(accelerate[f], 3)})  # fmt: skip
-    for routing in routings:
+    for routing in routings if not args.skip_decode else []:
         run_decode_cases(args, info, path, store, routing, fractions, disk_fractions, disk_sets,
                          speeds, gbps, accelerate)  # fmt: skip
     store.close()
@@ -752,6 +752,11 @@ def main() -> None:
         default=0,
         help="tiered: also time one prefill of this many tokens per GPU budget (streamed from "
         "the host tier) against its PCIe-bound floor (0: skip)",
+    )
+    parser.add_argument(
+        "--skip-decode",
+        action="store_true",
+        help="tiered: only the links line and the --prefill-tokens / --accelerate-tokens cases",
     )
     parser.add_argument(
         "--accelerate-tokens",

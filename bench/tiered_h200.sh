@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Issue #6's acceptance points that still lack H200 figures, in one command (typically 5-7 min;
+# each step has a time limit, 9.5 min in all at worst). JSON lines of every step go to
+# "$OUT/tiered.jsonl", stderr and the step times to "$OUT/tiered.log", and a summary against the
+# targets to "$OUT/tiered-summary.jsonl" (also printed).
+#
+#   1. decode-model  bench/decode.py --tiered, 8-layer Qwen3-30B-A3B slice, GPU budgets 25/50/100%,
+#                    the model's own (near-uniform) routing, miss strategy from the cost model
+#   2. decode-trace  the same with eval-moe-70m's routing trace replayed (bench/trace_routing.py),
+#                    zero-copy hot set rebalanced every 64 tokens (as the Generator does)
+#   3. prefill       one 2,048-token prefill streamed from pinned host RAM at a 25% budget, against
+#                    its PCIe-bound floor, beside the same prefill with every expert resident
+#   4. disk          bench/disk.py: DiskReader expert reads against raw O_DIRECT, same run
+#   5. accelerate    HF transformers + accelerate offload, bf16, GPU capped at the 25% budget
+#
+# Before (on the dev machine, from the repo root; .carry/ is gitignored):
+#   mkdir -p .carry && cp ../shared/models/eval-moe-70m/router_trace.npz .carry/      # 0.7 MB
+#   pip download accelerate==1.13.0 --no-deps -d .carry/wheels   # only used if the image lacks it
+# On the device machine (carry: .carry/router_trace.npz and .carry/wheels), from the repo root:
+#   MOETIER_COMMIT=<short hash> PYTHONPATH=$PWD bash bench/tiered_h200.sh
+# CPU smoke test of the whole chain (tiny shape, seconds): SMOKE=1 OUT=/tmp/t bash bench/tiered_h200.sh
+set -uo pipefail
+: "${OUT:?set OUT to a folder for the results}"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="${PYTHONPATH:-$PWD}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+TRACE=${TRACE:-.carry/router_trace.npz}
+TMP=${BENCH_TMP:-/tmp}  # synthetic store and the accelerate checkpoint (10 GB)
+mkdir -p "$OUT"
+lines="$OUT/tiered.jsonl"
+log="$OUT/tiered.log"
+: >"$lines"
+: >"$log"
+
+if [[ "${SMOKE:-0}" == 1 ]]; then
+    shape=(--device cpu --shape tiny --layers 2)
+    steps=3
+    prefill=300
+    disk=(--file-gib 0.05 --budget-s 2 --repeat 1)
+    limit=1
+else
+    shape=(--layers 8)
+    steps=256
+    prefill=2048
+    disk=()
+    limit=0
+fi
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, lines to $lines, stderr to $log
+    local name=$1 seconds=$2
+    shift 2
+    [[ $limit == 1 ]] && seconds=300
+    echo "# $(date +%T) $name (limit ${seconds}s): $*" | tee -a "$log" >&2
+    local start=$SECONDS
+    timeout -k 10 "$seconds" "$@" 2>>"$log" | tee -a "$lines"
+    local rc=${PIPESTATUS[0]}
+    echo "# $(date +%T) $name: exit $rc after $((SECONDS - start)) s" | tee -a "$log" >&2
+}
+
+{
+    echo "# environment"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+    "$PY" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+    df -h . "$TMP" 2>&1 | cat
+    stat -f -c "%T  (repo root)" . 2>&1
+    stat -f -c "%T  ($TMP)" "$TMP" 2>&1
+} >>"$log" 2>&1
+
+if ! "$PY" -c "import accelerate" 2>/dev/null; then
+    if compgen -G ".carry/wheels/accelerate-*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/moetier-site \
+            .carry/wheels/accelerate-*.whl >>"$log" 2>&1 &&
+            export PYTHONPATH="$PYTHONPATH:/tmp/moetier-site"
+    else
+        echo "# accelerate is missing and .carry/wheels has no wheel: step 5 will fail" | tee -a "$log" >&2
+    fi
+fi
+trace_arg=()
+if [[ -f "$TRACE" ]]; then
+    trace_arg=(--routing "trace:$TRACE")
+else
+    echo "# no $TRACE: step 2 skipped (copy it into .carry/ first, see the top of this file)" | tee -a "$log" >&2
+fi
+
+decode=("$PY" bench/decode.py --tiered "${shape[@]}" --tmp "$TMP")
+step decode-model 150 "${decode[@]}" --gpu-fraction 0.25,0.5,1.0 --steps "$steps" --routing model
+if [[ ${#trace_arg[@]} -gt 0 ]]; then
+    step decode-trace 150 "${decode[@]}" --gpu-fraction 0.25,0.5,1.0 --steps "$steps" \
+        "${trace_arg[@]}" --rebalance-every 64
+fi
+step prefill 80 "${decode[@]}" --gpu-fraction 0.25 --prefill-tokens "$prefill" --skip-decode
+step disk 60 "$PY" bench/disk.py "${disk[@]}"
+step accelerate 120 "${decode[@]}" --gpu-fraction 0.25 --accelerate-tokens 4 --skip-decode
+
+"$PY" - "$lines" <<'EOF' | tee "$OUT/tiered-summary.jsonl"
+"""One line per acceptance point of issue #6 from the lines above (same-run figures)."""
+import json
+import sys
+
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+decode = [r for r in rows if r.get("case") == "decode-tiered" and r.get("disk_fraction") == 0]
+accelerate = [r for r in rows if r.get("case") == "decode-accelerate" and r["gpu_fraction"] == 0.25]
+acc_tok_s = accelerate[0]["tok_s"] if accelerate else None
+bf16_lru = 33.9  # last session's bf16 / LRU / no-prefetch line (docs/benchmarks.md), not re-run
+
+
+def out(point, **figures):
+    print(json.dumps({"point": point, **figures}))
+
+
+for r in decode:
+    out(f"decode {r['routing']} {r['gpu_fraction']:.0%}", strategy=r["strategy"],
+        tok_s=r["tok_s"], target_tok_s=580 if r["gpu_fraction"] == 0.25 else None,
+        ratio_to_floor=r["ratio_to_floor"], target_ratio=1.25 if r["gpu_fraction"] == 0.25 else None,
+        floor_kind=r["floor_kind"], hit_rate=r["hit_rate"],
+        vs_accelerate=round(r["tok_s"] / acc_tok_s, 1) if acc_tok_s else None,
+        vs_bf16_lru_last_session=round(r["tok_s"] / bf16_lru, 1))
+for r in accelerate:
+    out("accelerate 25%", tok_s=r["tok_s"], gpu_expert_fraction=r["gpu_expert_fraction"])
+for r in rows:
+    if r.get("case") == "prefill-tiered":
+        out(f"prefill {r['tokens']} {r['routing']} {r['gpu_fraction']:.0%}", ms=r["ms"],
+            floor_ms=r["floor_ms"], of_floor=r["of_floor"], target_of_floor=0.7,
+            resident_ms=r["resident_ms"], pinned_ms=r["pinned_ms"], of_bound=r["of_bound"],
+            h2d_GBs=r["h2d_GB/s"])
+disk = [r for r in rows if r.get("bench") == "disk"]
+raw = [r for r in disk if r["what"].startswith("raw")]
+if raw:
+    best = max(raw, key=lambda r: r["gbps"])
+    for r in disk:
+        if "of_raw" in r:
+            out(f"disk reader blob {r['blob_bytes']} x{r['batch']} qd{r['queue_depth']}",
+                gbps=r["gbps"], raw_best_gbps=best["gbps"], of_raw=r["of_raw"],
+                target_of_raw=0.9, direct=r["direct"], filesystem=r["filesystem"])
+EOF
+echo "# results in $OUT: tiered.jsonl, tiered.log, tiered-summary.jsonl" >&2
