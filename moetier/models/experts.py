@@ -134,8 +134,8 @@ class ExpertsRuntime:
         out = self.residency.telemetry()
         out[self.residency.tier_name].hits += self.pinned_pairs
         zc = self.zero_copy
-        if zc is not None:
-            pairs, gpu = int(zc.counts.sum()), int(zc.gpu_pairs)
+        if zc is not None:  # (streamed prefill pairs are in the pool's counters already)
+            pairs, gpu = int(zc.counts.sum()) - zc.streamed_pairs, int(zc.gpu_pairs)
             blob = max(self.residency.store.blobs[(layer, 0, "base")].nbytes for layer in zc.layers)
             out["gpu"].hits += gpu
             out["gpu"].misses += pairs - gpu
@@ -185,7 +185,18 @@ class ExpertsRuntime:
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
             return out.sum(dim=1).to(hidden.dtype)  # [T, H]
         zc = self.zero_copy
-        if zc is not None and layer in zc.layer_index:
+        streamed = 0 < self.stream_tokens <= topk_ids.shape[0]
+        if zc is not None and layer in zc.layer_index and streamed and not zc.fixed:
+            # a long prompt: the grouped kernel would read a host row once per block of pairs
+            # (several times its bytes over PCIe); stream the layer's experts in once instead.
+            # The tables point at host rows until the next rebalance (the Generator's, after
+            # each prefill), so the slots are free for the stream
+            if self.count_accesses:
+                zc.record(zc.layer_index[layer], topk_ids)  # the rebalance's counts
+                zc.streamed_pairs += topk_ids.numel()
+            if not zc.demoted:
+                zc.demote_all()
+        elif zc is not None and layer in zc.layer_index:
             # every blob addressable: GPU slot or pinned host row; no host sync on CUDA
             index = zc.layer_index[layer]
             if self.count_accesses:
@@ -221,7 +232,6 @@ class ExpertsRuntime:
             raise ValueError("the delta plane needs an expert cache of at least 2 slots")
         # Layer-streamed prefill: half the pool computes while the other half fills with the
         # next chunk (or the next layer's first), copies on the pool's copy stream.
-        streamed = 0 < self.stream_tokens <= topk_ids.shape[0]
         if streamed:
             capacity = max(1, capacity // 2)
         chunks = [needed[start : start + capacity] for start in range(0, len(needed), capacity)]

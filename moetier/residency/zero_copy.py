@@ -74,6 +74,12 @@ class ZeroCopyPlacement:
         self._seen = torch.zeros(shape, dtype=torch.int64)
         self.promotions = 0
         self.promoted_bytes = 0
+        # every table entry at its host row (demote_all), slots free for a streamed prefill,
+        # until the next promote
+        self.demoted = False
+        # pairs of `counts` that a streamed prefill served through the slot pool (counted for
+        # the rebalance, not as zero-copy reads)
+        self.streamed_pairs = 0
 
     def entry(self, key: BlobKey) -> int:
         """The address entry of `key` now: its pool slot, else S + its host row."""
@@ -88,6 +94,9 @@ class ZeroCopyPlacement:
         on the current stream before the tables, so a later step sees both together. Returns
         the number of blobs copied."""
         wanted = list(dict.fromkeys([*self.fixed, *gpu_keys]))
+        # a prefetch copy (streamed prefill) into a slot the new tables point at lands before
+        # any later kernel reads it
+        self.pool.wait_prefetches()
         before = self.pool.stats.bytes_fetched
         resident = set(self.pool.resident())
         self.pool.place(wanted[: self.pool.capacity])
@@ -103,7 +112,28 @@ class ZeroCopyPlacement:
         self.on_gpu.copy_(table < self.slots)
         if self.delta_table is not None:
             self.delta_table.copy_(delta)
+        self.demoted = False
         return copied
+
+    def demote_all(self) -> None:
+        """Point every table entry at its host row, in place on the current stream (queued
+        before whatever reuses the slots): the pool's slots are then free for other use, e.g.
+        a streamed prefill copying each layer's experts in once, until the next `promote` /
+        `rebalance` puts the hot set back. Needs every blob in the host tier."""
+        if self.fixed:
+            raise ValueError("blobs outside the host tier must stay in GPU slots: cannot demote")
+        table = torch.empty(self.table.shape, dtype=torch.int32)
+        delta = torch.empty(self.table.shape, dtype=torch.int32)
+        for layer, expert, plane in self.keys:
+            target = table if plane == "base" else delta
+            target[self.layer_index[layer], expert] = (
+                self.slots + self.host.index[(layer, expert, plane)]
+            )
+        self.table.copy_(table)
+        self.on_gpu.zero_()
+        if self.delta_table is not None:
+            self.delta_table.copy_(delta)
+        self.demoted = True
 
     def record(self, index: int, topk_ids: torch.Tensor) -> None:
         """Count layer `index`'s pairs [T, k] on the device (no host sync; capturable)."""
@@ -158,5 +188,5 @@ class ZeroCopyPlacement:
 
     def gpu_hit_rate(self) -> float:
         """Share of counted pairs whose base blob was in a GPU slot (one host read)."""
-        pairs = int(self.counts.sum())
+        pairs = int(self.counts.sum()) - self.streamed_pairs
         return int(self.gpu_pairs) / pairs if pairs else float("nan")

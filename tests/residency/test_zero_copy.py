@@ -140,3 +140,64 @@ def test_zero_copy_decode_replays_from_a_cuda_graph(tiny):
     pool = zero_copy.runtime.residency
     hot = [*placement.fixed, *placement.hot_keys(placement.scores)][: pool.capacity]
     assert set(pool.resident()) == set(hot)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_long_prompt_streams_instead_of_reading_host_rows(tiny, device):
+    """In zero-copy mode a call of >= stream_tokens tokens streams each layer's experts into
+    the slots once (the grouped kernel would read host rows several times): the tables point
+    at host rows meanwhile (decode stays correct without a rebalance), the counts still feed
+    the rebalance that puts the hot set back; logits bit-identical throughout."""
+    store = tiny.store("qwen3_moe")
+
+    def native(**engine):
+        config = EngineConfig(device=device, dtype="float32", native=True, **engine)
+        return load_model(store, config)
+
+    def run(loaded, prompt, steps, between=None):
+        cache = loaded.model.new_cache(1, 64, torch.float32, device)
+        outs = []
+        with torch.no_grad():
+            positions = torch.arange(prompt.shape[1], device=device)[None]
+            out = loaded.model(prompt, positions, cache)
+            for t in range(prompt.shape[1], prompt.shape[1] + steps):
+                outs.append(out)
+                if between is not None:
+                    between(t - prompt.shape[1])
+                position = torch.tensor([[t]], device=device)
+                out = loaded.model(out[:, -1:].argmax(-1), position, cache)
+            outs.append(out)
+        return torch.cat(outs, dim=1)
+
+    prompt = torch.randint(1, 300, (1, 24), generator=torch.Generator().manual_seed(8))
+    prompt = prompt.to(device)
+    want = run(native(), prompt, 4)
+    loaded = native(expert_cache_slots=4, host_memory="64MiB")
+    runtime = loaded.runtime
+    runtime.stream_tokens = 16
+    zc = runtime.enable_zero_copy()
+    table_ptr = zc.table.data_ptr()
+    placed_bytes = runtime.residency.stats.bytes_fetched
+    seen = {}
+
+    def between(step):
+        if step == 0:  # right after the prompt: streamed, tables at host rows
+            seen["demoted"], seen["on_gpu"] = zc.demoted, int((zc.table < zc.slots).sum())
+            stats = runtime.residency.stats
+            seen["copied"] = stats.bytes_fetched - placed_bytes
+            seen["requests"], seen["streamed"] = stats.hits + stats.misses, zc.streamed_pairs
+        if step == 2:  # the Generator's rebalance (here after one decode step at host rows)
+            zc.rebalance()
+
+    assert torch.equal(run(loaded, prompt, 4, between), want)
+    top_k, layers = loaded.model_config.top_k, len(zc.layers)
+    # the stream asked the pool for each layer's distinct experts and copied blobs in
+    assert seen["demoted"] and seen["on_gpu"] == 0 and seen["requests"] > 0 and seen["copied"] > 0
+    assert seen["streamed"] == 24 * top_k * layers
+    assert not zc.demoted and int((zc.table < zc.slots).sum()) == 4
+    assert zc.table.data_ptr() == table_ptr
+    # counts cover the prompt (for the rebalance) and the 4 decode steps
+    assert int(zc.counts.sum()) == (24 + 4) * top_k * layers
+    gpu = runtime.telemetry()["gpu"]
+    stats = runtime.residency.stats  # the stream's blob requests, then 4 zero-copy steps' pairs
+    assert gpu.hits + gpu.misses == stats.hits + stats.misses + 4 * top_k * layers
