@@ -499,14 +499,13 @@ def time_tiered(
 
 
 def _time_prefills(
-    loaded: Any, routers: list[Any], ids: list[list[int]], device: str
+    loaded: Any, routers: list[Any], ids: list[list[int]], device: str, dtype: torch.dtype
 ) -> tuple[float, float, float]:
     """Best seconds of 2 prefills of `ids` after a warm-up (the same tokens and, with trace
     routing, the same trace rows each time), with the host bytes moved in and the expert
     blobs requested (pairs of distinct experts per layer) by the best one."""
     runtime = loaded.runtime
-    dec = StaticDecoder(loaded.model, 1, len(ids[0]) + 8, next(loaded.model.parameters()).dtype,
-                        device)  # fmt: skip
+    dec = StaticDecoder(loaded.model, 1, len(ids[0]) + 8, dtype, device)
     stats = runtime.residency.stats
     best, moved, requested = math.inf, 0.0, 0.0
     with torch.inference_mode():
@@ -557,13 +556,13 @@ def time_prefill(
         runtime = loaded.runtime
         store = runtime.residency.store
         runtime.residency.host = HostTier(store, sorted(store.blobs))
-        seconds, moved, requested = _time_prefills(loaded, routers, prompt, device)
+        seconds, moved, requested = _time_prefills(loaded, routers, prompt, device, dtype)
         if case == "tiered":
             out.update(seconds=seconds, host_bytes=moved, needed_bytes=requested * blob)
         else:
             out.update(resident_seconds=seconds, resident_host_bytes=moved)
             runtime.pin_all()  # every blob is in a slot already: no copies
-            out["pinned_seconds"] = _time_prefills(loaded, routers, prompt, device)[0]
+            out["pinned_seconds"] = _time_prefills(loaded, routers, prompt, device, dtype)[0]
         del loaded, runtime, store, routers
         if device == "cuda":
             torch.cuda.empty_cache()

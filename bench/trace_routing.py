@@ -17,7 +17,9 @@ L_t layers (E_t must divide E, and G = E / E_t must divide k with k / G <= k_t):
   - weights are the trace's probabilities of those experts renormalised over the k (uniform
     1 / k without `router_probs`).
 For eval-moe-70m onto the Qwen3-30B-A3B shape (128 experts, top-8, 8 layers): G = 4 groups of
-32, 2 experts each, 32 sources over the 5 trace layers at offsets 0, 2340, ... 14040 tokens.
+32, 2 experts each, 32 sources over the 5 trace layers at offsets 0, 2340, ... 14040 tokens. Each
+group then routes to the top 2/32 of its experts, the shape's own 8/128 ratio (the trace's own
+4/32 is twice that).
 Each source keeps its layer's load skew and its token-to-token reuse (what a cache sees); the
 groups are independent streams. Bench token t of every layer is mapped trace token t (the
 router's own cursor: prefill and decode consume the trace in order).
