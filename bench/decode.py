@@ -569,6 +569,16 @@ def time_prefill(
     return out
 
 
+def failed(info: dict[str, Any], case: str, error: Exception, **what: Any) -> None:
+    """A line for a case that raised (traceback on stderr); the run goes on."""
+    import traceback
+
+    traceback.print_exc()
+    emit({**info, "case": case, **what, "error": f"{type(error).__name__}: {error}"[:500]})
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
     device = args.device
     shape = dict(TINY_SHAPE if args.shape == "tiny" else QWEN3_30B_A3B,
@@ -582,7 +592,9 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
     routings = parse_routings(args.routing, store)
     base = sorted(k for k in store.blobs if k[2] == "base")
     blob_bytes = next(iter(store.blobs.values())).nbytes
-    fractions = sorted((float(f) for f in args.gpu_fraction.split(",")), reverse=True)
+    fractions = [float(f) for f in args.gpu_fraction.split(",")]
+    if args.strategy == "auto":  # the resident case first: it measures the sync overhead the
+        fractions.sort(reverse=True)  # cost model charges the host-decided strategies
     disk_fractions = [float(f) for f in args.disk_fraction.split(",")]
     for f in fractions + disk_fractions:
         if not 0 <= f <= 1:
@@ -604,7 +616,11 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
         for f in fractions:
             if f >= 1:
                 continue
-            p = time_prefill(path, device, f, args.prefill_tokens, routing)
+            try:
+                p = time_prefill(path, device, f, args.prefill_tokens, routing)
+            except Exception as e:  # one failed case must not lose the others' lines
+                failed(info, "prefill-tiered", e, routing=routing.name, gpu_fraction=f)
+                continue
             # the PCIe-bound floor: each layer's needed experts cross once, at pinned H2D
             floor_s = p["needed_bytes"] / speeds.h2d
             bound_s = max(floor_s, p["resident_seconds"])  # what full overlap would give
@@ -625,7 +641,11 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
     for f in fractions if args.accelerate_tokens else []:
         if f >= 1:
             continue
-        t = time_accelerate(shape, f, args.accelerate_tokens, args.tmp, device)
+        try:
+            t = time_accelerate(shape, f, args.accelerate_tokens, args.tmp, device)
+        except Exception as e:
+            failed(info, "decode-accelerate", e, gpu_fraction=f)
+            continue
         accelerate[f] = 1e3 / t["ms"]
         emit({**info, "case": "decode-accelerate", **common, "batch": 1, "gpu_fraction": f,
               "gpu_cap_GiB": round(t["gpu_cap_bytes"] / 2**30, 2),
@@ -675,8 +695,14 @@ def run_decode_cases(
                 if strategy == "zero_copy" and disk_fraction > 0:
                     print("# zero_copy cannot serve blobs on disk: skipped", file=sys.stderr)
                     continue
-                t = time_tiered(path, device, gpu_fraction, disk_keys, strategy, args.steps,
-                                args.rebalance_every, args.compile != "off", routing)  # fmt: skip
+                try:
+                    compiled = args.compile != "off"
+                    t = time_tiered(path, device, gpu_fraction, disk_keys, strategy, args.steps,
+                                    args.rebalance_every, compiled, routing)  # fmt: skip
+                except Exception as e:
+                    failed(info, "decode-tiered", e, routing=routing.name, strategy=strategy,
+                           gpu_fraction=gpu_fraction, disk_fraction=disk_fraction)  # fmt: skip
+                    continue
                 if device == "cuda":
                     torch.cuda.empty_cache()
                 if strategy == "resident":
@@ -740,7 +766,8 @@ def main() -> None:
     parser.add_argument(
         "--strategy",
         default="auto",
-        help="tiered: auto (the cost model picks) or a comma list of zero_copy, prefetch, blocking",
+        help="tiered: auto (the cost model picks; budgets run from the largest down) or a comma "
+        "list of zero_copy, prefetch, blocking (budgets run in the order given)",
     )
     parser.add_argument(
         "--rebalance-every", type=int, default=0, help="tiered zero_copy: promote every N steps"

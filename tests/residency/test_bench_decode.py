@@ -129,3 +129,27 @@ def test_tiered_decode_bench_trace_routing_smoke(tmp_path):
     bad = command[:-4] + ["--routing", "trace:" + str(tmp_path / "missing.npz")] + command[-2:]
     done = subprocess.run(bad, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode != 0 and "cp ../shared/models/eval-moe-70m" in done.stderr
+
+
+def test_a_failing_case_prints_an_error_line_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    import decode
+
+    real = decode.time_tiered
+
+    def flaky(path, device, gpu_fraction, *args, **kwargs):
+        if gpu_fraction == 0.25:
+            raise RuntimeError("out of memory (simulated)")
+        return real(path, device, gpu_fraction, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "time_tiered", flaky)
+    argv = ["decode.py", "--tiered", "--device", "cpu", "--layers", "2", "--shape", "tiny",
+            "--steps", "2", "--gpu-fraction", "0.25,1.0", "--strategy", "zero_copy",
+            "--tmp", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    decode.main()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    cases = [(r["case"], r.get("gpu_fraction"), "error" in r) for r in lines]
+    # the given order (explicit strategy): 25% first, failed, then the resident case still runs
+    assert cases == [("links", None, False), ("decode-tiered", 0.25, True),
+                     ("decode-tiered", 1.0, False)]  # fmt: skip
+    assert "out of memory (simulated)" in lines[1]["error"]
