@@ -652,27 +652,33 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
               # share of the bf16 expert bytes accelerate placed on the GPU under the cap
               "gpu_expert_fraction": round(t["gpu_expert_fraction"], 3),
               "ms_per_token": round(t["ms"], 3), "tok_s": round(accelerate[f], 3)})  # fmt: skip
-    for routing in routings if not args.skip_decode else []:
-        run_decode_cases(args, info, path, store, routing, fractions, disk_fractions, disk_sets,
-                         speeds, gbps, accelerate)  # fmt: skip
+    # budget-major, so with a time limit every routing's first budget is measured first
+    sync_s = {routing.name: 0.0 for routing in routings}
+    for f in fractions if not args.skip_decode else []:
+        for routing in routings:
+            sync_s[routing.name] = run_decode_cases(
+                args, info, path, store, routing, [f], disk_fractions, disk_sets, speeds, gbps,
+                accelerate, sync_s[routing.name],
+            )  # fmt: skip
     store.close()
 
 
 def run_decode_cases(
     args: argparse.Namespace, info: dict[str, Any], path: Path, store: Store, routing: Routing,
     fractions: list[float], disk_fractions: list[float], disk_sets: dict[float, set[Any]],
-    speeds: LinkSpeeds, gbps: dict[str, float], accelerate: dict[float, float],
-) -> None:  # fmt: skip
+    speeds: LinkSpeeds, gbps: dict[str, float], accelerate: dict[float, float], sync_s: float,
+) -> float:  # fmt: skip
     """One decode line per (GPU budget, disk fraction, strategy) under `routing`. The floor is
     the budget's under near-uniform routing (model routing) or the trace rows' with the best
-    fixed GPU placement (trace routing; the uniform one is printed beside it)."""
+    fixed GPU placement (trace routing; the uniform one is printed beside it). `sync_s`: the
+    host-decision overhead per token the cost model charges, measured by a resident case
+    (eager minus graphed step); returned, updated when a resident case ran."""
     device = args.device
     experts = args.experts.split(",")[0]
     blob_bytes = next(iter(store.blobs.values())).nbytes
     # trace rows the timed steps will roughly use (prompt, first step, warm-up, capture): for
     # the cost model's choice before the run; the floor uses the rows actually routed
     expected = range(PROMPT + WARMUP + 2, PROMPT + WARMUP + 2 + args.steps)
-    sync_s = 0.0  # host-decision overhead per token, from the resident case when it runs
     for gpu_fraction in fractions:
         for disk_fraction in disk_fractions:
             if gpu_fraction >= 1 and disk_fraction > 0:
@@ -753,6 +759,7 @@ def run_decode_cases(
                     rec["prefetch_precision"] = round(per["used"] / per["issued"], 3)
                     rec["prefetch_recall"] = round(per["used"] / per["needed"], 3)
                 emit(rec)
+    return sync_s
 
 
 def main() -> None:

@@ -5,10 +5,10 @@
 # targets to "$OUT/tiered-summary.jsonl" (also printed).
 #
 #   1. decode      bench/decode.py --tiered, 8-layer Qwen3-30B-A3B slice, batch 1, GPU budgets
-#                  25% (first: the target), 100% (resident), 50%; eval-moe-70m's routing trace
-#                  replayed (bench/trace_routing.py), then the model's own (near-uniform) routing;
-#                  zero-copy below 100% (the cost model's pick in the last H200 run, now forced so
-#                  the order can put 25% first), hot set rebalanced every 64 tokens as the
+#                  25% (first: the target), 100% (resident), 50%, each with eval-moe-70m's routing
+#                  trace replayed (bench/trace_routing.py) and with the model's own (near-uniform)
+#                  routing; zero-copy below 100% (the cost model's pick in the last H200 run, now
+#                  forced so that 25% can run first), hot set rebalanced every 64 tokens as the
 #                  Generator does; 256 timed tokens per case
 #   2. prefill     one 2,048-token prefill streamed from pinned host RAM at a 25% budget, against
 #                  its PCIe-bound floor, beside the same prefill with every expert resident
