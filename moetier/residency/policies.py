@@ -5,7 +5,8 @@ trace replay, `SlotPool` in the engine, where one access is a layer's experts fo
 asks the policy three things:
 
     victim(candidates)    on a miss with the cache full: which resident key would make room
-                          (candidates never include keys of the request being served)
+                          (candidates never include keys of the request being served);
+                          victims(candidates, n) the same for a batch of misses
     admit(key, victim)    on a miss: take a slot for `key`, evicting `victim` (None: a slot is
                           free)? False serves the miss without caching it, e.g. by a zero-copy
                           read of the host-pinned blob
@@ -18,6 +19,7 @@ and tells it `on_evict(key)`. Policies keep their own statistics; they never see
 from __future__ import annotations
 
 import bisect
+import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,16 @@ class CachePolicy(ABC, Generic[K]):
     @abstractmethod
     def victim(self, candidates: Sequence[K]) -> K:
         """The key to evict among `candidates` (resident, not part of the current request)."""
+
+    def victims(self, candidates: Sequence[K], n: int) -> list[K]:
+        """The keys `victim` would pick one after another among `candidates`, each gone before
+        the next pick: at most `n` (a batch of misses). Policies whose `victim` is a minimum
+        over a per-key order override it with one partial sort (O(C log n), not O(C n))."""
+        remaining, out = list(candidates), []
+        for _ in range(min(n, len(remaining))):
+            out.append(self.victim(remaining))
+            remaining.remove(out[-1])
+        return out
 
     def admit(self, key: K, victim: K | None) -> bool:
         """Whether a missed `key` takes a slot, evicting `victim` when that is not None
@@ -69,6 +81,10 @@ class LRU(CachePolicy[K]):
 
     def victim(self, candidates: Sequence[K]) -> K:
         return min(candidates, key=lambda k: self._last.get(k, 0))
+
+    def victims(self, candidates: Sequence[K], n: int) -> list[K]:
+        # nsmallest is a stable sort's first n: the same keys, in the order of repeated `victim`
+        return heapq.nsmallest(n, candidates, key=lambda k: self._last.get(k, 0))
 
 
 class DecayedFrequency(CachePolicy[K]):
@@ -111,6 +127,11 @@ class DecayedFrequency(CachePolicy[K]):
 
     def victim(self, candidates: Sequence[K]) -> K:
         return min(candidates, key=lambda k: (self._score.get(k, 0.0), self._last.get(k, 0)))
+
+    def victims(self, candidates: Sequence[K], n: int) -> list[K]:
+        return heapq.nsmallest(
+            n, candidates, key=lambda k: (self._score.get(k, 0.0), self._last.get(k, 0))
+        )
 
 
 class LFU(DecayedFrequency[K]):

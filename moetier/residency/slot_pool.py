@@ -183,21 +183,22 @@ class SlotPool:
         `count`: a request of the model (hit/miss counters, the policy's access), not a
         placement."""
         wanted = set(keys)
-        slots = []
-        misses = []
         waited: dict[int, torch.cuda.Event] = {}  # prefetch events waited on (one per batch)
+        missing = [key for key in dict.fromkeys(keys) if key not in self._slots]
+        for key, slot in zip(missing, self._take_slots(len(missing), wanted), strict=True):
+            self._slots[key] = slot
+        misses = [(key, self._slots[key]) for key in missing]
+        fresh = set(missing)
+        slots = []
         for key in keys:
-            slot = self._slots.get(key)
-            if slot is not None:
+            slot = self._slots[key]
+            if key not in fresh:
                 self._wait_prefetch(slot, waited)
-                if count:
-                    self.stats.hits += 1
-            else:
-                slot = self._take_slot(wanted)
-                self._slots[key] = slot
-                misses.append((key, slot))
-                if count:
+            if count:
+                if key in fresh:
                     self.stats.misses += 1
+                else:
+                    self.stats.hits += 1
             slots.append(slot)
         self._fetch(misses)
         if count:
@@ -216,19 +217,23 @@ class SlotPool:
     def slot_of(self, key: BlobKey) -> int | None:
         return self._slots.get(key)
 
-    def _take_slot(self, protected: set[BlobKey]) -> int:
-        """A free slot, or the slot of the policy's victim among blobs not in this request.
-        (A policy's `admit` is not consulted: a miss is always cached; serving it uncached is
-        the zero-copy mode of models/experts.py, which reads the host tier directly.)"""
-        if self._free:
-            return self._free.pop()
-        candidates = [key for key in self._slots if key not in protected]
-        if not candidates:
-            raise RuntimeError("no evictable slot")  # callers keep requests <= num_slots
-        victim = self.policy.victim(candidates)
-        self.policy.on_evict(victim)
-        self.stats.evictions += 1
-        return self._slots.pop(victim)
+    def _take_slots(self, n: int, protected: set[BlobKey], partial: bool = False) -> list[int]:
+        """`n` slots: free ones first, then those of the policy's victims among blobs not in
+        `protected`, chosen in one batch. `partial`: fewer when not enough are evictable
+        (else RuntimeError). (A policy's `admit` is not consulted: a miss is always cached;
+        serving it uncached is the zero-copy mode of models/experts.py, which reads the host
+        tier directly.)"""
+        slots = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        if len(slots) < n:
+            candidates = [key for key in self._slots if key not in protected]
+            victims = self.policy.victims(candidates, n - len(slots))
+            if len(victims) < n - len(slots) and not partial:
+                raise RuntimeError("no evictable slot")  # callers keep requests <= num_slots
+            for victim in victims:
+                self.policy.on_evict(victim)
+                self.stats.evictions += 1
+                slots.append(self._slots.pop(victim))
+        return slots
 
     def _wait_prefetch(self, slot: int, waited: dict[int, torch.cuda.Event] | None = None) -> None:
         """Make the compute stream wait (on the GPU, no host sync) for a prefetch copy into
@@ -313,13 +318,9 @@ class SlotPool:
         number of copies issued."""
         keep = set(keys) | set(protect)
         todo = [k for k in dict.fromkeys(keys) if k not in self._slots]
-        placed = []
-        for key in todo:
-            if not self._free and not any(k not in keep for k in self._slots):
-                break
-            slot = self._take_slot(keep)
+        placed = list(zip(todo, self._take_slots(len(todo), keep, partial=True), strict=False))
+        for key, slot in placed:
             self._slots[key] = slot
-            placed.append((key, slot))
         if not placed:
             return 0
         if self._copy_stream is None:

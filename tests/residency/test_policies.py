@@ -146,3 +146,30 @@ def test_cache_capacity_rounds_and_clamps():
     assert cache_capacity(1.0, 8, 2) == 8
     with pytest.raises(ValueError, match="fraction of the experts"):
         cache_capacity(0.0, 8, 2)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        LRU,
+        lambda: LFU(0.9),
+        lambda: WeightedLFU(0.9),
+        lambda: StaticHotSet.fit([[k] for k in range(40) for _ in range(k % 5)], 10),  # default
+    ],
+)
+def test_batched_victims_are_the_repeated_victims(make):
+    """victims(candidates, n) (one partial sort, for a batch of misses) picks what n calls of
+    victim would, in order, ties included."""
+    rng = random.Random(3)
+    policy = make()
+    keys = list(range(40))
+    for _ in range(200):
+        request = rng.sample(keys, 4)
+        policy.on_access(request, [rng.random() for _ in request])
+    candidates = rng.sample(keys, 30)
+    remaining, want = list(candidates), []
+    for _ in range(12):
+        want.append(policy.victim(remaining))
+        remaining.remove(want[-1])
+    assert policy.victims(candidates, 12) == want
+    assert policy.victims(candidates, 50) == policy.victims(candidates, 30)  # at most all
