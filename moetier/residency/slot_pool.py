@@ -250,16 +250,17 @@ class SlotPool:
         """Copy blobs into slots on the current stream: from the host tier where it holds them,
         else from the store (mmap, or the disk reader's parallel direct reads)."""
         from_disk = []
+        from_host = []
         for key, slot in misses:
             if self.host is not None and key in self.host:
-                n = self.store.blobs[key].nbytes
-                self.pool[slot, :n].copy_(self.host.row(key)[:n], non_blocking=True)
-                self.stats.bytes_fetched += n
+                from_host.append((key, slot))
+                self.stats.bytes_fetched += self.store.blobs[key].nbytes
                 self.host.counters.hits += 1
             else:
                 from_disk.append((key, slot))
                 if self.host is not None:
                     self.host.counters.misses += 1
+        self._copy_from_host(from_host)
         if not from_disk:
             return
         self.disk_counters.hits += len(from_disk)
@@ -281,6 +282,32 @@ class SlotPool:
             self.pool[slot, :n].copy_(buffer[:n])
             self.stats.bytes_fetched += n
             self.disk_counters.bytes += n
+
+    def _copy_from_host(self, items: list[tuple[BlobKey, int]]) -> None:
+        """Host-tier rows into slots (asynchronous from pinned memory): one copy per run of
+        consecutive rows of an arena going to consecutive slots, whole rows, when rows and slots
+        have the same stride (a streamed layer's experts usually form one run: one copy call
+        instead of one per blob, less host time and per-copy DMA overhead); else one copy of
+        each blob's bytes."""
+        host = self.host
+        if host is None or not items:
+            return
+        if host.row_bytes != self.slot_bytes:
+            for key, slot in items:
+                n = self.store.blobs[key].nbytes
+                self.pool[slot, :n].copy_(host.row(key)[:n], non_blocking=True)
+            return
+        runs: list[list[int]] = []  # [arena, first row, first slot, count]
+        for key, slot in items:
+            arena, row = host.location(key)
+            last = runs[-1] if runs else None
+            if last and last[0] == arena and last[1] + last[3] == row and last[2] + last[3] == slot:
+                last[3] += 1
+            else:
+                runs.append([arena, row, slot, 1])
+        for arena, row, slot, count in runs:
+            src = host.arenas[arena][row : row + count]  # [count, row_bytes]
+            self.pool[slot : slot + count].copy_(src, non_blocking=True)
 
     def _fetch(self, misses: list[tuple[BlobKey, int]]) -> None:
         """Blocking fetch of the missed blobs into their slots (all in flight together when

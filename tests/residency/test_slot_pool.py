@@ -113,3 +113,26 @@ def test_residency_configurations_are_bit_identical(tiny, tmp_path):
     assert torch.equal(two, full) and torch.equal(direct, full)
     with pytest.raises(ValueError, match="--expert-reads 'nvme': use mmap or direct"):
         run(expert_reads="nvme")
+
+
+def test_host_rows_are_copied_in_runs(store):
+    """Consecutive host rows going to consecutive slots cross in one copy (whole rows), others
+    one copy per run; the slots hold the store's bytes either way."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moetier.residency.host_tier import HostTier
+
+    host = HostTier(store, sorted(store.blobs), pinned=False)
+    pool = SlotPool.for_budget(store, "cpu", max_slots=8, host=host)
+    assert pool.slot_bytes == host.row_bytes
+
+    def copies(keys):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            pool.place(keys)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
+
+    assert copies([(0, e, "base") for e in range(5)]) == 1  # rows 0-4 into slots 0-4
+    assert copies([(1, 0, "base"), (1, 2, "base"), (1, 3, "base")]) == 2  # a gap in the rows
+    for key in pool.resident():
+        n = store.blobs[key].nbytes
+        assert torch.equal(pool.pool[pool.slot_of(key), :n], store.blob(*key)), key
