@@ -500,14 +500,16 @@ def time_tiered(
 
 def _time_prefills(
     loaded: Any, routers: list[Any], ids: list[list[int]], device: str, dtype: torch.dtype
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, list[torch.Tensor]]:
     """Best seconds of 2 prefills of `ids` after a warm-up (the same tokens and, with trace
     routing, the same trace rows each time), with the host bytes moved in and the expert
-    blobs requested (pairs of distinct experts per layer) by the best one."""
+    blobs requested (pairs of distinct experts per layer) by the best one, and the last-token
+    logits of each of the 3 runs (host copies: residency must not change them)."""
     runtime = loaded.runtime
     dec = StaticDecoder(loaded.model, 1, len(ids[0]) + 8, dtype, device)
     stats = runtime.residency.stats
     best, moved, requested = math.inf, 0.0, 0.0
+    outputs = []
     with torch.inference_mode():
         for i in range(3):
             for router in routers:
@@ -516,15 +518,16 @@ def _time_prefills(
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            dec.prefill(ids)
+            logits = dec.prefill(ids)
             if device == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
+            outputs.append(logits.cpu())
             if i and seconds < best:
                 best, moved = seconds, counters(runtime)["host_bytes"] - before
                 requested = float(stats.hits + stats.misses - asked)
     del dec
-    return best, moved, requested
+    return best, moved, requested, outputs
 
 
 def time_prefill(
@@ -548,6 +551,7 @@ def time_prefill(
                            generator=torch.Generator().manual_seed(tokens)).tolist()  # fmt: skip
     probe.close()
     out: dict[str, float] = {"slots": float(slots)}
+    logits: list[torch.Tensor] = []  # of every run: tiered, resident, pinned
     for case, cache_slots in (("tiered", slots), ("resident", n_blobs)):
         engine = EngineConfig(device=device, dtype=str(dtype).removeprefix("torch."),
                               native=True, expert_cache_slots=cache_slots)  # fmt: skip
@@ -556,16 +560,22 @@ def time_prefill(
         runtime = loaded.runtime
         store = runtime.residency.store
         runtime.residency.host = HostTier(store, sorted(store.blobs))
-        seconds, moved, requested = _time_prefills(loaded, routers, prompt, device, dtype)
+        seconds, moved, requested, outputs = _time_prefills(loaded, routers, prompt, device,
+                                                            dtype)  # fmt: skip
+        logits += outputs
         if case == "tiered":
             out.update(seconds=seconds, host_bytes=moved, needed_bytes=requested * blob)
         else:
             out.update(resident_seconds=seconds, resident_host_bytes=moved)
             runtime.pin_all()  # every blob is in a slot already: no copies
-            out["pinned_seconds"] = _time_prefills(loaded, routers, prompt, device, dtype)[0]
+            pinned = _time_prefills(loaded, routers, prompt, device, dtype)
+            out["pinned_seconds"] = pinned[0]
+            logits += pinned[3]
         del loaded, runtime, store, routers
         if device == "cuda":
             torch.cuda.empty_cache()
+    # residency never changes numerics: streamed, resident and pinned prefills, bit for bit
+    out["identical_logits"] = float(all(torch.equal(logits[0], x) for x in logits[1:]))
     return out
 
 
@@ -636,7 +646,8 @@ def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
                   "resident_host_MB": round(p["resident_host_bytes"] / 1e6, 2),
                   "pinned_ms": round(p["pinned_seconds"] * 1e3, 3),
                   "bound_ms": round(bound_s * 1e3, 3),
-                  "of_bound": round(bound_s / p["seconds"], 3), **gbps})  # fmt: skip
+                  "of_bound": round(bound_s / p["seconds"], 3),
+                  "identical_logits": bool(p["identical_logits"]), **gbps})  # fmt: skip
     accelerate: dict[float, float] = {}  # gpu fraction -> HF + accelerate offload tok/s
     for f in fractions if args.accelerate_tokens else []:
         if f >= 1:

@@ -1,6 +1,6 @@
 """Disk tier bandwidth: raw O_DIRECT sequential reads vs the reader's expert-sized reads.
 
-    PYTHONPATH=. python bench/disk.py [--dir DIR] [--file-gib 2] [--budget-s 40]
+    PYTHONPATH=. python bench/disk.py [--dir DIR] [--file-gib 2] [--budget-s 35]
 
 Writes a file of up to --file-gib GiB in DIR, then prints one JSON line each for
   raw      large sequential aligned O_DIRECT preads of each --raw-chunk-mib at each
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", type=Path, help="default: see the module docstring")
     parser.add_argument("--file-gib", type=float, default=2.0, help="file size (the span's cap)")
-    parser.add_argument("--budget-s", type=float, default=40.0, help="for all timed passes")
+    parser.add_argument("--budget-s", type=float, default=35.0, help="for all timed passes")
     parser.add_argument("--queue-depth", type=int, default=16, help="the reader's (engine: 16)")
     parser.add_argument("--queue-depth-high", type=int, default=32, help="0: skip")
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 128], help="blobs per call")

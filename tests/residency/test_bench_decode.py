@@ -37,6 +37,7 @@ def test_tiered_decode_bench_smoke(tmp_path):
     assert p["needed_MB"] == pytest.approx(64 * links["blob_bytes"] / 1e6, abs=0.01)
     assert p["host_MB"] == pytest.approx(p["needed_MB"], abs=0.01)
     assert p["resident_host_MB"] == 0 and p["resident_ms"] > 0 and p["pinned_ms"] > 0
+    assert p["identical_logits"] is True  # streamed, resident and pinned: bit for bit
     assert p["bound_ms"] == pytest.approx(max(p["floor_ms"], p["resident_ms"]), abs=2e-3)
     assert p["of_bound"] == pytest.approx(p["bound_ms"] / p["ms"], rel=0.05, abs=2e-3)
     lines = [r for r in lines if r["case"] not in ("decode-accelerate", "prefill-tiered")]
