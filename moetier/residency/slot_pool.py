@@ -143,7 +143,7 @@ class SlotPool:
         table = [-1] * self.store.model_config.num_experts
         for expert, slot in zip(experts, slots, strict=True):
             table[expert] = slot
-        return torch.tensor(table, dtype=torch.int32).to(self.device)
+        return self._table(table)
 
     def ensure_planes(
         self,
@@ -172,9 +172,20 @@ class SlotPool:
         for (_, expert, plane), slot in zip(keys, slots, strict=True):
             (base if plane == "base" else delta)[expert] = slot
         return (
-            torch.tensor(base, dtype=torch.int32).to(self.device),
-            torch.tensor(delta, dtype=torch.int32).to(self.device),
+            self._table(base),
+            self._table(delta),
         )
+
+    def _table(self, values: list[int]) -> torch.Tensor:
+        """An expert->slot table [E] int32 on the pool's device. On CUDA it is uploaded from
+        pinned memory without a host sync (a plain `.to("cuda")` synchronises the stream, so
+        the host would wait for every copy the compute stream waits on, e.g. a streamed layer's
+        prefetch, before it could queue the kernel and the next copies); the caching host
+        allocator keeps the pinned block until the copy has run."""
+        table = torch.tensor(values, dtype=torch.int32)
+        if self.device.type != "cuda":
+            return table
+        return table.pin_memory().to(self.device, non_blocking=True)
 
     def _ensure_keys(
         self, keys: list[BlobKey], weights: Sequence[float] | None = None, count: bool = True
