@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue #6's acceptance points that still lack H200 figures, in one command (expected 5-7 min;
-# each step has a time limit, 9.5 min in all at worst: give the call timeout_s=600). JSON lines of every step go to
-# "$OUT/tiered.jsonl", stderr and the step times to "$OUT/tiered.log", and a summary against the
-# targets to "$OUT/tiered-summary.jsonl" (also printed).
+# each step has a time limit, 9.5 min in all at worst: give the call timeout_s=600). JSON lines
+# of every step go to "$OUT/tiered.jsonl", stderr and the step times to "$OUT/tiered.log", and a
+# summary against the targets to "$OUT/tiered-summary.jsonl" (also printed).
 #
 #   1. decode      bench/decode.py --tiered, 8-layer Qwen3-30B-A3B slice, batch 1, GPU budgets
 #                  25% (first: the target), 100% (resident), 50%, each with eval-moe-70m's routing
@@ -76,7 +76,8 @@ if ! "$PY" -c "import accelerate" 2>/dev/null; then
             .carry/wheels/accelerate-*.whl >>"$log" 2>&1 &&
             export PYTHONPATH="$PYTHONPATH:/tmp/moetier-site"
     else
-        echo "# accelerate is missing and .carry/wheels has no wheel: step 5 will fail" | tee -a "$log" >&2
+        echo "# accelerate is missing and .carry/wheels has no wheel: its step will fail" |
+            tee -a "$log" >&2
     fi
 fi
 routing=model
