@@ -30,6 +30,7 @@ from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
 from moetier.kernels.moe_dispatch import KernelChoice
 from moetier.kernels.moe_triton import (
+    _DOT_DTYPES,
     ACTIVATIONS,
     NESTED,
     NESTED_DELTA,
@@ -48,8 +49,6 @@ from moetier.kernels.moe_triton import (
     _inline_asm,
     _row_factor,
 )
-
-_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def supports(
