@@ -378,30 +378,26 @@ def _fp4_delta_words(dptr, d_codes, d_scales, rows, rmask, k0, wd, wmask, row_wo
 
 
 @triton.jit
-def _q2s_word_dots(w, q0, q1, q2, q3, init, ASM: tl.constexpr):
+def _q2s_word_dots(w, q0, q1, q2, q3, init, HIGH: tl.constexpr, ASM: tl.constexpr):
     """R = 64·Σ c·q + init per int32 word w of 16 codes, q the int8 activations of the word's 16
     columns packed as `_quant_words_kernel` writes them (int32 s holds the bytes of columns s,
     s + 4, s + 8, s + 12). Byte j of w holds the codes of columns 4j..4j+3, code s at bits 2s, so
     w & 0xC0C0C0C0 is 64·code 3 of each byte, (w << 4) & 0xC0C0C0C0 64·code 1, and the 0x30
     masks 16·codes 2 and 0: one shift, four LOP3, four IDP4A and one LEA per word (shifting
-    each code down to bits 0-1 took three shifts)."""
+    each code down to bits 0-1 took three shifts). HIGH: RH = 128·Σ h·q + init instead, h the
+    high bit of each code (the masks of bit 1 of each code: 0x80 of 128·h of codes 3 and 1,
+    0x20 of 32·h of codes 2 and 0)."""
+    if HIGH:
+        m_hi: tl.constexpr = 0x80808080 - (1 << 32)
+        m_lo: tl.constexpr = 0x20202020
+    else:
+        m_hi: tl.constexpr = 0xC0C0C0C0 - (1 << 32)
+        m_lo: tl.constexpr = 0x30303030
     w4 = w << 4
-    hi = _dp4a(w & (0xC0C0C0C0 - (1 << 32)), tl.broadcast_to(q3, w.shape), init, ASM)
-    hi = _dp4a(w4 & (0xC0C0C0C0 - (1 << 32)), tl.broadcast_to(q1, w.shape), hi, ASM)
-    lo = _dp4a(w & 0x30303030, tl.broadcast_to(q2, w.shape), 0, ASM)
-    lo = _dp4a(w4 & 0x30303030, tl.broadcast_to(q0, w.shape), lo, ASM)
-    return hi + (lo << 2)
-
-
-@triton.jit
-def _q2s_high_dots(w, q0, q1, q2, q3, init, ASM: tl.constexpr):
-    """RH = 128·Σ h·q + init per word, h = the high bit of each code (as `_q2s_word_dots`, with
-    the masks of bit 1 of each code: 0x80 of 128·h of codes 3 and 1, 0x20 of 32·h of 2 and 0)."""
-    w4 = w << 4
-    hi = _dp4a(w & (0x80808080 - (1 << 32)), tl.broadcast_to(q3, w.shape), init, ASM)
-    hi = _dp4a(w4 & (0x80808080 - (1 << 32)), tl.broadcast_to(q1, w.shape), hi, ASM)
-    lo = _dp4a(w & 0x20202020, tl.broadcast_to(q2, w.shape), 0, ASM)
-    lo = _dp4a(w4 & 0x20202020, tl.broadcast_to(q0, w.shape), lo, ASM)
+    hi = _dp4a(w & m_hi, tl.broadcast_to(q3, w.shape), init, ASM)
+    hi = _dp4a(w4 & m_hi, tl.broadcast_to(q1, w.shape), hi, ASM)
+    lo = _dp4a(w & m_lo, tl.broadcast_to(q2, w.shape), 0, ASM)
+    lo = _dp4a(w4 & m_lo, tl.broadcast_to(q0, w.shape), lo, ASM)
     return hi + (lo << 2)
 
 
@@ -545,7 +541,7 @@ def _q2s_gemv_kernel(
     word's dot products are integer (IDP4A). The levels (-b, -a, a, b) are linear in the code's
     two bits: L = β(2c - 3) + γ(2h - 1), h the high bit, β = (b - a)/2, γ = (3a - b)/2 (zero when
     b = 3a). Per word, `_q2s_word_dots` gives R = 32(2C - 3Σq) (C = Σ c·q, the -96Σq entering
-    as the first IDP4A's addend) and, for a fitted grid, `_q2s_high_dots` RH = 64(2H - Σq); each
+    as the first IDP4A's addend) and, for a fitted grid, with HIGH, RH = 64(2H - Σq); each
     is converted once per word and row and multiplied by the group and activation scales:
     y = β/32 Σ R·s + γ/64 Σ RH·s.
     QUANT_OUT (gate_up, SUB a multiple of 16, INTER of 16): h is written as int8 words (oq, osc,
@@ -664,10 +660,10 @@ def _q2s_gemv_kernel(
                     xsc = tl.load(xs_row + wd, mask=wmask, other=0.0)[None, :]
                     qs = tl.load(xsum_row + wd, mask=wmask, other=0)[None, :]
                 init = qs * -96  # R = 64C - 96Σq = 32(2C - 3Σq)
-                r0 = _q2s_word_dots(w0, q0, q1, q2, q3, init, ASM)
-                r1 = _q2s_word_dots(w1, q0, q1, q2, q3, init, ASM)
-                r2 = _q2s_word_dots(w2, q0, q1, q2, q3, init, ASM)
-                r3 = _q2s_word_dots(w3, q0, q1, q2, q3, init, ASM)
+                r0 = _q2s_word_dots(w0, q0, q1, q2, q3, init, False, ASM)
+                r1 = _q2s_word_dots(w1, q0, q1, q2, q3, init, False, ASM)
+                r2 = _q2s_word_dots(w2, q0, q1, q2, q3, init, False, ASM)
+                r3 = _q2s_word_dots(w3, q0, q1, q2, q3, init, False, ASM)
                 if GSUM:
                     acc0 += _group_sum(r0.to(tl.float32) * xsc, WPG) * sc0
                     acc1 += _group_sum(r1.to(tl.float32) * xsc, WPG) * sc1
@@ -675,10 +671,10 @@ def _q2s_gemv_kernel(
                     acc3 += _group_sum(r3.to(tl.float32) * xsc, WPG) * sc3
                     if corr != 0:  # RH = 128H - 64Σq = 64(2H - Σq)
                         hinit = qs * -64
-                        h0 = _q2s_high_dots(w0, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
-                        h1 = _q2s_high_dots(w1, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
-                        h2 = _q2s_high_dots(w2, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
-                        h3 = _q2s_high_dots(w3, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        h0 = _q2s_word_dots(w0, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                        h1 = _q2s_word_dots(w1, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                        h2 = _q2s_word_dots(w2, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                        h3 = _q2s_word_dots(w3, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
                         av0 += _group_sum(h0 * xsc, WPG) * sc0
                         av1 += _group_sum(h1 * xsc, WPG) * sc1
                         av2 += _group_sum(h2 * xsc, WPG) * sc2
@@ -694,10 +690,10 @@ def _q2s_gemv_kernel(
                     acc3 += r3.to(tl.float32) * sc3
                     if corr != 0:  # RH = 128H - 64Σq = 64(2H - Σq)
                         hinit = qs * -64
-                        h0 = _q2s_high_dots(w0, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
-                        h1 = _q2s_high_dots(w1, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
-                        h2 = _q2s_high_dots(w2, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
-                        h3 = _q2s_high_dots(w3, q0, q1, q2, q3, hinit, ASM).to(tl.float32)
+                        h0 = _q2s_word_dots(w0, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                        h1 = _q2s_word_dots(w1, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                        h2 = _q2s_word_dots(w2, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                        h3 = _q2s_word_dots(w3, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
                         av0 += h0 * sc0
                         av1 += h1 * sc1
                         av2 += h2 * sc2
