@@ -388,11 +388,11 @@ def _q2s_word_dots(w, q0, q1, q2, q3, init, HIGH: tl.constexpr, ASM: tl.constexp
     high bit of each code (the masks of bit 1 of each code: 0x80 of 128·h of codes 3 and 1,
     0x20 of 32·h of codes 2 and 0)."""
     if HIGH:
-        m_hi: tl.constexpr = 0x80808080 - (1 << 32)
-        m_lo: tl.constexpr = 0x20202020
+        m_hi = 0x80808080 - (1 << 32)
+        m_lo = 0x20202020
     else:
-        m_hi: tl.constexpr = 0xC0C0C0C0 - (1 << 32)
-        m_lo: tl.constexpr = 0x30303030
+        m_hi = 0xC0C0C0C0 - (1 << 32)
+        m_lo = 0x30303030
     w4 = w << 4
     hi = _dp4a(w & m_hi, tl.broadcast_to(q3, w.shape), init, ASM)
     hi = _dp4a(w4 & m_hi, tl.broadcast_to(q1, w.shape), hi, ASM)
