@@ -22,6 +22,8 @@ the generic kernel's dot rounds it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +51,13 @@ from moetier.kernels.moe_triton import (
     _inline_asm,
     _row_factor,
 )
+
+
+@functools.cache
+def _has_packed_cvt(device: torch.device) -> bool:
+    """`cvt.rn.bf16x2.f32` / `.f16x2` (the lookup tables) need sm_80 or newer; older GPUs decode
+    with float selects."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def supports(
@@ -339,7 +348,7 @@ def q2s_mma(
     dot_dtype = _DOT_DTYPES[hidden.dtype]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     dtable = delta_table if has_delta and delta_table is not None else slot_table
-    lut = hidden.dtype != torch.float32 and _inline_asm()
+    lut = hidden.dtype != torch.float32 and _inline_asm() and _has_packed_cvt(hidden.device)
     h = torch.empty(pairs, inter, device=hidden.device, dtype=hidden.dtype)
     topk_w = topk_weights.contiguous()
     for is_down, spec, dspec, c, x, dst in (
