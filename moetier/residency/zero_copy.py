@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from moetier.kernels.residency_ops import count_pairs
 from moetier.residency.host_tier import HostTier
 from moetier.residency.slot_pool import BlobKey, SlotPool
 
@@ -66,7 +67,6 @@ class ZeroCopyPlacement:
             if "delta" in self.planes
             else None
         )
-        self.on_gpu = torch.zeros(shape, dtype=torch.bool, device=device)  # base planes
         # device-side access counts (pairs per expert) and hits, written by the decode step
         self.counts = torch.zeros(shape, dtype=torch.int64, device=device)
         self.gpu_pairs = torch.zeros((), dtype=torch.int64, device=device)
@@ -109,7 +109,6 @@ class ZeroCopyPlacement:
             target = table if plane == "base" else delta
             target[self.layer_index[layer], expert] = self.entry((layer, expert, plane))
         self.table.copy_(table)
-        self.on_gpu.copy_(table < self.slots)
         if self.delta_table is not None:
             self.delta_table.copy_(delta)
         self.demoted = False
@@ -130,16 +129,15 @@ class ZeroCopyPlacement:
                 self.slots + self.host.index[(layer, expert, plane)]
             )
         self.table.copy_(table)
-        self.on_gpu.zero_()
         if self.delta_table is not None:
             self.delta_table.copy_(delta)
         self.demoted = True
 
     def record(self, index: int, topk_ids: torch.Tensor) -> None:
-        """Count layer `index`'s pairs [T, k] on the device (no host sync; capturable)."""
-        flat = topk_ids.flatten()
-        self.counts[index].index_add_(0, flat, torch.ones_like(flat))
-        self.gpu_pairs.add_(self.on_gpu[index][flat].sum())
+        """Count layer `index`'s pairs [T, k] on the device (no host sync; capturable): one
+        launch (`moetier::count_pairs`)."""
+        count_pairs(topk_ids, self.counts[index], self.table[index], self.offsets,
+                    self.pool.pool.numel(), self.gpu_pairs)  # fmt: skip
 
     def hot_keys(self, scores: torch.Tensor) -> list[BlobKey]:
         """Blobs by descending score [layers, E] (ties: resident first, then key order), as
