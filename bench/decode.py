@@ -131,13 +131,14 @@ def active_bytes(store: Store, batch: int) -> int:
     return int(dense + len(store.moe_layers) * distinct * expert)
 
 
-def profile_step(dec: StaticDecoder, steps: int = 4) -> list[dict[str, object]]:
-    """CUDA kernels of `steps` eager decode steps: the 25 largest by total time, per step."""
+def profile_step(step: Callable[[], object], steps: int = 4) -> list[dict[str, object]]:
+    """CUDA kernels of `steps` calls of `step` (eager steps, or CUDA-graph replays, whose
+    kernels CUPTI reports one by one): the 25 largest by total time, per step."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            dec.step_static()
+            step()
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
@@ -177,7 +178,7 @@ def time_native(
             dec.positions.add_(1)
         torch.cuda.synchronize()
         eager_ms = (time.perf_counter() - start) / 8 * 1e3
-        kernels = profile_step(dec) if profile else None
+        kernels = profile_step(dec.step_static) if profile else None
         replay = dec.capture(greedy=True)  # one step + greedy feedback
         replays = steps - 8 - 2
         replay()
@@ -422,7 +423,7 @@ def counters(runtime: Any) -> dict[str, float]:
 
 def time_tiered(
     path: Path, device: str, gpu_fraction: float, disk_keys: set[Any], strategy: str,
-    steps: int, rebalance_every: int, compiled: bool, routing: Routing,
+    steps: int, rebalance_every: int, compiled: bool, routing: Routing, profile: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Decode `steps` tokens at batch 1 under one tier configuration; ms per token, the
     eager ms per token (host-decided paths and graph warm-up), counter deltas per token and
@@ -431,6 +432,10 @@ def time_tiered(
     from moetier.residency.host_tier import HostTier
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if compiled:
+        # a fresh trace per case: dynamo does not guard every Python attribute of the experts
+        # runtime, so a step compiled for an earlier case could skip this one's code paths
+        torch._dynamo.reset()
     probe = Store(path)
     base = [k for k in probe.blobs if k[2] == "base"]
     slots = max(1, round(gpu_fraction * len(base)))
@@ -453,7 +458,7 @@ def time_tiered(
         elif strategy == "prefetch":
             runtime.enable_prefetch(*router_weights(loaded.model, sorted(runtime.formats)))
     graphed = device == "cuda" and strategy in ("resident", "zero_copy")
-    dec = StaticDecoder(loaded.model, 1, PROMPT + WARMUP + steps + 8, dtype, device,
+    dec = StaticDecoder(loaded.model, 1, PROMPT + WARMUP + steps + 8 + 8 * profile, dtype, device,
                         compile_step=compiled and graphed)  # fmt: skip
     prompt = torch.randint(0, loaded.model_config.vocab_size, (1, PROMPT),
                            generator=torch.Generator().manual_seed(0)).tolist()  # fmt: skip
@@ -493,9 +498,11 @@ def time_tiered(
         ms = (time.perf_counter() - start) / steps * 1e3
         after = counters(runtime)
         last_row = int(routers[0].cursor) if routers else 0
+        # after the timing (and its counters): the kernels of a few more steps
+        kernels = profile_step(step, 8) if profile and device == "cuda" else None
     delta = {k: (after[k] - before[k]) / steps for k in after}
     return {"ms": ms, "eager_ms": eager_ms, "per_token": delta, "slots": slots,
-            "rows": range(first_row, last_row)}  # fmt: skip
+            "rows": range(first_row, last_row), "kernels": kernels}  # fmt: skip
 
 
 def _time_prefills(
@@ -715,7 +722,8 @@ def run_decode_cases(
                 try:
                     compiled = args.compile != "off"
                     t = time_tiered(path, device, gpu_fraction, disk_keys, strategy, args.steps,
-                                    args.rebalance_every, compiled, routing)  # fmt: skip
+                                    args.rebalance_every, compiled, routing,
+                                    args.profile)  # fmt: skip
                 except Exception as e:
                     failed(info, "decode-tiered", e, routing=routing.name, strategy=strategy,
                            gpu_fraction=gpu_fraction, disk_fraction=disk_fraction)  # fmt: skip
@@ -770,6 +778,9 @@ def run_decode_cases(
                     rec["prefetch_precision"] = round(per["used"] / per["issued"], 3)
                     rec["prefetch_recall"] = round(per["used"] / per["needed"], 3)
                 emit(rec)
+                for row in t["kernels"] or []:
+                    emit({**info, "case": "decode-tiered-profile", "routing": routing.name,
+                          "gpu_fraction": gpu_fraction, "strategy": strategy, **row})  # fmt: skip
     return sync_s
 
 
@@ -831,7 +842,11 @@ def main() -> None:
         choices=("on", "off", "both"),
         help="decode step through torch.compile before the CUDA graph",
     )
-    parser.add_argument("--profile", action="store_true", help="kernel table of eager steps")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="kernel table of eager steps (resident) or of graph replays (tiered)",
+    )
     parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
     if args.resident == args.tiered:

@@ -34,11 +34,18 @@ class KernelChoice:
     int8_act: bool = False  # q2s GEMV only: activations quantized to int8 per 16 columns, IDP4A
     group_acc: bool = False  # q2s GEMV int8 only: sums kept per q2s group (fewer FMUL, registers)
     q2s_mma: bool = False  # q2s grouped GEMM on tensor cores (`q2s_mma.py`), prefill
+    # q2s GEMV on sm_90: prefetch_l2: each program first asks for its rows in L2 (blobs in the
+    # GPU pool; for host rows it measured no gain); pdl: launched with programmatic dependent
+    # launch (weights read while the kernel before still runs). Both launches of a call must
+    # agree on pdl.
+    prefetch_l2: bool = False
+    pdl: bool = False
 
 
 GEMV = KernelChoice()
 # q2s GEMV kernel (`_q2s_gemv_kernel`): block_n = rows per program (four sub-tiles), no split-K
-Q2S_GEMV = KernelChoice(block_n=64, block_k=512, num_warps=4, int8_act=True)
+# (pdl: on sm_90 each launch starts while the one before ends, 2-3 µs a call on the H200)
+Q2S_GEMV = KernelChoice(block_n=64, block_k=512, num_warps=4, int8_act=True, pdl=True)
 GEMM = KernelChoice(grouped=True, use_dot=True, block_m=32, block_n=64, block_k=64, num_warps=4)
 # q2s prefill kernel (`q2s_mma.py`); block_m follows the mean pairs per expert (`mean_rows`)
 Q2S_MMA = replace(GEMM, block_n=64, block_k=64, num_stages=3, q2s_mma=True)

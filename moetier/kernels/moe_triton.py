@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat, format_kind, has_tensor, matrix_codecs
@@ -431,13 +432,16 @@ def _quant_store(v, wd, KW, xq_row, xs_row, xsum_row, xqn_row, wmask):
 
 @triton.jit
 def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
-                        BLOCK_W: tl.constexpr):  # fmt: skip
+                        BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """x [R, K] float -> int8 per 16-column word with a float32 scale each (absmax / 127, round
     half up): xq int32 [R, 4, K/16], xs float32 [R, K/16], xsum int32 [R, K/16] = Σ q over the
     word (twin: moe_ref.quant_words_ref). xq's (row, s, w) holds the bytes of columns
     16w + s + 4j, j = 0..3, so the GEMV loads each s for consecutive words as one vector; xqn
     int32 [R, 4, K/16] holds the same bytes in column order: byte s of (row, j, w) is column
-    16w + 4j + s (the FP4 delta's products), again one vector per j."""
+    16w + 4j + s (the FP4 delta's products), again one vector per j. PDL: lets the next launch
+    (the GEMV, launched with programmatic dependent launch) start reading its weights now."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0)
     wd = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     wmask = wd < K // 16
@@ -499,6 +503,28 @@ def _delta_dot(dptr, DKIND: tl.constexpr, d_codes, d_scales, d_aux, rows, rmask,
 
 
 @triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """Ask for bytes [ptr, ptr + nbytes) in L2 (sm_90 `cp.async.bulk.prefetch.L2`, issued by the
+    program's first thread; the range shrunk to whole 16-byte units, as the instruction wants).
+    A hint: loads stay correct whatever it does, but each program's rows are requested at once
+    instead of one K tile at a time."""
+    start = (ptr.to(tl.int64) + 15) & -16
+    size = (((ptr.to(tl.int64) + nbytes) & -16) - start).to(tl.int32)
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        .reg .u32 t;
+        mov.u32 t, %tid.x;
+        setp.eq.u32 p, t, 0;
+        setp.gt.and.s32 p, $2, 0, p;
+        @p cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r", [start, size], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _blob_ptrs(pool, slot_offsets, slot, dslot, use_delta, DKIND: tl.constexpr):
     """(base blob, delta blob) pointers of a slotted pair; the delta's is the base's when the
     pair does not use it. Slots start on TENSOR_ALIGN (256-byte) boundaries: say so, so loads
@@ -523,7 +549,7 @@ def _q2s_gemv_kernel(
     IS_DOWN: tl.constexpr, TOPK: tl.constexpr, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
     xq, xs, xsum, xqn, INT8: tl.constexpr, ASM: tl.constexpr,
     oq, osc, osum, oqn, QUANT_OUT: tl.constexpr, EVEN: tl.constexpr,
-    GROUP_ACC: tl.constexpr,
+    GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -551,8 +577,20 @@ def _q2s_gemv_kernel(
     GROUP_ACC (int8, groups of 2+ words; `KernelChoice.group_acc`): the sums are kept per group
     ([SUB, W / words per group]), a group's words multiplied by their x scales and added before
     its scale multiplies once: fewer FMUL and half the accumulator registers, so larger tiles
-    fit (sm_90: 1.08 instructions per weight at 32 words and rows per thread, no spills)."""
+    fit (sm_90: 1.08 instructions per weight at 32 words and rows per thread, no spills).
+    PREFETCH_L2 (sm_90; `KernelChoice.prefetch_l2`): each program whose blob is in the GPU pool
+        (offset in [0, pool_bytes)) first asks for all of its rows' codes and scales in L2
+        (`_prefetch_l2`): far more bytes in flight than the one-tile pipeline below (H200: a
+        gain at DeepSeek-V4-Flash's 8-16 tokens, a loss at DeepSeek-V3's, so it is tuned per
+        shape). Host rows are never prefetched: L2 prefetch of pinned host memory measured no
+        gain.
+    PDL (sm_90; `KernelChoice.pdl`, launched with programmatic dependent launch): the program
+        lets the next launch start (`gdc_launch_dependents`), then reads its weights' first tile
+        and asks for the rest (PREFETCH_L2) before it waits for the previous launch
+        (`gdc_wait`) and reads its activations: weight reads overlap the previous kernel."""
     pair = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids + pair).to(tl.int32)
     slot = tl.load(slot_table + expert)
@@ -629,6 +667,24 @@ def _q2s_gemv_kernel(
         w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
         w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
         w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
+        if PREFETCH_L2:
+            slot_off = tl.load(slot_offsets + slot)
+            if (slot_off >= 0) & (slot_off < pool_bytes):
+                if IS_DOWN:
+                    first = pid_n * 4 * SUB
+                    count = tl.minimum(4 * SUB, N - first)
+                    _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
+                    _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
+                else:
+                    first = pid_n * 2 * SUB
+                    count = tl.minimum(2 * SUB, INTER - first)
+                    _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
+                    _prefetch_l2(bptr + codes + (first + INTER) * row_words * 4,
+                                 count * row_words * 4)  # fmt: skip
+                    _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
+                    _prefetch_l2(bptr + scales + (first + INTER) * row_groups, count * row_groups)
+        if PDL:  # the activations are the previous launch's output
+            gdc_wait()
         for k0 in range(0, K, BLOCK_K):
             wd_next = wd + W
             wmask_next = wd_next < row_words
@@ -1168,6 +1224,10 @@ def _q2s_gemv(
         h = torch.empty(pairs, inter, device=hidden.device, dtype=torch.float32)
     else:
         h = hq[1]  # placeholder: no float h is written
+    # sm_90 features (compiled PTX, so never under the interpreter): L2 prefetch of each
+    # program's rows, programmatic dependent launch of the GEMV after the kernel before it
+    hopper = _inline_asm() and torch.cuda.get_device_capability(hidden.device)[0] >= 9
+    pdl = hopper and c_gu.pdl and c_dn.pdl
     for is_down, spec, dspec, c, x, dst in (
         (0, gu, dgu, c_gu, hidden, h),
         (1, dn, ddn, c_dn, h, out),
@@ -1183,7 +1243,7 @@ def _q2s_gemv(
         dspec = dspec if has_delta else None
         xq = xs = xsum = xqn = x  # placeholders, unused without int8 activations
         if int8:
-            xq, xs, xsum, xqn = hq if is_down and hq is not None else quant_words(x)
+            xq, xs, xsum, xqn = hq if is_down and hq is not None else quant_words(x, pdl)
         oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,
@@ -1197,7 +1257,10 @@ def _q2s_gemv(
             bias, in_bias, out_bias, ACTIVATIONS[act.kind], act.limit, act.alpha,
             is_down, top_k, sub, block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
             oq, os_, osum, oqn, quant_out and not is_down, even, c.group_acc,
+            c.prefetch_l2 and hopper and spec.k % 64 == 0, pool.numel(),
+            pdl,
             num_warps=c.num_warps, num_stages=c.num_stages,
+            launch_pdl=pdl,
         )  # fmt: skip
 
 
@@ -1221,15 +1284,16 @@ def quant_words_buffers(
 
 
 def quant_words(
-    x: torch.Tensor,
+    x: torch.Tensor, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, K] float (K a multiple of 16) -> (q packed int32 [R, 4, K/16], scale float32
     [R, K/16], Σq int32 [R, K/16], q in column order int32 [R, 4, K/16]): `_quant_words_kernel`,
-    twin of moe_ref.quant_words_ref."""
+    twin of moe_ref.quant_words_ref. pdl (sm_90): the next launch, if launched with programmatic
+    dependent launch, may start before this one ends."""
     rows, k = x.shape
     xq, xs, xsum, xqn = quant_words_buffers(rows, k, x.device)
     block_w = min(64, triton.next_power_of_2(k // 16))
     _quant_words_kernel[(rows, triton.cdiv(k // 16, block_w))](
-        x, x.stride(0), x.stride(1), xq, xs, xsum, xqn, k, block_w
+        x, x.stride(0), x.stride(1), xq, xs, xsum, xqn, k, block_w, pdl
     )
     return xq, xs, xsum, xqn

@@ -316,6 +316,64 @@ def test_gpu_awkward_shapes():
     run_case("bfloat16", 7, 2, 8, 256, 97, dtype=torch.bfloat16, seed=12)  # odd N
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["off", "on", "random"])
+def test_gpu_q2s_gemv_prefetch_and_pdl(mask):
+    """The sm_90 launch options of the q2s GEMV kernel (L2 prefetch of each program's rows,
+    programmatic dependent launch, each alone and together) leave the results those of the
+    twin; with slots in GPU memory and in pinned host memory (which the prefetch skips), whole
+    and ragged tiles, one call and a CUDA graph of several (launches overlapping their
+    predecessors)."""
+    for pf, pdl in ((True, False), (False, True), (True, True)):
+        c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, prefetch_l2=pf,
+                                      pdl=pdl)  # fmt: skip
+        for tokens in (1, 7):
+            run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask=mask, host_slots=6, seed=tokens,
+                     force=(c, c), dtype=torch.bfloat16)  # fmt: skip
+        run_case("q2s", 2, 2, 5, 96, 96, force=(c, c), seed=16)  # ragged, EVEN = 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_q2s_gemv_pdl_in_a_cuda_graph():
+    """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel
+    before it ends and waits for it before reading activations): replays give the eager
+    results, call after call."""
+    gen = torch.Generator().manual_seed(0)
+    fmt = q2s_expert_format(256, 128, False, 32, 16)
+    experts, top_k = 16, 4
+    pool = Pool(fmt, None, experts, torch.ones(experts, dtype=torch.bool), gen, 0)
+    dev_pool, offsets, table, _ = pool.device_args()
+    c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True)
+    x = torch.randn(1, 256, generator=gen).cuda()
+    outs, ids = [], []
+    for _ in range(6):  # each call's input is the previous call's output: a real dependency
+        ids.append(torch.randperm(experts, generator=gen)[:top_k][None].cuda())
+        outs.append(torch.zeros(1, top_k, 256, device="cuda"))
+    w = torch.rand(1, top_k, generator=gen).cuda()
+
+    def chain() -> None:
+        h = x
+        for i in range(6):
+            moe_slots_triton(h, ids[i], w, table, dev_pool, fmt, ExpertActivation(), outs[i],
+                             slot_offsets=offsets, choice=(c, c))  # fmt: skip
+            h = outs[i].sum(1) / 4
+
+    chain()
+    torch.cuda.synchronize()
+    eager = [o.clone() for o in outs]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for o in outs:
+        o.zero_()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outs, eager, strict=True):
+            assert torch.equal(got, want)
+
+
 Q2S_MMA = moe_dispatch.KernelChoice(
     grouped=True, use_dot=True, block_m=16, block_n=16, block_k=32, q2s_mma=True
 )
