@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetier.kernels.attention import decode_attention
 from moetier.kernels.router import router_topk
 
 
@@ -109,7 +110,9 @@ def causal_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with per-head q/k RMSNorm (Qwen3) over the static KV cache."""
+    """Grouped-query attention with per-head q/k RMSNorm (Qwen3) over the static KV cache.
+    Decode steps on CUDA attend with `moetier::decode_attention` (one Triton launch, reading
+    each row's keys up to its position); prefill and CPU with SDPA and the position mask."""
 
     def __init__(
         self,
@@ -179,13 +182,25 @@ class Attention(nn.Module):
         index = positions[:, None, :, None].expand(batch, self.num_kv_heads, tokens, self.head_dim)
         cache[self.layer, 0].scatter_(2, index, k)
         cache[self.layer, 1].scatter_(2, index, v)
-        groups = self.num_heads // self.num_kv_heads
-        keys = _repeat_kv(cache[self.layer, 0], groups)  # [B, h, L, D]
-        values = _repeat_kv(cache[self.layer, 1], groups)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5
-        )  # [B, h, T, D]
+        if _decode_kernel_applies(x, tokens):
+            out = decode_attention(
+                q, cache[self.layer, 0], cache[self.layer, 1], positions[:, 0], self.head_dim**-0.5
+            )  # [B, h, 1, D]
+        else:
+            groups = self.num_heads // self.num_kv_heads
+            keys = _repeat_kv(cache[self.layer, 0], groups)  # [B, h, L, D]
+            values = _repeat_kv(cache[self.layer, 1], groups)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5
+            )  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+
+
+def _decode_kernel_applies(x: torch.Tensor, tokens: int) -> bool:
+    """Whether Attention runs `moetier::decode_attention` (one Triton launch per layer) instead
+    of SDPA over the repeated kv heads: decode steps (one token per row) on CUDA. Prefill and
+    CPU keep SDPA (the tests route CPU decode through the kernel's interpreter by patching this)."""
+    return tokens == 1 and x.is_cuda
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
