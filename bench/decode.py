@@ -412,8 +412,10 @@ def counters(runtime: Any) -> dict[str, float]:
     if zc is not None:
         pairs, gpu = float(zc.counts.sum()), float(zc.gpu_pairs)
         expert = pool.store.blobs[(zc.layers[0], 0, "base")].nbytes
-        return {"pairs": pairs, "gpu": gpu, "host_bytes": (pairs - gpu) * expert
-                + zc.promoted_bytes, "disk_bytes": 0.0}  # fmt: skip
+        staged = float(zc.staged_blobs)  # guesses copied in: host bytes, used or not
+        return {"pairs": pairs, "gpu": gpu, "host_bytes": (pairs - gpu + staged) * expert
+                + zc.promoted_bytes, "disk_bytes": 0.0, "staged": staged,
+                "staged_used": float(zc.staged_pairs)}  # fmt: skip
     stats, c = pool.stats, pool.counters
     return {"pairs": float(stats.hits + stats.misses), "gpu": float(stats.hits),
             "host_bytes": float(stats.bytes_fetched - pool.disk_counters.bytes),
@@ -424,6 +426,7 @@ def counters(runtime: Any) -> dict[str, float]:
 def time_tiered(
     path: Path, device: str, gpu_fraction: float, disk_keys: set[Any], strategy: str,
     steps: int, rebalance_every: int, compiled: bool, routing: Routing, profile: bool = False,
+    stage: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Decode `steps` tokens at batch 1 under one tier configuration; ms per token, the
     eager ms per token (host-decided paths and graph warm-up), counter deltas per token and
@@ -454,7 +457,9 @@ def time_tiered(
             store, [k for k in sorted(store.blobs) if k not in disk_keys]
         )
         if strategy == "zero_copy":
-            runtime.enable_zero_copy()
+            runtime.enable_zero_copy(stage=stage)
+            if stage:  # each step copies the next layer's guesses into staging slots
+                runtime.enable_prefetch(*router_weights(loaded.model, sorted(runtime.formats)))
         elif strategy == "prefetch":
             runtime.enable_prefetch(*router_weights(loaded.model, sorted(runtime.formats)))
     graphed = device == "cuda" and strategy in ("resident", "zero_copy")
@@ -715,7 +720,12 @@ def run_decode_cases(
                 strategies = [choose(costs)]
             else:
                 strategies = args.strategy.split(",")
-            for strategy in strategies:
+            stages = [int(m) for m in args.zero_copy_stage.split(",")]
+            runs = [(st, m) for st in strategies for m in (stages if st == "zero_copy" else [0])]
+            for strategy, stage in runs:
+                if stage and routing.ids is not None:
+                    print("# staging guesses needs the model's routers: skipped", file=sys.stderr)
+                    continue
                 if strategy == "zero_copy" and disk_fraction > 0:
                     print("# zero_copy cannot serve blobs on disk: skipped", file=sys.stderr)
                     continue
@@ -723,7 +733,7 @@ def run_decode_cases(
                     compiled = args.compile != "off"
                     t = time_tiered(path, device, gpu_fraction, disk_keys, strategy, args.steps,
                                     args.rebalance_every, compiled, routing,
-                                    args.profile)  # fmt: skip
+                                    args.profile, stage)  # fmt: skip
                 except Exception as e:
                     failed(info, "decode-tiered", e, routing=routing.name, strategy=strategy,
                            gpu_fraction=gpu_fraction, disk_fraction=disk_fraction)  # fmt: skip
@@ -753,6 +763,7 @@ def run_decode_cases(
                        "chosen_by": "budget" if strategy == "resident" else
                                     "cost model" if args.strategy == "auto" else "flag",
                        "rebalance_every": args.rebalance_every,
+                       "staging_slots_per_layer": stage,
                        # None: the strategy cannot serve this configuration (zero_copy + disk)
                        "predicted_ms": {k: round(v * 1e3, 4) if math.isfinite(v) else None
                                         for k, v in costs.items()},
@@ -774,13 +785,17 @@ def run_decode_cases(
                     rec["hit_rate"] = 1.0
                 if gpu_fraction in accelerate and disk_fraction == 0:
                     rec["vs_accelerate"] = round(1e3 / t["ms"] / accelerate[gpu_fraction], 3)
+                if per.get("staged"):  # zero-copy staging: guesses copied, and used
+                    rec["staged_per_token"] = round(per["staged"], 2)
+                    rec["staged_pairs_per_token"] = round(per["staged_used"], 2)
                 if per.get("issued"):
                     rec["prefetch_precision"] = round(per["used"] / per["issued"], 3)
                     rec["prefetch_recall"] = round(per["used"] / per["needed"], 3)
                 emit(rec)
                 for row in t["kernels"] or []:
                     emit({**info, "case": "decode-tiered-profile", "routing": routing.name,
-                          "gpu_fraction": gpu_fraction, "strategy": strategy, **row})  # fmt: skip
+                          "gpu_fraction": gpu_fraction, "strategy": strategy,
+                          "staging_slots_per_layer": stage, **row})  # fmt: skip
     return sync_s
 
 
@@ -797,6 +812,12 @@ def main() -> None:
         default="auto",
         help="tiered: auto (the cost model picks; budgets run from the largest down) or a comma "
         "list of zero_copy, prefetch, blocking (budgets run in the order given)",
+    )
+    parser.add_argument(
+        "--zero-copy-stage",
+        default="0",
+        help="tiered zero_copy: comma list of staging slots per layer (0: none), one case each: "
+        "each step copies the next MoE layer's best guesses into them, off the compute stream",
     )
     parser.add_argument(
         "--rebalance-every", type=int, default=0, help="tiered zero_copy: promote every N steps"

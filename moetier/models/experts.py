@@ -17,6 +17,7 @@ import torch
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
 from moetier.kernels.moe_ops import format_id, moe_experts, triton_supports
+from moetier.kernels.residency_ops import stage_guesses, stage_join
 from moetier.residency.host_tier import HostTier
 from moetier.residency.predict import predict_experts
 from moetier.residency.slot_pool import BlobKey, SlotPool
@@ -95,13 +96,17 @@ class ExpertsRuntime:
         return ["base"] + (["delta"] if self.delta_threshold is not None else [])
 
     def enable_zero_copy(
-        self, host: HostTier | None = None, hot: list[BlobKey] | None = None
+        self, host: HostTier | None = None, hot: list[BlobKey] | None = None, stage: int = 0
     ) -> ZeroCopyPlacement:
         """Zero-copy mode: every blob addressable without a host sync, `hot` blobs (default:
         the first the pool holds, layer by layer) in GPU slots and every other blob read by the
         kernel from its pinned row in `host` (default: the pool's host tier). `forward` then
         runs one kernel call per layer from fixed tables, capturable in a CUDA graph;
-        `zero_copy.rebalance()` between steps moves the hot set. Numbers are unchanged."""
+        `zero_copy.rebalance()` between steps moves the hot set. Numbers are unchanged.
+        `stage`: that many pool slots per layer become staging slots: with predictors set
+        (`enable_prefetch`), each one-token step copies the next layer's best guesses off the
+        GPU into them on a side stream, overlapping the next layer's attention
+        (`moetier::stage_guesses`)."""
         if self.pinned:
             raise ValueError("experts are pinned already: zero-copy mode replaces pin_all")
         host = host if host is not None else self.residency.host
@@ -112,7 +117,9 @@ class ExpertsRuntime:
         if self.residency.device.type == "cuda" and not host.pinned:
             raise ValueError("zero-copy reads need the host tier in pinned memory")
         self._check_capturable("use zero-copy mode")
-        placement = ZeroCopyPlacement(self.residency, host, list(self.formats), self.planes())
+        placement = ZeroCopyPlacement(
+            self.residency, host, list(self.formats), self.planes(), stage=stage
+        )
         if hot is None:
             hot = [k for k in placement.keys if k in host]
         placement.promote(hot[: max(0, self.residency.capacity - len(placement.fixed))])
@@ -199,6 +206,10 @@ class ExpertsRuntime:
         elif zc is not None and layer in zc.layer_index:
             # every blob addressable: GPU slot or pinned host row; no host sync on CUDA
             index = zc.layer_index[layer]
+            # staging: one-token steps copy the next layer's guesses into staging slots
+            staging = zc.stage > 0 and topk_ids.shape[0] == 1 and bool(self.predictors)
+            if staging and layer in {f for f, _, _ in self.predictors.values()}:
+                stage_join(zc.table[index], index)  # this layer's staged copies have landed
             if self.count_accesses:
                 zc.record(index, topk_ids)
             delta_table = zc.delta_table[index] if zc.delta_table is not None else None
@@ -209,6 +220,13 @@ class ExpertsRuntime:
                 pool, table, delta = zc.gather(index, topk_ids)
                 self._run(layer, hidden, topk_ids, topk_weights, table, delta, mask, out,
                           pool=pool)  # fmt: skip
+            if staging and layer in self.predictors:
+                next_layer, router, scale = self.predictors[layer]
+                nxt = zc.layer_index[next_layer]
+                stage_guesses(hidden, scale, router, zc.table[nxt], zc.host_entry[nxt],
+                              zc.offsets, self.residency.pool, zc.stage_first, zc.staging[nxt],
+                              zc.staged[nxt], zc.staged_blobs, zc.blob_bytes[next_layer],
+                              nxt)  # fmt: skip
             return out.sum(dim=1).to(hidden.dtype)  # [T, H]
         self.pairs += topk_ids.numel()
         if mask is not None:

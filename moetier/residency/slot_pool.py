@@ -89,6 +89,7 @@ class SlotPool:
         self.disk = disk
         self.host = host
         self._free = list(range(num_slots - 1, -1, -1))
+        self.reserved = 0  # the last `reserved` slots are scratch (`reserve`), never cached
         self.stats = ResidencyStats()
         # gpu-tier counters beyond `stats` (stall seconds, prefetch) and the disk tier's
         self.counters = TierCounters()
@@ -122,7 +123,27 @@ class SlotPool:
 
     @property
     def capacity(self) -> int:
-        return self.num_slots
+        """Slots that hold cached blobs: all but the `reserve`d ones."""
+        return self.num_slots - self.reserved
+
+    def reserve(self, n: int) -> list[int]:
+        """Take the last `n` slots not yet reserved out of caching for good (their blobs are
+        dropped) and return them: scratch space addressed through the same offsets, e.g. the
+        zero-copy mode's staging slots."""
+        if not 0 <= n <= self.capacity - 1:
+            raise ValueError(
+                f"cannot reserve {n} of {self.capacity} slots: one must stay for caching"
+            )
+        end = self.num_slots - self.reserved
+        slots = list(range(end - n, end))
+        taken = set(slots)
+        for key, slot in list(self._slots.items()):
+            if slot in taken:
+                del self._slots[key]
+                self.policy.on_evict(key)
+        self._free = [s for s in self._free if s not in taken]
+        self.reserved += n
+        return slots
 
     def ensure(
         self,
@@ -135,9 +156,9 @@ class SlotPool:
         pool's device, -1 for experts not asked for. Evicts the policy's victims among slots
         that are not part of this request. `weights`: each expert's summed routing weight in
         this request (for routing-weight-aware policies)."""
-        if len(experts) > self.num_slots:
+        if len(experts) > self.capacity:
             raise ValueError(
-                f"{len(experts)} experts asked for at once, the pool has {self.num_slots} slots"
+                f"{len(experts)} experts asked for at once, the pool caches {self.capacity}"
             )
         slots = self._ensure_keys([(layer, e, plane) for e in experts], weights)
         table = [-1] * self.store.model_config.num_experts
@@ -158,9 +179,9 @@ class SlotPool:
         if not delta_experts:
             return self.ensure(layer, experts, weights=weights), None
         keys = [(layer, e, "base") for e in experts] + [(layer, e, "delta") for e in delta_experts]
-        if len(keys) > self.num_slots:
+        if len(keys) > self.capacity:
             raise ValueError(
-                f"{len(keys)} blobs asked for at once, the pool has {self.num_slots} slots"
+                f"{len(keys)} blobs asked for at once, the pool caches {self.capacity}"
             )
         key_weights = None
         if weights is not None:
@@ -221,8 +242,8 @@ class SlotPool:
         counts, no policy access); returns key -> slot for them. Blobs not in `keys` may stay
         resident where room allows."""
         keys = list(dict.fromkeys(keys))
-        if len(keys) > self.num_slots:
-            raise ValueError(f"{len(keys)} blobs to place, the pool has {self.num_slots} slots")
+        if len(keys) > self.capacity:
+            raise ValueError(f"{len(keys)} blobs to place, the pool caches {self.capacity}")
         return dict(zip(keys, self._ensure_keys(keys, count=False), strict=True))
 
     def slot_of(self, key: BlobKey) -> int | None:

@@ -31,8 +31,15 @@ class ZeroCopyPlacement:
     """Tables addressing the blobs of `layers` × experts × `planes` in `pool` or `host`."""
 
     def __init__(
-        self, pool: SlotPool, host: HostTier, layers: Sequence[int], planes: Sequence[str]
+        self,
+        pool: SlotPool,
+        host: HostTier,
+        layers: Sequence[int],
+        planes: Sequence[str],
+        stage: int = 0,
     ) -> None:
+        """`stage`: staging slots per layer (reserved from the pool) for guessed experts that
+        the decode step copies in ahead of their layer (`moetier::stage_guesses`)."""
         if pool.host is not None and pool.host is not host:
             raise ValueError("the zero-copy host tier must be the slot pool's host tier")
         if host.row_bytes > pool.slot_bytes:
@@ -47,6 +54,8 @@ class ZeroCopyPlacement:
             for layer in self.layers
             for e in range(self.num_experts)
         ]
+        self.stage = stage
+        reserved = pool.reserve(stage * len(self.layers)) if stage else []
         self.fixed = [k for k in self.keys if k not in host]  # only the GPU can hold these
         if len(self.fixed) > pool.capacity:
             raise ValueError(
@@ -67,6 +76,27 @@ class ZeroCopyPlacement:
             if "delta" in self.planes
             else None
         )
+        # staging: entries >= stage_first are not cached GPU slots (staging slots, host rows);
+        # staging[i] the entries of layer i's slots, staged[i] their experts (-1: none);
+        # host_entry[i, e] the entry of expert e's base blob in the host tier (-1: none)
+        self.stage_first = pool.capacity
+        self.staging = torch.tensor(reserved, dtype=torch.int32, device=device).view(
+            len(self.layers), stage
+        )
+        self.staged = torch.full((len(self.layers), stage), -1, dtype=torch.int32, device=device)
+        host_entry = torch.full(shape, -1, dtype=torch.int32)
+        for layer in self.layers:
+            for e in range(self.num_experts):
+                if (layer, e, "base") in host:
+                    host_entry[self.layer_index[layer], e] = (
+                        self.slots + host.index[(layer, e, "base")]
+                    )
+        self.host_entry = host_entry.to(device)
+        self.blob_bytes = {
+            layer: pool.store.blobs[(layer, 0, "base")].nbytes for layer in self.layers
+        }
+        self.staged_blobs = torch.zeros((), dtype=torch.int64, device=device)  # blobs copied
+        self.staged_pairs = torch.zeros((), dtype=torch.int64, device=device)  # pairs read there
         # device-side access counts (pairs per expert) and hits, written by the decode step
         self.counts = torch.zeros(shape, dtype=torch.int64, device=device)
         self.gpu_pairs = torch.zeros((), dtype=torch.int64, device=device)
@@ -111,6 +141,7 @@ class ZeroCopyPlacement:
         self.table.copy_(table)
         if self.delta_table is not None:
             self.delta_table.copy_(delta)
+        self.staged.fill_(-1)  # the tables point at no staging slot now
         self.demoted = False
         return copied
 
@@ -131,13 +162,15 @@ class ZeroCopyPlacement:
         self.table.copy_(table)
         if self.delta_table is not None:
             self.delta_table.copy_(delta)
+        self.staged.fill_(-1)
         self.demoted = True
 
     def record(self, index: int, topk_ids: torch.Tensor) -> None:
         """Count layer `index`'s pairs [T, k] on the device (no host sync; capturable): one
         launch (`moetier::count_pairs`)."""
         count_pairs(topk_ids, self.counts[index], self.table[index], self.offsets,
-                    self.pool.pool.numel(), self.gpu_pairs)  # fmt: skip
+                    self.pool.pool.numel(), self.gpu_pairs,
+                    self.stage_first * self.pool.slot_bytes, self.staged_pairs)  # fmt: skip
 
     def hot_keys(self, scores: torch.Tensor) -> list[BlobKey]:
         """Blobs by descending score [layers, E] (ties: resident first, then key order), as

@@ -32,12 +32,70 @@ def test_count_pairs_matches_ref(tokens, top_k, experts):
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     table, offsets = _entries(experts, experts // 4, 1 << 20, gen)
     counts = torch.randint(0, 5, (experts,), generator=gen)
-    want_counts, want_gpu = counts.clone(), torch.tensor(7)
-    count_pairs_ref(ids, want_counts, table, offsets, 1 << 20, want_gpu)
+    stage_from = (experts // 8) * ((1 << 20) // max(1, experts // 4))  # the last slots
+    want_counts, want_gpu, want_st = counts.clone(), torch.tensor(7), torch.tensor(3)
+    count_pairs_ref(ids, want_counts, table, offsets, 1 << 20, want_gpu, stage_from, want_st)
     got_counts, got_gpu = counts.to(DEVICE), torch.tensor(7, device=DEVICE)
-    count_pairs(ids.to(DEVICE), got_counts, table.to(DEVICE), offsets.to(DEVICE), 1 << 20, got_gpu)
+    got_st = torch.tensor(3, device=DEVICE)
+    count_pairs(ids.to(DEVICE), got_counts, table.to(DEVICE), offsets.to(DEVICE), 1 << 20,
+                got_gpu, stage_from, got_st)  # fmt: skip
     assert torch.equal(got_counts.cpu(), want_counts)
-    assert int(got_gpu) == int(want_gpu)
+    assert int(got_gpu) == int(want_gpu) and int(got_st) == int(want_st)
     # the twin itself, from first principles
-    on_gpu = {e for e in range(experts) if 0 <= int(offsets[int(table[e])]) < 1 << 20}
+    off = [int(offsets[int(table[e])]) for e in range(experts)]
+    on_gpu = {e for e in range(experts) if 0 <= off[e] < 1 << 20}
+    staged = {e for e in on_gpu if off[e] >= stage_from}
     assert int(want_gpu) - 7 == sum(int(e) in on_gpu for e in ids.flatten())
+    assert int(want_st) - 3 == sum(int(e) in staged for e in ids.flatten())
+
+
+def _staging_case(seed: int):
+    """8 experts; entries: 3 cached slots, 2 staging slots, then 8 host rows, all in one
+    buffer (offsets are byte offsets into it); expert 1 cached, expert 6 with no host row."""
+    gen = torch.Generator().manual_seed(seed)
+    row = 512
+    pool = torch.randint(0, 255, (13 * row,), generator=gen, dtype=torch.uint8)
+    offsets = torch.arange(13, dtype=torch.int64) * row
+    host_entry = torch.arange(5, 13, dtype=torch.int32)
+    host_entry[6] = -1
+    table = host_entry.clone()
+    table[1], table[6] = 0, 2  # cached slots (entries below stage_first = 3)
+    staging = torch.tensor([3, 4], dtype=torch.int32)
+    staged = torch.full((2,), -1, dtype=torch.int32)
+    return pool, offsets, host_entry, table, staging, staged
+
+
+def test_stage_guesses_kernel_matches_ref():
+    """The staging kernel (interpreter on CPU, compiled on the H200) against its twin over two
+    calls: the best two guesses off the cached slots are copied into the staging slots and the
+    table points at them; on the second call a slot's old guest goes back to its host row
+    unless guessed again; 250-byte blobs (not whole words: the last word is copied whole)."""
+    from moetier.kernels.residency_ops import stage_guesses_ref, stage_guesses_triton
+
+    pool, offsets, host_entry, table, staging, staged = _staging_case(0)
+    want = [t.clone() for t in (pool, table, staged)]
+    got = [t.clone().to(DEVICE) for t in (pool, table, staged)]
+    want_n, got_n = torch.tensor(0), torch.tensor(0, device=DEVICE)
+    # experts 1 and 6 are never candidates; the second call guesses 3 again and 5 anew
+    firsts = [
+        torch.tensor([0.0, 9.0, 1.0, 5.0, 3.0, 2.0, 8.0, 4.0]),
+        torch.tensor([0.0, 9.0, 1.0, 5.0, 3.0, 7.0, 8.0, 2.0]),
+    ]
+    for logits in firsts:
+        stage_guesses_ref(logits, want[1], host_entry, offsets, want[0], 3, staging, want[2],
+                          want_n, 250)  # fmt: skip
+        stage_guesses_triton(logits.to(DEVICE), got[1], host_entry.to(DEVICE),
+                             offsets.to(DEVICE), got[0], 3, staging.to(DEVICE), got[2], got_n,
+                             250, parts=3, block=8)  # fmt: skip
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.cpu(), w)
+        assert int(got_n) == int(want_n)
+    # the twin from first principles: the first call staged [3, 7]; the second guesses
+    # [5, 3]: slot 0 takes 5 (its guest 3 is guessed again, into slot 1), slot 1's guest 7
+    # goes back to its host row
+    pool0 = _staging_case(0)[0]
+    assert want[2].tolist() == [5, 3]
+    assert want[1][5] == 3 and want[1][3] == 4 and want[1][7] == host_entry[7]
+    assert torch.equal(want[0][3 * 512 : 3 * 512 + 256], pool0[10 * 512 : 10 * 512 + 256])
+    assert torch.equal(want[0][4 * 512 : 4 * 512 + 256], pool0[8 * 512 : 8 * 512 + 256])
+    assert int(want_n) == 4

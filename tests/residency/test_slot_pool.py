@@ -46,8 +46,24 @@ def test_budget_sizing_and_errors(store):
     with pytest.raises(ValueError, match="holds no expert.*raise --expert-cache-mb"):
         SlotPool.for_budget(store, "cpu", budget_bytes=blob // 2)
     pool = SlotPool.for_budget(store, "cpu", max_slots=2)
-    with pytest.raises(ValueError, match="3 experts asked for at once, the pool has 2 slots"):
+    with pytest.raises(ValueError, match="3 experts asked for at once, the pool caches 2"):
         pool.ensure(0, [1, 2, 3])
+
+
+def test_reserved_slots_leave_caching(store):
+    """`reserve` takes the last slots for good: their blobs are dropped, they are never handed
+    out again, and requests are bounded by the slots that remain."""
+    pool = SlotPool.for_budget(store, "cpu", max_slots=5)
+    table = pool.ensure(0, [0, 1, 2, 3, 4])
+    last = {int(table[e]): e for e in range(5)}
+    assert pool.reserve(2) == [3, 4] and pool.capacity == 3
+    assert set(pool.resident()) == {(0, last[s], "base") for s in (0, 1, 2)}
+    table = pool.ensure(1, [5, 6, 7])  # evicts into slots 0-2 only
+    assert sorted(int(table[e]) for e in (5, 6, 7)) == [0, 1, 2]
+    with pytest.raises(ValueError, match="4 experts asked for at once, the pool caches 3"):
+        pool.ensure(1, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="cannot reserve 3 of 3 slots"):
+        pool.reserve(3)
 
 
 def test_policy_chooses_the_victim(store):

@@ -201,3 +201,51 @@ def test_long_prompt_streams_instead_of_reading_host_rows(tiny, device):
     gpu = runtime.telemetry()["gpu"]
     stats = runtime.residency.stats  # the stream's blob requests, then 4 zero-copy steps' pairs
     assert gpu.hits + gpu.misses == stats.hits + stats.misses + 4 * top_k * layers
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_staged_guesses_keep_decode_bit_identical(tiny, device):
+    """Zero-copy with staging slots: each one-token step copies the next layer's best guesses
+    (its router on this layer's input) from host rows into staging slots and points the table
+    at them (on CUDA on a side stream, joined before the next layer; captured in the CUDA
+    graph): logits stay those of a fully pinned model, bit for bit, and the guesses were
+    really staged and read."""
+    from moetier.models.experts import router_weights
+
+    store = tiny.store("qwen3_moe")
+
+    def native(**engine):
+        config = EngineConfig(device=device, dtype="float32", native=True, **engine)
+        return load_model(store, config)
+
+    def decode(loaded, prompt, steps):
+        if device == "cuda":
+            return graph_decode(loaded, prompt, steps)
+        cache = loaded.model.new_cache(1, 64, torch.float32, device)
+        ids = torch.tensor([prompt])
+        positions = torch.arange(len(prompt))[None]
+        outs = []
+        with torch.no_grad():
+            logits = loaded.model(ids, positions, cache)[:, -1]
+            for step in range(steps):
+                token = logits.argmax(-1)[:, None]
+                position = torch.tensor([[len(prompt) + step]])
+                logits = loaded.model(token, position, cache)[:, -1]
+                outs.append(logits)
+        return torch.cat(outs)
+
+    pinned = native()
+    pinned.runtime.pin_all()
+    want = decode(pinned, [5, 17, 33], 8)
+    staged = native(expert_cache_slots=6, host_memory="64MiB")
+    runtime = staged.runtime
+    zc = runtime.enable_zero_copy(hot=[], stage=2)  # 2 MoE layers x 2 staging slots
+    assert runtime.residency.capacity == 2 and zc.stage_first == 2
+    runtime.enable_prefetch(*router_weights(staged.model, sorted(runtime.formats)))
+    got = decode(staged, [5, 17, 33], 8)
+    assert torch.equal(got, want)
+    # every step staged 2 guesses for the second MoE layer, and some of them were used: with
+    # no blob cached, every GPU hit is a read from a staging slot
+    assert int(zc.staged_blobs) >= 2 * 8 and int(zc.gpu_pairs) > 0
+    staged_now = zc.table[1][zc.staged[1].long()]
+    assert (zc.staged[1] >= 0).all() and torch.equal(staged_now, zc.staging[1])
