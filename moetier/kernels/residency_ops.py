@@ -226,7 +226,6 @@ _INPUTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 @torch.library.custom_op("moetier::stage_guesses", mutates_args=("table", "staged", "staged_blobs"))
 def stage_guesses(
     hidden: torch.Tensor,
-    scale: torch.Tensor,
     router: torch.Tensor,
     table: torch.Tensor,
     host_entry: torch.Tensor,
@@ -241,8 +240,9 @@ def stage_guesses(
 ) -> None:
     """Stage a later MoE layer's guessed experts in GPU slots, off the compute stream.
 
-    hidden [1, H] (this layer's experts input), scale [H] (next norm / this norm weights),
-    router [E, H]: the next layer's router applied to hidden · scale scores its experts; the
+    hidden [1, H] (this layer's experts input), router [E, H]: the next layer's router with
+    its columns scaled (next norm / this norm weights, `ExpertsRuntime.enable_prefetch`), so
+    router · hidden scores its experts; the
     `staging.numel()` best among those whose entry in `table` [E] is >= `stage_first` (host
     rows and staging slots; entries below are cached GPU slots) are copied from their host rows
     (`host_entry` [E], -1: none) into the staging slots (`staging` [m] entries) and `table`
@@ -258,8 +258,8 @@ def stage_guesses(
     reads them except through `table` (declaring the multi-GB pool would invite a copy)."""
     if not hidden.is_cuda:
         stage_guesses_ref(
-            torch.mv(router.float(), hidden[0].float() * scale.float()), table, host_entry,
-            offsets, pool, stage_first, staging, staged, staged_blobs, blob_bytes,
+            torch.mv(router.float(), hidden[0].float()), table, host_entry, offsets, pool,
+            stage_first, staging, staged, staged_blobs, blob_bytes,
         )  # fmt: skip
         return
     device = hidden.device.index or 0
@@ -270,7 +270,7 @@ def stage_guesses(
             torch.empty(router.shape[0], dtype=router.dtype, device=hidden.device),
         )
     inp, logits = _INPUTS[stage_id]
-    inp.copy_(hidden[0].float() * scale)  # on the compute stream: hidden may be reused after
+    inp.copy_(hidden[0])  # on the compute stream: hidden's memory may be reused after
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.mv(router, inp, out=logits)
@@ -283,7 +283,6 @@ def stage_guesses(
 @stage_guesses.register_fake
 def _(
     hidden: torch.Tensor,
-    scale: torch.Tensor,
     router: torch.Tensor,
     table: torch.Tensor,
     host_entry: torch.Tensor,

@@ -74,6 +74,8 @@ class ExpertsRuntime:
         self.predictors: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self.prefetch_m = 0
         self._predicted: dict[int, list[BlobKey]] = {}  # layer -> blobs predicted for it
+        # layer -> the next MoE layer's router with its columns scaled (zero-copy staging)
+        self._scaled_routers: dict[int, torch.Tensor] = {}
         # layer-streamed prefill from this many tokens per call (0: off)
         self.stream_tokens = STREAM_TOKENS
 
@@ -209,7 +211,7 @@ class ExpertsRuntime:
             # staging: one-token steps copy the next layer's guesses into staging slots
             staging = zc.stage > 0 and topk_ids.shape[0] == 1 and bool(self.predictors)
             if staging and layer in {f for f, _, _ in self.predictors.values()}:
-                stage_join(zc.table[index], index)  # this layer's staged copies have landed
+                _join_eager(zc.table[index], index)  # this layer's staged copies have landed
             if self.count_accesses:
                 zc.record(index, topk_ids)
             delta_table = zc.delta_table[index] if zc.delta_table is not None else None
@@ -221,12 +223,12 @@ class ExpertsRuntime:
                 self._run(layer, hidden, topk_ids, topk_weights, table, delta, mask, out,
                           pool=pool)  # fmt: skip
             if staging and layer in self.predictors:
-                next_layer, router, scale = self.predictors[layer]
+                next_layer = self.predictors[layer][0]
                 nxt = zc.layer_index[next_layer]
-                stage_guesses(hidden, scale, router, zc.table[nxt], zc.host_entry[nxt],
-                              zc.offsets, self.residency.pool, zc.stage_first, zc.staging[nxt],
-                              zc.staged[nxt], zc.staged_blobs, zc.blob_bytes[next_layer],
-                              nxt)  # fmt: skip
+                _stage_eager(hidden, self._scaled_routers[layer], zc.table[nxt],
+                             zc.host_entry[nxt], zc.offsets, self.residency.pool,
+                             zc.stage_first, zc.staging[nxt], zc.staged[nxt], zc.staged_blobs,
+                             zc.blob_bytes[next_layer], nxt)  # fmt: skip
             return out.sum(dim=1).to(hidden.dtype)  # [T, H]
         self.pairs += topk_ids.numel()
         if mask is not None:
@@ -302,6 +304,8 @@ class ExpertsRuntime:
             w_here, w_next = norms[layer].float(), norms[following].float()
             scale = torch.where(w_here != 0, w_next / torch.where(w_here != 0, w_here, 1), 0)
             self.predictors[layer] = (following, routers[following].detach(), scale.detach())
+            router = routers[following].detach()
+            self._scaled_routers[layer] = (router.float() * scale).to(router.dtype)
         self.prefetch_m = m or top_k
 
     def _predict(self, layer: int, hidden: torch.Tensor, m: int) -> tuple[int, list[int]]:
@@ -373,6 +377,19 @@ class ExpertsRuntime:
             self.activation.alpha,
             self.activation.limit,
         )
+
+
+@torch.compiler.disable
+def _stage_eager(*args: Any) -> None:
+    """`stage_guesses` outside torch.compile's graph (a graph break; no cost in a replayed CUDA
+    graph): run as is, its mutations are in place instead of functionalized copies."""
+    stage_guesses(*args)
+
+
+@torch.compiler.disable
+def _join_eager(table: torch.Tensor, stage_id: int) -> None:
+    """`stage_join` outside torch.compile's graph, like `_stage_eager`."""
+    stage_join(table, stage_id)
 
 
 def router_weights(
