@@ -296,6 +296,15 @@ class EngineConfig:
     expert_cache_slots: int = field(
         default=0, metadata={"help": "cap the expert cache at this many experts (0 = no cap)"}
     )
+    zero_copy_stage: int = field(
+        default=2,
+        metadata={
+            "help": "with --native on CUDA, when experts are read from pinned host RAM "
+            "(zero-copy decode): GPU slots per MoE layer that take the next layer's best-guessed "
+            "experts, copied in while the layer before computes (at most a quarter of the expert "
+            "cache; 0 = off; Qwen3-MoE-style routers)"
+        },
+    )
     expert_reads: str = field(
         default="mmap",
         metadata={

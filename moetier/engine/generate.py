@@ -17,6 +17,7 @@ import torch
 from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import LoadedModel
+from moetier.models.experts import ExpertsRuntime, router_weights
 
 # CUDA-graph decode: context-length buckets are powers of two from this size; the decoders
 # (each with its own KV cache) of this many buckets are kept between requests.
@@ -86,15 +87,34 @@ class Generator:
                 print(f"moetier: decoding without CUDA graphs ({exc}; {hint})", file=sys.stderr)
                 return False
             try:
-                runtime.enable_zero_copy()
+                stage, guesses = self._staging(runtime)
+                runtime.enable_zero_copy(stage=stage)
             except ValueError as zc_exc:
                 print(f"moetier: decoding without CUDA graphs ({zc_exc})", file=sys.stderr)
                 return False
+            if guesses is not None:
+                runtime.enable_prefetch(*guesses)
             note = "the most used stay in GPU slots, the others are read from pinned host RAM"
             print(f"moetier: the experts do not all fit the GPU cache: {note}", file=sys.stderr)
             return True
         runtime.residency.host = None  # every blob is on the GPU: free the pinned host copies
         return True
+
+    def _staging(
+        self, runtime: ExpertsRuntime
+    ) -> tuple[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None]:
+        """Zero-copy staging slots per MoE layer (--zero-copy-stage, at most a quarter of the
+        expert cache; 0 where the routers cannot guess) and the routers and norms to guess
+        with."""
+        layers = sorted(runtime.formats)
+        stage = min(self.loaded.engine_config.zero_copy_stage,
+                    runtime.residency.capacity // (4 * max(1, len(layers))))  # fmt: skip
+        if stage <= 0 or len(layers) < 2:
+            return 0, None
+        try:
+            return stage, router_weights(self.model, layers)
+        except ValueError:
+            return 0, None
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ValueError for a prompt the model cannot take (empty, or no room to generate)."""

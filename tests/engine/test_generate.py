@@ -156,6 +156,28 @@ def test_zero_copy_when_experts_do_not_fit(tiny, generator, monkeypatch):
     assert zero_copy.scores.sum() > 0  # rebalanced: counts folded into the scores
 
 
+def test_zero_copy_staging_in_the_generator(tiny, generator, monkeypatch):
+    """With room (a quarter of the cache holds a staging slot per MoE layer), the Generator's
+    zero-copy mode also stages the next layer's guesses each decode step (--zero-copy-stage):
+    same tokens as the eager path, guesses really copied; --zero-copy-stage 0 and a cache too
+    small for it leave staging off."""
+    monkeypatch.setattr(StaticDecoder, "capture", eager_capture)
+    monkeypatch.setattr(generate_module, "GRAPH_MIN_BUCKET", 32)
+    store = tiny.store("qwen3_moe")
+    ids = generator.prompt_ids(TEXT[:40])[:20]
+    params = SamplingParams(max_new_tokens=10, temperature=0, stop=())
+    want = generator.generate(ids, params).token_ids
+    for slots, stage, staged in ((12, 2, 1), (12, 0, 0), (7, 2, 0)):
+        config = EngineConfig(device="cpu", native=True, expert_cache_slots=slots,
+                              host_memory="64MiB", zero_copy_stage=stage)  # fmt: skip
+        native = Generator(load_model(store, config))
+        native.graphs = native._capturable_experts()
+        zero_copy = native.loaded.runtime.zero_copy
+        assert zero_copy is not None and zero_copy.stage == staged  # 12 // (4 * 2 layers) = 1
+        assert native.generate(ids, params).token_ids == want
+        assert (int(zero_copy.staged_blobs) > 0) == (staged > 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compile_decode", [False, True])
 def test_cuda_graph_decode_equals_eager(tiny, compile_decode, monkeypatch):
