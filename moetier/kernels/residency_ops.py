@@ -220,7 +220,7 @@ def stage_guesses_triton(
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 _EVENTS: dict[int, torch.cuda.Event] = {}
-_INPUTS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_INPUTS: dict[tuple[int, int, torch.dtype, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 @torch.library.custom_op("moetier::stage_guesses", mutates_args=("table", "staged", "staged_blobs"))
@@ -242,8 +242,8 @@ def stage_guesses(
 
     hidden [1, H] (this layer's experts input), router [E, H]: the next layer's router with
     its columns scaled (next norm / this norm weights, `ExpertsRuntime.enable_prefetch`), so
-    router · hidden scores its experts; the
-    `staging.numel()` best among those whose entry in `table` [E] is >= `stage_first` (host
+    router · hidden scores its experts; the `staging.numel()` best among those whose entry in
+    `table` [E] is >= `stage_first` (host
     rows and staging slots; entries below are cached GPU slots) are copied from their host rows
     (`host_entry` [E], -1: none) into the staging slots (`staging` [m] entries) and `table`
     points at them; `staged` [m] holds each slot's expert (-1: none), whose entry goes back to
@@ -252,8 +252,9 @@ def stage_guesses(
     On CUDA the work runs on a side stream after what the current stream has queued (this
     layer's experts kernel), so the copies overlap what follows (the next layer's attention);
     `stage_join(table, stage_id)` makes the current stream wait for it before the next layer
-    reads `table`. Tables stay valid throughout: an entry points at a staging slot only once
-    the join has passed. No host sync: capturable in a CUDA graph (fork and join inside it).
+    reads `table`: the table's readers (that layer's counting and kernel) come after the join,
+    so none sees an entry pointing at a slot still being written. No host sync: capturable in a
+    CUDA graph (fork and join inside it).
     `pool`'s staging slots are written but not declared mutated: nothing in a compiled graph
     reads them except through `table` (declaring the multi-GB pool would invite a copy)."""
     if not hidden.is_cuda:
@@ -263,21 +264,25 @@ def stage_guesses(
         )  # fmt: skip
         return
     device = hidden.device.index or 0
-    side = _SIDE.setdefault(device, torch.cuda.Stream(hidden.device))
-    if stage_id not in _INPUTS or _INPUTS[stage_id][0].shape[0] != hidden.shape[1]:
-        _INPUTS[stage_id] = (
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(hidden.device)
+    side = _SIDE[device]
+    key = (stage_id, device, router.dtype, hidden.shape[1], router.shape[0])
+    if key not in _INPUTS:  # the side stream's inputs: outlive the call (and a CUDA graph)
+        _INPUTS[key] = (
             torch.empty(hidden.shape[1], dtype=router.dtype, device=hidden.device),
             torch.empty(router.shape[0], dtype=router.dtype, device=hidden.device),
         )
-    inp, logits = _INPUTS[stage_id]
+    inp, logits = _INPUTS[key]
     inp.copy_(hidden[0])  # on the compute stream: hidden's memory may be reused after
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.mv(router, inp, out=logits)
         stage_guesses_triton(logits, table, host_entry, offsets, pool, stage_first, staging,
                              staged, staged_blobs, blob_bytes)  # fmt: skip
-        event = _EVENTS.setdefault(stage_id, torch.cuda.Event())
-        event.record(side)
+        if stage_id not in _EVENTS:
+            _EVENTS[stage_id] = torch.cuda.Event()
+        _EVENTS[stage_id].record(side)
 
 
 @stage_guesses.register_fake
