@@ -139,7 +139,10 @@ class ExpertsRuntime:
         """The pool's counters (residency.telemetry), plus the pinned path's pairs (hits of the
         pool's tier) and, in zero-copy mode, the pairs read from GPU slots (gpu hits) and from
         pinned host rows (gpu misses, host hits), whose base-plane bytes count as moved into the
-        GPU (one host read of the device counters)."""
+        GPU (one host read of the device counters). Staged guesses (zero-copy `stage`) are the
+        gpu tier's prefetches: issued = blobs copied into staging slots (their bytes moved in
+        too), used = pairs then read from them, needed = pairs read off the cached slots (host
+        rows or staging)."""
         out = self.residency.telemetry()
         out[self.residency.tier_name].hits += self.pinned_pairs
         zc = self.zero_copy
@@ -150,6 +153,12 @@ class ExpertsRuntime:
             out["gpu"].misses += pairs - gpu
             out["host"].hits += pairs - gpu
             out["gpu"].bytes += (pairs - gpu) * blob
+            staged, used = int(zc.staged_blobs), int(zc.staged_pairs)
+            if zc.stage:
+                out["gpu"].bytes += staged * blob
+                out["gpu"].prefetch_issued += staged
+                out["gpu"].prefetch_used += used
+                out["gpu"].prefetch_needed += pairs - gpu + used
         return out
 
     def pin_all(self) -> None:

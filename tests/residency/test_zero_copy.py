@@ -249,3 +249,7 @@ def test_staged_guesses_keep_decode_bit_identical(tiny, device):
     assert int(zc.staged_blobs) >= 2 * 8 and int(zc.gpu_pairs) > 0
     staged_now = zc.table[1][zc.staged[1].long()]
     assert (zc.staged[1] >= 0).all() and torch.equal(staged_now, zc.staging[1])
+    # telemetry: the guesses are the gpu tier's prefetches
+    gpu = runtime.telemetry()["gpu"]
+    assert gpu.prefetch_issued == int(zc.staged_blobs) and gpu.prefetch_used == int(zc.staged_pairs)
+    assert 0 < gpu.prefetch_used <= gpu.prefetch_needed and 0 < gpu.prefetch_precision <= 1
