@@ -13,6 +13,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-memory", default="0", help="pinned host RAM budget, e.g. 64GiB")
     parser.add_argument("--max-context", type=int, default=4096, help="KV cache tokens per row")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    parser.add_argument(
+        "--zero-copy-stage",
+        type=int,
+        default=2,
+        help="staging slots per MoE layer in zero-copy decode (as generate/serve; 0 = off)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
         parse_bytes(args.host_memory),
         max_context=args.max_context,
         batch=args.batch,
+        zero_copy_stage=args.zero_copy_stage,
     )
     print(result.render())
     return 0

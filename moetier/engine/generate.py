@@ -18,6 +18,7 @@ from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import LoadedModel
 from moetier.models.experts import ExpertsRuntime, router_weights
+from moetier.residency.zero_copy import staging_slots
 
 # CUDA-graph decode: context-length buckets are powers of two from this size; the decoders
 # (each with its own KV cache) of this many buckets are kept between requests.
@@ -107,9 +108,10 @@ class Generator:
         expert cache; 0 where the routers cannot guess) and the routers and norms to guess
         with."""
         layers = sorted(runtime.formats)
-        stage = min(self.loaded.engine_config.zero_copy_stage,
-                    runtime.residency.capacity // (4 * max(1, len(layers))))  # fmt: skip
-        if stage <= 0 or len(layers) < 2:
+        stage = staging_slots(
+            self.loaded.engine_config.zero_copy_stage, runtime.residency.capacity, len(layers)
+        )
+        if stage <= 0:
             return 0, None
         try:
             return stage, router_weights(self.model, layers)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from moetier.core.layout import TENSOR_ALIGN, align_up
 from moetier.quant.store import Store
+from moetier.residency.zero_copy import staging_slots
 
 WORKSPACE_BYTES = 512 * 2**20  # activations, kernel scratch, CUDA context headroom
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,
@@ -43,6 +44,8 @@ class Plan:
     gpu_delta_slots: int
     host_blobs: int
     blobs_per_token: int  # base blobs one token reads (MoE layers × top-k)
+    staging: int = 0  # of the GPU slots, those zero-copy decode stages guesses in (all layers)
+    stage: int = 0  # their --zero-copy-stage (per MoE layer)
 
     @property
     def gpu_expert_bytes(self) -> int:
@@ -70,6 +73,12 @@ class Plan:
             lines.append("every base blob fits on the GPU: no expert traffic once they are loaded")
             return "\n".join(lines)
         lines.append("disk: the rest, read from the store's experts file")
+        if self.staging:
+            lines.append(
+                f"zero-copy decode (--native on CUDA): {self.staging} of the expert slots stage "
+                f"the next layer's guessed experts ({self.stage} per MoE layer, "
+                "--zero-copy-stage)"
+            )
         for h in hit_rates:
             pcie, disk = self.traffic_per_token(h)
             lines.append(
@@ -87,9 +96,12 @@ def plan(
     batch: int = 1,
     dtype_bytes: int = 2,
     workspace: int = WORKSPACE_BYTES,
+    zero_copy_stage: int = 0,
 ) -> Plan:
     """Split `gpu_memory` and `host_memory` (bytes) between the parts of `store`; ValueError
-    when the dense part, KV cache and workspace alone do not fit on the GPU."""
+    when the dense part, KV cache and workspace alone do not fit on the GPU. With experts off
+    the GPU and a host tier, `zero_copy_stage` staging slots per MoE layer are counted among
+    the GPU slots (`zero_copy.staging_slots`)."""
     cfg = store.model_config
     dense = store.dense_size[0] * dtype_bytes
     kv = cfg.num_layers * cfg.kv_width * max_context * batch * dtype_bytes
@@ -108,5 +120,9 @@ def plan(
     gpu_base = min(base, slots)
     gpu_delta = min(delta, slots - gpu_base)
     host = min(len(store.blobs) - gpu_base - gpu_delta, host_memory // slot)
+    layers = len(store.moe_layers)
+    stage = staging_slots(zero_copy_stage, gpu_base + gpu_delta, layers)
+    if gpu_base == base or host == 0:
+        stage = 0  # every expert pinned, or no zero-copy decode
     return Plan(dense, kv, workspace, slot, base, delta, gpu_base, gpu_delta, host,
-                len(store.moe_layers) * cfg.top_k)  # fmt: skip
+                layers * cfg.top_k, stage * layers, stage)  # fmt: skip

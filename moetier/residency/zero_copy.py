@@ -27,6 +27,15 @@ from moetier.residency.host_tier import HostTier
 from moetier.residency.slot_pool import BlobKey, SlotPool
 
 
+def staging_slots(stage: int, capacity: int, layers: int) -> int:
+    """Staging slots per MoE layer that zero-copy decode takes for `--zero-copy-stage stage`
+    from an expert cache of `capacity` slots: at most a quarter of it in all; 0 with fewer than
+    two MoE layers (no later layer to guess for)."""
+    if layers < 2:
+        return 0
+    return max(0, min(stage, capacity // (4 * layers)))
+
+
 class ZeroCopyPlacement:
     """Tables addressing the blobs of `layers` × experts × `planes` in `pool` or `host`."""
 

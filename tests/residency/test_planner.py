@@ -49,6 +49,17 @@ def test_split_by_hand(store):
     assert "5 of 16 base blobs" in p.render()
     everything = plan(store, gpu + 100 * slot, max_context=256, batch=2)
     assert "no expert traffic" in everything.render()
+    # zero-copy staging: at most a quarter of the GPU slots (here 8 of the 16 base blobs' slots,
+    # 2 MoE layers: 1 per layer), none without a host tier or when every expert is pinned
+    big = gpu + 3 * slot
+    staged = plan(store, big, host_memory=3 * slot, max_context=256, batch=2, zero_copy_stage=3)
+    assert staged.gpu_base_slots == 8 and (staged.stage, staged.staging) == (1, 2)
+    assert "2 of the expert slots stage the next layer's guessed experts" in staged.render()
+    no_host = plan(store, big, max_context=256, batch=2, zero_copy_stage=3)
+    assert no_host.staging == 0 and "stage" not in no_host.render()
+    pinned = plan(store, gpu + 100 * slot, host_memory=3 * slot, max_context=256, batch=2,
+                  zero_copy_stage=3)  # fmt: skip
+    assert pinned.staging == 0
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
