@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--group-acc", type=int, default=0, help="GROUP_ACC constexpr")
     parser.add_argument("--prefetch-l2", type=int, default=0, help="PREFETCH_L2 constexpr")
     parser.add_argument("--pdl", type=int, default=0, help="PDL constexpr")
+    parser.add_argument("--quant-in", type=int, default=0, help="QUANT_IN constexpr (gate_up)")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
@@ -60,7 +61,7 @@ def main() -> None:
                  SUB=args.sub, BLOCK_K=args.block_k, INT8=int8, ASM=1,
                  QUANT_OUT=int(int8 and args.sub % 16 == 0), EVEN=args.even,
                  GROUP_ACC=args.group_acc, PREFETCH_L2=args.prefetch_l2,
-                 PDL=args.pdl)  # fmt: skip
+                 PDL=args.pdl, QUANT_IN=args.quant_in)  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:

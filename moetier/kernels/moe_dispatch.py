@@ -40,6 +40,9 @@ class KernelChoice:
     # agree on pdl.
     prefetch_l2: bool = False
     pdl: bool = False
+    # q2s GEMV int8, gate_up: x rounded to int8 words in the kernel (one launch fewer a call;
+    # not with a delta plane, which reads the rounded x from memory). Not yet timed: off.
+    quant_in: bool = False
 
 
 GEMV = KernelChoice()

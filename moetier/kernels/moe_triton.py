@@ -453,6 +453,27 @@ def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
 
 
 @triton.jit
+def _quant_tile(x_row, stride_k, wd, wmask):
+    """Words wd [W] of one row of x rounded to int8 in registers, exactly as `_quant_store`
+    rounds and packs them: (q0, q1, q2, q3) [1, W] int32 (the s-planes of `xq`: byte j of q_s is
+    column 16w + 4j + s), the scales [1, W] float32 and Σq [1, W] int32."""
+    W: tl.constexpr = wd.shape[0]
+    col = tl.arange(0, 16)
+    v = tl.load(x_row + (wd[:, None] * 16 + col[None, :]) * stride_k, mask=wmask[:, None],
+                other=0.0).to(tl.float32)  # fmt: skip
+    amax = tl.max(tl.abs(v), axis=1)
+    inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+    q = tl.floor(v * inv[:, None] + 0.5).to(tl.int32)
+    qb = (q & 0xFF) << ((col[None, :] // 4) * 8)  # column 4j + s -> byte j of int32 s
+    packed = tl.sum(tl.reshape(qb, (W, 4, 4)), axis=1)  # [W, 4 (s)]
+    even, odd = tl.split(tl.reshape(packed, (W, 2, 2)))  # s = 0, 2 and s = 1, 3
+    q0, q2 = tl.split(even)
+    q1, q3 = tl.split(odd)
+    return (q0[None, :], q1[None, :], q2[None, :], q3[None, :], (amax / 127.0)[None, :],
+            tl.sum(q, axis=1)[None, :])  # fmt: skip
+
+
+@triton.jit
 def _q2s_words(wbase, rows, rmask, wd, wmask, row_words, EVEN: tl.constexpr):
     """Words wd of rows `rows`: [SUB, W] int32 (EVEN: whole tiles, no mask)."""
     at = wbase + rows[:, None] * row_words + wd[None, :]
@@ -550,6 +571,7 @@ def _q2s_gemv_kernel(
     xq, xs, xsum, xqn, INT8: tl.constexpr, ASM: tl.constexpr,
     oq, osc, osum, oqn, QUANT_OUT: tl.constexpr, EVEN: tl.constexpr,
     GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
+    QUANT_IN: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -584,6 +606,9 @@ def _q2s_gemv_kernel(
         gain at DeepSeek-V4-Flash's 8-16 tokens, a loss at DeepSeek-V3's, so it is tuned per
         shape). Host rows are never prefetched: L2 prefetch of pinned host memory measured no
         gain.
+    QUANT_IN (gate_up, int8, no delta plane; `KernelChoice.quant_in`): each program rounds its
+        K tiles of x to int8 words itself (`_quant_tile`, the same rounding as
+        `_quant_words_kernel`) instead of reading them: one launch fewer per call.
     PDL (sm_90; `KernelChoice.pdl`, launched with programmatic dependent launch): the program
         lets the next launch start (`gdc_launch_dependents`), then reads its weights' first tile
         and asks for the rest (PREFETCH_L2) before it waits for the previous launch
@@ -701,7 +726,9 @@ def _q2s_gemv_kernel(
             sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN, GSUM)
             sc3 = _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W, EVEN, GSUM)
             if INT8:
-                if EVEN:
+                if QUANT_IN:  # this tile's activations rounded here, as `_quant_store` does
+                    q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
+                elif EVEN:
                     q0 = tl.load(xq_row + wd)[None, :]
                     q1 = tl.load(xq_row + row_words + wd)[None, :]
                     q2 = tl.load(xq_row + 2 * row_words + wd)[None, :]
@@ -1228,6 +1255,8 @@ def _q2s_gemv(
     # program's rows, programmatic dependent launch of the GEMV after the kernel before it
     hopper = _inline_asm() and torch.cuda.get_device_capability(hidden.device)[0] >= 9
     pdl = hopper and c_gu.pdl and c_dn.pdl
+    # gate_up rounds x itself (no activation-rounding launch) when no delta reads the rounded x
+    quant_in = c_gu.quant_in and int8 and not has_delta
     for is_down, spec, dspec, c, x, dst in (
         (0, gu, dgu, c_gu, hidden, h),
         (1, dn, ddn, c_dn, h, out),
@@ -1242,7 +1271,7 @@ def _q2s_gemv(
         even = spec.k % block_k == 0 and rows % tile_rows == 0
         dspec = dspec if has_delta else None
         xq = xs = xsum = xqn = x  # placeholders, unused without int8 activations
-        if int8:
+        if int8 and not (quant_in and not is_down):
             xq, xs, xsum, xqn = hq if is_down and hq is not None else quant_words(x, pdl)
         oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
         _q2s_gemv_kernel[grid](
@@ -1258,7 +1287,7 @@ def _q2s_gemv(
             is_down, top_k, sub, block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
             oq, os_, osum, oqn, quant_out and not is_down, even, c.group_acc,
             c.prefetch_l2 and hopper and spec.k % 64 == 0, pool.numel(),
-            pdl,
+            pdl, quant_in and not is_down,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl,
         )  # fmt: skip

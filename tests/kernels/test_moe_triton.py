@@ -222,6 +222,36 @@ def test_q2s_gemv_group_acc(fmt_name):
     run_case(fmt_name, 2, 2, 5, 96, 96, force=(choice, choice), seed=18)
 
 
+@pytest.mark.parametrize("fmt_name", ["q2s", "q2s+nvfp4"])
+def test_q2s_gemv_quant_in(fmt_name):
+    """gate_up rounding x to int8 words itself (`KernelChoice.quant_in`, no rounding launch):
+    the twin's figures, whole and ragged tiles; with a delta plane the option is ignored (the
+    delta reads the rounded x from memory) and results stay right."""
+    choice = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, quant_in=True)
+    run_case(fmt_name, 3, 2, 6, 128, 64, present_frac=0.7, force=(choice, choice), seed=19)
+    run_case(fmt_name, 2, 2, 5, 96, 96, force=(choice, choice), seed=20)
+
+
+def test_q2s_gemv_quant_in_is_bit_identical():
+    """The in-kernel rounding is `_quant_words_kernel`'s, bit for bit: the same outputs with
+    and without the option (bf16 activations, fitted and b = 3a grids, two K tiles)."""
+    gen = torch.Generator().manual_seed(21)
+    fmt = q2s_expert_format(128, 64, False, 32, 16)
+    pool = Pool(fmt, None, 6, torch.ones(6, dtype=torch.bool), gen)
+    dev_pool, offsets, table, _ = pool.device_args()
+    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(3)]).to(DEVICE)
+    w = torch.rand(3, 2, generator=gen).to(DEVICE)
+    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    outs = []
+    for quant_in in (False, True):
+        c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, quant_in=quant_in)
+        out = torch.zeros(3, 2, 128, device=DEVICE)
+        moe_slots_triton(x, ids, w, table, dev_pool, fmt, ExpertActivation(), out,
+                         slot_offsets=offsets, choice=(c, c))  # fmt: skip
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("group", [64, 128, 48])
 def test_q2s_gemv_groups(group):
     """Groups of 4 and 8 words take the q2s GEMV kernel (scales repeated by joins; a 128-column
