@@ -411,7 +411,7 @@ def counters(runtime: Any) -> dict[str, float]:
     pool = runtime.residency
     if zc is not None:
         pairs, gpu = float(zc.counts.sum()), float(zc.gpu_pairs)
-        expert = pool.store.blobs[(zc.layers[0], 0, "base")].nbytes
+        expert = zc.blob_bytes[zc.layers[0]]
         staged = float(zc.staged_blobs)  # guesses copied in: host bytes, used or not
         return {"pairs": pairs, "gpu": gpu, "host_bytes": (pairs - gpu + staged) * expert
                 + zc.promoted_bytes, "disk_bytes": 0.0, "staged": staged,

@@ -1253,7 +1253,7 @@ def _q2s_gemv(
         h = hq[1]  # placeholder: no float h is written
     # sm_90 features (compiled PTX, so never under the interpreter): L2 prefetch of each
     # program's rows, programmatic dependent launch of the GEMV after the kernel before it
-    hopper = _inline_asm() and torch.cuda.get_device_capability(hidden.device)[0] >= 9
+    hopper = _sm_at_least(hidden.device, 9)
     pdl = hopper and c_gu.pdl and c_dn.pdl
     # gate_up rounds x itself (no activation-rounding launch) when no delta reads the rounded x
     quant_in = c_gu.quant_in and int8 and not has_delta
@@ -1297,6 +1297,16 @@ def _inline_asm() -> bool:
     """Under TRITON_INTERPRET=1 (the CPU tests) there is no inline assembly: `_dp4a` then uses
     plain integer ops."""
     return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _sm_at_least(device: torch.device, major: int, minor: int = 0) -> bool:
+    """Compiled PTX (not Triton's interpreter) on a CUDA device of at least this compute
+    capability: where the kernels' sm-specific instructions may be used."""
+    return (
+        _inline_asm()
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (major, minor)
+    )
 
 
 def quant_words_buffers(

@@ -48,18 +48,12 @@ from moetier.kernels.moe_triton import (
     _e4m3,
     _f32_at,
     _group_pairs,
-    _inline_asm,
     _row_factor,
+    _sm_at_least,
 )
 
 
 @functools.cache
-def _has_packed_cvt(device: torch.device) -> bool:
-    """`cvt.rn.bf16x2.f32` / `.f16x2` (the lookup tables) need sm_80 or newer; older GPUs decode
-    with float selects."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-
-
 def supports(
     gu: MatrixSpec, dn: MatrixSpec, dgu: MatrixSpec | None, ddn: MatrixSpec | None
 ) -> bool:
@@ -348,7 +342,8 @@ def q2s_mma(
     dot_dtype = _DOT_DTYPES[hidden.dtype]
     precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
     dtable = delta_table if has_delta and delta_table is not None else slot_table
-    lut = hidden.dtype != torch.float32 and _inline_asm() and _has_packed_cvt(hidden.device)
+    # cvt.rn.bf16x2.f32 / .f16x2 (the lookup tables) need sm_80; older GPUs decode with selects
+    lut = hidden.dtype != torch.float32 and _sm_at_least(hidden.device, 8)
     h = torch.empty(pairs, inter, device=hidden.device, dtype=hidden.dtype)
     topk_w = topk_weights.contiguous()
     for is_down, spec, dspec, c, x, dst in (

@@ -18,21 +18,79 @@ import ctypes
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _count_pairs_kernel(ids, n, counts, offsets, table, pool_bytes, gpu_pairs, stage_from,
+                            staged_pairs, BLOCK: tl.constexpr):  # fmt: skip
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        e = tl.load(ids + i, mask=m, other=0)
+        tl.atomic_add(counts + e, tl.full((BLOCK,), 1, tl.int64), mask=m)
+        off = tl.load(offsets + tl.load(table + e, mask=m, other=0), mask=m, other=-1)
+        on_gpu = m & (off >= 0) & (off < pool_bytes)
+        tl.atomic_add(gpu_pairs, tl.sum(on_gpu.to(tl.int64), axis=0))
+        tl.atomic_add(staged_pairs, tl.sum((on_gpu & (off >= stage_from)).to(tl.int64), axis=0))
+
+    @triton.jit
+    def _stage_kernel(logits, table, host_entry, offsets, pool, stage_first, staging, staged,
+                      staged_blobs, E, blob_words, M: tl.constexpr, BLOCK_E: tl.constexpr,
+                      PARTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """Program (j, part): guess j of the M best-scored experts that are neither in a cached
+        GPU slot nor without a host row; copies part `part` of its host row into staging slot j;
+        part 0 points the expert's table entry at the staging slot and the slot's previous guest
+        (unless guessed again) back at its host row."""
+        j = tl.program_id(0) // PARTS
+        part = tl.program_id(0) % PARTS
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        entry = tl.load(table + e, mask=em, other=0)
+        hrow = tl.load(host_entry + e, mask=em, other=-1)
+        s = tl.load(logits + e, mask=em, other=0.0).to(tl.float32)
+        s = tl.where(em & (entry >= stage_first) & (hrow >= 0), s, float("-inf"))
+        guessed = e < 0  # all False: the experts guessed this time
+        pick = -1
+        count = tl.zeros((), tl.int32)
+        for k in tl.static_range(M):
+            top = tl.max(s, axis=0)
+            best = tl.argmax(s, axis=0)
+            valid = top > float("-inf")
+            pick = tl.where(j == k, tl.where(valid, best, -1), pick)
+            count += valid.to(tl.int32)
+            guessed = guessed | (tl.where(valid, best, -1) == e)
+            s = tl.where(e == best, float("-inf"), s)
+        slot_entry = tl.load(staging + j)
+        if pick >= 0:
+            src_entry = tl.sum(tl.where(e == pick, hrow, 0), axis=0)
+            src = (pool + tl.load(offsets + src_entry)).to(tl.pointer_type(tl.int64))
+            dst = (pool + tl.load(offsets + slot_entry)).to(tl.pointer_type(tl.int64))
+            chunk = (blob_words + PARTS - 1) // PARTS
+            lo = part * chunk
+            hi = tl.minimum(lo + chunk, blob_words)
+            for w in range(lo, hi, BLOCK):
+                i = w + tl.arange(0, BLOCK)
+                tl.store(dst + i, tl.load(src + i, mask=i < hi), mask=i < hi)
+        if part == 0:
+            old = tl.load(staged + j)
+            if old >= 0:
+                if tl.sum(tl.where(e == old, guessed.to(tl.int32), 0), axis=0) == 0:
+                    tl.store(table + old, tl.sum(tl.where(e == old, hrow, 0), axis=0))
+            if pick >= 0:
+                tl.store(table + pick, slot_entry)
+            tl.store(staged + j, pick)
+            if j == 0:
+                tl.atomic_add(staged_blobs, count.to(tl.int64))
+
+except ImportError:  # pragma: no cover - triton is a dependency on Linux x86_64
+    triton = None
 
 
-@triton.jit
-def _count_pairs_kernel(ids, n, counts, offsets, table, pool_bytes, gpu_pairs, stage_from,
-                        staged_pairs, BLOCK: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    e = tl.load(ids + i, mask=m, other=0)
-    tl.atomic_add(counts + e, tl.full((BLOCK,), 1, tl.int64), mask=m)
-    off = tl.load(offsets + tl.load(table + e, mask=m, other=0), mask=m, other=-1)
-    on_gpu = m & (off >= 0) & (off < pool_bytes)
-    tl.atomic_add(gpu_pairs, tl.sum(on_gpu.to(tl.int64), axis=0))
-    tl.atomic_add(staged_pairs, tl.sum((on_gpu & (off >= stage_from)).to(tl.int64), axis=0))
+def _runs_triton(t: torch.Tensor) -> bool:
+    """The Triton kernels run on CUDA, and on CPU under TRITON_INTERPRET=1 (the tests)."""
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def count_pairs_ref(
@@ -71,7 +129,7 @@ def count_pairs(
     whose expert's entry (table [E] -> offsets) lies in the GPU pool's [0, pool_bytes);
     staged_pairs [] int64 += those of them at or past byte `stage_from` (staging slots)."""
     n = topk_ids.numel()
-    if not topk_ids.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not _runs_triton(topk_ids):
         count_pairs_ref(topk_ids, counts, table, offsets, pool_bytes, gpu_pairs, stage_from,
                         staged_pairs)  # fmt: skip
         return
@@ -94,56 +152,6 @@ def _(
     staged_pairs: torch.Tensor,
 ) -> None:
     return None
-
-
-@triton.jit
-def _stage_kernel(logits, table, host_entry, offsets, pool, stage_first, staging, staged,
-                  staged_blobs, E, blob_words, M: tl.constexpr, BLOCK_E: tl.constexpr,
-                  PARTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Program (j, part): guess j of the M best-scored experts that are neither in a cached
-    GPU slot nor without a host row; copies part `part` of its host row into staging slot j;
-    part 0 points the expert's table entry at the staging slot and the slot's previous guest
-    (unless guessed again) back at its host row."""
-    j = tl.program_id(0) // PARTS
-    part = tl.program_id(0) % PARTS
-    e = tl.arange(0, BLOCK_E)
-    em = e < E
-    entry = tl.load(table + e, mask=em, other=0)
-    hrow = tl.load(host_entry + e, mask=em, other=-1)
-    s = tl.load(logits + e, mask=em, other=0.0).to(tl.float32)
-    s = tl.where(em & (entry >= stage_first) & (hrow >= 0), s, float("-inf"))
-    guessed = e < 0  # all False: the experts guessed this time
-    pick = -1
-    count = tl.zeros((), tl.int32)
-    for k in tl.static_range(M):
-        top = tl.max(s, axis=0)
-        best = tl.argmax(s, axis=0)
-        valid = top > float("-inf")
-        pick = tl.where(j == k, tl.where(valid, best, -1), pick)
-        count += valid.to(tl.int32)
-        guessed = guessed | (tl.where(valid, best, -1) == e)
-        s = tl.where(e == best, float("-inf"), s)
-    slot_entry = tl.load(staging + j)
-    if pick >= 0:
-        src_entry = tl.sum(tl.where(e == pick, hrow, 0), axis=0)
-        src = (pool + tl.load(offsets + src_entry)).to(tl.pointer_type(tl.int64))
-        dst = (pool + tl.load(offsets + slot_entry)).to(tl.pointer_type(tl.int64))
-        chunk = (blob_words + PARTS - 1) // PARTS
-        lo = part * chunk
-        hi = tl.minimum(lo + chunk, blob_words)
-        for w in range(lo, hi, BLOCK):
-            i = w + tl.arange(0, BLOCK)
-            tl.store(dst + i, tl.load(src + i, mask=i < hi), mask=i < hi)
-    if part == 0:
-        old = tl.load(staged + j)
-        if old >= 0:
-            if tl.sum(tl.where(e == old, guessed.to(tl.int32), 0), axis=0) == 0:
-                tl.store(table + old, tl.sum(tl.where(e == old, hrow, 0), axis=0))
-        if pick >= 0:
-            tl.store(table + pick, slot_entry)
-        tl.store(staged + j, pick)
-        if j == 0:
-            tl.atomic_add(staged_blobs, count.to(tl.int64))
 
 
 def _bytes_at(pool: torch.Tensor, offset: int, n: int) -> torch.Tensor:
@@ -257,7 +265,7 @@ def stage_guesses(
     CUDA graph (fork and join inside it).
     `pool`'s staging slots are written but not declared mutated: nothing in a compiled graph
     reads them except through `table` (declaring the multi-GB pool would invite a copy)."""
-    if not hidden.is_cuda:
+    if not hidden.is_cuda or triton is None:
         stage_guesses_ref(
             torch.mv(router.float(), hidden[0].float()), table, host_entry, offsets, pool,
             stage_first, staging, staged, staged_blobs, blob_bytes,

@@ -74,8 +74,10 @@ class ExpertsRuntime:
         self.predictors: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self.prefetch_m = 0
         self._predicted: dict[int, list[BlobKey]] = {}  # layer -> blobs predicted for it
-        # layer -> the next MoE layer's router with its columns scaled (zero-copy staging)
+        # layer -> the next MoE layer's router with its columns scaled (zero-copy staging), and
+        # the layers some earlier layer guesses for
         self._scaled_routers: dict[int, torch.Tensor] = {}
+        self._guessed_layers: set[int] = set()
         # layer-streamed prefill from this many tokens per call (0: off)
         self.stream_tokens = STREAM_TOKENS
 
@@ -148,7 +150,7 @@ class ExpertsRuntime:
         zc = self.zero_copy
         if zc is not None:  # (streamed prefill pairs are in the pool's counters already)
             pairs, gpu = int(zc.counts.sum()) - zc.streamed_pairs, int(zc.gpu_pairs)
-            blob = max(self.residency.store.blobs[(layer, 0, "base")].nbytes for layer in zc.layers)
+            blob = max(zc.blob_bytes.values())
             out["gpu"].hits += gpu
             out["gpu"].misses += pairs - gpu
             out["host"].hits += pairs - gpu
@@ -219,7 +221,7 @@ class ExpertsRuntime:
             index = zc.layer_index[layer]
             # staging: one-token steps copy the next layer's guesses into staging slots
             staging = zc.stage > 0 and topk_ids.shape[0] == 1 and bool(self.predictors)
-            if staging and layer in {f for f, _, _ in self.predictors.values()}:
+            if staging and layer in self._guessed_layers:
                 _join_eager(zc.table[index], index)  # this layer's staged copies have landed
             if self.count_accesses:
                 zc.record(index, topk_ids)
@@ -315,6 +317,7 @@ class ExpertsRuntime:
             self.predictors[layer] = (following, routers[following].detach(), scale.detach())
             router = routers[following].detach()
             self._scaled_routers[layer] = (router.float() * scale).to(router.dtype)
+        self._guessed_layers = {following for following, _, _ in self.predictors.values()}
         self.prefetch_m = m or top_k
 
     def _predict(self, layer: int, hidden: torch.Tensor, m: int) -> tuple[int, list[int]]:

@@ -18,7 +18,7 @@ Knows nothing of models: layers, experts and planes are ints and names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -142,16 +142,7 @@ class ZeroCopyPlacement:
         copied = sum(1 for k in wanted[: self.pool.capacity] if k not in resident)
         self.promoted_bytes += self.pool.stats.bytes_fetched - before
         self.promotions += copied
-        table = torch.empty(self.table.shape, dtype=torch.int32)
-        delta = torch.empty(self.table.shape, dtype=torch.int32)
-        for layer, expert, plane in self.keys:
-            target = table if plane == "base" else delta
-            target[self.layer_index[layer], expert] = self.entry((layer, expert, plane))
-        self.table.copy_(table)
-        if self.delta_table is not None:
-            self.delta_table.copy_(delta)
-        self.staged.fill_(-1)  # the tables point at no staging slot now
-        self.demoted = False
+        self._write_tables(self.entry, demoted=False)
         return copied
 
     def demote_all(self) -> None:
@@ -161,18 +152,21 @@ class ZeroCopyPlacement:
         `rebalance` puts the hot set back. Needs every blob in the host tier."""
         if self.fixed:
             raise ValueError("blobs outside the host tier must stay in GPU slots: cannot demote")
+        self._write_tables(lambda key: self.slots + self.host.index[key], demoted=True)
+
+    def _write_tables(self, entry_of: Callable[[BlobKey], int], demoted: bool) -> None:
+        """Every blob's table entry from `entry_of`, written in place on the current stream;
+        no entry points at a staging slot afterwards."""
         table = torch.empty(self.table.shape, dtype=torch.int32)
         delta = torch.empty(self.table.shape, dtype=torch.int32)
         for layer, expert, plane in self.keys:
             target = table if plane == "base" else delta
-            target[self.layer_index[layer], expert] = (
-                self.slots + self.host.index[(layer, expert, plane)]
-            )
+            target[self.layer_index[layer], expert] = entry_of((layer, expert, plane))
         self.table.copy_(table)
         if self.delta_table is not None:
             self.delta_table.copy_(delta)
         self.staged.fill_(-1)
-        self.demoted = True
+        self.demoted = demoted
 
     def record(self, index: int, topk_ids: torch.Tensor) -> None:
         """Count layer `index`'s pairs [T, k] on the device (no host sync; capturable): one

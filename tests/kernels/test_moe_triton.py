@@ -364,7 +364,6 @@ def test_gpu_q2s_gemv_prefetch_and_pdl(mask):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_q2s_gemv_pdl_in_a_cuda_graph():
     """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel
     before it ends and waits for it before reading activations): replays give the eager
