@@ -126,6 +126,36 @@ class Case:
         )  # fmt: skip
 
 
+class ZeroCopyCase(Case):
+    """A q2s case whose experts are in GPU slots (a random `gpu_fraction` of them) or read by the
+    kernel from pinned host rows (zero-copy decode, `zero_copy=True`: the PCIe-tuned configs)."""
+
+    def __init__(self, shape: str, fmt: BlobFormat, gpu_fraction: float):
+        super().__init__(shape, fmt, None)
+        self.gpu_fraction = gpu_fraction
+        self.host = self.pool.cpu().pin_memory()
+        offsets = torch.arange(2 * self.experts, dtype=torch.int64) % self.experts
+        offsets *= self.slot_bytes
+        offsets[self.experts :] += self.host.data_ptr() - self.pool.data_ptr()
+        self.offsets = offsets.cuda()
+        gen = torch.Generator().manual_seed(1)
+        on_gpu = torch.randperm(self.experts, generator=gen)[: round(gpu_fraction * self.experts)]
+        table = torch.arange(self.experts, dtype=torch.int32) + self.experts
+        table[on_gpu] = on_gpu.to(torch.int32)
+        self.slot_table = table.cuda()
+
+    def host_bytes(self, r: dict[str, torch.Tensor]) -> int:
+        """Bytes of the distinct experts of routing `r` read from host rows."""
+        distinct = torch.unique(r["ids"])
+        return int((self.slot_table[distinct] >= self.experts).sum()) * weight_bytes(self.fmt)
+
+    def call(self, r: dict[str, torch.Tensor], choice: tuple[KernelChoice, KernelChoice] | None):
+        moe_slots_triton(
+            r["x"], r["ids"], r["w"], self.slot_table, self.pool, self.fmt, ExpertActivation(),
+            r["out"], slot_offsets=self.offsets, choice=choice, zero_copy=True,
+        )  # fmt: skip
+
+
 def graph_ms(fn_list: list) -> float:  # type: ignore[type-arg]
     """Median ms per call of the calls in fn_list, replayed as one CUDA graph."""
     for fn in fn_list:
@@ -238,9 +268,12 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
 
 
 def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
-    """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down."""
+    """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down;
+    for a ZeroCopyCase the `q2s-gemv-zc:` configs (reads over PCIe: whole rows per K tile are
+    among the candidates)."""
     gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
     assert gu is not None and dn is not None
+    zero_copy = isinstance(case, ZeroCopyCase)
     cands = [
         # int8 activations only: the float path lost every shape by 2-3x (docs/benchmarks.md)
         replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w, int8_act=True)
@@ -251,6 +284,7 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
         replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w, group_acc=True)
         for bn, bk, w in [(64, 512, 4), (64, 1024, 8), (128, 512, 8), (64, 1024, 4),
                           (128, 512, 4), (128, 1024, 8)]
+        + ([(32, 1024, 4), (32, 2048, 4), (32, 2048, 8), (64, 2048, 8)] if zero_copy else [])
     ]  # fmt: skip
 
     best_gu = min(
@@ -277,9 +311,10 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
         best_gu = qi_gu
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
               "quant_in")  # fmt: skip
+    key = "q2s-gemv-zc" if zero_copy else "q2s-gemv"
     return {
-        f"q2s-gemv:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
-        f"q2s-gemv:{dn.n}x{dn.k}": {f: asdict(best_dn)[f] for f in fields},
+        f"{key}:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
+        f"{key}:{dn.n}x{dn.k}": {f: asdict(best_dn)[f] for f in fields},
     }
 
 
@@ -326,6 +361,13 @@ def main() -> None:
     )
     parser.add_argument("--configs-out", type=Path, help="where --tune writes the tuned JSON")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument(
+        "--zero-copy",
+        type=float,
+        default=0.0,
+        help="also time q2s with only this fraction of the experts in GPU slots, the rest read "
+        "from pinned host rows (e.g. 0.25); with --tune, tune its q2s-gemv-zc configs too",
+    )
     args = parser.parse_args()
     info = run_info()
     copy_bw = copy_bandwidth()
@@ -342,12 +384,18 @@ def main() -> None:
             "q2s-fitted": Case(shape, q2s, None, fitted_grid=True),
             "q2s+nvfp4": Case(shape, q2s, nvfp4),
         }
+        zc_name = f"q2s-zero-copy-{args.zero_copy:g}"
+        if args.zero_copy:
+            cases[zc_name] = ZeroCopyCase(shape, q2s, args.zero_copy)
         if args.tune or args.tune_mma:
             for t in (int(t) for t in args.tune_tokens.split(",") if args.tune):
                 if t * top_k < moe_dispatch.GEMM_MIN_PAIRS:
                     tuned.update(tune_q2s_gemv(cases["q2s"], t))
                 else:
                     tuned.update(tune(cases["q2s"], t))
+            if args.tune and args.zero_copy:  # at the first tuned size (decode: 1 token)
+                t = int(args.tune_tokens.split(",")[0])
+                tuned.update(tune_q2s_gemv(cases[zc_name], t))
             for t in (int(t) for t in args.tune_mma.split(",") if t):
                 tuned.update(tune_q2s_mma(cases["q2s"], t))
             moe_dispatch.tuned_configs.cache_clear()
@@ -370,7 +418,8 @@ def main() -> None:
                           for m in ("gate_up", "down")]  # fmt: skip
                 if pairs < moe_dispatch.Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(*specs, *dspecs):  # type: ignore[arg-type]
                     split = 0
-                gu_choice = moe_dispatch.choose_q2s_gemv(2 * inter, hidden)
+                zero_copy = isinstance(case, ZeroCopyCase)
+                gu_choice = moe_dispatch.choose_q2s_gemv(2 * inter, hidden, zero_copy)
                 int8 = split == 0 and gu_choice.int8_act
                 quant_in = int8 and gu_choice.quant_in and case.delta is None
                 nbytes, dbytes = case.bytes_per_call(r, split, int8, quant_in)
@@ -379,6 +428,11 @@ def main() -> None:
                        "ms": round(ms, 5), "MB": round((nbytes + dbytes) / 1e6, 2),
                        "GB/s": round(gbs, 1), "copy_GB/s": round(copy_bw / 1e9, 1),
                        "of_copy": round(gbs * 1e9 / copy_bw, 3), "int8_act": int8}  # fmt: skip
+                if zero_copy:  # its own line: the host rows' bytes over PCIe
+                    host = case.host_bytes(r)  # type: ignore[attr-defined]
+                    rec["host_MB"] = round(host / 1e6, 3)
+                    rec["host_GB/s"] = round(host / ms / 1e6, 2)
+                    rec["gpu_fraction"] = args.zero_copy
                 if name == "q2s":
                     base_bw = nbytes / ms
                 elif name == "q2s+nvfp4" and base_bw:

@@ -114,9 +114,14 @@ def choose(pairs: int, num_experts: int, n: int, k: int) -> KernelChoice:
     return base
 
 
-def choose_q2s_gemv(n: int, k: int) -> KernelChoice:
-    """Config of the q2s GEMV kernel for one [n, k] projection (few pairs per call)."""
-    tuned = tuned_configs(_device_name()).get(f"q2s-gemv:{n}x{k}")
+def choose_q2s_gemv(n: int, k: int, zero_copy: bool = False) -> KernelChoice:
+    """Config of the q2s GEMV kernel for one [n, k] projection (few pairs per call).
+    zero_copy: the call reads blobs from pinned host rows too (zero-copy decode), whose tuned
+    configs (`q2s-gemv-zc:`, PCIe-bound: larger K tiles win) are taken where they exist."""
+    table = tuned_configs(_device_name())
+    tuned = (table.get(f"q2s-gemv-zc:{n}x{k}") if zero_copy else None) or table.get(
+        f"q2s-gemv:{n}x{k}"
+    )
     return replace(Q2S_GEMV, **tuned) if tuned else Q2S_GEMV  # type: ignore[arg-type]
 
 

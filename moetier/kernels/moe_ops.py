@@ -62,13 +62,15 @@ def moe_experts(
     activation: str,
     act_alpha: float,
     act_limit: float,
+    zero_copy: bool = False,
 ) -> None:
     """out[t, j] = topk_weights[t, j] · expert_{topk_ids[t, j]}(hidden[t]) for every pair whose
     expert has a slot (the contract of moe_ref.moe_slots_ref; shapes documented there).
 
     slot_offsets: [S] int64, byte offset of each slot from pool's first byte (slots in pinned
     host memory are allowed on CUDA); the CPU path requires the plain pool layout
-    (slot s at s * pool.stride(0))."""
+    (slot s at s * pool.stride(0)). zero_copy: some slots are pinned host rows (the kernels
+    then take the configs tuned for reads over PCIe; results are the same)."""
     fmt = _FORMATS[base_format]
     delta_fmt = _FORMATS[delta_format] if delta_format >= 0 else None
     act = ExpertActivation(kind=activation, alpha=act_alpha, limit=act_limit)
@@ -78,7 +80,7 @@ def moe_experts(
         moe_slots_triton(
             hidden, topk_ids, topk_weights, slot_table, pool, fmt, act, out,
             delta_mask=delta_mask, delta_table=delta_table, delta_fmt=delta_fmt,
-            slot_offsets=slot_offsets,
+            slot_offsets=slot_offsets, zero_copy=zero_copy,
         )  # fmt: skip
         return
     moe_slots_ref(
@@ -103,5 +105,6 @@ def _(
     activation: str,
     act_alpha: float,
     act_limit: float,
+    zero_copy: bool = False,
 ) -> None:
     return None

@@ -1090,12 +1090,15 @@ def moe_slots_triton(
     delta_fmt: BlobFormat | None = None,
     slot_offsets: torch.Tensor | None = None,
     choice: tuple[KernelChoice, KernelChoice] | None = None,
+    zero_copy: bool = False,
 ) -> tuple[KernelChoice, KernelChoice]:
     """Same contract as `moe_ref.moe_slots_ref`, plus:
 
     slot_offsets: [S] int64, byte offset of each slot from pool's first byte (default: slot s at
                   s * pool.stride(0)); slots outside `pool` (pinned host memory) are allowed
     choice:       (gate_up, down) kernel configs; default `moe_dispatch.choose`
+    zero_copy:    slots may be pinned host rows (zero-copy decode): the q2s GEMV takes the
+                  configs tuned for reads over PCIe where there are some
     Returns the configs it ran (int8_act: the twin is moe_slots_ref(..., act_int8=True)).
     """
     tokens, top_k = topk_ids.shape
@@ -1126,7 +1129,10 @@ def moe_slots_triton(
     if choice is None:
         experts = slot_table.shape[0]
         if pairs < Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(gu, dn, dgu, ddn):
-            choice = (choose_q2s_gemv(gu.n, gu.k), choose_q2s_gemv(dn.n, dn.k))
+            choice = (
+                choose_q2s_gemv(gu.n, gu.k, zero_copy),
+                choose_q2s_gemv(dn.n, dn.k, zero_copy),
+            )
         elif q2s_mma.supports(gu, dn, dgu, ddn):
             choice = choose_q2s_mma(pairs, experts, (gu.n, gu.k), (dn.n, dn.k))
         else:

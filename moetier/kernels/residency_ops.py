@@ -4,10 +4,11 @@ step that calls them still captures into a CUDA graph):
 - `moetier::count_pairs`: one MoE layer's (token, expert) pairs counted per expert (what the
   rebalance promotes by), the GPU hits among them and the hits on staging slots, in one launch
   (the torch version was about ten launches, 160 µs of a 2 ms token on the H200).
-- `moetier::stage_guesses` / `moetier::stage_join`: a later MoE layer's guessed experts copied
-  from their pinned host rows into reserved GPU staging slots on a side stream (the copies
-  overlap the layers in between), the expert -> entry table pointed at them, and the join the
-  compute stream waits on before that layer.
+- `moetier::stage_scores` / `moetier::stage_guesses` / `moetier::stage_join`: a later MoE
+  layer's scores of its experts, its best guesses copied from their pinned host rows into
+  reserved GPU staging slots on a side stream (the copies overlap the layers in between), the
+  expert -> entry table pointed at them, and the join the compute stream waits on before that
+  layer.
 
 Each kernel has a plain-torch twin (`*_ref`): the CPU path and the tests' reference.
 """
@@ -213,28 +214,69 @@ def stage_guesses_triton(
     staged: torch.Tensor,
     staged_blobs: torch.Tensor,
     blob_bytes: int,
-    parts: int = 32,
-    block: int = 1024,
+    parts: int = 2,
+    block: int = 4096,
+    num_warps: int = 8,
 ) -> None:
     """`_stage_kernel` on the current stream: `parts` programs per staging slot, each copying
-    a `block`-word-aligned share of the blob (8-byte words: blobs and rows are 256-aligned)."""
+    a `block`-word-aligned share of the blob (8-byte words: blobs and rows are 256-aligned).
+    Few programs: on the H200, 2 per slot copy 2 x 1.39 MB alone at 45 GB/s as 32 per slot
+    do, and one 16 KB load per program (170 programs) at 46 GB/s, but in the decode step
+    those programs held the SMs the overlapped layer's GEMVs needed (qkv: 8 -> 30 µs)."""
     m = staging.numel()
+    words = (blob_bytes + 7) // 8
     _stage_kernel[(m * parts,)](
         logits, table, host_entry, offsets, pool, stage_first, staging, staged, staged_blobs,
-        logits.shape[0], (blob_bytes + 7) // 8, M=m,
-        BLOCK_E=triton.next_power_of_2(logits.shape[0]), PARTS=parts, BLOCK=block, num_warps=4,
+        logits.shape[0], words, M=m,
+        BLOCK_E=triton.next_power_of_2(logits.shape[0]), PARTS=parts, BLOCK=block,
+        num_warps=num_warps,
     )  # fmt: skip
 
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 _EVENTS: dict[int, torch.cuda.Event] = {}
-_INPUTS: dict[tuple[int, int, torch.dtype, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_INPUTS: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
+
+
+def _side_stream(t: torch.Tensor) -> torch.cuda.Stream:
+    """The staging side stream of t's device (created once)."""
+    device = t.device.index or 0
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(t.device)
+    return _SIDE[device]
+
+
+@torch.library.custom_op("moetier::stage_scores", mutates_args=("scores",))
+def stage_scores(
+    hidden: torch.Tensor, router: torch.Tensor, scores: torch.Tensor, stage_id: int
+) -> None:
+    """scores [E] = router [E, H] · hidden [1, H]: a later MoE layer's scores of its experts
+    (`stage_guesses` takes its best), on CUDA computed on the side stream as soon as `hidden`
+    (this layer's experts input) exists, so the product overlaps this layer's experts kernel
+    instead of delaying the copies that follow it. `router` is the next layer's router with its
+    columns scaled (next norm / this norm weights, `ExpertsRuntime.enable_prefetch`)."""
+    if not hidden.is_cuda:
+        scores.copy_(torch.mv(router.float(), hidden[0].float()))
+        return
+    side = _side_stream(hidden)
+    key = (stage_id, hidden.device.index or 0, router.dtype, hidden.shape[1])
+    if key not in _INPUTS:  # the side stream's input: outlives the call (and a CUDA graph)
+        _INPUTS[key] = torch.empty(hidden.shape[1], dtype=router.dtype, device=hidden.device)
+    inp = _INPUTS[key]
+    inp.copy_(hidden[0])  # on the compute stream: hidden's memory may be reused after
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.mv(router, inp, out=scores)
+
+
+@stage_scores.register_fake
+def _(hidden: torch.Tensor, router: torch.Tensor, scores: torch.Tensor, stage_id: int) -> None:
+    return None
 
 
 @torch.library.custom_op("moetier::stage_guesses", mutates_args=("table", "staged", "staged_blobs"))
 def stage_guesses(
-    hidden: torch.Tensor,
-    router: torch.Tensor,
+    scores: torch.Tensor,
     table: torch.Tensor,
     host_entry: torch.Tensor,
     offsets: torch.Tensor,
@@ -245,48 +287,35 @@ def stage_guesses(
     staged_blobs: torch.Tensor,
     blob_bytes: int,
     stage_id: int,
+    after: torch.Tensor,
 ) -> None:
     """Stage a later MoE layer's guessed experts in GPU slots, off the compute stream.
 
-    hidden [1, H] (this layer's experts input), router [E, H]: the next layer's router with
-    its columns scaled (next norm / this norm weights, `ExpertsRuntime.enable_prefetch`), so
-    router · hidden scores its experts; the `staging.numel()` best among those whose entry in
-    `table` [E] is >= `stage_first` (host
-    rows and staging slots; entries below are cached GPU slots) are copied from their host rows
-    (`host_entry` [E], -1: none) into the staging slots (`staging` [m] entries) and `table`
-    points at them; `staged` [m] holds each slot's expert (-1: none), whose entry goes back to
-    its host row when the slot gets another guest. staged_blobs [] int64 += blobs copied.
+    scores [E]: that layer's scores of its experts (`stage_scores`); the `staging.numel()`
+    best among those whose entry in `table` [E] is >= `stage_first` (host rows and staging
+    slots; entries below are cached GPU slots) are copied from their host rows (`host_entry`
+    [E], -1: none) into the staging slots (`staging` [m] entries) and `table` points at them;
+    `staged` [m] holds each slot's expert (-1: none), whose entry goes back to its host row
+    when the slot gets another guest. staged_blobs [] int64 += blobs copied.
 
-    On CUDA the work runs on a side stream after what the current stream has queued (this
-    layer's experts kernel), so the copies overlap what follows (the next layer's attention);
-    `stage_join(table, stage_id)` makes the current stream wait for it before the next layer
-    reads `table`: the table's readers (that layer's counting and kernel) come after the join,
-    so none sees an entry pointing at a slot still being written. No host sync: capturable in a
-    CUDA graph (fork and join inside it).
+    On CUDA the work runs on the side stream (after `stage_scores` there) once what the
+    current stream has queued (this layer's experts kernel) is done, so the copies overlap what
+    follows (the next layer's attention); `stage_join(table, stage_id)` makes the current
+    stream wait for it before the next layer reads `table`: the table's readers (that layer's
+    counting and kernel) come after the join, so none sees an entry pointing at a slot still
+    being written. No host sync: capturable in a CUDA graph (fork and join inside it).
     `pool`'s staging slots are written but not declared mutated: nothing in a compiled graph
-    reads them except through `table` (declaring the multi-GB pool would invite a copy)."""
-    if not hidden.is_cuda or triton is None:
-        stage_guesses_ref(
-            torch.mv(router.float(), hidden[0].float()), table, host_entry, offsets, pool,
-            stage_first, staging, staged, staged_blobs, blob_bytes,
-        )  # fmt: skip
+    reads them except through `table` (declaring the multi-GB pool would invite a copy).
+    `after` (this layer's experts output) is not read: as an input it orders the op after the
+    kernel that writes it under torch.compile."""
+    if not scores.is_cuda or triton is None:
+        stage_guesses_ref(scores, table, host_entry, offsets, pool, stage_first, staging, staged,
+                          staged_blobs, blob_bytes)  # fmt: skip
         return
-    device = hidden.device.index or 0
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(hidden.device)
-    side = _SIDE[device]
-    key = (stage_id, device, router.dtype, hidden.shape[1], router.shape[0])
-    if key not in _INPUTS:  # the side stream's inputs: outlive the call (and a CUDA graph)
-        _INPUTS[key] = (
-            torch.empty(hidden.shape[1], dtype=router.dtype, device=hidden.device),
-            torch.empty(router.shape[0], dtype=router.dtype, device=hidden.device),
-        )
-    inp, logits = _INPUTS[key]
-    inp.copy_(hidden[0])  # on the compute stream: hidden's memory may be reused after
+    side = _side_stream(scores)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.mv(router, inp, out=logits)
-        stage_guesses_triton(logits, table, host_entry, offsets, pool, stage_first, staging,
+        stage_guesses_triton(scores, table, host_entry, offsets, pool, stage_first, staging,
                              staged, staged_blobs, blob_bytes)  # fmt: skip
         if stage_id not in _EVENTS:
             _EVENTS[stage_id] = torch.cuda.Event()
@@ -295,8 +324,7 @@ def stage_guesses(
 
 @stage_guesses.register_fake
 def _(
-    hidden: torch.Tensor,
-    router: torch.Tensor,
+    scores: torch.Tensor,
     table: torch.Tensor,
     host_entry: torch.Tensor,
     offsets: torch.Tensor,
@@ -307,6 +335,7 @@ def _(
     staged_blobs: torch.Tensor,
     blob_bytes: int,
     stage_id: int,
+    after: torch.Tensor,
 ) -> None:
     return None
 

@@ -17,7 +17,7 @@ import torch
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
 from moetier.kernels.moe_ops import format_id, moe_experts, triton_supports
-from moetier.kernels.residency_ops import stage_guesses, stage_join
+from moetier.kernels.residency_ops import stage_guesses, stage_join, stage_scores
 from moetier.residency.host_tier import HostTier
 from moetier.residency.predict import predict_experts
 from moetier.residency.slot_pool import BlobKey, SlotPool
@@ -77,6 +77,7 @@ class ExpertsRuntime:
         # layer -> the next MoE layer's router with its columns scaled (zero-copy staging), and
         # the layers some earlier layer guesses for
         self._scaled_routers: dict[int, torch.Tensor] = {}
+        self._guess_scores: dict[int, torch.Tensor] = {}  # staging: the next layer's scores
         self._guessed_layers: set[int] = set()
         # layer-streamed prefill from this many tokens per call (0: off)
         self.stream_tokens = STREAM_TOKENS
@@ -220,26 +221,31 @@ class ExpertsRuntime:
             # every blob addressable: GPU slot or pinned host row; no host sync on CUDA
             index = zc.layer_index[layer]
             # staging: one-token steps copy the next layer's guesses into staging slots
-            staging = zc.stage > 0 and topk_ids.shape[0] == 1 and bool(self.predictors)
+            # (len, not bool: dynamo of torch 2.11 cannot trace bool(dict), and a graph break
+            # here sent the whole decoder loop back to eager)
+            staging = zc.stage > 0 and topk_ids.shape[0] == 1 and len(self.predictors) > 0
             if staging and layer in self._guessed_layers:
-                _join_eager(zc.table[index], index)  # this layer's staged copies have landed
+                stage_join(zc.table[index], index)  # this layer's staged copies have landed
             if self.count_accesses:
                 zc.record(index, topk_ids)
+            guess = staging and layer in self.predictors
+            if guess:  # the next layer's scores, on the side stream beside this layer's kernel
+                nxt = zc.layer_index[self.predictors[layer][0]]
+                stage_scores(hidden, self._scaled_routers[layer], self._guess_scores[layer], nxt)
             delta_table = zc.delta_table[index] if zc.delta_table is not None else None
             if self.residency.device.type == "cuda":
                 self._run(layer, hidden, topk_ids, topk_weights, zc.table[index], delta_table,
-                          mask, out, zc.offsets)  # fmt: skip
+                          mask, out, zc.offsets, zero_copy=True)  # fmt: skip
             else:
                 pool, table, delta = zc.gather(index, topk_ids)
                 self._run(layer, hidden, topk_ids, topk_weights, table, delta, mask, out,
                           pool=pool)  # fmt: skip
-            if staging and layer in self.predictors:
+            if guess:  # after this layer's kernel (`out`, an input here, orders the two)
                 next_layer = self.predictors[layer][0]
-                nxt = zc.layer_index[next_layer]
-                _stage_eager(hidden, self._scaled_routers[layer], zc.table[nxt],
-                             zc.host_entry[nxt], zc.offsets, self.residency.pool,
-                             zc.stage_first, zc.staging[nxt], zc.staged[nxt], zc.staged_blobs,
-                             zc.blob_bytes[next_layer], nxt)  # fmt: skip
+                stage_guesses(self._guess_scores[layer], zc.table[nxt], zc.host_entry[nxt],
+                              zc.offsets, self.residency.pool, zc.stage_first, zc.staging[nxt],
+                              zc.staged[nxt], zc.staged_blobs, zc.blob_bytes[next_layer], nxt,
+                              out)  # fmt: skip
             return out.sum(dim=1).to(hidden.dtype)  # [T, H]
         self.pairs += topk_ids.numel()
         if mask is not None:
@@ -317,6 +323,9 @@ class ExpertsRuntime:
             self.predictors[layer] = (following, routers[following].detach(), scale.detach())
             router = routers[following].detach()
             self._scaled_routers[layer] = (router.float() * scale).to(router.dtype)
+            self._guess_scores[layer] = torch.empty(
+                router.shape[0], dtype=router.dtype, device=router.device
+            )
         self._guessed_layers = {following for following, _, _ in self.predictors.values()}
         self.prefetch_m = m or top_k
 
@@ -367,9 +376,11 @@ class ExpertsRuntime:
         out: torch.Tensor,
         offsets: torch.Tensor | None = None,
         pool: torch.Tensor | None = None,
+        zero_copy: bool = False,
     ) -> None:
         """One kernel call; slots are `offsets` entries from `pool`'s first byte (default: the
-        slot pool's own table and memory; a `pool` alone is addressed row by row)."""
+        slot pool's own table and memory; a `pool` alone is addressed row by row); zero_copy:
+        some entries are pinned host rows."""
         if pool is not None and offsets is None:
             offsets = torch.arange(pool.shape[0], dtype=torch.int64, device=pool.device)
             offsets *= pool.stride(0)
@@ -388,20 +399,8 @@ class ExpertsRuntime:
             self.activation.kind,
             self.activation.alpha,
             self.activation.limit,
+            zero_copy,
         )
-
-
-@torch.compiler.disable
-def _stage_eager(*args: Any) -> None:
-    """`stage_guesses` outside torch.compile's graph (a graph break; no cost in a replayed CUDA
-    graph): run as is, its mutations are in place instead of functionalized copies."""
-    stage_guesses(*args)
-
-
-@torch.compiler.disable
-def _join_eager(table: torch.Tensor, stage_id: int) -> None:
-    """`stage_join` outside torch.compile's graph, like `_stage_eager`."""
-    stage_join(table, stage_id)
 
 
 def router_weights(

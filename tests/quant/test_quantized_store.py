@@ -156,7 +156,9 @@ def test_q2s_store_on_cuda_matches_cpu(tiny, tmp_path, monkeypatch):
         # with float activations the kernels decode exactly what the CPU path does
         choose = moe_triton.choose_q2s_gemv
         monkeypatch.setattr(
-            moe_triton, "choose_q2s_gemv", lambda n, k: replace(choose(n, k), int8_act=False)
+            moe_triton,
+            "choose_q2s_gemv",
+            lambda n, k, zc=False: replace(choose(n, k, zc), int8_act=False),
         )
         b = gpu.model(ids.cuda()).logits.cpu()
     assert (a - b).abs().max() < 1e-4

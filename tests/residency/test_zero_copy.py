@@ -257,3 +257,26 @@ def test_staged_guesses_keep_decode_bit_identical(tiny, device, model_type):
     gpu = runtime.telemetry()["gpu"]
     assert gpu.prefetch_issued == int(zc.staged_blobs) and gpu.prefetch_used == int(zc.staged_pairs)
     assert 0 < gpu.prefetch_used <= gpu.prefetch_needed and 0 < gpu.prefetch_precision <= 1
+
+
+@pytest.mark.gpu
+def test_staged_zero_copy_step_compiles_into_one_graph(tiny):
+    """The zero-copy one-token step with staging traces into one torch.compile graph (the
+    staging ops inside it): a graph break in the experts runtime (once, `bool` of a dict, which
+    torch 2.11's dynamo cannot trace) made dynamo run the decoder's layer loop eagerly."""
+    from moetier.models.experts import router_weights
+
+    store = tiny.store("qwen3_moe")
+    config = EngineConfig(device="cuda", dtype="float32", native=True, expert_cache_slots=6,
+                          host_memory="64MiB")  # fmt: skip
+    loaded = load_model(store, config)
+    runtime = loaded.runtime
+    runtime.enable_zero_copy(hot=[], stage=2)
+    runtime.enable_prefetch(*router_weights(loaded.model, sorted(runtime.formats)))
+    cache = loaded.model.new_cache(1, 16, torch.float32, "cuda")
+    ids, positions = torch.tensor([[5]], device="cuda"), torch.tensor([[0]], device="cuda")
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(loaded.model)(ids, positions, cache)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
