@@ -317,6 +317,22 @@ def test_both_launches_share_one_grouping(monkeypatch):
     assert dn.split_k == 1
 
 
+def test_zero_copy_configs_apply_to_zero_copy_calls_only(monkeypatch):
+    """`q2s-gemv-zc:` entries (tuned for calls reading pinned host rows) serve zero-copy calls;
+    other calls, and zero-copy calls of a shape without such an entry, take `q2s-gemv:`."""
+    table = {
+        "q2s-gemv:1536x2048": {"block_n": 64, "block_k": 512},
+        "q2s-gemv-zc:1536x2048": {"block_n": 32, "block_k": 2048},
+        "q2s-gemv:2048x768": {"block_n": 64, "block_k": 256},
+    }
+    monkeypatch.setattr(moe_dispatch, "tuned_configs", lambda name: table)
+    assert moe_dispatch.choose_q2s_gemv(1536, 2048).block_k == 512
+    zc = moe_dispatch.choose_q2s_gemv(1536, 2048, zero_copy=True)
+    assert (zc.block_n, zc.block_k) == (32, 2048) and zc.int8_act and zc.pdl
+    assert moe_dispatch.choose_q2s_gemv(2048, 768, zero_copy=True).block_k == 256
+    assert moe_dispatch.choose_q2s_gemv(512, 256, zero_copy=True) == moe_dispatch.Q2S_GEMV
+
+
 # ---- the full sweep on the device --------------------------------------------------------
 
 SWEEP_TOKENS = [1, 2, 7, 64, 65, 4096]
