@@ -426,7 +426,7 @@ def counters(runtime: Any) -> dict[str, float]:
 def time_tiered(
     path: Path, device: str, gpu_fraction: float, disk_keys: set[Any], strategy: str,
     steps: int, rebalance_every: int, compiled: bool, routing: Routing, profile: bool = False,
-    stage: int = 0,
+    stage: int = 0, guess_from: str = "input",
 ) -> dict[str, Any]:  # fmt: skip
     """Decode `steps` tokens at batch 1 under one tier configuration; ms per token, the
     eager ms per token (host-decided paths and graph warm-up), counter deltas per token and
@@ -459,7 +459,8 @@ def time_tiered(
         if strategy == "zero_copy":
             runtime.enable_zero_copy(stage=stage)
             if stage:  # each step copies the next layer's guesses into staging slots
-                runtime.enable_prefetch(*router_weights(loaded.model, sorted(runtime.formats)))
+                gates, norms = router_weights(loaded.model, sorted(runtime.formats))
+                runtime.enable_prefetch(gates, norms, guess_from=guess_from)
         elif strategy == "prefetch":
             runtime.enable_prefetch(*router_weights(loaded.model, sorted(runtime.formats)))
     graphed = device == "cuda" and strategy in ("resident", "zero_copy")
@@ -733,7 +734,7 @@ def run_decode_cases(
                     compiled = args.compile != "off"
                     t = time_tiered(path, device, gpu_fraction, disk_keys, strategy, args.steps,
                                     args.rebalance_every, compiled, routing,
-                                    args.profile, stage)  # fmt: skip
+                                    args.profile, stage, args.guess_from)  # fmt: skip
                 except Exception as e:
                     failed(info, "decode-tiered", e, routing=routing.name, strategy=strategy,
                            gpu_fraction=gpu_fraction, disk_fraction=disk_fraction)  # fmt: skip
@@ -764,6 +765,7 @@ def run_decode_cases(
                                     "cost model" if args.strategy == "auto" else "flag",
                        "rebalance_every": args.rebalance_every,
                        "staging_slots_per_layer": stage,
+                       "guess_from": args.guess_from if stage else None,
                        # None: the strategy cannot serve this configuration (zero_copy + disk)
                        "predicted_ms": {k: round(v * 1e3, 4) if math.isfinite(v) else None
                                         for k, v in costs.items()},
@@ -818,6 +820,13 @@ def main() -> None:
         default="0",
         help="tiered zero_copy: comma list of staging slots per layer (0: none), one case each: "
         "each step copies the next MoE layer's best guesses into them, off the compute stream",
+    )
+    parser.add_argument(
+        "--guess-from",
+        default="input",
+        choices=("input", "output"),
+        help="tiered zero_copy staging: guess from each layer's MoE input (scores beside its "
+        "kernel) or from its output (the residual after it; scores after the kernel)",
     )
     parser.add_argument(
         "--rebalance-every", type=int, default=0, help="tiered zero_copy: promote every N steps"

@@ -86,6 +86,7 @@ def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedMo
     for module in model.modules():
         if isinstance(module, family.moe_block_class):
             setattr(module, "experts", runtime.forward)  # noqa: B010
+            setattr(module, "after_residual", runtime.after_layer)  # noqa: B010
     return loaded_model(model, store, runtime, engine_config, device, dtype)
 
 

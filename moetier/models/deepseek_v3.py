@@ -13,6 +13,8 @@ dense MLP; the rest a sigmoid, group-limited router (layers.SigmoidGroupTopKRout
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -53,6 +55,8 @@ class DeepseekV3MoE(nn.Module):
             config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
         )
         self.experts: Experts | None = None  # set by the loader
+        # the experts runtime's look at the layer output (`PreNormLayer`; set by the loader)
+        self.after_residual: Callable[[int, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts is None:

@@ -215,7 +215,9 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 class PreNormLayer(nn.Module):
     """A decoder layer of the native families (HF names): x + self_attn(input_layernorm(x)),
-    then + mlp(post_attention_layernorm(x)); the family passes its attention and MLP modules."""
+    then + mlp(post_attention_layernorm(x)); the family passes its attention and MLP modules.
+    An MLP with `after_residual` set (MoE blocks: the loader sets `ExpertsRuntime.after_layer`)
+    sees the layer's output (zero-copy staging's guesses)."""
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -234,7 +236,11 @@ class PreNormLayer(nn.Module):
         cache: torch.Tensor,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        after = getattr(self.mlp, "after_residual", None)  # MoE blocks: the experts runtime's
+        if after is not None:
+            after(self.mlp.layer, x)
+        return x
 
 
 class NativeCausalLM(nn.Module):

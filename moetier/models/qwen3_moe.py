@@ -8,6 +8,8 @@ residency step; see ExpertsRuntime.forward_resident for the capturable experts c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -37,6 +39,8 @@ class SparseMoeBlock(nn.Module):
             config.hidden_size, config.num_experts, config.top_k, config.norm_topk_prob
         )
         self.experts: Experts | None = None  # set by the loader
+        # the experts runtime's look at the layer output (`PreNormLayer`; set by the loader)
+        self.after_residual: Callable[[int, torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.experts is None:

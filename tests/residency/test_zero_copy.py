@@ -203,14 +203,16 @@ def test_long_prompt_streams_instead_of_reading_host_rows(tiny, device):
     assert gpu.hits + gpu.misses == stats.hits + stats.misses + 4 * top_k * layers
 
 
+@pytest.mark.parametrize("guess_from", ["input", "output"])
 @pytest.mark.parametrize(
     ("device", "model_type"),
     [("cpu", "qwen3_moe"), ("cpu", "deepseek_v3"),
      pytest.param("cuda", "qwen3_moe", marks=pytest.mark.gpu)],
 )  # fmt: skip
-def test_staged_guesses_keep_decode_bit_identical(tiny, device, model_type):
+def test_staged_guesses_keep_decode_bit_identical(tiny, device, model_type, guess_from):
     """Zero-copy with staging slots: each one-token step copies the next layer's best guesses
-    (its router on this layer's input) from host rows into staging slots and points the table
+    (its router on this layer's input, or on the residual after the layer: `guess_from`) from
+    host rows into staging slots and points the table
     at them (on CUDA on a side stream, joined before the next layer; captured in the CUDA
     graph): logits stay those of a fully pinned model, bit for bit, and the guesses were
     really staged and read."""
@@ -245,7 +247,8 @@ def test_staged_guesses_keep_decode_bit_identical(tiny, device, model_type):
     runtime = staged.runtime
     zc = runtime.enable_zero_copy(hot=[], stage=2)  # 2 MoE layers x 2 staging slots
     assert runtime.residency.capacity == 2 and zc.stage_first == 2
-    runtime.enable_prefetch(*router_weights(staged.model, sorted(runtime.formats)))
+    routers, norms = router_weights(staged.model, sorted(runtime.formats))
+    runtime.enable_prefetch(routers, norms, guess_from=guess_from)
     got = decode(staged, [5, 17, 33], 8)
     assert torch.equal(got, want)
     # every step staged 2 guesses for the second MoE layer, and some of them were used: with
@@ -260,7 +263,8 @@ def test_staged_guesses_keep_decode_bit_identical(tiny, device, model_type):
 
 
 @pytest.mark.gpu
-def test_staged_zero_copy_step_compiles_into_one_graph(tiny):
+@pytest.mark.parametrize("guess_from", ["input", "output"])
+def test_staged_zero_copy_step_compiles_into_one_graph(tiny, guess_from):
     """The zero-copy one-token step with staging traces into one torch.compile graph (the
     staging ops inside it): a graph break in the experts runtime (once, `bool` of a dict, which
     torch 2.11's dynamo cannot trace) made dynamo run the decoder's layer loop eagerly."""
@@ -272,7 +276,8 @@ def test_staged_zero_copy_step_compiles_into_one_graph(tiny):
     loaded = load_model(store, config)
     runtime = loaded.runtime
     runtime.enable_zero_copy(hot=[], stage=2)
-    runtime.enable_prefetch(*router_weights(loaded.model, sorted(runtime.formats)))
+    routers, norms = router_weights(loaded.model, sorted(runtime.formats))
+    runtime.enable_prefetch(routers, norms, guess_from=guess_from)
     cache = loaded.model.new_cache(1, 16, torch.float32, "cuda")
     ids, positions = torch.tensor([[5]], device="cuda"), torch.tensor([[0]], device="cuda")
     torch._dynamo.reset()
@@ -280,3 +285,13 @@ def test_staged_zero_copy_step_compiles_into_one_graph(tiny):
         explained = torch._dynamo.explain(loaded.model)(ids, positions, cache)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+def test_guess_source_is_checked(tiny):
+    from moetier.models.experts import router_weights
+
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True))
+    with pytest.raises(ValueError, match="guess_from"):
+        loaded.runtime.enable_prefetch(
+            *router_weights(loaded.model, sorted(loaded.runtime.formats)), guess_from="residual"
+        )
