@@ -11,7 +11,8 @@
 #                  forced so that 25% can run first), hot set rebalanced every 64 tokens as the
 #                  Generator does; 256 timed tokens per case; zero-copy with 2 staging slots per
 #                  layer (the serving default) and without, model routing (trace routing: the
-#                  trace replaces the routers the guesses come from, so without only)
+#                  trace replaces the routers the guesses come from, so without only); then 25%
+#                  staging with guesses from each layer's output (--guess-from output)
 #   2. prefill     one 2,048-token prefill streamed from pinned host RAM at a 25% budget, against
 #                  its PCIe-bound floor, beside the same prefill with every expert resident
 #   3. disk        bench/disk.py: DiskReader expert reads against raw O_DIRECT, same run
@@ -92,6 +93,9 @@ fi
 decode=("$PY" bench/decode.py --tiered "${shape[@]}" --tmp "$TMP")
 step decode 300 "${decode[@]}" --gpu-fraction 0.25,1.0,0.5 --strategy zero_copy \
     --zero-copy-stage 2,0 --rebalance-every 64 --steps "$steps" --routing "$routing"
+# staging's other guess source (the residual after each layer; docs/residency.md), model routing
+step decode-guess-output 120 "${decode[@]}" --gpu-fraction 0.25 --strategy zero_copy \
+    --zero-copy-stage 2 --guess-from output --rebalance-every 64 --steps "$steps" --routing model
 step prefill 100 "${decode[@]}" --gpu-fraction 0.25 --prefill-tokens "$prefill" --skip-decode
 step disk 90 "$PY" bench/disk.py "${disk[@]}"
 step accelerate 110 "${decode[@]}" --gpu-fraction 0.25 --accelerate-tokens 4 --skip-decode
@@ -127,7 +131,8 @@ def out(point, **figures):
 
 for r in decode:
     stage = r.get("staging_slots_per_layer") or 0
-    out(f"decode {r['routing']} {r['gpu_fraction']:.0%}" + (f" staging {stage}" if stage else ""),
+    guess = f" from {r['guess_from']}" if stage and r.get("guess_from") else ""
+    out(f"decode {r['routing']} {r['gpu_fraction']:.0%}" + (f" staging {stage}{guess}" if stage else ""),
         strategy=r["strategy"],
         tok_s=r["tok_s"], target_tok_s=580 if r["gpu_fraction"] == 0.25 else None,
         ratio_to_floor=r["ratio_to_floor"], target_ratio=1.25 if r["gpu_fraction"] == 0.25 else None,
