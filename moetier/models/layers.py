@@ -237,8 +237,8 @@ class PreNormLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
         x = x + self.mlp(self.post_attention_layernorm(x))
-        after = getattr(self.mlp, "after_residual", None)  # MoE blocks: the experts runtime's
-        if after is not None:
+        after = getattr(self.mlp, "after_residual", None)  # MoE blocks: ExpertsRuntime's
+        if after is not None:  # look at the layer output (staging's guesses)
             after(self.mlp.layer, x)
         return x
 
