@@ -42,9 +42,10 @@ def op_args(device: str, tokens: int = 3, seed: int = 0):
     ), (fmt, delta)
 
 
-def test_opcheck_cpu():
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_opcheck_cpu(zero_copy):
     args, _ = op_args("cpu")
-    torch.library.opcheck(moe_experts, (), args)
+    torch.library.opcheck(moe_experts, (), {**args, "zero_copy": zero_copy})
 
 
 def test_op_matches_ref_cpu():

@@ -99,3 +99,31 @@ def test_stage_guesses_kernel_matches_ref():
     assert torch.equal(want[0][3 * 512 : 3 * 512 + 256], pool0[10 * 512 : 10 * 512 + 256])
     assert torch.equal(want[0][4 * 512 : 4 * 512 + 256], pool0[8 * 512 : 8 * 512 + 256])
     assert int(want_n) == 4
+
+
+def test_opcheck_residency_ops():
+    """The zero-copy step's custom ops pass torch.library.opcheck (schema, fake tensors,
+    dispatch) on CPU. stage_guesses writes the staging slots of `pool` without declaring it
+    (a compiled graph reads them only through `table`; declaring the multi-GB pool would invite
+    a copy), so its schema test is skipped: the others still run it."""
+    from moetier.kernels.residency_ops import stage_guesses, stage_join, stage_scores
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(3)])
+    table, offsets = _entries(16, 4, 1 << 20, gen)
+    torch.library.opcheck(
+        count_pairs,
+        (ids, torch.zeros(16, dtype=torch.int64), table, offsets, 1 << 20,
+         torch.zeros((), dtype=torch.int64), 0, torch.zeros((), dtype=torch.int64)),
+    )  # fmt: skip
+    hidden, router = torch.randn(1, 32, generator=gen), torch.randn(8, 32, generator=gen)
+    torch.library.opcheck(stage_scores, (hidden, router, torch.empty(8), 0))
+    pool, offsets, host_entry, table, staging, staged = _staging_case(1)
+    scores = torch.randn(8, generator=gen)
+    torch.library.opcheck(
+        stage_guesses,
+        (scores, table, host_entry, offsets, pool, 3, staging, staged,
+         torch.zeros((), dtype=torch.int64), 250, 0, torch.zeros(1)),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )  # fmt: skip
+    torch.library.opcheck(stage_join, (table, 0))
