@@ -233,8 +233,7 @@ class ExpertsRuntime:
                 zc.record(index, topk_ids)
             guess = staging and layer in self.predictors and self.guess_from == "input"
             if guess:  # the next layer's scores, on the side stream beside this layer's kernel
-                nxt = zc.layer_index[self.predictors[layer][0]]
-                stage_scores(hidden, self._scaled_routers[layer], self._guess_scores[layer], nxt)
+                self._score_next(layer, hidden)
             delta_table = zc.delta_table[index] if zc.delta_table is not None else None
             if self.residency.device.type == "cuda":
                 self._run(layer, hidden, topk_ids, topk_weights, zc.table[index], delta_table,
@@ -244,11 +243,7 @@ class ExpertsRuntime:
                 self._run(layer, hidden, topk_ids, topk_weights, table, delta, mask, out,
                           pool=pool)  # fmt: skip
             if guess:  # after this layer's kernel (`out`, an input here, orders the two)
-                next_layer = self.predictors[layer][0]
-                stage_guesses(self._guess_scores[layer], zc.table[nxt], zc.host_entry[nxt],
-                              zc.offsets, self.residency.pool, zc.stage_first, zc.staging[nxt],
-                              zc.staged[nxt], zc.staged_blobs, zc.blob_bytes[next_layer], nxt,
-                              out)  # fmt: skip
+                self._stage_next(layer, out)
             return out.sum(dim=1).to(hidden.dtype)  # [T, H]
         self.pairs += topk_ids.numel()
         if mask is not None:
@@ -319,13 +314,25 @@ class ExpertsRuntime:
             or residual.numel() != residual.shape[-1]  # one token
         ):
             return
+        self._score_next(layer, residual.reshape(1, -1))
+        self._stage_next(layer, residual)
+
+    def _score_next(self, layer: int, x: torch.Tensor) -> None:
+        """Staging: the next MoE layer's scores of its experts on x [1, H] (side stream)."""
+        assert self.zero_copy is not None
+        nxt = self.zero_copy.layer_index[self.predictors[layer][0]]
+        stage_scores(x, self._scaled_routers[layer], self._guess_scores[layer], nxt)
+
+    def _stage_next(self, layer: int, after: torch.Tensor) -> None:
+        """Staging: the next MoE layer's best guesses by `_score_next`'s scores copied into its
+        staging slots (side stream), ordered after `after`'s producer."""
+        zc = self.zero_copy
+        assert zc is not None
         next_layer = self.predictors[layer][0]
         nxt = zc.layer_index[next_layer]
-        scores = self._guess_scores[layer]
-        stage_scores(residual.reshape(1, -1), self._scaled_routers[layer], scores, nxt)
-        stage_guesses(scores, zc.table[nxt], zc.host_entry[nxt], zc.offsets, self.residency.pool,
-                      zc.stage_first, zc.staging[nxt], zc.staged[nxt], zc.staged_blobs,
-                      zc.blob_bytes[next_layer], nxt, residual)  # fmt: skip
+        stage_guesses(self._guess_scores[layer], zc.table[nxt], zc.host_entry[nxt], zc.offsets,
+                      self.residency.pool, zc.stage_first, zc.staging[nxt], zc.staged[nxt],
+                      zc.staged_blobs, zc.blob_bytes[next_layer], nxt, after)  # fmt: skip
 
     def enable_prefetch(
         self,
