@@ -297,7 +297,7 @@ class EngineConfig:
         default=0, metadata={"help": "cap the expert cache at this many experts (0 = no cap)"}
     )
     zero_copy_stage: int = field(
-        default=2,
+        default=3,
         metadata={
             "help": "with --native on CUDA, when experts are read from pinned host RAM "
             "(zero-copy decode): GPU slots per MoE layer that take the next layer's best-guessed "

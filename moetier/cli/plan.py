@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--zero-copy-stage",
         type=int,
-        default=2,
+        default=3,
         help="staging slots per MoE layer in zero-copy decode (as generate/serve; 0 = off)",
     )
 

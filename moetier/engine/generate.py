@@ -94,7 +94,11 @@ class Generator:
                 print(f"moetier: decoding without CUDA graphs ({zc_exc})", file=sys.stderr)
                 return False
             if guesses is not None:
-                runtime.enable_prefetch(*guesses)
+                # guesses from each layer's output where the layers hand it over (native
+                # models): on the H200 decode bench 621-626 tok/s against 595 from the input
+                runtime.enable_prefetch(
+                    *guesses, guess_from="output" if runtime.layer_outputs else "input"
+                )
             note = "the most used stay in GPU slots, the others are read from pinned host RAM"
             print(f"moetier: the experts do not all fit the GPU cache: {note}", file=sys.stderr)
             return True

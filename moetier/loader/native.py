@@ -87,6 +87,7 @@ def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedMo
         if isinstance(module, family.moe_block_class):
             setattr(module, "experts", runtime.forward)  # noqa: B010
             setattr(module, "after_residual", runtime.after_layer)  # noqa: B010
+            runtime.layer_outputs = True
     return loaded_model(model, store, runtime, engine_config, device, dtype)
 
 

@@ -81,6 +81,8 @@ class ExpertsRuntime:
         # what staging guesses from: "input" (the MoE input, scores beside the kernel) or
         # "output" (the residual after the layer, `after_layer`; native models)
         self.guess_from = "input"
+        # set by the native loader, whose MoE blocks call `after_layer` (so "output" can work)
+        self.layer_outputs = False
         self._guessed_layers: set[int] = set()
         # layer-streamed prefill from this many tokens per call (0: off)
         self.stream_tokens = STREAM_TOKENS
@@ -301,9 +303,10 @@ class ExpertsRuntime:
     def after_layer(self, layer: int, residual: torch.Tensor) -> None:
         """Native decoder layers call this with the residual after `layer`'s MLP, x'' [B, T, H].
         With staging guessing from layer outputs (`enable_prefetch(..., guess_from="output")`),
-        a one-token zero-copy step scores the next MoE layer's experts on it and stages the best
-        (`moetier::stage_scores`, `moetier::stage_guesses`, both on the side stream; the next
-        layer joins them as with "input")."""
+        a one-token zero-copy step scores the next MoE layer's experts on it
+        (`moetier::stage_scores`, on the compute stream) and stages the best
+        (`moetier::stage_guesses`, on the side stream; the next layer joins it as with
+        "input")."""
         zc = self.zero_copy
         if (
             self.guess_from != "output"
@@ -321,7 +324,8 @@ class ExpertsRuntime:
         """Staging: the next MoE layer's scores of its experts on x [1, H] (side stream)."""
         assert self.zero_copy is not None
         nxt = self.zero_copy.layer_index[self.predictors[layer][0]]
-        stage_scores(x, self._scaled_routers[layer], self._guess_scores[layer], nxt)
+        stage_scores(x, self._scaled_routers[layer], self._guess_scores[layer], nxt,
+                     self.guess_from == "input")  # fmt: skip
 
     def _stage_next(self, layer: int, after: torch.Tensor) -> None:
         """Staging: the next MoE layer's best guesses by `_score_next`'s scores copied into its
@@ -356,7 +360,8 @@ class ExpertsRuntime:
         attention is missing), which native models hand over after the layer (`after_layer`),
         so the scores wait for the kernel. On CPU, top-2 guesses off a 25% cache were right
         0.80 -> 0.89 of the time on eval-moe-70m and 0.74 -> 1.0 on the random-weight 8-layer
-        Qwen3-30B-A3B slice the H200 bench decodes (docs/residency.md); not yet timed."""
+        Qwen3-30B-A3B slice the H200 bench decodes, which "output" decodes at 621-626 tok/s
+        against 595 (docs/residency.md); the Generator takes it where `layer_outputs` is set."""
         if guess_from not in ("input", "output"):
             raise ValueError(f"guess_from is 'input' or 'output', got {guess_from!r}")
         self.guess_from = guess_from

@@ -158,8 +158,9 @@ def test_zero_copy_when_experts_do_not_fit(tiny, generator, monkeypatch):
 
 def test_zero_copy_staging_in_the_generator(tiny, generator, monkeypatch):
     """With room (a quarter of the cache holds a staging slot per MoE layer), the Generator's
-    zero-copy mode also stages the next layer's guesses each decode step (--zero-copy-stage):
-    same tokens as the eager path, guesses really copied; --zero-copy-stage 0 and a cache too
+    zero-copy mode also stages the next layer's guesses each decode step (--zero-copy-stage),
+    guessed from each layer's output: same tokens as the eager path, guesses really copied;
+    --zero-copy-stage 0 and a cache too
     small for it leave staging off."""
     monkeypatch.setattr(StaticDecoder, "capture", eager_capture)
     monkeypatch.setattr(generate_module, "GRAPH_MIN_BUCKET", 32)
@@ -176,6 +177,8 @@ def test_zero_copy_staging_in_the_generator(tiny, generator, monkeypatch):
         assert zero_copy is not None and zero_copy.stage == staged  # 12 // (4 * 2 layers) = 1
         assert native.generate(ids, params).token_ids == want
         assert (int(zero_copy.staged_blobs) > 0) == (staged > 0)
+        # native layers hand their output over (`after_layer`): the guesses come from it
+        assert native.loaded.runtime.guess_from == ("output" if staged else "input")
 
 
 @pytest.mark.gpu

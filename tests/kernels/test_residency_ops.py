@@ -117,7 +117,7 @@ def test_opcheck_residency_ops():
          torch.zeros((), dtype=torch.int64), 0, torch.zeros((), dtype=torch.int64)),
     )  # fmt: skip
     hidden, router = torch.randn(1, 32, generator=gen), torch.randn(8, 32, generator=gen)
-    torch.library.opcheck(stage_scores, (hidden, router, torch.empty(8), 0))
+    torch.library.opcheck(stage_scores, (hidden, router, torch.empty(8), 0, True))
     pool, offsets, host_entry, table, staging, staged = _staging_case(1)
     scores = torch.randn(8, generator=gen)
     torch.library.opcheck(
@@ -127,3 +127,18 @@ def test_opcheck_residency_ops():
         test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
     )  # fmt: skip
     torch.library.opcheck(stage_join, (table, 0))
+
+
+@pytest.mark.parametrize(("experts", "hidden"), [(128, 2048), (60, 300), (3, 17)])
+def test_scores_kernel_matches_mv(experts, hidden):
+    """`_scores_kernel` (stage_scores' CUDA path; the interpreter on CPU) against torch.mv in
+    float32: ragged expert and hidden counts included."""
+    from moetier.kernels.residency_ops import _scores
+
+    gen = torch.Generator().manual_seed(experts + hidden)
+    x = torch.randn(hidden, generator=gen).to(torch.bfloat16)
+    router = torch.randn(experts, hidden, generator=gen).to(torch.bfloat16)
+    got = torch.empty(experts, dtype=torch.float32, device=DEVICE)
+    _scores(x.to(DEVICE), router.to(DEVICE), got)
+    want = torch.mv(router.float(), x.float())
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-4)
