@@ -9,10 +9,11 @@
 #                  trace replayed (bench/trace_routing.py) and with the model's own (near-uniform)
 #                  routing; zero-copy below 100% (the cost model's pick in the last H200 run, now
 #                  forced so that 25% can run first), hot set rebalanced every 64 tokens as the
-#                  Generator does; 256 timed tokens per case; zero-copy with 2 staging slots per
-#                  layer (the serving default) and without, model routing (trace routing: the
-#                  trace replaces the routers the guesses come from, so without only); then 25%
-#                  staging with guesses from each layer's output (--guess-from output)
+#                  Generator does; 256 timed tokens per case; zero-copy with 3 staging slots per
+#                  layer guessed from each layer's output (the serving default) and without,
+#                  model routing (trace routing: the trace replaces the routers the guesses come
+#                  from, so without only); then 25% with 2 slots guessed from each layer's input
+#                  (--guess-from input)
 #   2. prefill     one 2,048-token prefill streamed from pinned host RAM at a 25% budget, against
 #                  its PCIe-bound floor, beside the same prefill with every expert resident
 #   3. disk        bench/disk.py: DiskReader expert reads against raw O_DIRECT, same run
@@ -92,10 +93,11 @@ fi
 
 decode=("$PY" bench/decode.py --tiered "${shape[@]}" --tmp "$TMP")
 step decode 300 "${decode[@]}" --gpu-fraction 0.25,1.0,0.5 --strategy zero_copy \
-    --zero-copy-stage 2,0 --rebalance-every 64 --steps "$steps" --routing "$routing"
-# staging's other guess source (the residual after each layer; docs/residency.md), model routing
-step decode-guess-output 120 "${decode[@]}" --gpu-fraction 0.25 --strategy zero_copy \
-    --zero-copy-stage 2 --guess-from output --rebalance-every 64 --steps "$steps" --routing model
+    --zero-copy-stage 3,0 --guess-from output --rebalance-every 64 --steps "$steps" \
+    --routing "$routing"
+# staging's other guess source (each layer's MoE input; docs/residency.md), model routing
+step decode-guess-input 120 "${decode[@]}" --gpu-fraction 0.25 --strategy zero_copy \
+    --zero-copy-stage 2 --guess-from input --rebalance-every 64 --steps "$steps" --routing model
 step prefill 100 "${decode[@]}" --gpu-fraction 0.25 --prefill-tokens "$prefill" --skip-decode
 step disk 90 "$PY" bench/disk.py "${disk[@]}"
 step accelerate 110 "${decode[@]}" --gpu-fraction 0.25 --accelerate-tokens 4 --skip-decode
