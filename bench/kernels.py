@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import torch
@@ -305,12 +306,20 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
     pf_dn = replace(best_dn, prefetch_l2=True)
     if time_config(case, tokens, best_gu, pf_dn) < time_config(case, tokens, best_gu, best_dn):
         best_dn = pf_dn
+    # then each launch with two K tiles of weights in flight (depth 2: twice the bytes in
+    # flight per program, for one more tile's registers)
+    d2_gu = replace(best_gu, depth=2)
+    if time_config(case, tokens, d2_gu, best_dn) < time_config(case, tokens, best_gu, best_dn):
+        best_gu = d2_gu
+    d2_dn = replace(best_dn, depth=2)
+    if time_config(case, tokens, best_gu, d2_dn) < time_config(case, tokens, best_gu, best_dn):
+        best_dn = d2_dn
     # and gate_up rounding x itself (one launch fewer; a q2s-only case, so it applies)
     qi_gu = replace(best_gu, quant_in=True)
     if time_config(case, tokens, qi_gu, best_dn) < time_config(case, tokens, best_gu, best_dn):
         best_gu = qi_gu
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
-              "quant_in")  # fmt: skip
+              "quant_in", "depth")  # fmt: skip
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv"
     return {
         f"{key}:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
@@ -350,6 +359,18 @@ def tune_q2s_mma(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[ty
     }
 
 
+def parse_variant(spec: str) -> tuple[str, dict[str, int | bool]]:
+    """`--variant depth=2,prefetch_l2=1` -> (the spec, {"depth": 2, "prefetch_l2": True})."""
+    types = {f.name: f.type for f in dataclass_fields(KernelChoice)}
+    out: dict[str, int | bool] = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in types or not value:
+            raise SystemExit(f"--variant {spec!r}: {name!r} is not a KernelChoice field=value")
+        out[name] = bool(int(value)) if types[name] in (bool, "bool") else int(value)
+    return spec, out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -368,7 +389,16 @@ def main() -> None:
         help="also time q2s with only this fraction of the experts in GPU slots, the rest read "
         "from pinned host rows (e.g. 0.25); with --tune, tune its q2s-gemv-zc configs too",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="also time the q2s GEMV (decode sizes) with these KernelChoice fields forced on "
+        "both launches' dispatcher configs, e.g. depth=2 or prefetch_l2=1,depth=2; repeatable "
+        "(a same-run A/B without retuning)",
+    )
     args = parser.parse_args()
+    variants = [parse_variant(v) for v in args.variant]
     info = run_info()
     copy_bw = copy_bandwidth()
     emit({**info, "case": "copy", "GB/s": round(copy_bw / 1e9, 1)})
@@ -438,6 +468,16 @@ def main() -> None:
                 elif name == "q2s+nvfp4" and base_bw:
                     rec["vs_predicted"] = round(ms / ((nbytes + dbytes) / base_bw), 3)
                 emit(rec)
+                if name != "q2s" or split != 0:
+                    continue
+                for label, fields in variants:  # the same case with forced fields
+                    c_gu = replace(gu_choice, **fields)
+                    c_dn = replace(moe_dispatch.choose_q2s_gemv(hidden, inter), **fields)
+                    ms_v = time_case(case, tokens, (c_gu, c_dn))[0]
+                    gbs_v = (nbytes + dbytes) / ms_v / 1e6
+                    emit({**rec, "format": f"q2s[{label}]", "ms": round(ms_v, 5),
+                          "GB/s": round(gbs_v, 1), "of_copy": round(gbs_v * 1e9 / copy_bw, 3),
+                          "vs_dispatcher": round(ms_v / ms, 3)})  # fmt: skip
             if baseline is not None:
                 r = cases["q2s"].routings(tokens, 1, seed=tokens)[0]
                 sets = [r] + cases["q2s"].routings(

@@ -43,6 +43,9 @@ class KernelChoice:
     # q2s GEMV int8, gate_up: x rounded to int8 words in the kernel (one launch fewer a call;
     # not with a delta plane, which reads the rounded x from memory). Not yet timed: off.
     quant_in: bool = False
+    # q2s GEMV: K tiles of weights loaded ahead of the one being decoded (1 or 2). Not yet
+    # timed: 1.
+    depth: int = 1
 
 
 GEMV = KernelChoice()

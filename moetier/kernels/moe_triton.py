@@ -571,7 +571,7 @@ def _q2s_gemv_kernel(
     xq, xs, xsum, xqn, INT8: tl.constexpr, ASM: tl.constexpr,
     oq, osc, osum, oqn, QUANT_OUT: tl.constexpr, EVEN: tl.constexpr,
     GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
-    QUANT_IN: tl.constexpr,
+    QUANT_IN: tl.constexpr, DEPTH: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -606,6 +606,9 @@ def _q2s_gemv_kernel(
         gain at DeepSeek-V4-Flash's 8-16 tokens, a loss at DeepSeek-V3's, so it is tuned per
         shape). Host rows are never prefetched: L2 prefetch of pinned host memory measured no
         gain.
+    DEPTH (1 or 2; `KernelChoice.depth`): the words of K tile i + DEPTH are loaded before tile
+        i is decoded, so DEPTH tiles of each program's weights are in flight while it computes
+        (2: twice the bytes in flight per program, for the registers of one more tile).
     QUANT_IN (gate_up, int8, no delta plane; `KernelChoice.quant_in`): each program rounds its
         K tiles of x to int8 words itself (`_quant_tile`, the same rounding as
         `_quant_words_kernel`) instead of reading them: one launch fewer per call.
@@ -692,6 +695,18 @@ def _q2s_gemv_kernel(
         w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
         w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
         w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
+        # DEPTH 2: tile 1 too (v: the tile after w); EVEN: K >= BLOCK_K, and a one-tile K
+        # reloads tile 0 (from L1) rather than masking
+        v0, v1, v2, v3 = w0, w1, w2, w3
+        if DEPTH == 2:
+            wd1 = wd + W
+            if EVEN:
+                wd1 = tl.multiple_of(tl.minimum(BLOCK_K, K - BLOCK_K) // 16, W) + tl.arange(0, W)
+            wmask1 = wd1 < row_words
+            v0 = _q2s_words(wbase, rows0, m0, wd1, wmask1, row_words, EVEN)
+            v1 = _q2s_words(wbase, rows1, m1, wd1, wmask1, row_words, EVEN)
+            v2 = _q2s_words(wbase, rows2, m2, wd1, wmask1, row_words, EVEN)
+            v3 = _q2s_words(wbase, rows3, m3, wd1, wmask1, row_words, EVEN)
         if PREFETCH_L2:
             slot_off = tl.load(slot_offsets + slot)
             if (slot_off >= 0) & (slot_off < pool_bytes):
@@ -713,14 +728,15 @@ def _q2s_gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             wd_next = wd + W
             wmask_next = wd_next < row_words
-            pref = wd_next
-            if EVEN:  # the last tile's prefetch reloads that tile (from L1), so no mask at all
-                kw_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, K - BLOCK_K) // 16, W)
+            pref = wd + DEPTH * W  # the tile DEPTH ahead
+            pmask = pref < row_words
+            if EVEN:  # the last tiles' prefetches reload the last tile (from L1): no masks
+                kw_next = tl.multiple_of(tl.minimum(k0 + DEPTH * BLOCK_K, K - BLOCK_K) // 16, W)
                 pref = kw_next + tl.arange(0, W)
-            n0 = _q2s_words(wbase, rows0, m0, pref, wmask_next, row_words, EVEN)
-            n1 = _q2s_words(wbase, rows1, m1, pref, wmask_next, row_words, EVEN)
-            n2 = _q2s_words(wbase, rows2, m2, pref, wmask_next, row_words, EVEN)
-            n3 = _q2s_words(wbase, rows3, m3, pref, wmask_next, row_words, EVEN)
+            n0 = _q2s_words(wbase, rows0, m0, pref, pmask, row_words, EVEN)
+            n1 = _q2s_words(wbase, rows1, m1, pref, pmask, row_words, EVEN)
+            n2 = _q2s_words(wbase, rows2, m2, pref, pmask, row_words, EVEN)
+            n3 = _q2s_words(wbase, rows3, m3, pref, pmask, row_words, EVEN)
             sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W, EVEN, GSUM)
             sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W, EVEN, GSUM)
             sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN, GSUM)
@@ -860,7 +876,11 @@ def _q2s_gemv_kernel(
                                          kmask, K, DGROUP, xn)  # fmt: skip
                         d3 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows3, m3, cols,
                                          kmask, K, DGROUP, xn)  # fmt: skip
-            w0, w1, w2, w3 = n0, n1, n2, n3
+            if DEPTH == 2:
+                w0, w1, w2, w3 = v0, v1, v2, v3
+                v0, v1, v2, v3 = n0, n1, n2, n3
+            else:
+                w0, w1, w2, w3 = n0, n1, n2, n3
             wd, wmask = wd_next, wmask_next
         if INT8:
             # β/32 and γ/64 (module docstring); β = a exactly when b = 3a
@@ -1293,7 +1313,7 @@ def _q2s_gemv(
             is_down, top_k, sub, block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
             oq, os_, osum, oqn, quant_out and not is_down, even, c.group_acc,
             c.prefetch_l2 and hopper and spec.k % 64 == 0, pool.numel(),
-            pdl, quant_in and not is_down,
+            pdl, quant_in and not is_down, c.depth,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl,
         )  # fmt: skip
