@@ -60,7 +60,7 @@ def main() -> None:
     dkind = moe_triton.NVFP4 if args.delta == "nvfp4" else -1
     const = dict(GROUP=args.group, DKIND=dkind, DGROUP=16, BIAS=0, ACT=0, IS_DOWN=0, TOPK=8,
                  SUB=args.sub, BLOCK_K=args.block_k, INT8=int8, ASM=1,
-                 QUANT_OUT=int(int8 and args.sub % 16 == 0), EVEN=args.even,
+                 QUANT_OUT=int(int8 and (args.sub % 16 == 0 or args.sub == 8)), EVEN=args.even,
                  GROUP_ACC=args.group_acc, PREFETCH_L2=args.prefetch_l2,
                  PDL=args.pdl, QUANT_IN=args.quant_in, DEPTH=args.depth)  # fmt: skip
     sig = {}

@@ -592,8 +592,9 @@ def _q2s_gemv_kernel(
     as the first IDP4A's addend) and, for a fitted grid, with HIGH, RH = 64(2H - Σq); each
     is converted once per word and row and multiplied by the group and activation scales:
     y = β/32 Σ R·s + γ/64 Σ RH·s.
-    QUANT_OUT (gate_up, SUB a multiple of 16, INTER of 16): h is written as int8 words (oq, osc,
-    osum: `_quant_store`) instead of float, so no launch rounds it for down.
+    QUANT_OUT (gate_up, SUB 8 or a multiple of 16, INTER of 16): h is written as int8 words (oq,
+    osc, osum: `_quant_store`) instead of float, so no launch rounds it for down (SUB 8: the two
+    sub-tiles' rows are one word).
     EVEN: K a multiple of BLOCK_K and the rows a multiple of the program's, so no load is
     masked (the prefetch past the last K tile reloads that tile).
     GROUP_ACC (int8, groups of 2+ words; `KernelChoice.group_acc`): the sums are kept per group
@@ -925,7 +926,14 @@ def _q2s_gemv_kernel(
         else:
             h0 = _activation(y0, y2, ACT, limit, alpha)
             h1 = _activation(y1, y3, ACT, limit, alpha)
-            if QUANT_OUT:  # h rounded to int8 words here, for the down launch (SUB % 16 == 0)
+            if QUANT_OUT and SUB == 8:  # the two sub-tiles' 16 rows are one word of h
+                word = pid_n + tl.arange(0, 1)
+                hrow = INTER // 16
+                both = tl.reshape(tl.trans(tl.join(h0, h1)), (1, 16))  # rows h0 then h1
+                _quant_store(both, word, hrow, oq + pair * (INTER // 4), osc + pair * hrow,
+                             osum + pair * hrow, oqn + pair * (INTER // 4),
+                             word < hrow)  # fmt: skip
+            elif QUANT_OUT:  # h rounded to int8 words here, for the down launch (SUB % 16 == 0)
                 hw: tl.constexpr = SUB // 16
                 word0 = pid_n * 2 * hw + tl.arange(0, hw)
                 hrow = INTER // 16
@@ -1269,9 +1277,10 @@ def _q2s_gemv(
         else topk_ids
     )
     dtable = delta_table if has_delta and delta_table is not None else slot_table
-    # gate_up rounds h to int8 words itself when its row sub-tiles hold whole words
+    # gate_up rounds h to int8 words itself when its row sub-tiles hold whole words (or, at 8
+    # rows, its two sub-tiles make one)
     sub_gu = max(1, c_gu.block_n // 4)
-    quant_out = int8 and sub_gu % 16 == 0 and inter % 16 == 0
+    quant_out = int8 and (sub_gu % 16 == 0 or sub_gu == 8) and inter % 16 == 0
     hq = quant_words_buffers(pairs, inter, hidden.device) if quant_out else None
     if hq is None:
         h = torch.empty(pairs, inter, device=hidden.device, dtype=torch.float32)

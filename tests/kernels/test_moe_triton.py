@@ -258,6 +258,34 @@ def test_q2s_gemv_depth_two():
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
 
 
+def test_q2s_gemv_eight_row_subtiles_round_h(monkeypatch):
+    """gate_up with 8-row sub-tiles (block_n 32, the zero-copy configs' size) rounds h to int8
+    words itself, its two sub-tiles making one word (so only x is rounded by a launch of its
+    own): the twin's figures, and bit for bit the outputs of 16-row sub-tiles (whose words are
+    one sub-tile's)."""
+    eight = moe_dispatch.KernelChoice(block_n=32, block_k=64, int8_act=True)
+    rounded = []
+    real = moe_triton.quant_words
+    monkeypatch.setattr(moe_triton, "quant_words", lambda x, *a: rounded.append(x) or real(x, *a))
+    run_case("q2s", 2, 2, 4, 128, 64, force=(eight, eight), seed=26)
+    assert len(rounded) == 1 and rounded[0].shape[-1] == 128  # x only, not h
+    gen = torch.Generator().manual_seed(27)
+    fmt = q2s_expert_format(128, 64, False, 32, 16)
+    pool = Pool(fmt, None, 4, torch.ones(4, dtype=torch.bool), gen)
+    dev_pool, offsets, table, _ = pool.device_args()
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(2)]).to(DEVICE)
+    w = torch.rand(2, 2, generator=gen).to(DEVICE)
+    x = torch.randn(2, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    outs = []
+    for block_n in (32, 64):
+        c = replace(eight, block_n=block_n)
+        out = torch.zeros(2, 2, 128, device=DEVICE)
+        moe_slots_triton(x, ids, w, table, dev_pool, fmt, ExpertActivation(), out,
+                         slot_offsets=offsets, choice=(c, eight))  # fmt: skip
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+
+
 def test_q2s_gemv_quant_in_is_bit_identical():
     """The in-kernel rounding is `_quant_words_kernel`'s, bit for bit: the same outputs with
     and without the option (bf16 activations, fitted and b = 3a grids, two K tiles)."""
