@@ -306,20 +306,22 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
     pf_dn = replace(best_dn, prefetch_l2=True)
     if time_config(case, tokens, best_gu, pf_dn) < time_config(case, tokens, best_gu, best_dn):
         best_dn = pf_dn
-    # then each launch with two K tiles of weights in flight (depth 2: twice the bytes in
-    # flight per program, for one more tile's registers)
-    d2_gu = replace(best_gu, depth=2)
-    if time_config(case, tokens, d2_gu, best_dn) < time_config(case, tokens, best_gu, best_dn):
-        best_gu = d2_gu
-    d2_dn = replace(best_dn, depth=2)
-    if time_config(case, tokens, best_gu, d2_dn) < time_config(case, tokens, best_gu, best_dn):
-        best_dn = d2_dn
+    # then each launch with more K tiles of weights in flight: two in registers (depth 2), or
+    # 2-3 ahead through shared memory by Triton's pipeliner (pipe 3, 4), each where it wins
+    for ahead in ({"depth": 2}, {"pipe": 3}, {"pipe": 4}):
+        c = replace(best_gu, **ahead)
+        if time_config(case, tokens, c, best_dn) < time_config(case, tokens, best_gu, best_dn):
+            best_gu = c
+    for ahead in ({"depth": 2}, {"pipe": 3}, {"pipe": 4}):
+        c = replace(best_dn, **ahead)
+        if time_config(case, tokens, best_gu, c) < time_config(case, tokens, best_gu, best_dn):
+            best_dn = c
     # and gate_up rounding x itself (one launch fewer; a q2s-only case, so it applies)
     qi_gu = replace(best_gu, quant_in=True)
     if time_config(case, tokens, qi_gu, best_dn) < time_config(case, tokens, best_gu, best_dn):
         best_gu = qi_gu
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
-              "quant_in", "depth")  # fmt: skip
+              "quant_in", "depth", "pipe")  # fmt: skip
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv"
     return {
         f"{key}:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},

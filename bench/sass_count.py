@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--pdl", type=int, default=0, help="PDL constexpr")
     parser.add_argument("--quant-in", type=int, default=0, help="QUANT_IN constexpr (gate_up)")
     parser.add_argument("--depth", type=int, default=1, help="DEPTH constexpr (tiles ahead)")
+    parser.add_argument("--pipe", type=int, default=0, help="PIPE constexpr (loop stages)")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
@@ -62,7 +63,8 @@ def main() -> None:
                  SUB=args.sub, BLOCK_K=args.block_k, INT8=int8, ASM=1,
                  QUANT_OUT=int(int8 and (args.sub % 16 == 0 or args.sub == 8)), EVEN=args.even,
                  GROUP_ACC=args.group_acc, PREFETCH_L2=args.prefetch_l2,
-                 PDL=args.pdl, QUANT_IN=args.quant_in, DEPTH=args.depth)  # fmt: skip
+                 PDL=args.pdl, QUANT_IN=args.quant_in, DEPTH=args.depth, PIPE=args.pipe,
+                 LOOP_STAGES=args.pipe or None)  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -124,6 +126,7 @@ def main() -> None:
     print(json.dumps({"case": "sass", "int8": bool(int8), "delta": args.delta, "sub": args.sub,
                       "block_k": args.block_k, "warps": args.warps, "group": args.group,
                       "even": args.even, "group_acc": args.group_acc, "depth": args.depth,
+                      "pipe": args.pipe, "shared_bytes": kernel.metadata.shared,
                       "registers": regs, "stack_bytes": stack,
                       "loop_instructions": len(straight), "weights_per_thread": weights,
                       "per_weight": per_weight([]),

@@ -46,6 +46,9 @@ class KernelChoice:
     # q2s GEMV: K tiles of weights loaded ahead of the one being decoded (1 or 2). Not yet
     # timed: 1.
     depth: int = 1
+    # q2s GEMV: 0, or the loop's stages when Triton's pipeliner streams the K tiles through
+    # shared memory (cp.async) instead of the hand-made prefetch. Not yet timed: 0.
+    pipe: int = 0
 
 
 GEMV = KernelChoice()

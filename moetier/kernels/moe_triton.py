@@ -571,7 +571,7 @@ def _q2s_gemv_kernel(
     xq, xs, xsum, xqn, INT8: tl.constexpr, ASM: tl.constexpr,
     oq, osc, osum, oqn, QUANT_OUT: tl.constexpr, EVEN: tl.constexpr,
     GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
-    QUANT_IN: tl.constexpr, DEPTH: tl.constexpr,
+    QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -610,6 +610,10 @@ def _q2s_gemv_kernel(
     DEPTH (1 or 2; `KernelChoice.depth`): the words of K tile i + DEPTH are loaded before tile
         i is decoded, so DEPTH tiles of each program's weights are in flight while it computes
         (2: twice the bytes in flight per program, for the registers of one more tile).
+    PIPE (`KernelChoice.pipe`; LOOP_STAGES = PIPE, or None when 0): no hand-made prefetch; each
+        K tile's words, scales and activations are loaded in the loop, which is marked
+        `tl.range(num_stages=PIPE)`, so Triton's pipeliner streams PIPE - 1 tiles ahead
+        through shared memory with cp.async (registers do not hold the tiles in flight).
     QUANT_IN (gate_up, int8, no delta plane; `KernelChoice.quant_in`): each program rounds its
         K tiles of x to int8 words itself (`_quant_tile`, the same rounding as
         `_quant_words_kernel`) instead of reading them: one launch fewer per call.
@@ -692,14 +696,18 @@ def _q2s_gemv_kernel(
         # each program holds few tiles, so load latency would otherwise stall every one)
         wd = tl.arange(0, W)
         wmask = wd < row_words
-        w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN)
-        w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
-        w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
-        w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
+        if PIPE > 0:  # loaded in the loop
+            w0 = tl.zeros((SUB, W), tl.int32)
+            w1, w2, w3 = w0, w0, w0
+        else:
+            w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN)
+            w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
+            w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
+            w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
         # DEPTH 2: tile 1 too (v: the tile after w); EVEN: K >= BLOCK_K, and a one-tile K
         # reloads tile 0 (from L1) rather than masking
         v0, v1, v2, v3 = w0, w1, w2, w3
-        if DEPTH == 2:
+        if (DEPTH == 2) and (PIPE == 0):
             wd1 = wd + W
             if EVEN:
                 wd1 = tl.multiple_of(tl.minimum(BLOCK_K, K - BLOCK_K) // 16, W) + tl.arange(0, W)
@@ -726,18 +734,29 @@ def _q2s_gemv_kernel(
                     _prefetch_l2(bptr + scales + (first + INTER) * row_groups, count * row_groups)
         if PDL:  # the activations are the previous launch's output
             gdc_wait()
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+            if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
+                wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
+                wmask = wd < row_words
+                w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN)
+                w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
+                w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
+                w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
             wd_next = wd + W
             wmask_next = wd_next < row_words
-            pref = wd + DEPTH * W  # the tile DEPTH ahead
-            pmask = pref < row_words
-            if EVEN:  # the last tiles' prefetches reload the last tile (from L1): no masks
-                kw_next = tl.multiple_of(tl.minimum(k0 + DEPTH * BLOCK_K, K - BLOCK_K) // 16, W)
-                pref = kw_next + tl.arange(0, W)
-            n0 = _q2s_words(wbase, rows0, m0, pref, pmask, row_words, EVEN)
-            n1 = _q2s_words(wbase, rows1, m1, pref, pmask, row_words, EVEN)
-            n2 = _q2s_words(wbase, rows2, m2, pref, pmask, row_words, EVEN)
-            n3 = _q2s_words(wbase, rows3, m3, pref, pmask, row_words, EVEN)
+            if PIPE > 0:
+                n0, n1, n2, n3 = w0, w1, w2, w3
+            else:
+                pref = wd + DEPTH * W  # the tile DEPTH ahead
+                pmask = pref < row_words
+                if EVEN:  # the last tiles' prefetches reload the last tile (from L1): no masks
+                    kw_next = tl.multiple_of(tl.minimum(k0 + DEPTH * BLOCK_K, K - BLOCK_K) // 16,
+                                             W)  # fmt: skip
+                    pref = kw_next + tl.arange(0, W)
+                n0 = _q2s_words(wbase, rows0, m0, pref, pmask, row_words, EVEN)
+                n1 = _q2s_words(wbase, rows1, m1, pref, pmask, row_words, EVEN)
+                n2 = _q2s_words(wbase, rows2, m2, pref, pmask, row_words, EVEN)
+                n3 = _q2s_words(wbase, rows3, m3, pref, pmask, row_words, EVEN)
             sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W, EVEN, GSUM)
             sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W, EVEN, GSUM)
             sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN, GSUM)
@@ -877,7 +896,7 @@ def _q2s_gemv_kernel(
                                          kmask, K, DGROUP, xn)  # fmt: skip
                         d3 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows3, m3, cols,
                                          kmask, K, DGROUP, xn)  # fmt: skip
-            if DEPTH == 2:
+            if (DEPTH == 2) and (PIPE == 0):
                 w0, w1, w2, w3 = v0, v1, v2, v3
                 v0, v1, v2, v3 = n0, n1, n2, n3
             else:
@@ -1322,7 +1341,7 @@ def _q2s_gemv(
             is_down, top_k, sub, block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
             oq, os_, osum, oqn, quant_out and not is_down, even, c.group_acc,
             c.prefetch_l2 and hopper and spec.k % 64 == 0, pool.numel(),
-            pdl, quant_in and not is_down, c.depth,
+            pdl, quant_in and not is_down, c.depth, c.pipe, c.pipe or None,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl,
         )  # fmt: skip

@@ -232,14 +232,17 @@ def test_q2s_gemv_quant_in(fmt_name):
     run_case(fmt_name, 2, 2, 5, 96, 96, force=(choice, choice), seed=20)
 
 
-def test_q2s_gemv_depth_two():
-    """Two K tiles of weights in flight (`KernelChoice.depth` 2) against the twin: four K tiles
-    in gate_up (the last two tiles' look-aheads past the end), two in down; ragged tiles
-    (masked look-aheads). And bit for bit the sums of depth 1 (only when words are loaded
-    changes), fitted and b = 3a grids."""
-    four = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True, depth=2)
+@pytest.mark.parametrize(("depth", "pipe"), [(2, 0), (1, 3)])
+def test_q2s_gemv_look_ahead(depth, pipe):
+    """Two K tiles of weights in flight (`KernelChoice.depth` 2), or the tiles loaded in a loop
+    Triton's pipeliner streams (`pipe` 3; under the interpreter a plain loop), against the
+    twin: four K tiles in gate_up (depth 2: the last two tiles' look-aheads past the end), two
+    in down; ragged tiles (masked look-aheads). And bit for bit the sums of the hand-made
+    one-tile prefetch (only when words are loaded changes), fitted and b = 3a grids."""
+    four = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True, depth=depth,
+                                     pipe=pipe)  # fmt: skip
     run_case("q2s", 2, 2, 4, 128, 64, force=(four, four), seed=22)
-    ragged = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, depth=2)
+    ragged = replace(four, block_k=64)
     run_case("q2s", 1, 2, 4, 96, 96, force=(ragged, ragged), seed=24)
     gen = torch.Generator().manual_seed(25)
     fmt = q2s_expert_format(128, 64, False, 32, 16)
@@ -249,8 +252,7 @@ def test_q2s_gemv_depth_two():
     w = torch.rand(2, 2, generator=gen).to(DEVICE)
     x = torch.randn(2, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
     outs = []
-    for depth in (1, 2):
-        c = replace(four, depth=depth)
+    for c in (replace(four, depth=1, pipe=0), four):
         out = torch.zeros(2, 2, 128, device=DEVICE)
         moe_slots_triton(x, ids, w, table, dev_pool, fmt, ExpertActivation(), out,
                          slot_offsets=offsets, choice=(c, c))  # fmt: skip
