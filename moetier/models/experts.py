@@ -321,7 +321,8 @@ class ExpertsRuntime:
         self._stage_next(layer, residual)
 
     def _score_next(self, layer: int, x: torch.Tensor) -> None:
-        """Staging: the next MoE layer's scores of its experts on x [1, H] (side stream)."""
+        """Staging: the next MoE layer's scores of its experts on x [1, H] (on the side stream when
+        guessing from the input, on the compute stream from the output)."""
         assert self.zero_copy is not None
         nxt = self.zero_copy.layer_index[self.predictors[layer][0]]
         stage_scores(x, self._scaled_routers[layer], self._guess_scores[layer], nxt,
