@@ -232,6 +232,25 @@ def test_q2s_gemv_quant_in(fmt_name):
     run_case(fmt_name, 2, 2, 5, 96, 96, force=(choice, choice), seed=20)
 
 
+def _q2s_outputs(choices, seed, tokens=2, experts=4):  # type: ignore[no-untyped-def]
+    """The q2s GEMV's outputs [T, 2, 128] for each (gate_up, down) config of `choices`, on one
+    random call: hidden 128, intermediate 64, top-2, bf16 activations, every expert in a slot."""
+    gen = torch.Generator().manual_seed(seed)
+    fmt = q2s_expert_format(128, 64, False, 32, 16)
+    pool = Pool(fmt, None, experts, torch.ones(experts, dtype=torch.bool), gen)
+    dev_pool, offsets, table, _ = pool.device_args()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
+    w = torch.rand(tokens, 2, generator=gen).to(DEVICE)
+    x = torch.randn(tokens, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    outs = []
+    for choice in choices:
+        out = torch.zeros(tokens, 2, 128, device=DEVICE)
+        moe_slots_triton(x, ids.to(DEVICE), w, table, dev_pool, fmt, ExpertActivation(), out,
+                         slot_offsets=offsets, choice=choice)  # fmt: skip
+        outs.append(out.cpu())
+    return outs
+
+
 @pytest.mark.parametrize(("depth", "pipe"), [(2, 0), (1, 3)])
 def test_q2s_gemv_look_ahead(depth, pipe):
     """Two K tiles of weights in flight (`KernelChoice.depth` 2), or the tiles loaded in a loop
@@ -244,19 +263,8 @@ def test_q2s_gemv_look_ahead(depth, pipe):
     run_case("q2s", 2, 2, 4, 128, 64, force=(four, four), seed=22)
     ragged = replace(four, block_k=64)
     run_case("q2s", 1, 2, 4, 96, 96, force=(ragged, ragged), seed=24)
-    gen = torch.Generator().manual_seed(25)
-    fmt = q2s_expert_format(128, 64, False, 32, 16)
-    pool = Pool(fmt, None, 4, torch.ones(4, dtype=torch.bool), gen)
-    dev_pool, offsets, table, _ = pool.device_args()
-    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(2)]).to(DEVICE)
-    w = torch.rand(2, 2, generator=gen).to(DEVICE)
-    x = torch.randn(2, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    outs = []
-    for c in (replace(four, depth=1, pipe=0), four):
-        out = torch.zeros(2, 2, 128, device=DEVICE)
-        moe_slots_triton(x, ids, w, table, dev_pool, fmt, ExpertActivation(), out,
-                         slot_offsets=offsets, choice=(c, c))  # fmt: skip
-        outs.append(out.cpu())
+    plain = replace(four, depth=1, pipe=0)
+    outs = _q2s_outputs([(plain, plain), (four, four)], seed=25)
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
 
 
@@ -271,40 +279,16 @@ def test_q2s_gemv_eight_row_subtiles_round_h(monkeypatch):
     monkeypatch.setattr(moe_triton, "quant_words", lambda x, *a: rounded.append(x) or real(x, *a))
     run_case("q2s", 2, 2, 4, 128, 64, force=(eight, eight), seed=26)
     assert len(rounded) == 1 and rounded[0].shape[-1] == 128  # x only, not h
-    gen = torch.Generator().manual_seed(27)
-    fmt = q2s_expert_format(128, 64, False, 32, 16)
-    pool = Pool(fmt, None, 4, torch.ones(4, dtype=torch.bool), gen)
-    dev_pool, offsets, table, _ = pool.device_args()
-    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(2)]).to(DEVICE)
-    w = torch.rand(2, 2, generator=gen).to(DEVICE)
-    x = torch.randn(2, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    outs = []
-    for block_n in (32, 64):
-        c = replace(eight, block_n=block_n)
-        out = torch.zeros(2, 2, 128, device=DEVICE)
-        moe_slots_triton(x, ids, w, table, dev_pool, fmt, ExpertActivation(), out,
-                         slot_offsets=offsets, choice=(c, eight))  # fmt: skip
-        outs.append(out.cpu())
+    outs = _q2s_outputs([(eight, eight), (replace(eight, block_n=64), eight)], seed=27)
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
 
 
 def test_q2s_gemv_quant_in_is_bit_identical():
     """The in-kernel rounding is `_quant_words_kernel`'s, bit for bit: the same outputs with
     and without the option (bf16 activations, fitted and b = 3a grids, two K tiles)."""
-    gen = torch.Generator().manual_seed(21)
-    fmt = q2s_expert_format(128, 64, False, 32, 16)
-    pool = Pool(fmt, None, 6, torch.ones(6, dtype=torch.bool), gen)
-    dev_pool, offsets, table, _ = pool.device_args()
-    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(3)]).to(DEVICE)
-    w = torch.rand(3, 2, generator=gen).to(DEVICE)
-    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    outs = []
-    for quant_in in (False, True):
-        c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, quant_in=quant_in)
-        out = torch.zeros(3, 2, 128, device=DEVICE)
-        moe_slots_triton(x, ids, w, table, dev_pool, fmt, ExpertActivation(), out,
-                         slot_offsets=offsets, choice=(c, c))  # fmt: skip
-        outs.append(out.cpu())
+    c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True)
+    qi = replace(c, quant_in=True)
+    outs = _q2s_outputs([(c, c), (qi, qi)], seed=21, tokens=3, experts=6)
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
 
 
