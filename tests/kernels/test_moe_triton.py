@@ -420,6 +420,23 @@ def test_gpu_q2s_gemv_prefetch_and_pdl(mask):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("depth", "pipe", "block_n"), [(2, 0, 64), (1, 3, 64), (1, 4, 32)])
+def test_gpu_q2s_gemv_look_ahead(depth, pipe, block_n):
+    """The look-ahead options compiled for real (depth 2: two tiles in registers; pipe: the
+    pipeliner's cp.async through shared memory, which must also read pinned host rows), with
+    PDL, against the twin: slots in GPU memory and in pinned host memory, a delta on some
+    pairs, whole and ragged tiles; block_n 32 takes the 8-row sub-tiles that round h
+    themselves."""
+    c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
+                                  depth=depth, pipe=pipe)  # fmt: skip
+    for tokens in (1, 7):
+        run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
+                 seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip
+        run_case("q2s", tokens, 4, 16, 256, 128, host_slots=10, seed=tokens + 2, force=(c, c))
+    run_case("q2s", 2, 2, 5, 96, 96, force=(c, c), seed=16)  # ragged, EVEN = 0
+
+
+@pytest.mark.gpu
 def test_gpu_q2s_gemv_pdl_in_a_cuda_graph():
     """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel
     before it ends and waits for it before reading activations): replays give the eager
