@@ -315,25 +315,20 @@ WARMUP = 4  # eager decode steps before timing (compile, counts for the hot set)
 
 def measure_links(device: str, store: Store, disk_keys: list[Any]) -> LinkSpeeds:
     """The floor's and the cost model's link speeds, measured now (bytes/s)."""
-    big = device == "cuda"
     probe = disk_keys or sorted(store.blobs)[: min(64, len(store.blobs))]
-    return LinkSpeeds(
-        hbm=memory_bandwidth(device, 2**30 if big else 2**26),
-        h2d=h2d_bandwidth(device, 2**28 if big else 2**24),
-        zero_copy=zero_copy_bandwidth(device, 2**28 if big else 2**24),
-        disk=disk_bandwidth(store, probe),
-    )
+    return memory_links(device, disk_bandwidth(store, probe))
 
 
-def remeasure_links(device: str, speeds: LinkSpeeds) -> LinkSpeeds:
-    """HBM, H2D and zero-copy read rates measured again (the disk rate kept: re-reading the
-    store would mostly hit the page cache)."""
+def memory_links(device: str, disk: float) -> LinkSpeeds:
+    """HBM, H2D and zero-copy read rates measured now, beside a disk rate measured before
+    (measure_links; after each decode case the disk rate is kept: re-reading the store would
+    mostly hit the page cache)."""
     big = device == "cuda"
     return LinkSpeeds(
         hbm=memory_bandwidth(device, 2**30 if big else 2**26),
         h2d=h2d_bandwidth(device, 2**28 if big else 2**24),
         zero_copy=zero_copy_bandwidth(device, 2**28 if big else 2**24),
-        disk=speeds.disk,
+        disk=disk,
     )
 
 
@@ -777,7 +772,7 @@ def run_decode_cases(
                 # measurements of each link (the lower floor), so a link measured slow once
                 # (seen on a freshly started H200: 48.9 GB/s H2D, then 55.3) cannot flatter
                 # the ratio
-                case_speeds = fastest(speeds, remeasure_links(device, speeds))
+                case_speeds = fastest(speeds, memory_links(device, speeds.disk))
                 case_gbps = {**gbps, **link_gbps(case_speeds, ("hbm", "h2d", "zero_copy"))}
                 if strategy == "resident":
                     sync_s = max(0.0, (t["eager_ms"] - t["ms"]) / 1e3)

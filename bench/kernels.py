@@ -298,28 +298,21 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
         (c for c in cands if c.int8_act == best_gu.int8_act),
         key=lambda c: time_config(case, tokens, best_gu, c),
     )
-    # then each launch with its rows asked for in L2 first (sm_90; won at some shapes, lost at
-    # DeepSeek-V3's)
-    pf_gu = replace(best_gu, prefetch_l2=True)
-    if time_config(case, tokens, pf_gu, best_dn) < time_config(case, tokens, best_gu, best_dn):
-        best_gu = pf_gu
-    pf_dn = replace(best_dn, prefetch_l2=True)
-    if time_config(case, tokens, best_gu, pf_dn) < time_config(case, tokens, best_gu, best_dn):
-        best_dn = pf_dn
-    # then each launch with more K tiles of weights in flight: two in registers (depth 2), or
-    # 2-3 ahead through shared memory by Triton's pipeliner (pipe 3, 4), each where it wins
-    for ahead in ({"depth": 2}, {"pipe": 3}, {"pipe": 4}):
-        c = replace(best_gu, **ahead)
-        if time_config(case, tokens, c, best_dn) < time_config(case, tokens, best_gu, best_dn):
-            best_gu = c
-    for ahead in ({"depth": 2}, {"pipe": 3}, {"pipe": 4}):
-        c = replace(best_dn, **ahead)
-        if time_config(case, tokens, best_gu, c) < time_config(case, tokens, best_gu, best_dn):
-            best_dn = c
-    # and gate_up rounding x itself (one launch fewer; a q2s-only case, so it applies)
-    qi_gu = replace(best_gu, quant_in=True)
-    if time_config(case, tokens, qi_gu, best_dn) < time_config(case, tokens, best_gu, best_dn):
-        best_gu = qi_gu
+    # then, greedily, each option on one launch, kept where it wins: rows asked for in L2
+    # first (sm_90; won at some shapes, lost at DeepSeek-V3's); more K tiles of weights in
+    # flight, two in registers (depth 2) or 2-3 ahead through shared memory by Triton's
+    # pipeliner (pipe 3, 4); gate_up rounding x itself (one launch fewer; a q2s-only case)
+    best_ms = time_config(case, tokens, best_gu, best_dn)
+    options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
+    options += [(launch, ahead) for launch in ("gu", "dn")
+                for ahead in ({"depth": 2}, {"pipe": 3}, {"pipe": 4})]  # fmt: skip
+    options += [("gu", {"quant_in": True})]
+    for launch, option in options:
+        c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
+        c_dn = replace(best_dn, **option) if launch == "dn" else best_dn
+        ms = time_config(case, tokens, c_gu, c_dn)
+        if ms < best_ms:
+            best_gu, best_dn, best_ms = c_gu, c_dn, ms
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
               "quant_in", "depth", "pipe")  # fmt: skip
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv"
