@@ -268,10 +268,11 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
     }
 
 
-def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
-    """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down;
-    for a ZeroCopyCase the `q2s-gemv-zc:` configs (reads over PCIe: whole rows per K tile are
-    among the candidates)."""
+def tune_q2s_gemv(case: Case, tokens: list[int]) -> dict[str, dict]:  # type: ignore[type-arg]
+    """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down,
+    for all of `tokens` at once (one config serves every decode size: the score is the sum
+    over them of each time over the first candidate's); for a ZeroCopyCase the `q2s-gemv-zc:`
+    configs (reads over PCIe: whole rows per K tile are among the candidates)."""
     gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
     assert gu is not None and dn is not None
     zero_copy = isinstance(case, ZeroCopyCase)
@@ -287,34 +288,38 @@ def tune_q2s_gemv(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[t
                           (128, 512, 4), (128, 1024, 8)]
         + ([(32, 1024, 4), (32, 2048, 4), (32, 2048, 8), (64, 2048, 8)] if zero_copy else [])
     ]  # fmt: skip
+    first: list[float] = []
+
+    def score(c_gu: KernelChoice, c_dn: KernelChoice) -> float:
+        times = [time_config(case, t, c_gu, c_dn) for t in tokens]
+        if not first:
+            first.extend(times)
+        return sum(ms / ref for ms, ref in zip(times, first, strict=True))
 
     best_gu = min(
-        cands,
-        key=lambda c: time_config(
-            case, tokens, c, replace(moe_dispatch.Q2S_GEMV, int8_act=c.int8_act)
-        ),
+        cands, key=lambda c: score(c, replace(moe_dispatch.Q2S_GEMV, int8_act=c.int8_act))
     )
     best_dn = min(
-        (c for c in cands if c.int8_act == best_gu.int8_act),
-        key=lambda c: time_config(case, tokens, best_gu, c),
+        (c for c in cands if c.int8_act == best_gu.int8_act), key=lambda c: score(best_gu, c)
     )
     # then, greedily, each option on one launch, kept where it wins: rows asked for in L2
-    # first (sm_90; won at some shapes, lost at DeepSeek-V3's); more K tiles of weights in
-    # flight, two in registers (depth 2) or 2-3 ahead through shared memory by Triton's
-    # pipeliner (pipe 3, 4); gate_up rounding x itself (one launch fewer; a q2s-only case)
-    best_ms = time_config(case, tokens, best_gu, best_dn)
+    # first (sm_90; won at some shapes, lost at DeepSeek-V3's); the activations and scales a
+    # tile ahead through shared memory (pipe_x); more K tiles of weights in flight, two in
+    # registers (depth 2) or 2-3 ahead through shared memory by Triton's pipeliner (pipe 3,
+    # 4); gate_up rounding x itself (one launch fewer; a q2s-only case)
+    best = score(best_gu, best_dn)
+    ahead = ({"pipe_x": True}, {"depth": 2}, {"pipe": 3}, {"pipe": 4})
     options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
-    options += [(launch, ahead) for launch in ("gu", "dn")
-                for ahead in ({"depth": 2}, {"pipe": 3}, {"pipe": 4})]  # fmt: skip
+    options += [(launch, a) for launch in ("gu", "dn") for a in ahead]
     options += [("gu", {"quant_in": True})]
     for launch, option in options:
         c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
         c_dn = replace(best_dn, **option) if launch == "dn" else best_dn
-        ms = time_config(case, tokens, c_gu, c_dn)
-        if ms < best_ms:
-            best_gu, best_dn, best_ms = c_gu, c_dn, ms
+        got = score(c_gu, c_dn)
+        if got < best:
+            best_gu, best_dn, best = c_gu, c_dn, got
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
-              "quant_in", "depth", "pipe")  # fmt: skip
+              "quant_in", "depth", "pipe", "pipe_x")  # fmt: skip
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv"
     return {
         f"{key}:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
@@ -413,14 +418,15 @@ def main() -> None:
         if args.zero_copy:
             cases[zc_name] = ZeroCopyCase(shape, q2s, args.zero_copy)
         if args.tune or args.tune_mma:
-            for t in (int(t) for t in args.tune_tokens.split(",") if args.tune):
-                if t * top_k < moe_dispatch.GEMM_MIN_PAIRS:
-                    tuned.update(tune_q2s_gemv(cases["q2s"], t))
-                else:
+            tune_tokens = [int(t) for t in args.tune_tokens.split(",")] if args.tune else []
+            decode = [t for t in tune_tokens if t * top_k < moe_dispatch.GEMM_MIN_PAIRS]
+            if decode:  # the q2s GEMV: one config for all of them
+                tuned.update(tune_q2s_gemv(cases["q2s"], decode))
+            for t in tune_tokens:
+                if t not in decode:
                     tuned.update(tune(cases["q2s"], t))
             if args.tune and args.zero_copy:  # at the first tuned size (decode: 1 token)
-                t = int(args.tune_tokens.split(",")[0])
-                tuned.update(tune_q2s_gemv(cases[zc_name], t))
+                tuned.update(tune_q2s_gemv(cases[zc_name], tune_tokens[:1]))
             for t in (int(t) for t in args.tune_mma.split(",") if t):
                 tuned.update(tune_q2s_mma(cases["q2s"], t))
             moe_dispatch.tuned_configs.cache_clear()

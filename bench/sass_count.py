@@ -9,7 +9,8 @@ Prints one JSON line: registers, spilled bytes, weights per thread per K step, a
 instructions per weight on each path through its runtime-conditional blocks: `per_weight` skips
 them all (b = 3a grid, delta off), `per_weight_fitted` takes the fitted grid's blocks (b != 3a),
 `per_weight_delta` the delta's (blocks holding PRMT: the NVFP4 delta), `per_weight_all` every
-block. `--dump FILE` writes the loop's SASS.
+block. `--dump FILE` writes the loop's SASS (and FILE.ttgir the kernel's TTGIR, where layout
+conversions show).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--quant-in", type=int, default=0, help="QUANT_IN constexpr (gate_up)")
     parser.add_argument("--depth", type=int, default=1, help="DEPTH constexpr (tiles ahead)")
     parser.add_argument("--pipe", type=int, default=0, help="PIPE constexpr (loop stages)")
+    parser.add_argument("--pipe-x", type=int, default=0,
+                        help="1: loop stages 2 with PIPE 0 (KernelChoice.pipe_x)")  # fmt: skip
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
@@ -64,7 +67,7 @@ def main() -> None:
                  QUANT_OUT=int(int8 and (args.sub % 16 == 0 or args.sub == 8)), EVEN=args.even,
                  GROUP_ACC=args.group_acc, PREFETCH_L2=args.prefetch_l2,
                  PDL=args.pdl, QUANT_IN=args.quant_in, DEPTH=args.depth, PIPE=args.pipe,
-                 LOOP_STAGES=args.pipe or None)  # fmt: skip
+                 LOOP_STAGES=args.pipe or (2 if args.pipe_x else None))  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -123,10 +126,12 @@ def main() -> None:
 
     if args.dump:
         args.dump.write_text("\n".join(lines[start : end + 1]) + "\n")
+        args.dump.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])  # layouts, conversions
     print(json.dumps({"case": "sass", "int8": bool(int8), "delta": args.delta, "sub": args.sub,
                       "block_k": args.block_k, "warps": args.warps, "group": args.group,
                       "even": args.even, "group_acc": args.group_acc, "depth": args.depth,
-                      "pipe": args.pipe, "shared_bytes": kernel.metadata.shared,
+                      "pipe": args.pipe, "pipe_x": args.pipe_x,
+                      "shared_bytes": kernel.metadata.shared,
                       "registers": regs, "stack_bytes": stack,
                       "loop_instructions": len(straight), "weights_per_thread": weights,
                       "per_weight": per_weight([]),

@@ -49,6 +49,9 @@ class KernelChoice:
     # q2s GEMV: 0, or the loop's stages when Triton's pipeliner streams the K tiles through
     # shared memory (cp.async) instead of the hand-made prefetch. Not yet timed: 0.
     pipe: int = 0
+    # q2s GEMV, pipe 0: the activations and group scales (not the words) streamed one K tile
+    # ahead through shared memory by Triton's pipeliner. Not yet timed: off.
+    pipe_x: bool = False
 
 
 GEMV = KernelChoice()

@@ -483,6 +483,27 @@ def _q2s_words(wbase, rows, rmask, wd, wmask, row_words, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _x_words(xq_row, xs_row, xsum_row, row_words, wd, wmask, EVEN: tl.constexpr):
+    """Words wd of one row of `_quant_words_kernel`'s output: the four s-planes of int8 bytes,
+    the scales and Σq, each [1, W] (EVEN: no masks)."""
+    if EVEN:
+        q0 = tl.load(xq_row + wd)[None, :]
+        q1 = tl.load(xq_row + row_words + wd)[None, :]
+        q2 = tl.load(xq_row + 2 * row_words + wd)[None, :]
+        q3 = tl.load(xq_row + 3 * row_words + wd)[None, :]
+        xsc = tl.load(xs_row + wd)[None, :]
+        qs = tl.load(xsum_row + wd)[None, :]
+    else:
+        q0 = tl.load(xq_row + wd, mask=wmask, other=0)[None, :]
+        q1 = tl.load(xq_row + row_words + wd, mask=wmask, other=0)[None, :]
+        q2 = tl.load(xq_row + 2 * row_words + wd, mask=wmask, other=0)[None, :]
+        q3 = tl.load(xq_row + 3 * row_words + wd, mask=wmask, other=0)[None, :]
+        xsc = tl.load(xs_row + wd, mask=wmask, other=0.0)[None, :]
+        qs = tl.load(xsum_row + wd, mask=wmask, other=0)[None, :]
+    return q0, q1, q2, q3, xsc, qs
+
+
+@triton.jit
 def _q2s_group_scale(bptr, scales, rows, rmask, k0, row_groups, GROUP: tl.constexpr,
                      W: tl.constexpr, EVEN: tl.constexpr, PER_GROUP: tl.constexpr):  # fmt: skip
     """Group scales of the K tile starting at column k0, one per word: [SUB, W] float32. Loaded
@@ -610,10 +631,15 @@ def _q2s_gemv_kernel(
     DEPTH (1 or 2; `KernelChoice.depth`): the words of K tile i + DEPTH are loaded before tile
         i is decoded, so DEPTH tiles of each program's weights are in flight while it computes
         (2: twice the bytes in flight per program, for the registers of one more tile).
-    PIPE (`KernelChoice.pipe`; LOOP_STAGES = PIPE, or None when 0): no hand-made prefetch; each
-        K tile's words, scales and activations are loaded in the loop, which is marked
+    PIPE (`KernelChoice.pipe`; LOOP_STAGES = PIPE): no hand-made prefetch; each K tile's
+        words, scales and activations are loaded in the loop, which is marked
         `tl.range(num_stages=PIPE)`, so Triton's pipeliner streams PIPE - 1 tiles ahead
         through shared memory with cp.async (registers do not hold the tiles in flight).
+    LOOP_STAGES 2 with PIPE 0 (`KernelChoice.pipe_x`): the words keep the hand-made prefetch,
+        and the pipeliner streams what the loop loads itself, the activations and group
+        scales, one tile ahead through shared memory (their wait at the top of every K tile
+        was the loop's longest stall in an H200 profile; held in registers a tile ahead they
+        cost 24-40 registers, through shared memory 4-17).
     QUANT_IN (gate_up, int8, no delta plane; `KernelChoice.quant_in`): each program rounds its
         K tiles of x to int8 words itself (`_quant_tile`, the same rounding as
         `_quant_words_kernel`) instead of reading them: one launch fewer per call.
@@ -764,20 +790,9 @@ def _q2s_gemv_kernel(
             if INT8:
                 if QUANT_IN:  # this tile's activations rounded here, as `_quant_store` does
                     q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
-                elif EVEN:
-                    q0 = tl.load(xq_row + wd)[None, :]
-                    q1 = tl.load(xq_row + row_words + wd)[None, :]
-                    q2 = tl.load(xq_row + 2 * row_words + wd)[None, :]
-                    q3 = tl.load(xq_row + 3 * row_words + wd)[None, :]
-                    xsc = tl.load(xs_row + wd)[None, :]
-                    qs = tl.load(xsum_row + wd)[None, :]
                 else:
-                    q0 = tl.load(xq_row + wd, mask=wmask, other=0)[None, :]
-                    q1 = tl.load(xq_row + row_words + wd, mask=wmask, other=0)[None, :]
-                    q2 = tl.load(xq_row + 2 * row_words + wd, mask=wmask, other=0)[None, :]
-                    q3 = tl.load(xq_row + 3 * row_words + wd, mask=wmask, other=0)[None, :]
-                    xsc = tl.load(xs_row + wd, mask=wmask, other=0.0)[None, :]
-                    qs = tl.load(xsum_row + wd, mask=wmask, other=0)[None, :]
+                    q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
+                                                       wmask, EVEN)  # fmt: skip
                 init = qs * -96  # R = 64C - 96Σq = 32(2C - 3Σq)
                 r0 = _q2s_word_dots(w0, q0, q1, q2, q3, init, False, ASM)
                 r1 = _q2s_word_dots(w1, q0, q1, q2, q3, init, False, ASM)
@@ -1341,7 +1356,7 @@ def _q2s_gemv(
             is_down, top_k, sub, block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
             oq, os_, osum, oqn, quant_out and not is_down, even, c.group_acc,
             c.prefetch_l2 and hopper and spec.k % 64 == 0, pool.numel(),
-            pdl, quant_in and not is_down, c.depth, c.pipe, c.pipe or None,
+            pdl, quant_in and not is_down, c.depth, c.pipe, c.pipe or (2 if c.pipe_x else None),
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl,
         )  # fmt: skip

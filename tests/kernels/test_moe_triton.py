@@ -420,15 +420,19 @@ def test_gpu_q2s_gemv_prefetch_and_pdl(mask):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("depth", "pipe", "block_n"), [(2, 0, 64), (1, 3, 64), (1, 4, 32)])
-def test_gpu_q2s_gemv_look_ahead(depth, pipe, block_n):
+@pytest.mark.parametrize(
+    ("depth", "pipe", "pipe_x", "block_n"),
+    [(2, 0, False, 64), (1, 3, False, 64), (1, 4, False, 32), (1, 0, True, 32), (2, 0, True, 64)],
+)
+def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n):
     """The look-ahead options compiled for real (depth 2: two tiles in registers; pipe: the
-    pipeliner's cp.async through shared memory, which must also read pinned host rows), with
+    pipeliner's cp.async through shared memory, which must also read pinned host rows; pipe_x:
+    only the activations and scales through it), with
     PDL, against the twin: slots in GPU memory and in pinned host memory, a delta on some
     pairs, whole and ragged tiles; block_n 32 takes the 8-row sub-tiles that round h
     themselves."""
     c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
-                                  depth=depth, pipe=pipe)  # fmt: skip
+                                  depth=depth, pipe=pipe, pipe_x=pipe_x)  # fmt: skip
     for tokens in (1, 7):
         run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
                  seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip
