@@ -1191,9 +1191,10 @@ def moe_slots_triton(
     if choice is None:
         experts = slot_table.shape[0]
         if pairs < Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(gu, dn, dgu, ddn):
+            delta = dgu is not None
             choice = (
-                choose_q2s_gemv(gu.n, gu.k, zero_copy),
-                choose_q2s_gemv(dn.n, dn.k, zero_copy),
+                choose_q2s_gemv(gu.n, gu.k, zero_copy, delta),
+                choose_q2s_gemv(dn.n, dn.k, zero_copy, delta),
             )
         elif q2s_mma.supports(gu, dn, dgu, ddn):
             choice = choose_q2s_mma(pairs, experts, (gu.n, gu.k), (dn.n, dn.k))
