@@ -373,6 +373,22 @@ def test_zero_copy_configs_apply_to_zero_copy_calls_only(monkeypatch):
     assert moe_dispatch.choose_q2s_gemv(512, 256, zero_copy=True) == moe_dispatch.Q2S_GEMV
 
 
+def test_delta_calls_keep_one_tile_in_registers(monkeypatch):
+    """A config tuned with two K tiles in registers (depth 2, on the base plane alone) serves
+    calls with a delta plane at depth 1, its other fields as tuned."""
+    table = {"q2s-gemv:7168x2048": {"block_n": 32, "block_k": 512, "depth": 2, "pipe_x": True}}
+    monkeypatch.setattr(moe_dispatch, "tuned_configs", lambda name: table)
+    base = moe_dispatch.choose_q2s_gemv(7168, 2048)
+    delta = moe_dispatch.choose_q2s_gemv(7168, 2048, delta=True)
+    assert base.depth == 2 and delta == replace(base, depth=1)
+    seen = []
+    choose = moe_dispatch.choose_q2s_gemv
+    monkeypatch.setattr(moe_triton, "choose_q2s_gemv", lambda *a: seen.append(a) or choose(*a))
+    run_case("q2s+nvfp4", 1, 2, 4, 128, 64, seed=33)
+    run_case("q2s", 1, 2, 4, 128, 64, seed=34)
+    assert [a[3] for a in seen] == [True, True, False, False]  # gate_up, down of each call
+
+
 # ---- the full sweep on the device --------------------------------------------------------
 
 SWEEP_TOKENS = [1, 2, 7, 64, 65, 4096]
