@@ -288,6 +288,10 @@ def tune_q2s_gemv(case: Case, tokens: list[int]) -> dict[str, dict]:  # type: ig
                           (128, 512, 4), (128, 1024, 8)]
         + ([(32, 1024, 4), (32, 2048, 4), (32, 2048, 8), (64, 2048, 8)] if zero_copy else [])
     ]  # fmt: skip
+    # each tile also with its activations and scales through shared memory (pipe_x): it
+    # changes registers and stalls enough to reorder the tiles (H200: only tried on the
+    # winning tile, it won DeepSeek-V3 6-11%)
+    cands += [replace(c, pipe_x=True) for c in cands]
     first: list[float] = []
 
     def score(c_gu: KernelChoice, c_dn: KernelChoice) -> float:
@@ -303,12 +307,11 @@ def tune_q2s_gemv(case: Case, tokens: list[int]) -> dict[str, dict]:  # type: ig
         (c for c in cands if c.int8_act == best_gu.int8_act), key=lambda c: score(best_gu, c)
     )
     # then, greedily, each option on one launch, kept where it wins: rows asked for in L2
-    # first (sm_90; won at some shapes, lost at DeepSeek-V3's); the activations and scales a
-    # tile ahead through shared memory (pipe_x); more K tiles of weights in flight, two in
-    # registers (depth 2) or 2-3 ahead through shared memory by Triton's pipeliner (pipe 3,
-    # 4); gate_up rounding x itself (one launch fewer; a q2s-only case)
+    # first (sm_90; won at some shapes, lost at DeepSeek-V3's); more K tiles of weights in
+    # flight, two in registers (depth 2) or 2-3 ahead through shared memory by Triton's
+    # pipeliner (pipe 3, 4); gate_up rounding x itself (one launch fewer; a q2s-only case)
     best = score(best_gu, best_dn)
-    ahead = ({"pipe_x": True}, {"depth": 2}, {"pipe": 3}, {"pipe": 4})
+    ahead = ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
     options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
     options += [(launch, a) for launch in ("gu", "dn") for a in ahead]
     options += [("gu", {"quant_in": True})]
