@@ -610,9 +610,10 @@ def _q2s_gemv_kernel(
     word's dot products are integer (IDP4A). The levels (-b, -a, a, b) are linear in the code's
     two bits: L = β(2c - 3) + γ(2h - 1), h the high bit, β = (b - a)/2, γ = (3a - b)/2 (zero when
     b = 3a). Per word, `_q2s_word_dots` gives R = 32(2C - 3Σq) (C = Σ c·q, the -96Σq entering
-    as the first IDP4A's addend) and, for a fitted grid, with HIGH, RH = 64(2H - Σq); each
-    is converted once per word and row and multiplied by the group and activation scales:
-    y = β/32 Σ R·s + γ/64 Σ RH·s.
+    as the first IDP4A's addend) and, for a fitted grid, with HIGH, RH = 64(2H - Σq) (in a
+    second pass over the words, after the K loop, so that the b = 3a loop holds no registers
+    for it); each is converted once per word and row and multiplied by the group and
+    activation scales: y = β/32 Σ R·s + γ/64 Σ RH·s.
     QUANT_OUT (gate_up, SUB 8 or a multiple of 16, INTER of 16): h is written as int8 words (oq,
     osc, osum: `_quant_store`) instead of float, so no launch rounds it for down (SUB 8: the two
     sub-tiles' rows are one word).
@@ -803,16 +804,6 @@ def _q2s_gemv_kernel(
                     acc1 += _group_sum(r1.to(tl.float32) * xsc, WPG) * sc1
                     acc2 += _group_sum(r2.to(tl.float32) * xsc, WPG) * sc2
                     acc3 += _group_sum(r3.to(tl.float32) * xsc, WPG) * sc3
-                    if corr != 0:  # RH = 128H - 64Σq = 64(2H - Σq)
-                        hinit = qs * -64
-                        h0 = _q2s_word_dots(w0, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                        h1 = _q2s_word_dots(w1, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                        h2 = _q2s_word_dots(w2, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                        h3 = _q2s_word_dots(w3, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                        av0 += _group_sum(h0 * xsc, WPG) * sc0
-                        av1 += _group_sum(h1 * xsc, WPG) * sc1
-                        av2 += _group_sum(h2 * xsc, WPG) * sc2
-                        av3 += _group_sum(h3 * xsc, WPG) * sc3
                 else:
                     sc0 = sc0 * xsc
                     sc1 = sc1 * xsc
@@ -822,16 +813,6 @@ def _q2s_gemv_kernel(
                     acc1 += r1.to(tl.float32) * sc1
                     acc2 += r2.to(tl.float32) * sc2
                     acc3 += r3.to(tl.float32) * sc3
-                    if corr != 0:  # RH = 128H - 64Σq = 64(2H - Σq)
-                        hinit = qs * -64
-                        h0 = _q2s_word_dots(w0, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                        h1 = _q2s_word_dots(w1, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                        h2 = _q2s_word_dots(w2, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                        h3 = _q2s_word_dots(w3, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                        av0 += h0 * sc0
-                        av1 += h1 * sc1
-                        av2 += h2 * sc2
-                        av3 += h3 * sc3
             else:
                 s0 = tl.zeros((SUB, W), tl.float32)
                 s1 = tl.zeros((SUB, W), tl.float32)
@@ -917,6 +898,46 @@ def _q2s_gemv_kernel(
             else:
                 w0, w1, w2, w3 = n0, n1, n2, n3
             wd, wmask = wd_next, wmask_next
+        if INT8 and (corr != 0):
+            # a fitted grid (b != 3a; the converter writes b = 3a): the high bits' sums, in a
+            # pass of their own over the words, so that the loop above keeps no registers for
+            # them (sm_90: 16-row sub-tiles 158 -> 124 registers, 32-row ones with 8 warps
+            # 171 -> 126). RH = 128H - 64Σq = 64(2H - Σq), summed as the loop above sums R.
+            for k0 in range(0, K, BLOCK_K):
+                wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
+                wmask = wd < row_words
+                w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN)
+                w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
+                w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
+                w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
+                sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W, EVEN,
+                                       GSUM)  # fmt: skip
+                sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W, EVEN,
+                                       GSUM)  # fmt: skip
+                sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN,
+                                       GSUM)  # fmt: skip
+                sc3 = _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W, EVEN,
+                                       GSUM)  # fmt: skip
+                if QUANT_IN:
+                    q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
+                else:
+                    q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
+                                                       wmask, EVEN)  # fmt: skip
+                hinit = qs * -64
+                h0 = _q2s_word_dots(w0, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                h1 = _q2s_word_dots(w1, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                h2 = _q2s_word_dots(w2, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                h3 = _q2s_word_dots(w3, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
+                if GSUM:
+                    av0 += _group_sum(h0 * xsc, WPG) * sc0
+                    av1 += _group_sum(h1 * xsc, WPG) * sc1
+                    av2 += _group_sum(h2 * xsc, WPG) * sc2
+                    av3 += _group_sum(h3 * xsc, WPG) * sc3
+                else:
+                    av0 += h0 * (sc0 * xsc)
+                    av1 += h1 * (sc1 * xsc)
+                    av2 += h2 * (sc2 * xsc)
+                    av3 += h3 * (sc3 * xsc)
         if INT8:
             # β/32 and γ/64 (module docstring); β = a exactly when b = 3a
             beta = tl.where(corr != 0, 0.5 * (_f32_at(bptr, aux + 4) - a), a) / 32
