@@ -640,7 +640,7 @@ def _q2s_gemv_kernel(
         and the pipeliner streams what the loop loads itself, the activations and group
         scales, one tile ahead through shared memory (their wait at the top of every K tile
         was the loop's longest stall in an H200 profile; held in registers a tile ahead they
-        cost 24-40 registers, through shared memory 4-17).
+        cost up to 40 registers, through shared memory -2 to +17).
     QUANT_IN (gate_up, int8, no delta plane; `KernelChoice.quant_in`): each program rounds its
         K tiles of x to int8 words itself (`_quant_tile`, the same rounding as
         `_quant_words_kernel`) instead of reading them: one launch fewer per call.
@@ -902,7 +902,7 @@ def _q2s_gemv_kernel(
             # a fitted grid (b != 3a; the converter writes b = 3a): the high bits' sums, in a
             # pass of their own over the words, so that the loop above keeps no registers for
             # them (sm_90: 16-row sub-tiles 158 -> 124 registers, 32-row ones with 8 warps
-            # 171 -> 126). RH = 128H - 64Σq = 64(2H - Σq), summed as the loop above sums R.
+            # 171 -> 122). RH = 128H - 64Σq = 64(2H - Σq), summed as the loop above sums R.
             for k0 in range(0, K, BLOCK_K):
                 wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                 wmask = wd < row_words
