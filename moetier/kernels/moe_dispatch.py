@@ -41,16 +41,19 @@ class KernelChoice:
     prefetch_l2: bool = False
     pdl: bool = False
     # q2s GEMV int8, gate_up: x rounded to int8 words in the kernel (one launch fewer a call;
-    # not with a delta plane, which reads the rounded x from memory). Not yet timed: off.
+    # not with a delta plane, which reads the rounded x from memory). Slower at every large
+    # shape on the H200 (the rounding in the K loop costs more than the launch): off.
     quant_in: bool = False
-    # q2s GEMV: K tiles of weights loaded ahead of the one being decoded (1 or 2). Not yet
-    # timed: 1.
+    # q2s GEMV: K tiles of weights loaded ahead of the one being decoded (1 or 2); tuned per
+    # launch (H200: kept for DeepSeek-V3's down only).
     depth: int = 1
     # q2s GEMV: 0, or the loop's stages when Triton's pipeliner streams the K tiles through
-    # shared memory (cp.async) instead of the hand-made prefetch. Not yet timed: 0.
+    # shared memory (cp.async) instead of the hand-made prefetch. Slower at every shape on
+    # the H200 (docs/benchmarks.md): 0.
     pipe: int = 0
     # q2s GEMV, pipe 0: the activations and group scales (not the words) streamed one K tile
-    # ahead through shared memory by Triton's pipeliner. Not yet timed: off.
+    # ahead through shared memory by Triton's pipeliner; tuned per launch (H200: kept for
+    # both of DeepSeek-V3's launches and Qwen3-30B-A3B's down).
     pipe_x: bool = False
 
 
