@@ -400,7 +400,21 @@ def main() -> None:
         "both launches' dispatcher configs, e.g. depth=2 or prefetch_l2=1,depth=2; repeatable "
         "(a same-run A/B without retuning)",
     )
+    parser.add_argument(
+        "--eager",
+        metavar="SHAPE:TOKENS",
+        help="only run that q2s case's call 12 times, eagerly, 6 routings twice (a target for "
+        "Nsight Compute: ncu -k regex:_q2s_gemv_kernel --launch-skip 8 --launch-count 2), and exit",
+    )
     args = parser.parse_args()
+    if args.eager:
+        shape, tokens = args.eager.split(":")
+        hidden, inter, _, _ = SHAPES[shape]
+        case = Case(shape, q2s_expert_format(hidden, inter, False, 32, 16), None)
+        for r in case.routings(int(tokens), 6, seed=int(tokens)) * 2:
+            case.call(r, None)
+        torch.cuda.synchronize()
+        return
     variants = [parse_variant(v) for v in args.variant]
     info = run_info()
     copy_bw = copy_bandwidth()
