@@ -530,6 +530,31 @@ def _q2s_group_scale(bptr, scales, rows, rmask, k0, row_groups, GROUP: tl.conste
 
 
 @triton.jit
+def _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3, wd, wmask, row_words,
+                EVEN: tl.constexpr):  # fmt: skip
+    """Words wd of the four sub-tiles' rows (`_q2s_words` each)."""
+    return (
+        _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN),
+        _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN),
+        _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN),
+        _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN),
+    )
+
+
+@triton.jit
+def _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k0, row_groups,
+                       GROUP: tl.constexpr, W: tl.constexpr, EVEN: tl.constexpr,
+                       PER_GROUP: tl.constexpr):  # fmt: skip
+    """The K tile's group scales of the four sub-tiles' rows (`_q2s_group_scale` each)."""
+    return (
+        _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W, EVEN, PER_GROUP),
+        _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W, EVEN, PER_GROUP),
+        _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN, PER_GROUP),
+        _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W, EVEN, PER_GROUP),
+    )
+
+
+@triton.jit
 def _group_sum(t, WPG: tl.constexpr):
     """[SUB, W] -> [SUB, W / WPG]: sums of WPG consecutive words (one group each)."""
     return tl.sum(tl.reshape(t, (t.shape[0], t.shape[1] // WPG, WPG)), axis=2)
@@ -727,10 +752,8 @@ def _q2s_gemv_kernel(
             w0 = tl.zeros((SUB, W), tl.int32)
             w1, w2, w3 = w0, w0, w0
         else:
-            w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN)
-            w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
-            w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
-            w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
+            w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                         wd, wmask, row_words, EVEN)  # fmt: skip
         # DEPTH 2: tile 1 too (v: the tile after w); EVEN: K >= BLOCK_K, and a one-tile K
         # reloads tile 0 (from L1) rather than masking
         v0, v1, v2, v3 = w0, w1, w2, w3
@@ -739,10 +762,8 @@ def _q2s_gemv_kernel(
             if EVEN:
                 wd1 = tl.multiple_of(tl.minimum(BLOCK_K, K - BLOCK_K) // 16, W) + tl.arange(0, W)
             wmask1 = wd1 < row_words
-            v0 = _q2s_words(wbase, rows0, m0, wd1, wmask1, row_words, EVEN)
-            v1 = _q2s_words(wbase, rows1, m1, wd1, wmask1, row_words, EVEN)
-            v2 = _q2s_words(wbase, rows2, m2, wd1, wmask1, row_words, EVEN)
-            v3 = _q2s_words(wbase, rows3, m3, wd1, wmask1, row_words, EVEN)
+            v0, v1, v2, v3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                         wd1, wmask1, row_words, EVEN)  # fmt: skip
         if PREFETCH_L2:
             slot_off = tl.load(slot_offsets + slot)
             if (slot_off >= 0) & (slot_off < pool_bytes):
@@ -765,10 +786,8 @@ def _q2s_gemv_kernel(
             if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
                 wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                 wmask = wd < row_words
-                w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN)
-                w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
-                w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
-                w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
+                w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                             wd, wmask, row_words, EVEN)  # fmt: skip
             wd_next = wd + W
             wmask_next = wd_next < row_words
             if PIPE > 0:
@@ -780,14 +799,11 @@ def _q2s_gemv_kernel(
                     kw_next = tl.multiple_of(tl.minimum(k0 + DEPTH * BLOCK_K, K - BLOCK_K) // 16,
                                              W)  # fmt: skip
                     pref = kw_next + tl.arange(0, W)
-                n0 = _q2s_words(wbase, rows0, m0, pref, pmask, row_words, EVEN)
-                n1 = _q2s_words(wbase, rows1, m1, pref, pmask, row_words, EVEN)
-                n2 = _q2s_words(wbase, rows2, m2, pref, pmask, row_words, EVEN)
-                n3 = _q2s_words(wbase, rows3, m3, pref, pmask, row_words, EVEN)
-            sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W, EVEN, GSUM)
-            sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W, EVEN, GSUM)
-            sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN, GSUM)
-            sc3 = _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W, EVEN, GSUM)
+                n0, n1, n2, n3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                             pref, pmask, row_words, EVEN)  # fmt: skip
+            sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3, m0,
+                                                    m1, m2, m3, k0, row_groups, GROUP, W, EVEN,
+                                                    GSUM)  # fmt: skip
             if INT8:
                 if QUANT_IN:  # this tile's activations rounded here, as `_quant_store` does
                     q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
@@ -906,18 +922,11 @@ def _q2s_gemv_kernel(
             for k0 in range(0, K, BLOCK_K):
                 wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                 wmask = wd < row_words
-                w0 = _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN)
-                w1 = _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN)
-                w2 = _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN)
-                w3 = _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN)
-                sc0 = _q2s_group_scale(bptr, scales, rows0, m0, k0, row_groups, GROUP, W, EVEN,
-                                       GSUM)  # fmt: skip
-                sc1 = _q2s_group_scale(bptr, scales, rows1, m1, k0, row_groups, GROUP, W, EVEN,
-                                       GSUM)  # fmt: skip
-                sc2 = _q2s_group_scale(bptr, scales, rows2, m2, k0, row_groups, GROUP, W, EVEN,
-                                       GSUM)  # fmt: skip
-                sc3 = _q2s_group_scale(bptr, scales, rows3, m3, k0, row_groups, GROUP, W, EVEN,
-                                       GSUM)  # fmt: skip
+                w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                             wd, wmask, row_words, EVEN)  # fmt: skip
+                sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3,
+                                                        m0, m1, m2, m3, k0, row_groups, GROUP, W,
+                                                        EVEN, GSUM)  # fmt: skip
                 if QUANT_IN:
                     q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
                 else:
