@@ -47,6 +47,12 @@ TOKENS = [1, 2, 4, 8, 16, 64, 512, 4096]
 L2_BYTES = 50 * 2**20
 
 
+def q2s_format(shape: str) -> BlobFormat:
+    """The q2s expert format every case of this shape uses (gate_up groups of 32, down of 16)."""
+    hidden, inter, _, _ = SHAPES[shape]
+    return q2s_expert_format(hidden, inter, False, 32, 16)
+
+
 def weight_bytes(fmt: BlobFormat) -> int:
     return sum(t.nbytes for t in fmt.tensors)
 
@@ -409,8 +415,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.eager:
         shape, tokens = args.eager.split(":")
-        hidden, inter, _, _ = SHAPES[shape]
-        case = Case(shape, q2s_expert_format(hidden, inter, False, 32, 16), None)
+        case = Case(shape, q2s_format(shape), None)
         for r in case.routings(int(tokens), 6, seed=int(tokens)) * 2:
             case.call(r, None)
         torch.cuda.synchronize()
@@ -423,7 +428,7 @@ def main() -> None:
     tuned: dict[str, dict] = dict(moe_dispatch.tuned_configs(moe_dispatch._device_name()))  # type: ignore[type-arg]
     for shape in args.shapes.split(","):
         hidden, inter, experts, top_k = SHAPES[shape]
-        q2s = q2s_expert_format(hidden, inter, False, 32, 16)
+        q2s = q2s_format(shape)
         nvfp4 = fp4_expert_format("nvfp4", hidden, inter, False)
         bf16 = raw_expert_format("bfloat16", hidden, inter, False)
         cases = {

@@ -1,16 +1,16 @@
 """bench/hbm_pattern.py's kernel reads every word of each region once, in either tile order
-(Triton's interpreter on CPU): its result against the same reduction in torch."""
+(on CPU in Triton's interpreter, which conftest turns on): its result against the same
+reduction in torch."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 hbm_pattern = pytest.importorskip("hbm_pattern")
 
@@ -44,7 +44,7 @@ def test_pattern_kernel_reads_every_word(tile_major):
     regions, row_words, region_rows, rows, cw = 3, 16, 8, 4, 8
     src = torch.randint(-(2**31), 2**31 - 1, (regions * region_rows * row_words,),
                         dtype=torch.int32, generator=gen)  # fmt: skip
-    out = torch.zeros(regions, dtype=torch.int32)
-    hbm_pattern.read_pattern(src, out, row_words, region_rows, rows, cw, 2, tile_major)
+    out = torch.zeros(regions, dtype=torch.int32, device=DEVICE)
+    hbm_pattern.read_pattern(src.to(DEVICE), out, row_words, region_rows, rows, cw, 2, tile_major)
     want = expected(src, regions, row_words, region_rows, rows, cw, 2, bool(tile_major))
-    assert torch.equal(out, want)
+    assert torch.equal(out.cpu(), want)
