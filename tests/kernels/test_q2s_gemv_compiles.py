@@ -1,0 +1,37 @@
+"""The q2s GEMV kernel compiles for sm_90 (here, without a GPU: `bench/sass_count.py` runs
+Triton's compiler and its bundled ptxas) in each of its constexpr paths, without spilling.
+Triton's interpreter, which the CPU tests run the kernel in, does not check what the compiler
+checks (a loop-carried variable keeping its type, for one: the float path once re-used a
+name the look-ahead carries, which only the H200 caught)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[2] / "bench"
+
+VARIANTS = [
+    ["--float"],
+    ["--float", "--depth", "2"],
+    ["--delta", "nvfp4", "--even", "0"],
+    ["--depth", "2", "--prefetch-l2", "1", "--pdl", "1"],
+    ["--pipe", "3", "--quant-in", "1"],
+    ["--pipe-x", "1", "--group-acc", "1", "--sub", "32", "--warps", "8"],
+]
+
+
+@pytest.mark.parametrize("args", VARIANTS, ids=lambda a: "".join(a).replace("--", "_"))
+def test_q2s_gemv_compiles_for_sm90(args):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU tests set it
+    out = subprocess.run([sys.executable, str(BENCH / "sass_count.py"), *args],
+                         capture_output=True, text=True, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads(out.stdout.splitlines()[-1])
+    assert rec["stack_bytes"] == 0 and rec["registers"] <= 255
+    assert rec["loop_instructions"] > 0
