@@ -278,10 +278,12 @@ def tune_q2s_gemv(case: Case, tokens: list[int]) -> dict[str, dict]:  # type: ig
     """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down,
     for all of `tokens` at once (one config serves every decode size: the score is the sum
     over them of each time over the first candidate's); for a ZeroCopyCase the `q2s-gemv-zc:`
-    configs (reads over PCIe: whole rows per K tile are among the candidates)."""
+    configs (reads over PCIe: whole rows per K tile are among the candidates), for a case with
+    a delta plane the `q2s-gemv-delta:` ones (depth 1; pipe_x and prefetch_l2 per launch)."""
     gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
     assert gu is not None and dn is not None
     zero_copy = isinstance(case, ZeroCopyCase)
+    delta = case.delta is not None
     cands = [
         # int8 activations only: the float path lost every shape by 2-3x (docs/benchmarks.md)
         replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w, int8_act=True)
@@ -297,7 +299,8 @@ def tune_q2s_gemv(case: Case, tokens: list[int]) -> dict[str, dict]:  # type: ig
     # each tile also with its activations and scales through shared memory (pipe_x): it
     # changes registers and stalls enough to reorder the tiles (H200: only tried on the
     # winning tile, it won DeepSeek-V3 6-11%)
-    cands += [replace(c, pipe_x=True) for c in cands]
+    if not delta:  # (with a delta: tried on the winners below, to keep the sweep short)
+        cands += [replace(c, pipe_x=True) for c in cands]
     first: list[float] = []
 
     def score(c_gu: KernelChoice, c_dn: KernelChoice) -> float:
@@ -317,10 +320,10 @@ def tune_q2s_gemv(case: Case, tokens: list[int]) -> dict[str, dict]:  # type: ig
     # flight, two in registers (depth 2) or 2-3 ahead through shared memory by Triton's
     # pipeliner (pipe 3, 4); gate_up rounding x itself (one launch fewer; a q2s-only case)
     best = score(best_gu, best_dn)
-    ahead = ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
+    ahead = ({"pipe_x": True},) if delta else ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
     options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
     options += [(launch, a) for launch in ("gu", "dn") for a in ahead]
-    options += [("gu", {"quant_in": True})]
+    options += [] if delta else [("gu", {"quant_in": True})]
     for launch, option in options:
         c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
         c_dn = replace(best_dn, **option) if launch == "dn" else best_dn
@@ -329,7 +332,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int]) -> dict[str, dict]:  # type: ig
             best_gu, best_dn, best = c_gu, c_dn, got
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
               "quant_in", "depth", "pipe", "pipe_x")  # fmt: skip
-    key = "q2s-gemv-zc" if zero_copy else "q2s-gemv"
+    key = "q2s-gemv-zc" if zero_copy else "q2s-gemv-delta" if delta else "q2s-gemv"
     return {
         f"{key}:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
         f"{key}:{dn.n}x{dn.k}": {f: asdict(best_dn)[f] for f in fields},
@@ -389,6 +392,12 @@ def main() -> None:
     parser.add_argument(
         "--tune-mma", default="", help="tokens to tune the q2s prefill kernel at (e.g. 512,4096)"
     )
+    parser.add_argument(
+        "--tune-delta",
+        default="",
+        help="tokens to tune the q2s GEMV's configs for calls with an NVFP4 delta plane at "
+        "(e.g. 1,16; q2s-gemv-delta: entries)",
+    )
     parser.add_argument("--configs-out", type=Path, help="where --tune writes the tuned JSON")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument(
@@ -439,7 +448,7 @@ def main() -> None:
         zc_name = f"q2s-zero-copy-{args.zero_copy:g}"
         if args.zero_copy:
             cases[zc_name] = ZeroCopyCase(shape, q2s, args.zero_copy)
-        if args.tune or args.tune_mma:
+        if args.tune or args.tune_mma or args.tune_delta:
             tune_tokens = [int(t) for t in args.tune_tokens.split(",")] if args.tune else []
             decode = [t for t in tune_tokens if t * top_k < moe_dispatch.GEMM_MIN_PAIRS]
             if decode:  # the q2s GEMV: one config for all of them
@@ -449,6 +458,9 @@ def main() -> None:
                     tuned.update(tune(cases["q2s"], t))
             if args.tune and args.zero_copy:  # at the first tuned size (decode: 1 token)
                 tuned.update(tune_q2s_gemv(cases[zc_name], tune_tokens[:1]))
+            if args.tune_delta:
+                delta_tokens = [int(t) for t in args.tune_delta.split(",")]
+                tuned.update(tune_q2s_gemv(cases["q2s+nvfp4"], delta_tokens))
             for t in (int(t) for t in args.tune_mma.split(",") if t):
                 tuned.update(tune_q2s_mma(cases["q2s"], t))
             moe_dispatch.tuned_configs.cache_clear()

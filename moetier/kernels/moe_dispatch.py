@@ -130,12 +130,15 @@ def choose_q2s_gemv(n: int, k: int, zero_copy: bool = False, delta: bool = False
     """Config of the q2s GEMV kernel for one [n, k] projection (few pairs per call).
     zero_copy: the call reads blobs from pinned host rows too (zero-copy decode), whose tuned
     configs (`q2s-gemv-zc:`, PCIe-bound: larger K tiles win) are taken where they exist.
-    delta: the call has a delta plane; the configs are tuned on the base plane alone, and the
-    delta's extra loads and registers make two K tiles in registers (depth 2) a loss there
-    (H200, DeepSeek-V3 down at 8 tokens: 0.855 -> 0.950 ms a call), so depth is 1."""
+    delta: the call has a delta plane, whose loads and registers move the best tile; its own
+    tuned configs (`q2s-gemv-delta:`, `bench/kernels.py --tune-delta`) are taken where they
+    exist, else the base plane's at depth 1 (two K tiles in registers lost with a delta: H200,
+    DeepSeek-V3 down at 8 tokens 0.855 -> 0.950 ms a call)."""
     table = tuned_configs(_device_name())
-    tuned = (table.get(f"q2s-gemv-zc:{n}x{k}") if zero_copy else None) or table.get(
-        f"q2s-gemv:{n}x{k}"
+    tuned = (
+        (table.get(f"q2s-gemv-zc:{n}x{k}") if zero_copy else None)
+        or (table.get(f"q2s-gemv-delta:{n}x{k}") if delta and not zero_copy else None)
+        or table.get(f"q2s-gemv:{n}x{k}")
     )
     c = replace(Q2S_GEMV, **tuned) if tuned else Q2S_GEMV  # type: ignore[arg-type]
     return replace(c, depth=1) if delta else c

@@ -389,6 +389,19 @@ def test_delta_calls_keep_one_tile_in_registers(monkeypatch):
     assert [a[3] for a in seen] == [True, True, False, False]  # gate_up, down of each call
 
 
+def test_delta_configs_serve_delta_calls(monkeypatch):
+    """`q2s-gemv-delta:` entries (tuned on calls with a delta plane) serve those calls only."""
+    table = {
+        "q2s-gemv:7168x2048": {"block_n": 32, "block_k": 512, "depth": 2},
+        "q2s-gemv-delta:7168x2048": {"block_n": 128, "block_k": 256, "num_warps": 8},
+    }
+    monkeypatch.setattr(moe_dispatch, "tuned_configs", lambda name: table)
+    assert moe_dispatch.choose_q2s_gemv(7168, 2048).block_n == 32
+    delta = moe_dispatch.choose_q2s_gemv(7168, 2048, delta=True)
+    assert (delta.block_n, delta.block_k, delta.num_warps, delta.depth) == (128, 256, 8, 1)
+    assert moe_dispatch.choose_q2s_gemv(7168, 2048, zero_copy=True).block_n == 32
+
+
 # ---- the full sweep on the device --------------------------------------------------------
 
 SWEEP_TOKENS = [1, 2, 7, 64, 65, 4096]
