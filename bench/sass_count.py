@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--pipe", type=int, default=0, help="PIPE constexpr (loop stages)")
     parser.add_argument("--pipe-x", type=int, default=0,
                         help="1: loop stages 2 with PIPE 0 (KernelChoice.pipe_x)")  # fmt: skip
+    parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
@@ -79,7 +80,9 @@ def main() -> None:
     ]
     source = ASTSource(fn, sig, const, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     kernel = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps}
+        source,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": args.warps, "maxnreg": args.maxnreg},
     )
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
