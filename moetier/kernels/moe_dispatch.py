@@ -55,9 +55,6 @@ class KernelChoice:
     # ahead through shared memory by Triton's pipeliner; tuned per launch (H200: kept for
     # both of DeepSeek-V3's launches and Qwen3-30B-A3B's down).
     pipe_x: bool = False
-    # q2s GEMV: a cap on registers per thread (ptxas maxnreg; 0: none), more programs per SM
-    # where the loop is latency-bound; below the kernel's need it spills
-    maxnreg: int = 0
 
 
 GEMV = KernelChoice()

@@ -1393,7 +1393,7 @@ def _q2s_gemv(
             c.prefetch_l2 and hopper and spec.k % 64 == 0, pool.numel(),
             pdl, quant_in and not is_down, c.depth, c.pipe, c.pipe or (2 if c.pipe_x else None),
             num_warps=c.num_warps, num_stages=c.num_stages,
-            launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg and _inline_asm() else {}),
+            launch_pdl=pdl,
         )  # fmt: skip
 
 
