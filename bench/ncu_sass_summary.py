@@ -26,12 +26,13 @@ def number(text: str) -> float:
 
 
 def kernels(rows: list[list[str]]) -> list[tuple[list[str], list[list[str]]]]:
-    """(header, SASS rows) per kernel: each kernel's table starts with a row holding "Address"."""
+    """(header, SASS rows) per kernel: each kernel's table starts with a row holding "Address";
+    rows shorter than it (each kernel's "Kernel Name" row, before the next table) are not SASS."""
     out: list[tuple[list[str], list[list[str]]]] = []
     for row in rows:
         if "Address" in row[:2]:
             out.append((row, []))
-        elif out and row:
+        elif out and len(row) >= len(out[-1][0]):
             out[-1][1].append(row)
     return out
 

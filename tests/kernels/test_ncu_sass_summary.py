@@ -20,7 +20,8 @@ ROWS = [
 
 
 def test_summary_of_two_kernels(tmp_path):
-    text = '"Kernel Name","_q2s_gemv_kernel",\n' + "\n".join([HEADER, *ROWS, HEADER, ROWS[0]])
+    name = '"Kernel Name","_q2s_gemv_kernel",'
+    text = "\n".join([name, HEADER, *ROWS, name, HEADER, ROWS[0]])
     path = tmp_path / "src.csv"
     path.write_text(text + "\n")
     out = subprocess.run([sys.executable, str(BENCH / "ncu_sass_summary.py"), str(path)],
