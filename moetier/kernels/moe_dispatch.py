@@ -52,8 +52,8 @@ class KernelChoice:
     # the H200 (docs/benchmarks.md): 0.
     pipe: int = 0
     # q2s GEMV, pipe 0: the activations and group scales (not the words) streamed one K tile
-    # ahead through shared memory by Triton's pipeliner; tuned per launch (H200: kept for
-    # both of DeepSeek-V3's launches and Qwen3-30B-A3B's down).
+    # ahead through shared memory by Triton's pipeliner; tuned per launch (H200: won while
+    # the fitted path ran, kept by no launch on the b = 3a path).
     pipe_x: bool = False
 
 
