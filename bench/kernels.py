@@ -274,7 +274,7 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
     }
 
 
-def tune_q2s_gemv(case: Case, tokens: list[int]) -> dict[str, dict]:  # type: ignore[type-arg]
+def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, dict]:  # type: ignore[type-arg]
     """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down,
     for all of `tokens` at once (one config serves every decode size: the score is the sum
     over them of each time over the first candidate's); for a ZeroCopyCase the `q2s-gemv-zc:`
@@ -334,8 +334,8 @@ def tune_q2s_gemv(case: Case, tokens: list[int]) -> dict[str, dict]:  # type: ig
               "quant_in", "depth", "pipe", "pipe_x")  # fmt: skip
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv-delta" if delta else "q2s-gemv"
     return {
-        f"{key}:{gu.n}x{gu.k}": {f: asdict(best_gu)[f] for f in fields},
-        f"{key}:{dn.n}x{dn.k}": {f: asdict(best_dn)[f] for f in fields},
+        f"{key}:{gu.n}x{gu.k}{suffix}": {f: asdict(best_gu)[f] for f in fields},
+        f"{key}:{dn.n}x{dn.k}{suffix}": {f: asdict(best_dn)[f] for f in fields},
     }
 
 
@@ -398,6 +398,12 @@ def main() -> None:
         help="tokens to tune the q2s GEMV's configs for calls with an NVFP4 delta plane at "
         "(e.g. 1,16; q2s-gemv-delta: entries)",
     )
+    parser.add_argument(
+        "--tune-small",
+        default="",
+        help="tokens to tune a second q2s GEMV config at, for calls of at most the largest of "
+        "them (e.g. 1,2: q2s-gemv:NxK:p<2 top_k> entries; the others keep --tune's)",
+    )
     parser.add_argument("--configs-out", type=Path, help="where --tune writes the tuned JSON")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument(
@@ -448,7 +454,7 @@ def main() -> None:
         zc_name = f"q2s-zero-copy-{args.zero_copy:g}"
         if args.zero_copy:
             cases[zc_name] = ZeroCopyCase(shape, q2s, args.zero_copy)
-        if args.tune or args.tune_mma or args.tune_delta:
+        if args.tune or args.tune_mma or args.tune_delta or args.tune_small:
             tune_tokens = [int(t) for t in args.tune_tokens.split(",")] if args.tune else []
             decode = [t for t in tune_tokens if t * top_k < moe_dispatch.GEMM_MIN_PAIRS]
             if decode:  # the q2s GEMV: one config for all of them
@@ -458,6 +464,9 @@ def main() -> None:
                     tuned.update(tune(cases["q2s"], t))
             if args.tune and args.zero_copy:  # at the first tuned size (decode: 1 token)
                 tuned.update(tune_q2s_gemv(cases[zc_name], tune_tokens[:1]))
+            if args.tune_small:
+                small = [int(t) for t in args.tune_small.split(",")]
+                tuned.update(tune_q2s_gemv(cases["q2s"], small, f":p{max(small) * top_k}"))
             if args.tune_delta:
                 delta_tokens = [int(t) for t in args.tune_delta.split(",")]
                 tuned.update(tune_q2s_gemv(cases["q2s+nvfp4"], delta_tokens))
@@ -484,7 +493,8 @@ def main() -> None:
                 if pairs < moe_dispatch.Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(*specs, *dspecs):  # type: ignore[arg-type]
                     split = 0
                 zero_copy = isinstance(case, ZeroCopyCase)
-                gu_choice = moe_dispatch.choose_q2s_gemv(2 * inter, hidden, zero_copy)
+                gu_choice = moe_dispatch.choose_q2s_gemv(2 * inter, hidden, zero_copy,
+                                                         pairs=pairs)  # fmt: skip
                 int8 = split == 0 and gu_choice.int8_act
                 quant_in = int8 and gu_choice.quant_in and case.delta is None
                 nbytes, dbytes = case.bytes_per_call(r, split, int8, quant_in)
@@ -507,7 +517,8 @@ def main() -> None:
                     continue
                 for label, fields in variants:  # the same case with forced fields
                     c_gu = replace(gu_choice, **fields)
-                    c_dn = replace(moe_dispatch.choose_q2s_gemv(hidden, inter), **fields)
+                    c_dn = replace(moe_dispatch.choose_q2s_gemv(hidden, inter, pairs=pairs),
+                                   **fields)  # fmt: skip
                     ms_v = time_case(case, tokens, (c_gu, c_dn))[0]
                     gbs_v = (nbytes + dbytes) / ms_v / 1e6
                     emit({**rec, "format": f"q2s[{label}]", "ms": round(ms_v, 5),

@@ -126,19 +126,37 @@ def choose(pairs: int, num_experts: int, n: int, k: int) -> KernelChoice:
     return base
 
 
-def choose_q2s_gemv(n: int, k: int, zero_copy: bool = False, delta: bool = False) -> KernelChoice:
+def choose_q2s_gemv(
+    n: int, k: int, zero_copy: bool = False, delta: bool = False, pairs: int | None = None
+) -> KernelChoice:
     """Config of the q2s GEMV kernel for one [n, k] projection (few pairs per call).
     zero_copy: the call reads blobs from pinned host rows too (zero-copy decode), whose tuned
     configs (`q2s-gemv-zc:`, PCIe-bound: larger K tiles win) are taken where they exist.
     delta: the call has a delta plane, whose loads and registers move the best tile; its own
     tuned configs (`q2s-gemv-delta:`, `bench/kernels.py --tune-delta`) are taken where they
     exist, else the base plane's at depth 1 (two K tiles in registers lost with a delta: H200,
-    DeepSeek-V3 down at 8 tokens 0.855 -> 0.950 ms a call)."""
+    DeepSeek-V3 down at 8 tokens 0.855 -> 0.950 ms a call).
+    pairs: the call's (token, expert) pairs; an entry `<key>:p<P>` (`--tune-small`: tuned on
+    calls of at most P pairs) serves calls of at most P pairs, the smallest such P first,
+    before the entry without a size."""
     table = tuned_configs(_device_name())
+
+    def entry(prefix: str) -> dict[str, int | bool] | None:
+        key = f"{prefix}:{n}x{k}"
+        if pairs is not None:
+            sized = [
+                (int(name.rsplit(":p", 1)[1]), name)
+                for name in table
+                if name.startswith(key + ":p") and pairs <= int(name.rsplit(":p", 1)[1])
+            ]
+            if sized:
+                return table[min(sized)[1]]
+        return table.get(key)
+
     tuned = (
-        (table.get(f"q2s-gemv-zc:{n}x{k}") if zero_copy else None)
-        or (table.get(f"q2s-gemv-delta:{n}x{k}") if delta and not zero_copy else None)
-        or table.get(f"q2s-gemv:{n}x{k}")
+        (entry("q2s-gemv-zc") if zero_copy else None)
+        or (entry("q2s-gemv-delta") if delta and not zero_copy else None)
+        or entry("q2s-gemv")
     )
     c = replace(Q2S_GEMV, **tuned) if tuned else Q2S_GEMV  # type: ignore[arg-type]
     return replace(c, depth=1) if delta else c

@@ -1227,8 +1227,8 @@ def moe_slots_triton(
         if pairs < Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(gu, dn, dgu, ddn):
             delta = dgu is not None
             choice = (
-                choose_q2s_gemv(gu.n, gu.k, zero_copy, delta),
-                choose_q2s_gemv(dn.n, dn.k, zero_copy, delta),
+                choose_q2s_gemv(gu.n, gu.k, zero_copy, delta, pairs),
+                choose_q2s_gemv(dn.n, dn.k, zero_copy, delta, pairs),
             )
         elif q2s_mma.supports(gu, dn, dgu, ddn):
             choice = choose_q2s_mma(pairs, experts, (gu.n, gu.k), (dn.n, dn.k))

@@ -402,6 +402,26 @@ def test_delta_configs_serve_delta_calls(monkeypatch):
     assert moe_dispatch.choose_q2s_gemv(7168, 2048, zero_copy=True).block_n == 32
 
 
+def test_sized_configs_serve_calls_up_to_their_pairs(monkeypatch):
+    """`<key>:p<P>` entries (`--tune-small`) serve calls of at most P pairs, the smallest P
+    that fits first; larger calls, and calls whose pairs are not given, take the plain key."""
+    table = {
+        "q2s-gemv:2048x768": {"block_n": 128, "block_k": 256},
+        "q2s-gemv:2048x768:p16": {"block_n": 32, "block_k": 512},
+        "q2s-gemv:2048x768:p8": {"block_n": 16, "block_k": 1024},
+        "q2s-gemv-delta:2048x768:p16": {"block_n": 64, "block_k": 256},
+    }
+    monkeypatch.setattr(moe_dispatch, "tuned_configs", lambda name: table)
+    choose = moe_dispatch.choose_q2s_gemv
+    assert [choose(2048, 768, pairs=p).block_n for p in (1, 8, 9, 16, 17, 512)] == [
+        16, 16, 32, 32, 128, 128,
+    ]  # fmt: skip
+    assert choose(2048, 768).block_n == 128
+    assert choose(2048, 768, delta=True, pairs=16).block_n == 64
+    assert choose(2048, 768, delta=True, pairs=24).block_n == 128  # the base key, depth 1
+    assert choose(1536, 2048, pairs=8) == moe_dispatch.Q2S_GEMV
+
+
 # ---- the full sweep on the device --------------------------------------------------------
 
 SWEEP_TOKENS = [1, 2, 7, 64, 65, 4096]
