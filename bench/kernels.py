@@ -58,7 +58,12 @@ def weight_bytes(fmt: BlobFormat) -> int:
 
 
 class Case:
-    """All experts of one layer in a GPU pool (base slots, then delta slots)."""
+    """All experts of one layer in a GPU pool (base slots, then delta slots). Routings are
+    each token's top-k of random scores, or with `Case.routing = "distinct"` a call's pairs
+    all on different experts while there are enough of them (a study: duplicate experts in a
+    call are read once per pair by the q2s GEMV)."""
+
+    routing = "random"
 
     def __init__(
         self,
@@ -75,9 +80,9 @@ class Case:
         n = self.experts * (2 if delta else 1)
         self.pool = torch.empty(n, self.slot_bytes, dtype=torch.uint8, device="cuda")
         gen = torch.Generator().manual_seed(0)
-        # a few distinct random blobs copied into every slot; q2s with the b = 3a grid, or a
-        # fitted grid (b != 3a, what the importance-aware quantizer writes: the kernel's extra
-        # high-bit products)
+        # a few distinct random blobs copied into every slot; q2s with the b = 3a grid (what
+        # the converter writes), or a fitted grid (b != 3a: the format allows it; the kernel's
+        # second pass over the words for the high bits' sums)
         base = [random_blob(fmt, gen, fitted_grid=fitted_grid).cuda() for _ in range(distinct)]
         for e in range(self.experts):
             self.pool[e, : fmt.nbytes] = base[e % distinct]
@@ -94,6 +99,9 @@ class Case:
         for _ in range(count):
             scores = torch.rand(tokens, self.experts, device="cuda", generator=gen)
             ids = scores.topk(self.top_k, dim=1).indices
+            if self.routing == "distinct" and tokens * self.top_k <= self.experts:
+                perm = torch.randperm(self.experts, device="cuda", generator=gen)
+                ids = perm[: tokens * self.top_k].view(tokens, self.top_k)
             sets.append(
                 dict(
                     x=torch.randn(tokens, self.hidden, device="cuda", dtype=torch.bfloat16),
@@ -404,6 +412,13 @@ def main() -> None:
         help="tokens to tune a second q2s GEMV config at, for calls of at most the largest of "
         "them (e.g. 1,2: q2s-gemv:NxK:p<2 top_k> entries; the others keep --tune's)",
     )
+    parser.add_argument(
+        "--routing",
+        choices=("random", "distinct"),
+        default="random",
+        help="distinct: a call's pairs on different experts (up to the expert count), a study "
+        "of what duplicate experts cost the q2s GEMV",
+    )
     parser.add_argument("--configs-out", type=Path, help="where --tune writes the tuned JSON")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument(
@@ -436,7 +451,10 @@ def main() -> None:
         torch.cuda.synchronize()
         return
     variants = [parse_variant(v) for v in args.variant]
+    Case.routing = args.routing
     info = run_info()
+    if args.routing != "random":
+        info["routing"] = args.routing
     copy_bw = copy_bandwidth()
     emit({**info, "case": "copy", "GB/s": round(copy_bw / 1e9, 1)})
     tokens_list = [int(t) for t in args.tokens.split(",")]
