@@ -40,6 +40,10 @@ class KernelChoice:
     # agree on pdl.
     prefetch_l2: bool = False
     pdl: bool = False
+    # q2s GEMV int8 on sm_90, gate_up's choice: the launches rounding activations to int8 are
+    # launched with programmatic dependent launch too (their launch overlaps the kernel
+    # before them, which they wait for before reading anything). Untimed: off.
+    quant_pdl: bool = False
     # q2s GEMV int8, gate_up: x rounded to int8 words in the kernel (one launch fewer a call;
     # not with a delta plane, which reads the rounded x from memory). Slower at every large
     # shape on the H200 (the rounding in the K loop costs more than the launch): off.

@@ -432,14 +432,20 @@ def _quant_store(v, wd, KW, xq_row, xs_row, xsum_row, xqn_row, wmask):
 
 @triton.jit
 def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
-                        BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                        BLOCK_W: tl.constexpr, PDL: tl.constexpr = False,
+                        WAIT: tl.constexpr = False):  # fmt: skip
     """x [R, K] float -> int8 per 16-column word with a float32 scale each (absmax / 127, round
     half up): xq int32 [R, 4, K/16], xs float32 [R, K/16], xsum int32 [R, K/16] = Σ q over the
     word (twin: moe_ref.quant_words_ref). xq's (row, s, w) holds the bytes of columns
     16w + s + 4j, j = 0..3, so the GEMV loads each s for consecutive words as one vector; xqn
     int32 [R, 4, K/16] holds the same bytes in column order: byte s of (row, j, w) is column
     16w + 4j + s (the FP4 delta's products), again one vector per j. PDL: lets the next launch
-    (the GEMV, launched with programmatic dependent launch) start reading its weights now."""
+    (the GEMV, launched with programmatic dependent launch) start reading its weights now.
+    WAIT (launched with programmatic dependent launch itself): first waits for the launch
+    before (x may be its output; nothing is read or written before), and only then lets the
+    next one start, so what the next reads before its own wait is as ready as without it."""
+    if WAIT:
+        gdc_wait()
     if PDL:
         gdc_launch_dependents()
     row = tl.program_id(0)
@@ -1376,7 +1382,10 @@ def _q2s_gemv(
         dspec = dspec if has_delta else None
         xq = xs = xsum = xqn = x  # placeholders, unused without int8 activations
         if int8 and not (quant_in and not is_down):
-            xq, xs, xsum, xqn = hq if is_down and hq is not None else quant_words(x, pdl)
+            xq, xs, xsum, xqn = (
+                hq if is_down and hq is not None
+                else quant_words(x, pdl, pdl and c_gu.quant_pdl)
+            )  # fmt: skip
         oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,
@@ -1427,16 +1436,18 @@ def quant_words_buffers(
 
 
 def quant_words(
-    x: torch.Tensor, pdl: bool = False
+    x: torch.Tensor, pdl: bool = False, pdl_wait: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, K] float (K a multiple of 16) -> (q packed int32 [R, 4, K/16], scale float32
     [R, K/16], Σq int32 [R, K/16], q in column order int32 [R, 4, K/16]): `_quant_words_kernel`,
     twin of moe_ref.quant_words_ref. pdl (sm_90): the next launch, if launched with programmatic
-    dependent launch, may start before this one ends."""
+    dependent launch, may start before this one ends. pdl_wait (sm_90): this launch is one
+    too (its launch overlaps the kernel before; `_quant_words_kernel`'s WAIT)."""
     rows, k = x.shape
     xq, xs, xsum, xqn = quant_words_buffers(rows, k, x.device)
     block_w = min(64, triton.next_power_of_2(k // 16))
     _quant_words_kernel[(rows, triton.cdiv(k // 16, block_w))](
-        x, x.stride(0), x.stride(1), xq, xs, xsum, xqn, k, block_w, pdl
-    )
+        x, x.stride(0), x.stride(1), xq, xs, xsum, xqn, k, block_w, pdl, pdl_wait,
+        launch_pdl=pdl_wait,
+    )  # fmt: skip
     return xq, xs, xsum, xqn

@@ -490,16 +490,19 @@ def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n):
 
 
 @pytest.mark.gpu
-def test_gpu_q2s_gemv_pdl_in_a_cuda_graph():
+@pytest.mark.parametrize("quant_pdl", [False, True])
+def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl):
     """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel
     before it ends and waits for it before reading activations): replays give the eager
-    results, call after call."""
+    results, call after call. quant_pdl: the rounding launch too, each call's x a view of the
+    previous call's output, so that it directly follows the down launch it must wait for."""
     gen = torch.Generator().manual_seed(0)
     fmt = q2s_expert_format(256, 128, False, 32, 16)
     experts, top_k = 16, 4
     pool = Pool(fmt, None, experts, torch.ones(experts, dtype=torch.bool), gen, 0)
     dev_pool, offsets, table, _ = pool.device_args()
-    c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True)
+    c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True,
+                                  quant_pdl=quant_pdl)  # fmt: skip
     x = torch.randn(1, 256, generator=gen).cuda()
     outs, ids = [], []
     for _ in range(6):  # each call's input is the previous call's output: a real dependency
@@ -507,12 +510,18 @@ def test_gpu_q2s_gemv_pdl_in_a_cuda_graph():
         outs.append(torch.zeros(1, top_k, 256, device="cuda"))
     w = torch.rand(1, top_k, generator=gen).cuda()
 
+    # chained directly, the clamped activation keeps the outputs finite
+    act = ExpertActivation("silu_clamped" if quant_pdl else "silu")
+
     def chain() -> None:
         h = x
         for i in range(6):
-            moe_slots_triton(h, ids[i], w, table, dev_pool, fmt, ExpertActivation(), outs[i],
+            moe_slots_triton(h, ids[i], w, table, dev_pool, fmt, act, outs[i],
                              slot_offsets=offsets, choice=(c, c))  # fmt: skip
-            h = torch.nn.functional.normalize(outs[i].sum(1), dim=-1)  # stays finite
+            if quant_pdl:  # no kernel between this call's down and the next one's rounding
+                h = outs[i][:, 0]
+            else:
+                h = torch.nn.functional.normalize(outs[i].sum(1), dim=-1)  # stays finite
 
     chain()
     torch.cuda.synchronize()

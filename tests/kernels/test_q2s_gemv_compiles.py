@@ -35,3 +35,27 @@ def test_q2s_gemv_compiles_for_sm90(args):
     rec = json.loads(out.stdout.splitlines()[-1])
     assert rec["stack_bytes"] == 0 and rec["registers"] <= 255
     assert rec["loop_instructions"] > 0
+
+
+def test_quant_words_kernel_compiles_for_sm90_with_pdl_wait():
+    """`_quant_words_kernel` with WAIT (launched with programmatic dependent launch) compiles
+    for sm_90 and waits (griddepcontrol.wait) before it lets the next launch start
+    (griddepcontrol.launch_dependents)."""
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moetier.kernels import moe_triton
+fn = moe_triton._quant_words_kernel
+const = {"BLOCK_W": 64, "PDL": 1, "WAIT": 1}
+sig = {n: "constexpr" if n in const else ("*fp32" if n == "x_ptr" else "*i32" if n in
+       ("xq", "xsum", "xqn") else "*fp32" if n == "xs" else "i32") for n in fn.arg_names}
+k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32))
+ptx = k.asm["ptx"]
+print(ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, cwd=BENCH.parent)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "True"
