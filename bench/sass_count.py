@@ -34,7 +34,7 @@ POINTERS = {
     "x_ptr": "*fp32", "topk_ids": "*i64", "topk_w": "*fp32", "delta_mask": "*u8", "pool": "*u8",
     "slot_table": "*i32", "slot_offsets": "*i64", "delta_table": "*i32", "out": "*fp32",
     "xq": "*i32", "xs": "*fp32", "xsum": "*i32", "xqn": "*i32", "oq": "*i32", "osc": "*fp32",
-    "osum": "*i32", "oqn": "*i32",
+    "osum": "*i32", "oqn": "*i32", "scratch": "*fp32", "counters": "*i32",
 }  # fmt: skip
 NOT_DIVISIBLE = {"limit", "alpha", "stride_xk", "topk_ids", "topk_w", "delta_mask", "slot_table",
                  "slot_offsets", "delta_table", "in_bias", "out_bias", "N", "INTER"}  # fmt: skip
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--pipe", type=int, default=0, help="PIPE constexpr (loop stages)")
     parser.add_argument("--pipe-x", type=int, default=0,
                         help="1: loop stages 2 with PIPE 0 (KernelChoice.pipe_x)")  # fmt: skip
+    parser.add_argument("--split", type=int, default=1, help="SPLIT constexpr (K ranges)")
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
@@ -68,7 +69,8 @@ def main() -> None:
                  QUANT_OUT=int(int8 and (args.sub % 16 == 0 or args.sub == 8)), EVEN=args.even,
                  GROUP_ACC=args.group_acc, PREFETCH_L2=args.prefetch_l2,
                  PDL=args.pdl, QUANT_IN=args.quant_in, DEPTH=args.depth, PIPE=args.pipe,
-                 LOOP_STAGES=args.pipe or (2 if args.pipe_x else None))  # fmt: skip
+                 LOOP_STAGES=args.pipe or (2 if args.pipe_x else None),
+                 SPLIT=args.split)  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:

@@ -28,7 +28,9 @@ class KernelChoice:
     block_m: int = 1
     block_n: int = 32
     block_k: int = 128
-    split_k: int = 1  # gate_up only; the down projection is never split
+    # K ranges per row tile: the generic GEMV splits gate_up only (down is never split); the
+    # q2s GEMV either launch, in 1 or 2 (`_split_sum`; untimed on the H200, 1 in its table)
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
     int8_act: bool = False  # q2s GEMV only: activations quantized to int8 per 16 columns, IDP4A

@@ -576,6 +576,38 @@ def _delta_dot(dptr, DKIND: tl.constexpr, d_codes, d_scales, d_aux, rows, rmask,
 
 
 @triton.jit
+def _split_sum(scratch, counters, pair, pid_n, N, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+               y0, y1, y2, y3, SPLIT: tl.constexpr):  # fmt: skip
+    """The sums of a (pair, row tile) over its SPLIT K ranges, one program each: every program
+    adds its partial rows into scratch [P, N] (float32, zero between calls), then counts itself
+    in counters [P, row tiles]; the last to arrive reads the total back, and zeroes both for
+    the next call. Returns the totals (only the last program's are meaningful) and whether
+    this program is the last. Memory order: the barrier puts every thread's adds before the
+    count, whose atomic (acq_rel, gpu scope) releases them to the last program's, which
+    acquires them; its reads are atomics, served by L2."""
+    at = scratch + pair * N
+    tl.atomic_add(at + rows0, y0, mask=m0)
+    tl.atomic_add(at + rows1, y1, mask=m1)
+    tl.atomic_add(at + rows2, y2, mask=m2)
+    tl.atomic_add(at + rows3, y3, mask=m3)
+    tl.debug_barrier()
+    count = counters + pair * tl.num_programs(1) + pid_n
+    last = tl.atomic_add(count, 1) == SPLIT - 1
+    zero = tl.zeros_like(y0)
+    t0 = tl.atomic_add(at + rows0, zero, mask=m0 & last)
+    t1 = tl.atomic_add(at + rows1, zero, mask=m1 & last)
+    t2 = tl.atomic_add(at + rows2, zero, mask=m2 & last)
+    t3 = tl.atomic_add(at + rows3, zero, mask=m3 & last)
+    tl.store(at + rows0, zero, mask=m0 & last)
+    tl.store(at + rows1, zero, mask=m1 & last)
+    tl.store(at + rows2, zero, mask=m2 & last)
+    tl.store(at + rows3, zero, mask=m3 & last)
+    if last:
+        tl.store(count, 0)
+    return t0, t1, t2, t3, last
+
+
+@triton.jit
 def _prefetch_l2(ptr, nbytes):
     """Ask for bytes [ptr, ptr + nbytes) in L2 (sm_90 `cp.async.bulk.prefetch.L2`, issued by the
     program's first thread; the range shrunk to whole 16-byte units, as the instruction wants).
@@ -624,6 +656,7 @@ def _q2s_gemv_kernel(
     oq, osc, osum, oqn, QUANT_OUT: tl.constexpr, EVEN: tl.constexpr,
     GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    scratch, counters, SPLIT: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -675,6 +708,11 @@ def _q2s_gemv_kernel(
     QUANT_IN (gate_up, int8, no delta plane; `KernelChoice.quant_in`): each program rounds its
         K tiles of x to int8 words itself (`_quant_tile`, the same rounding as
         `_quant_words_kernel`) instead of reading them: one launch fewer per call.
+    SPLIT (1 or 2; `KernelChoice.split_k`): K is split in SPLIT ranges of whole tiles, one per
+        program (program_id 2), for more programs and shorter chains of K tiles when few pairs
+        would leave the GPU waiting; the partial sums meet in `_split_sum`, and the last
+        program of a (pair, row tile) to arrive finishes the epilogue. Two ranges keep the
+        results deterministic (a + b == b + a).
     PDL (sm_90; `KernelChoice.pdl`, launched with programmatic dependent launch): the program
         lets the next launch start (`gdc_launch_dependents`), then reads its weights' first tile
         and asks for the rest (PREFETCH_L2) before it waits for the previous launch
@@ -756,7 +794,15 @@ def _q2s_gemv_kernel(
         d3 = tl.zeros((SUB,), tl.float32)
         # the words of K tile i + 1 are loaded before tile i is decoded (a hand-made pipeline:
         # each program holds few tiles, so load latency would otherwise stall every one)
+        k_lo = 0
+        k_hi = K
+        if SPLIT > 1:  # this program's range of whole K tiles
+            per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+            k_lo = tl.program_id(2) * per
+            k_hi = tl.minimum(K, k_lo + per)
         wd = tl.arange(0, W)
+        if SPLIT > 1:
+            wd = tl.multiple_of(k_lo // 16, W) + tl.arange(0, W)
         wmask = wd < row_words
         if PIPE > 0:  # loaded in the loop
             w0 = tl.zeros((SUB, W), tl.int32)
@@ -770,7 +816,8 @@ def _q2s_gemv_kernel(
         if (DEPTH == 2) and (PIPE == 0):
             wd1 = wd + W
             if EVEN:
-                wd1 = tl.multiple_of(tl.minimum(BLOCK_K, K - BLOCK_K) // 16, W) + tl.arange(0, W)
+                wd1 = tl.multiple_of(tl.minimum(k_lo + BLOCK_K, k_hi - BLOCK_K) // 16,
+                                     W) + tl.arange(0, W)  # fmt: skip
             wmask1 = wd1 < row_words
             v0, v1, v2, v3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
                                          wd1, wmask1, row_words, EVEN)  # fmt: skip
@@ -792,7 +839,7 @@ def _q2s_gemv_kernel(
                     _prefetch_l2(bptr + scales + (first + INTER) * row_groups, count * row_groups)
         if PDL:  # the activations are the previous launch's output
             gdc_wait()
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=LOOP_STAGES):
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
             if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
                 wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                 wmask = wd < row_words
@@ -806,9 +853,8 @@ def _q2s_gemv_kernel(
                 pref = wd + DEPTH * W  # the tile DEPTH ahead
                 pmask = pref < row_words
                 if EVEN:  # the last tiles' prefetches reload the last tile (from L1): no masks
-                    kw_next = tl.multiple_of(tl.minimum(k0 + DEPTH * BLOCK_K, K - BLOCK_K) // 16,
-                                             W)  # fmt: skip
-                    pref = kw_next + tl.arange(0, W)
+                    kw_next = tl.minimum(k0 + DEPTH * BLOCK_K, k_hi - BLOCK_K) // 16
+                    pref = tl.multiple_of(kw_next, W) + tl.arange(0, W)
                 n0, n1, n2, n3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
                                              pref, pmask, row_words, EVEN)  # fmt: skip
             sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3, m0,
@@ -929,7 +975,7 @@ def _q2s_gemv_kernel(
             # pass of their own over the words, so that the loop above keeps no registers for
             # them (sm_90: 16-row sub-tiles 158 -> 124 registers, 32-row ones with 8 warps
             # 171 -> 122). RH = 128H - 64Σq = 64(2H - Σq), summed as the loop above sums R.
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                 wmask = wd < row_words
                 w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
@@ -985,6 +1031,14 @@ def _q2s_gemv_kernel(
                 y1 += d1 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows1, m1)
                 y2 += d2 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows2, m2)
                 y3 += d3 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows3, m3)
+        if SPLIT > 1:  # the K ranges' sums meet; the last program to arrive goes on alone
+            y0, y1, y2, y3, last = _split_sum(scratch, counters, pair, pid_n, N, rows0, rows1,
+                                              rows2, rows3, m0, m1, m2, m3, y0, y1, y2, y3,
+                                              SPLIT)  # fmt: skip
+            m0, m1, m2, m3 = m0 & last, m1 & last, m2 & last, m3 & last
+        words_ok = INTER // 16  # the words of h this program may write (split: the last's)
+        if SPLIT > 1:
+            words_ok = tl.where(last, words_ok, 0)
         if BIAS > 0:
             bias_at = out_bias if IS_DOWN else in_bias
             y0 += _bias(bptr, BIAS, bias_at, rows0, m0)
@@ -1006,17 +1060,17 @@ def _q2s_gemv_kernel(
                 both = tl.reshape(tl.trans(tl.join(h0, h1)), (1, 16))  # rows h0 then h1
                 _quant_store(both, word, hrow, oq + pair * (INTER // 4), osc + pair * hrow,
                              osum + pair * hrow, oqn + pair * (INTER // 4),
-                             word < hrow)  # fmt: skip
+                             word < words_ok)  # fmt: skip
             elif QUANT_OUT:  # h rounded to int8 words here, for the down launch (SUB % 16 == 0)
                 hw: tl.constexpr = SUB // 16
                 word0 = pid_n * 2 * hw + tl.arange(0, hw)
                 hrow = INTER // 16
                 _quant_store(tl.reshape(h0, (hw, 16)), word0, hrow, oq + pair * (INTER // 4),
                              osc + pair * hrow, osum + pair * hrow, oqn + pair * (INTER // 4),
-                             word0 < hrow)  # fmt: skip
+                             word0 < words_ok)  # fmt: skip
                 _quant_store(tl.reshape(h1, (hw, 16)), word0 + hw, hrow, oq + pair * (INTER // 4),
                              osc + pair * hrow, osum + pair * hrow, oqn + pair * (INTER // 4),
-                             word0 + hw < hrow)  # fmt: skip
+                             word0 + hw < words_ok)  # fmt: skip
             else:
                 tl.store(out + pair * INTER + rows0, h0, mask=m0)
                 tl.store(out + pair * INTER + rows1, h1, mask=m1)
@@ -1376,7 +1430,14 @@ def _q2s_gemv(
         block_k = max(spec.group, min(c.block_k, max(16, triton.next_power_of_2(spec.k))))
         rows = spec.n if is_down else inter
         tile_rows = (4 if is_down else 2) * sub
-        grid = (pairs, triton.cdiv(rows, tile_rows))
+        # split-K (two K ranges of whole tiles, `_split_sum`); nothing to split in one tile
+        if c.split_k not in (1, 2):
+            raise ValueError(f"the q2s GEMV splits K in 1 or 2 ranges, not {c.split_k}")
+        split = c.split_k if spec.k > block_k else 1
+        grid = (pairs, triton.cdiv(rows, tile_rows), split)
+        scratch, counters = dst, slot_table  # placeholders of the same types
+        if split > 1:
+            scratch, counters = _split_buffers(hidden.device, is_down, pairs, spec.n, grid[1])
         # whole K tiles and row tiles: no masks in the K loop
         even = spec.k % block_k == 0 and rows % tile_rows == 0
         dspec = dspec if has_delta else None
@@ -1401,9 +1462,30 @@ def _q2s_gemv(
             oq, os_, osum, oqn, quant_out and not is_down, even, c.group_acc,
             c.prefetch_l2 and hopper and spec.k % 64 == 0, pool.numel(),
             pdl, quant_in and not is_down, c.depth, c.pipe, c.pipe or (2 if c.pipe_x else None),
+            scratch, counters, split,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl,
         )  # fmt: skip
+
+
+_SPLIT_BUFFERS: dict[tuple[torch.device, int, int, int, int], tuple[torch.Tensor, torch.Tensor]]
+_SPLIT_BUFFERS = {}
+
+
+def _split_buffers(
+    device: torch.device, is_down: int, pairs: int, n: int, tiles: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K partial sums [pairs, n] float32 and arrival counts [pairs, tiles] int32 of
+    one launch (gate_up or down) and shape: zero when made, and left zero by every launch
+    (`_split_sum`), so made once and kept (launches of one kind and shape run one after
+    another on the stream)."""
+    key = (device, is_down, pairs, n, tiles)
+    if key not in _SPLIT_BUFFERS:
+        _SPLIT_BUFFERS[key] = (
+            torch.zeros(pairs, n, device=device, dtype=torch.float32),
+            torch.zeros(pairs, tiles, device=device, dtype=torch.int32),
+        )
+    return _SPLIT_BUFFERS[key]
 
 
 def _inline_asm() -> bool:

@@ -268,6 +268,28 @@ def test_q2s_gemv_look_ahead(depth, pipe):
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
 
 
+def test_q2s_gemv_split_k():
+    """K split in two ranges of whole tiles (`KernelChoice.split_k` 2), the last program of each
+    (pair, row tile) finishing the sums and the epilogue: the twin's figures with an even and an
+    odd count of K tiles, ragged tiles, two tiles in flight, a delta on random pairs, bias and
+    gpt-oss's activation (added once); the same outputs call after call, and the partial-sum
+    and count buffers left zero for the next call."""
+    two = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True, split_k=2)
+    run_case("q2s", 2, 2, 4, 128, 64, force=(two, two), seed=40)  # 4 tiles, 2 tiles
+    run_case("q2s", 2, 2, 4, 160, 64, force=(two, two), seed=41)  # 5 tiles: 3 + 2
+    ragged = replace(two, block_k=64)
+    run_case("q2s+nvfp4", 2, 2, 5, 96, 96, mask="random", force=(ragged, ragged), seed=42)
+    deep = replace(two, depth=2)
+    run_case("q2s", 1, 2, 4, 128, 64, act="gpt_oss", bias=True, force=(deep, deep), seed=43)
+    outs = _q2s_outputs([(two, two), (two, two)], seed=44, tokens=3, experts=6)
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+    assert moe_triton._SPLIT_BUFFERS
+    for partial, count in moe_triton._SPLIT_BUFFERS.values():
+        assert not partial.any() and not count.any()
+    with pytest.raises(ValueError, match="1 or 2"):
+        _q2s_outputs([(replace(two, split_k=4), two)], seed=45)
+
+
 def test_q2s_gemv_eight_row_subtiles_round_h(monkeypatch):
     """gate_up with 8-row sub-tiles (block_n 32, the zero-copy configs' size) rounds h to int8
     words itself, its two sub-tiles making one word (so only x is rounded by a launch of its
@@ -470,18 +492,19 @@ def test_gpu_q2s_gemv_prefetch_and_pdl(mask):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("depth", "pipe", "pipe_x", "block_n"),
-    [(2, 0, False, 64), (1, 3, False, 64), (1, 4, False, 32), (1, 0, True, 32), (2, 0, True, 64)],
-)
-def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n):
+    ("depth", "pipe", "pipe_x", "block_n", "split"),
+    [(2, 0, False, 64, 1), (1, 3, False, 64, 1), (1, 4, False, 32, 1), (1, 0, True, 32, 1),
+     (2, 0, True, 64, 1), (1, 0, False, 64, 2), (2, 0, False, 32, 2), (1, 3, False, 64, 2)],
+)  # fmt: skip
+def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n, split):
     """The look-ahead options compiled for real (depth 2: two tiles in registers; pipe: the
     pipeliner's cp.async through shared memory, which must also read pinned host rows; pipe_x:
     only the activations and scales through it), with
     PDL, against the twin: slots in GPU memory and in pinned host memory, a delta on some
     pairs, whole and ragged tiles; block_n 32 takes the 8-row sub-tiles that round h
-    themselves."""
+    themselves; split 2: K in two ranges (`_split_sum`)."""
     c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
-                                  depth=depth, pipe=pipe, pipe_x=pipe_x)  # fmt: skip
+                                  depth=depth, pipe=pipe, pipe_x=pipe_x, split_k=split)  # fmt: skip
     for tokens in (1, 7):
         run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
                  seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip
@@ -490,19 +513,20 @@ def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant_pdl", [False, True])
-def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl):
+@pytest.mark.parametrize(("quant_pdl", "split"), [(False, 1), (True, 1), (True, 2)])
+def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl, split):
     """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel
     before it ends and waits for it before reading activations): replays give the eager
     results, call after call. quant_pdl: the rounding launch too, each call's x a view of the
-    previous call's output, so that it directly follows the down launch it must wait for."""
+    previous call's output, so that it directly follows the down launch it must wait for.
+    split: K in two ranges (`_split_sum`'s atomics and counts between overlapping launches)."""
     gen = torch.Generator().manual_seed(0)
     fmt = q2s_expert_format(256, 128, False, 32, 16)
     experts, top_k = 16, 4
     pool = Pool(fmt, None, experts, torch.ones(experts, dtype=torch.bool), gen, 0)
     dev_pool, offsets, table, _ = pool.device_args()
     c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True,
-                                  quant_pdl=quant_pdl)  # fmt: skip
+                                  quant_pdl=quant_pdl, split_k=split)  # fmt: skip
     x = torch.randn(1, 256, generator=gen).cuda()
     outs, ids = [], []
     for _ in range(6):  # each call's input is the previous call's output: a real dependency

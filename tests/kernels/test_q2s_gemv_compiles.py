@@ -23,6 +23,8 @@ VARIANTS = [
     ["--depth", "2", "--prefetch-l2", "1", "--pdl", "1"],
     ["--pipe", "3", "--quant-in", "1"],
     ["--pipe-x", "1", "--group-acc", "1", "--sub", "32", "--warps", "8"],
+    ["--split", "2", "--depth", "2", "--quant-in", "1"],
+    ["--split", "2", "--delta", "nvfp4", "--even", "0"],
 ]
 
 
