@@ -31,6 +31,9 @@ class KernelChoice:
     # K ranges per row tile: the generic GEMV splits gate_up only (down is never split); the
     # q2s GEMV either launch, in 1 or 2 (`_split_sum`; untimed on the H200, 1 in its table)
     split_k: int = 1
+    # q2s GEMV: pairs of one expert a program serves (1 or 2: its rows read once for both);
+    # int8 activations rounded by a launch, no delta plane, no split, else 1. Untimed: 1.
+    pairs: int = 1
     num_warps: int = 4
     num_stages: int = 2
     int8_act: bool = False  # q2s GEMV only: activations quantized to int8 per 16 columns, IDP4A

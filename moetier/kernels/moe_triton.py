@@ -576,6 +576,35 @@ def _delta_dot(dptr, DKIND: tl.constexpr, d_codes, d_scales, d_aux, rows, rmask,
 
 
 @triton.jit
+def _tile_sums(s0, s1, s2, s3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, q0, q1, q2, q3, xsc, qs,
+               HIGH: tl.constexpr, GSUM: tl.constexpr, WPG: tl.constexpr,
+               ASM: tl.constexpr):  # fmt: skip
+    """The four sub-tiles' sums s0..s3 plus one K tile of words against one row's int8 x words
+    (q0..q3, scales xsc, Σq qs), as `_q2s_gemv_kernel`'s K loop sums them: R (HIGH False) or,
+    for a fitted grid, RH (HIGH True), times the x and group scales, per word or per group
+    (GSUM)."""
+    if HIGH:
+        init = qs * -64
+    else:
+        init = qs * -96
+    r0 = _q2s_word_dots(w0, q0, q1, q2, q3, init, HIGH, ASM).to(tl.float32)
+    r1 = _q2s_word_dots(w1, q0, q1, q2, q3, init, HIGH, ASM).to(tl.float32)
+    r2 = _q2s_word_dots(w2, q0, q1, q2, q3, init, HIGH, ASM).to(tl.float32)
+    r3 = _q2s_word_dots(w3, q0, q1, q2, q3, init, HIGH, ASM).to(tl.float32)
+    if GSUM:
+        t0 = _group_sum(r0 * xsc, WPG) * sc0
+        t1 = _group_sum(r1 * xsc, WPG) * sc1
+        t2 = _group_sum(r2 * xsc, WPG) * sc2
+        t3 = _group_sum(r3 * xsc, WPG) * sc3
+    else:
+        t0 = r0 * (sc0 * xsc)
+        t1 = r1 * (sc1 * xsc)
+        t2 = r2 * (sc2 * xsc)
+        t3 = r3 * (sc3 * xsc)
+    return s0 + t0, s1 + t1, s2 + t2, s3 + t3
+
+
+@triton.jit
 def _split_sum(scratch, counters, pair, pid_n, N, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
                y0, y1, y2, y3, SPLIT: tl.constexpr):  # fmt: skip
     """The sums of a (pair, row tile) over its SPLIT K ranges, one program each: every program
@@ -656,7 +685,7 @@ def _q2s_gemv_kernel(
     oq, osc, osum, oqn, QUANT_OUT: tl.constexpr, EVEN: tl.constexpr,
     GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    scratch, counters, SPLIT: tl.constexpr,
+    scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -713,6 +742,11 @@ def _q2s_gemv_kernel(
         would leave the GPU waiting; the partial sums meet in `_split_sum`, and the last
         program of a (pair, row tile) to arrive finishes the epilogue. Two ranges keep the
         results deterministic (a + b == b + a).
+    PAIRS (1 or 2; `KernelChoice.pairs`; int8, no delta plane, no split, x rounded by a launch):
+        with 2, a program serves two pairs of one expert, so the expert's rows are read once
+        for both: of the pairs routed to an expert (in pair order), those of even rank lead
+        and take the next one as their second (found in the call's topk_ids, PAIRS_P2 >= the
+        pair count), those of odd rank leave their programs empty.
     PDL (sm_90; `KernelChoice.pdl`, launched with programmatic dependent launch): the program
         lets the next launch start (`gdc_launch_dependents`), then reads its weights' first tile
         and asks for the rest (PREFETCH_L2) before it waits for the previous launch
@@ -728,7 +762,17 @@ def _q2s_gemv_kernel(
     if DKIND >= 0:
         dslot = tl.load(delta_table + expert)
         use_delta = (tl.load(delta_mask + pair) != 0) & (dslot >= 0)
-    if slot >= 0:
+    run = slot >= 0
+    if PAIRS == 2:  # the pair of the same expert after this one, if this one leads
+        tl.static_assert(INT8 and DKIND < 0 and SPLIT == 1 and not QUANT_IN)
+        idx = tl.arange(0, PAIRS_P2)
+        ids = tl.load(topk_ids + idx, mask=idx < tl.num_programs(0), other=-1).to(tl.int32)
+        same = ids == expert
+        run = run & (tl.sum((same & (idx < pair)).to(tl.int32), axis=0) % 2 == 0)
+        pair_b = tl.min(tl.where(same & (idx > pair), idx, PAIRS_P2), axis=0)
+        has_b = pair_b < PAIRS_P2
+        pair_b = tl.minimum(pair_b, tl.num_programs(0) - 1)  # an address to read: masked
+    if run:
         bptr, dptr = _blob_ptrs(pool, slot_offsets, slot, dslot, use_delta, DKIND)
         wbase = (bptr + codes).to(tl.pointer_type(tl.int32))
         r = tl.arange(0, SUB)
@@ -755,6 +799,11 @@ def _q2s_gemv_kernel(
         xqn_row = xqn + x_idx * (4 * row_words)
         xs_row = xs + x_idx * row_words
         xsum_row = xsum + x_idx * row_words
+        if PAIRS == 2:
+            xb_idx = pair_b if IS_DOWN else pair_b // TOPK
+            xq_row_b = xq + xb_idx * (4 * row_words)
+            xs_row_b = xs + xb_idx * row_words
+            xsum_row_b = xsum + xb_idx * row_words
         a = _f32_at(bptr, aux)
         b = _f32_at(bptr, aux + 4)
         # b - 3a, exactly 0 when b = 3a as float32 rounds it: `b - 3 * a` alone compiles to one
@@ -788,6 +837,15 @@ def _q2s_gemv_kernel(
         av1 = tl.zeros((SUB, AW), tl.float32)
         av2 = tl.zeros((SUB, AW), tl.float32)
         av3 = tl.zeros((SUB, AW), tl.float32)
+        if PAIRS == 2:  # the second pair's sums
+            accb0 = tl.zeros((SUB, AW), tl.float32)
+            accb1 = tl.zeros((SUB, AW), tl.float32)
+            accb2 = tl.zeros((SUB, AW), tl.float32)
+            accb3 = tl.zeros((SUB, AW), tl.float32)
+            avb0 = tl.zeros((SUB, AW), tl.float32)
+            avb1 = tl.zeros((SUB, AW), tl.float32)
+            avb2 = tl.zeros((SUB, AW), tl.float32)
+            avb3 = tl.zeros((SUB, AW), tl.float32)
         d0 = tl.zeros((SUB,), tl.float32)
         d1 = tl.zeros((SUB,), tl.float32)
         d2 = tl.zeros((SUB,), tl.float32)
@@ -861,6 +919,13 @@ def _q2s_gemv_kernel(
                                                     m1, m2, m3, k0, row_groups, GROUP, W, EVEN,
                                                     GSUM)  # fmt: skip
             if INT8:
+                if PAIRS == 2:  # the same words against the second pair's activations
+                    qb0, qb1, qb2, qb3, xscb, qsb = _x_words(xq_row_b, xs_row_b, xsum_row_b,
+                                                             row_words, wd, wmask,
+                                                             EVEN)  # fmt: skip
+                    accb0, accb1, accb2, accb3 = _tile_sums(
+                        accb0, accb1, accb2, accb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, qb0, qb1,
+                        qb2, qb3, xscb, qsb, False, GSUM, WPG, ASM)  # fmt: skip
                 if QUANT_IN:  # this tile's activations rounded here, as `_quant_store` does
                     q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
                 else:
@@ -988,21 +1053,15 @@ def _q2s_gemv_kernel(
                 else:
                     q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
                                                        wmask, EVEN)  # fmt: skip
-                hinit = qs * -64
-                h0 = _q2s_word_dots(w0, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                h1 = _q2s_word_dots(w1, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                h2 = _q2s_word_dots(w2, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                h3 = _q2s_word_dots(w3, q0, q1, q2, q3, hinit, True, ASM).to(tl.float32)
-                if GSUM:
-                    av0 += _group_sum(h0 * xsc, WPG) * sc0
-                    av1 += _group_sum(h1 * xsc, WPG) * sc1
-                    av2 += _group_sum(h2 * xsc, WPG) * sc2
-                    av3 += _group_sum(h3 * xsc, WPG) * sc3
-                else:
-                    av0 += h0 * (sc0 * xsc)
-                    av1 += h1 * (sc1 * xsc)
-                    av2 += h2 * (sc2 * xsc)
-                    av3 += h3 * (sc3 * xsc)
+                av0, av1, av2, av3 = _tile_sums(av0, av1, av2, av3, w0, w1, w2, w3, sc0, sc1, sc2,
+                                                sc3, q0, q1, q2, q3, xsc, qs, True, GSUM, WPG,
+                                                ASM)  # fmt: skip
+                if PAIRS == 2:
+                    q0, q1, q2, q3, xsc, qs = _x_words(xq_row_b, xs_row_b, xsum_row_b, row_words,
+                                                       wd, wmask, EVEN)  # fmt: skip
+                    avb0, avb1, avb2, avb3 = _tile_sums(
+                        avb0, avb1, avb2, avb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, q0, q1, q2, q3,
+                        xsc, qs, True, GSUM, WPG, ASM)  # fmt: skip
         if INT8:
             # β/32 and γ/64 (module docstring); β = a exactly when b = 3a
             beta = tl.where(corr != 0, 0.5 * (b - a), a) / 32
@@ -1011,69 +1070,81 @@ def _q2s_gemv_kernel(
             y1 = tl.sum(beta * acc1 + gamma * av1, axis=1)
             y2 = tl.sum(beta * acc2 + gamma * av2, axis=1)
             y3 = tl.sum(beta * acc3 + gamma * av3, axis=1)
+            if PAIRS == 2:
+                yb0 = tl.sum(beta * accb0 + gamma * avb0, axis=1)
+                yb1 = tl.sum(beta * accb1 + gamma * avb1, axis=1)
+                yb2 = tl.sum(beta * accb2 + gamma * avb2, axis=1)
+                yb3 = tl.sum(beta * accb3 + gamma * avb3, axis=1)
         else:
             y0 = tl.sum(8 * a * acc0 - 11 * a * ax0 + corr * av0, axis=1)
             y1 = tl.sum(8 * a * acc1 - 11 * a * ax1 + corr * av1, axis=1)
             y2 = tl.sum(8 * a * acc2 - 11 * a * ax2 + corr * av2, axis=1)
             y3 = tl.sum(8 * a * acc3 - 11 * a * ax3 + corr * av3, axis=1)
-        y0 = y0 * _row_factor(bptr, 3, row_scale, 0, rows0, m0)
-        y1 = y1 * _row_factor(bptr, 3, row_scale, 0, rows1, m1)
-        y2 = y2 * _row_factor(bptr, 3, row_scale, 0, rows2, m2)
-        y3 = y3 * _row_factor(bptr, 3, row_scale, 0, rows3, m3)
-        if FP4_INT8:
-            d0 = 0.5 * tl.sum(dv0, axis=1)
-            d1 = 0.5 * tl.sum(dv1, axis=1)
-            d2 = 0.5 * tl.sum(dv2, axis=1)
-            d3 = 0.5 * tl.sum(dv3, axis=1)
-        if DKIND >= 0:
-            if use_delta:
-                y0 += d0 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows0, m0)
-                y1 += d1 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows1, m1)
-                y2 += d2 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows2, m2)
-                y3 += d3 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows3, m3)
-        if SPLIT > 1:  # the K ranges' sums meet; the last program to arrive goes on alone
-            y0, y1, y2, y3, last = _split_sum(scratch, counters, pair, pid_n, N, rows0, rows1,
-                                              rows2, rows3, m0, m1, m2, m3, y0, y1, y2, y3,
-                                              SPLIT)  # fmt: skip
-            m0, m1, m2, m3 = m0 & last, m1 & last, m2 & last, m3 & last
-        words_ok = INTER // 16  # the words of h this program may write (split: the last's)
-        if SPLIT > 1:
-            words_ok = tl.where(last, words_ok, 0)
-        if BIAS > 0:
-            bias_at = out_bias if IS_DOWN else in_bias
-            y0 += _bias(bptr, BIAS, bias_at, rows0, m0)
-            y1 += _bias(bptr, BIAS, bias_at, rows1, m1)
-            y2 += _bias(bptr, BIAS, bias_at, rows2, m2)
-            y3 += _bias(bptr, BIAS, bias_at, rows3, m3)
-        if IS_DOWN:
-            weight = tl.load(topk_w + pair).to(tl.float32)
-            tl.store(out + pair * N + rows0, y0 * weight, mask=m0)
-            tl.store(out + pair * N + rows1, y1 * weight, mask=m1)
-            tl.store(out + pair * N + rows2, y2 * weight, mask=m2)
-            tl.store(out + pair * N + rows3, y3 * weight, mask=m3)
-        else:
-            h0 = _activation(y0, y2, ACT, limit, alpha)
-            h1 = _activation(y1, y3, ACT, limit, alpha)
-            if QUANT_OUT and SUB == 8:  # the two sub-tiles' 16 rows are one word of h
-                word = pid_n + tl.arange(0, 1)
-                hrow = INTER // 16
-                both = tl.reshape(tl.trans(tl.join(h0, h1)), (1, 16))  # rows h0 then h1
-                _quant_store(both, word, hrow, oq + pair * (INTER // 4), osc + pair * hrow,
-                             osum + pair * hrow, oqn + pair * (INTER // 4),
-                             word < words_ok)  # fmt: skip
-            elif QUANT_OUT:  # h rounded to int8 words here, for the down launch (SUB % 16 == 0)
-                hw: tl.constexpr = SUB // 16
-                word0 = pid_n * 2 * hw + tl.arange(0, hw)
-                hrow = INTER // 16
-                _quant_store(tl.reshape(h0, (hw, 16)), word0, hrow, oq + pair * (INTER // 4),
-                             osc + pair * hrow, osum + pair * hrow, oqn + pair * (INTER // 4),
-                             word0 < words_ok)  # fmt: skip
-                _quant_store(tl.reshape(h1, (hw, 16)), word0 + hw, hrow, oq + pair * (INTER // 4),
-                             osc + pair * hrow, osum + pair * hrow, oqn + pair * (INTER // 4),
-                             word0 + hw < words_ok)  # fmt: skip
+        HW: tl.constexpr = SUB // 16  # words of h per sub-tile (QUANT_OUT, SUB % 16 == 0)
+        for member in tl.static_range(PAIRS):
+            if member == 1:  # the second pair (PAIRS 2): its sums, its rows of out or h
+                y0, y1, y2, y3 = yb0, yb1, yb2, yb3
+                pair = pair_b
+                m0, m1, m2, m3 = m0 & has_b, m1 & has_b, m2 & has_b, m3 & has_b
+            y0 = y0 * _row_factor(bptr, 3, row_scale, 0, rows0, m0)
+            y1 = y1 * _row_factor(bptr, 3, row_scale, 0, rows1, m1)
+            y2 = y2 * _row_factor(bptr, 3, row_scale, 0, rows2, m2)
+            y3 = y3 * _row_factor(bptr, 3, row_scale, 0, rows3, m3)
+            if FP4_INT8:
+                d0 = 0.5 * tl.sum(dv0, axis=1)
+                d1 = 0.5 * tl.sum(dv1, axis=1)
+                d2 = 0.5 * tl.sum(dv2, axis=1)
+                d3 = 0.5 * tl.sum(dv3, axis=1)
+            if DKIND >= 0:
+                if use_delta:
+                    y0 += d0 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows0, m0)
+                    y1 += d1 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows1, m1)
+                    y2 += d2 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows2, m2)
+                    y3 += d3 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows3, m3)
+            if SPLIT > 1:  # the K ranges' sums meet; the last program to arrive goes on alone
+                y0, y1, y2, y3, last = _split_sum(scratch, counters, pair, pid_n, N, rows0, rows1,
+                                                  rows2, rows3, m0, m1, m2, m3, y0, y1, y2, y3,
+                                                  SPLIT)  # fmt: skip
+                m0, m1, m2, m3 = m0 & last, m1 & last, m2 & last, m3 & last
+            words_ok = INTER // 16  # the words of h this program may write (split: the last's)
+            if SPLIT > 1:
+                words_ok = tl.where(last, words_ok, 0)
+            if member == 1:
+                words_ok = tl.where(has_b, words_ok, 0)
+            if BIAS > 0:
+                bias_at = out_bias if IS_DOWN else in_bias
+                y0 += _bias(bptr, BIAS, bias_at, rows0, m0)
+                y1 += _bias(bptr, BIAS, bias_at, rows1, m1)
+                y2 += _bias(bptr, BIAS, bias_at, rows2, m2)
+                y3 += _bias(bptr, BIAS, bias_at, rows3, m3)
+            if IS_DOWN:
+                weight = tl.load(topk_w + pair).to(tl.float32)
+                tl.store(out + pair * N + rows0, y0 * weight, mask=m0)
+                tl.store(out + pair * N + rows1, y1 * weight, mask=m1)
+                tl.store(out + pair * N + rows2, y2 * weight, mask=m2)
+                tl.store(out + pair * N + rows3, y3 * weight, mask=m3)
             else:
-                tl.store(out + pair * INTER + rows0, h0, mask=m0)
-                tl.store(out + pair * INTER + rows1, h1, mask=m1)
+                h0 = _activation(y0, y2, ACT, limit, alpha)
+                h1 = _activation(y1, y3, ACT, limit, alpha)
+                if QUANT_OUT and SUB == 8:  # the two sub-tiles' 16 rows are one word of h
+                    word = pid_n + tl.arange(0, 1)
+                    hrow = INTER // 16
+                    both = tl.reshape(tl.trans(tl.join(h0, h1)), (1, 16))  # rows h0 then h1
+                    _quant_store(both, word, hrow, oq + pair * (INTER // 4), osc + pair * hrow,
+                                 osum + pair * hrow, oqn + pair * (INTER // 4),
+                                 word < words_ok)  # fmt: skip
+                elif QUANT_OUT:  # h rounded to int8 words here, for down (SUB % 16 == 0)
+                    word0 = pid_n * 2 * HW + tl.arange(0, HW)
+                    hrow = INTER // 16
+                    _quant_store(tl.reshape(h0, (HW, 16)), word0, hrow, oq + pair * (INTER // 4),
+                                 osc + pair * hrow, osum + pair * hrow, oqn + pair * (INTER // 4),
+                                 word0 < words_ok)  # fmt: skip
+                    _quant_store(tl.reshape(h1, (HW, 16)), word0 + HW, hrow,
+                                 oq + pair * (INTER // 4), osc + pair * hrow, osum + pair * hrow,
+                                 oqn + pair * (INTER // 4), word0 + HW < words_ok)  # fmt: skip
+                else:
+                    tl.store(out + pair * INTER + rows0, h0, mask=m0)
+                    tl.store(out + pair * INTER + rows1, h1, mask=m1)
 
 
 @triton.jit
@@ -1438,6 +1509,11 @@ def _q2s_gemv(
         scratch, counters = dst, slot_table  # placeholders of the same types
         if split > 1:
             scratch, counters = _split_buffers(hidden.device, is_down, pairs, spec.n, grid[1])
+        # two pairs of one expert per program: int8 x rounded by a launch, no delta, no split
+        if c.pairs not in (1, 2):
+            raise ValueError(f"a q2s GEMV program serves 1 or 2 pairs, not {c.pairs}")
+        x_launched = int8 and not (quant_in and not is_down)
+        two = c.pairs == 2 and x_launched and not has_delta and split == 1
         # whole K tiles and row tiles: no masks in the K loop
         even = spec.k % block_k == 0 and rows % tile_rows == 0
         dspec = dspec if has_delta else None
@@ -1462,7 +1538,8 @@ def _q2s_gemv(
             oq, os_, osum, oqn, quant_out and not is_down, even, c.group_acc,
             c.prefetch_l2 and hopper and spec.k % 64 == 0, pool.numel(),
             pdl, quant_in and not is_down, c.depth, c.pipe, c.pipe or (2 if c.pipe_x else None),
-            scratch, counters, split,
+            scratch, counters, split, 2 if two else 1,
+            triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl,
         )  # fmt: skip

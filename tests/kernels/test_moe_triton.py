@@ -276,7 +276,7 @@ def test_q2s_gemv_split_k():
     and count buffers left zero for the next call."""
     two = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True, split_k=2)
     run_case("q2s", 2, 2, 4, 128, 64, force=(two, two), seed=40)  # 4 tiles, 2 tiles
-    run_case("q2s", 2, 2, 4, 160, 64, force=(two, two), seed=41)  # 5 tiles: 3 + 2
+    run_case("q2s", 1, 2, 4, 160, 32, force=(two, two), seed=41)  # 5 tiles: 3 + 2
     ragged = replace(two, block_k=64)
     run_case("q2s+nvfp4", 2, 2, 5, 96, 96, mask="random", force=(ragged, ragged), seed=42)
     deep = replace(two, depth=2)
@@ -288,6 +288,29 @@ def test_q2s_gemv_split_k():
         assert not partial.any() and not count.any()
     with pytest.raises(ValueError, match="1 or 2"):
         _q2s_outputs([(replace(two, split_k=4), two)], seed=45)
+
+
+def test_q2s_gemv_two_pairs_per_program():
+    """Two pairs of one expert per program (`KernelChoice.pairs` 2): the twin's figures when
+    every token shares an expert (seven pairs of it: three programs of two, one alone, three
+    empty), on random routing over few experts, with ragged tiles, group sums, two tiles in
+    flight and 8-row sub-tiles; calls it cannot serve so (a delta plane, gate_up rounding x
+    itself) fall back to one pair and stay right; bit for bit the one-pair outputs."""
+    two = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True, pairs=2)
+    run_case("q2s", 7, 3, 5, 64, 32, one_expert=True, force=(two, two), seed=50)
+    run_case("q2s", 5, 2, 3, 64, 32, force=(two, two), seed=51)
+    ragged = replace(two, block_k=64, group_acc=True)
+    run_case("q2s", 3, 2, 2, 96, 96, force=(ragged, ragged), seed=52)
+    deep = replace(two, depth=2, block_n=32)
+    run_case("q2s", 3, 2, 2, 64, 32, act="gpt_oss", bias=True, force=(deep, deep), seed=53)
+    run_case("q2s+nvfp4", 3, 2, 3, 64, 32, mask="random", force=(two, two), seed=54)
+    qin = replace(two, quant_in=True)
+    run_case("q2s", 3, 2, 2, 64, 32, force=(qin, qin), seed=55)
+    one = replace(two, pairs=1)
+    outs = _q2s_outputs([(one, one), (two, two)], seed=56, tokens=4, experts=3)
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+    with pytest.raises(ValueError, match="1 or 2"):
+        _q2s_outputs([(replace(two, pairs=3), two)], seed=57)
 
 
 def test_q2s_gemv_eight_row_subtiles_round_h(monkeypatch):
@@ -492,19 +515,23 @@ def test_gpu_q2s_gemv_prefetch_and_pdl(mask):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("depth", "pipe", "pipe_x", "block_n", "split"),
-    [(2, 0, False, 64, 1), (1, 3, False, 64, 1), (1, 4, False, 32, 1), (1, 0, True, 32, 1),
-     (2, 0, True, 64, 1), (1, 0, False, 64, 2), (2, 0, False, 32, 2), (1, 3, False, 64, 2)],
+    ("depth", "pipe", "pipe_x", "block_n", "split", "pairs"),
+    [(2, 0, False, 64, 1, 1), (1, 3, False, 64, 1, 1), (1, 4, False, 32, 1, 1),
+     (1, 0, True, 32, 1, 1), (2, 0, True, 64, 1, 1), (1, 0, False, 64, 2, 1),
+     (2, 0, False, 32, 2, 1), (1, 3, False, 64, 2, 1), (1, 0, False, 64, 1, 2),
+     (2, 0, True, 32, 1, 2), (1, 3, False, 64, 1, 2)],
 )  # fmt: skip
-def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n, split):
+def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n, split, pairs):
     """The look-ahead options compiled for real (depth 2: two tiles in registers; pipe: the
     pipeliner's cp.async through shared memory, which must also read pinned host rows; pipe_x:
     only the activations and scales through it), with
     PDL, against the twin: slots in GPU memory and in pinned host memory, a delta on some
     pairs, whole and ragged tiles; block_n 32 takes the 8-row sub-tiles that round h
-    themselves; split 2: K in two ranges (`_split_sum`)."""
+    themselves; split 2: K in two ranges (`_split_sum`); pairs 2: two pairs of an expert per
+    program (the q2s calls: 7 tokens of top-4 over 16 experts share some)."""
     c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
-                                  depth=depth, pipe=pipe, pipe_x=pipe_x, split_k=split)  # fmt: skip
+                                  depth=depth, pipe=pipe, pipe_x=pipe_x, split_k=split,
+                                  pairs=pairs)  # fmt: skip
     for tokens in (1, 7):
         run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
                  seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip

@@ -25,6 +25,8 @@ VARIANTS = [
     ["--pipe-x", "1", "--group-acc", "1", "--sub", "32", "--warps", "8"],
     ["--split", "2", "--depth", "2", "--quant-in", "1"],
     ["--split", "2", "--delta", "nvfp4", "--even", "0"],
+    ["--pairs", "2", "--group-acc", "1", "--pipe-x", "1"],
+    ["--pairs", "2", "--depth", "2", "--even", "0", "--pdl", "1"],
 ]
 
 
