@@ -334,7 +334,8 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     ahead = ({"pipe_x": True},) if delta else ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
     options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
     options += [(launch, a) for launch in ("gu", "dn") for a in ahead]
-    options += [(launch, {f: 2}) for launch in ("gu", "dn") for f in ("split_k", "pairs")]
+    two = ("split_k",) if delta else ("split_k", "pairs")  # (no pairs with a delta plane)
+    options += [(launch, {f: 2}) for launch in ("gu", "dn") for f in two]
     options += [] if delta else [("gu", {"quant_in": True}), ("gu", {"quant_pdl": True})]
     for launch, option in options:
         c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
