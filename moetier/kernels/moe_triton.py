@@ -623,14 +623,18 @@ def _split_sum(scratch, counters, pair, pid_n, N, rows0, rows1, rows2, rows3, m0
     count = counters + pair * tl.num_programs(1) + pid_n
     last = tl.atomic_add(count, 1) == SPLIT - 1
     zero = tl.zeros_like(y0)
-    t0 = tl.atomic_add(at + rows0, zero, mask=m0 & last)
-    t1 = tl.atomic_add(at + rows1, zero, mask=m1 & last)
-    t2 = tl.atomic_add(at + rows2, zero, mask=m2 & last)
-    t3 = tl.atomic_add(at + rows3, zero, mask=m3 & last)
-    tl.store(at + rows0, zero, mask=m0 & last)
-    tl.store(at + rows1, zero, mask=m1 & last)
-    tl.store(at + rows2, zero, mask=m2 & last)
-    tl.store(at + rows3, zero, mask=m3 & last)
+    # the last program's lanes (tl.where: `mask & scalar` is no bool mask to Triton 3.9's
+    # interpreter)
+    l0, l1 = tl.where(last, m0, False), tl.where(last, m1, False)
+    l2, l3 = tl.where(last, m2, False), tl.where(last, m3, False)
+    t0 = tl.atomic_add(at + rows0, zero, mask=l0)
+    t1 = tl.atomic_add(at + rows1, zero, mask=l1)
+    t2 = tl.atomic_add(at + rows2, zero, mask=l2)
+    t3 = tl.atomic_add(at + rows3, zero, mask=l3)
+    tl.store(at + rows0, zero, mask=l0)
+    tl.store(at + rows1, zero, mask=l1)
+    tl.store(at + rows2, zero, mask=l2)
+    tl.store(at + rows3, zero, mask=l3)
     if last:
         tl.store(count, 0)
     return t0, t1, t2, t3, last
@@ -1085,7 +1089,9 @@ def _q2s_gemv_kernel(
             if member == 1:  # the second pair (PAIRS 2): its sums, its rows of out or h
                 y0, y1, y2, y3 = yb0, yb1, yb2, yb3
                 pair = pair_b
-                m0, m1, m2, m3 = m0 & has_b, m1 & has_b, m2 & has_b, m3 & has_b
+                # (tl.where: `mask & scalar` is no bool mask to Triton 3.9's interpreter)
+                m0, m1 = tl.where(has_b, m0, False), tl.where(has_b, m1, False)
+                m2, m3 = tl.where(has_b, m2, False), tl.where(has_b, m3, False)
             y0 = y0 * _row_factor(bptr, 3, row_scale, 0, rows0, m0)
             y1 = y1 * _row_factor(bptr, 3, row_scale, 0, rows1, m1)
             y2 = y2 * _row_factor(bptr, 3, row_scale, 0, rows2, m2)
@@ -1105,7 +1111,8 @@ def _q2s_gemv_kernel(
                 y0, y1, y2, y3, last = _split_sum(scratch, counters, pair, pid_n, N, rows0, rows1,
                                                   rows2, rows3, m0, m1, m2, m3, y0, y1, y2, y3,
                                                   SPLIT)  # fmt: skip
-                m0, m1, m2, m3 = m0 & last, m1 & last, m2 & last, m3 & last
+                m0, m1 = tl.where(last, m0, False), tl.where(last, m1, False)
+                m2, m3 = tl.where(last, m2, False), tl.where(last, m3, False)
             words_ok = INTER // 16  # the words of h this program may write (split: the last's)
             if SPLIT > 1:
                 words_ok = tl.where(last, words_ok, 0)
