@@ -152,15 +152,9 @@ def choose_q2s_gemv(
 
     def entry(prefix: str) -> dict[str, int | bool] | None:
         key = f"{prefix}:{n}x{k}"
-        if pairs is not None:
-            sized = [
-                (int(name.rsplit(":p", 1)[1]), name)
-                for name in table
-                if name.startswith(key + ":p") and pairs <= int(name.rsplit(":p", 1)[1])
-            ]
-            if sized:
-                return table[min(sized)[1]]
-        return table.get(key)
+        sizes = [int(name[len(key) + 2 :]) for name in table if name.startswith(key + ":p")]
+        fits = [p for p in sizes if pairs is not None and pairs <= p]
+        return table[f"{key}:p{min(fits)}"] if fits else table.get(key)
 
     tuned = (
         (entry("q2s-gemv-zc") if zero_copy else None)

@@ -858,12 +858,11 @@ def _q2s_gemv_kernel(
         # each program holds few tiles, so load latency would otherwise stall every one)
         k_lo = 0
         k_hi = K
+        wd = tl.arange(0, W)
         if SPLIT > 1:  # this program's range of whole K tiles
             per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
             k_lo = tl.program_id(2) * per
             k_hi = tl.minimum(K, k_lo + per)
-        wd = tl.arange(0, W)
-        if SPLIT > 1:
             wd = tl.multiple_of(k_lo // 16, W) + tl.arange(0, W)
         wmask = wd < row_words
         if PIPE > 0:  # loaded in the loop
@@ -1552,8 +1551,8 @@ def _q2s_gemv(
         )  # fmt: skip
 
 
-_SPLIT_BUFFERS: dict[tuple[torch.device, int, int, int, int], tuple[torch.Tensor, torch.Tensor]]
-_SPLIT_BUFFERS = {}
+_SplitKey = tuple[torch.device, int, int, int, int]  # device, is_down, pairs, n, row tiles
+_SPLIT_BUFFERS: dict[_SplitKey, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _split_buffers(
