@@ -5,12 +5,13 @@ needed: Triton's bundled ptxas and nvdisasm).
   python bench/sass_count.py --float           # float activations
   python bench/sass_count.py --delta nvfp4     # with the NVFP4 delta decoded in the loop
 
-Prints one JSON line: registers, spilled bytes, weights per thread per K step, and the K loop's
-instructions per weight on each path through its runtime-conditional blocks: `per_weight` skips
-them all (b = 3a grid, delta off), `per_weight_fitted` takes the fitted grid's blocks (b != 3a),
-`per_weight_delta` the delta's (blocks holding PRMT: the NVFP4 delta), `per_weight_all` every
-block. `--dump FILE` writes the loop's SASS (and FILE.ttgir the kernel's TTGIR, where layout
-conversions show).
+Prints one JSON line: registers, spilled bytes, memory fences in the whole kernel (MEMBAR:
+each waits for every memory access of its thread in flight), weights per thread per K step,
+and the K loop's instructions per weight on each path through its runtime-conditional blocks:
+`per_weight` skips them all (b = 3a grid, delta off), `per_weight_fitted` takes the fitted
+grid's blocks (b != 3a), `per_weight_delta` the delta's (blocks holding PRMT: the NVFP4
+delta), `per_weight_all` every block. `--dump FILE` writes the loop's SASS (and FILE.ttgir
+the kernel's TTGIR, where layout conversions show).
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ def main() -> None:
                       "pipe": args.pipe, "pipe_x": args.pipe_x,
                       "shared_bytes": kernel.metadata.shared,
                       "registers": regs, "stack_bytes": stack,
+                      "fences": sum(op.split()[0].startswith("MEMBAR") for op in lines if op),
                       "loop_instructions": len(straight), "weights_per_thread": weights,
                       "per_weight": per_weight([]),
                       "per_weight_fitted": per_weight(fitted_blocks),
