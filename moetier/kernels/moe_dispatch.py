@@ -29,10 +29,12 @@ class KernelChoice:
     block_n: int = 32
     block_k: int = 128
     # K ranges per row tile: the generic GEMV splits gate_up only (down is never split); the
-    # q2s GEMV either launch, in 1 or 2 (`_split_sum`; untimed on the H200, 1 in its table)
+    # q2s GEMV either launch, in 1 or 2 (`_split_sum`; H200: 2 was 14-31% slower at 1-2
+    # tokens, docs/benchmarks.md, so 1 in its table)
     split_k: int = 1
     # q2s GEMV: pairs of one expert a program serves (1 or 2: its rows read once for both);
-    # int8 activations rounded by a launch, no delta plane, no split, else 1. Untimed: 1.
+    # int8 activations rounded by a launch, no delta plane, no split, else 1. H200: 2 lost
+    # everywhere (twice the accumulators: 225 registers), so 1 in its table.
     pairs: int = 1
     num_warps: int = 4
     num_stages: int = 2
@@ -47,7 +49,8 @@ class KernelChoice:
     pdl: bool = False
     # q2s GEMV int8 on sm_90, gate_up's choice: the launches rounding activations to int8 are
     # launched with programmatic dependent launch too (their launch overlaps the kernel
-    # before them, which they wait for before reading anything). Untimed: off.
+    # before them, which they wait for before reading anything). H200: 0-4% faster, on
+    # where the tuner kept it.
     quant_pdl: bool = False
     # q2s GEMV int8, gate_up: x rounded to int8 words in the kernel (one launch fewer a call;
     # not with a delta plane, which reads the rounded x from memory). Slower at every large
