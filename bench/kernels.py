@@ -384,16 +384,34 @@ def tune_q2s_mma(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[ty
     }
 
 
-def parse_variant(spec: str) -> tuple[str, dict[str, int | bool]]:
-    """`--variant depth=2,prefetch_l2=1` -> (the spec, {"depth": 2, "prefetch_l2": True})."""
+def parse_variant(spec: str) -> tuple[str, dict[str, int | bool], str]:
+    """`--variant depth=2,prefetch_l2=1` -> (the spec, {"depth": 2, "prefetch_l2": True},
+    "both"); a `gu:` or `dn:` prefix forces the fields on that launch only."""
     types = {f.name: f.type for f in dataclass_fields(KernelChoice)}
+    launch, _, body = spec.rpartition(":")
+    if launch not in ("", "gu", "dn"):
+        raise SystemExit(f"--variant {spec!r}: the prefix is gu: or dn:, not {launch!r}")
     out: dict[str, int | bool] = {}
-    for item in spec.split(","):
+    for item in body.split(","):
         name, _, value = item.partition("=")
         if name not in types or not value:
             raise SystemExit(f"--variant {spec!r}: {name!r} is not a KernelChoice field=value")
         out[name] = bool(int(value)) if types[name] in (bool, "bool") else int(value)
-    return spec, out
+    return spec, out, launch or "both"
+
+
+def variant_choices(
+    hidden: int, inter: int, pairs: int, fields: dict[str, int | bool], launch: str
+) -> tuple[KernelChoice, KernelChoice]:
+    """The dispatcher's q2s GEMV (gate_up, down) configs for a call of `pairs` pairs, with
+    `fields` forced on `launch` (gu, dn or both)."""
+    c_gu = moe_dispatch.choose_q2s_gemv(2 * inter, hidden, pairs=pairs)
+    c_dn = moe_dispatch.choose_q2s_gemv(hidden, inter, pairs=pairs)
+    if launch in ("gu", "both"):
+        c_gu = replace(c_gu, **fields)  # type: ignore[arg-type]
+    if launch in ("dn", "both"):
+        c_dn = replace(c_dn, **fields)  # type: ignore[arg-type]
+    return c_gu, c_dn
 
 
 def main() -> None:
@@ -438,24 +456,30 @@ def main() -> None:
         action="append",
         default=[],
         help="also time the q2s GEMV (decode sizes) with these KernelChoice fields forced on "
-        "both launches' dispatcher configs, e.g. depth=2 or prefetch_l2=1,depth=2; repeatable "
-        "(a same-run A/B without retuning)",
+        "both launches' dispatcher configs, e.g. depth=2 or prefetch_l2=1,depth=2, or on one "
+        "launch, e.g. dn:split_k=2; repeatable (a same-run A/B without retuning)",
     )
     parser.add_argument(
         "--eager",
         metavar="SHAPE:TOKENS",
-        help="only run that q2s case's call 12 times, eagerly, 6 routings twice (a target for "
-        "Nsight Compute: ncu -k regex:_q2s_gemv_kernel --launch-skip 8 --launch-count 2), and exit",
+        help="only run that q2s case's call 12 times, eagerly, 6 routings twice, with the first "
+        "--variant's fields if one is given (a target for Nsight Compute: ncu -k "
+        "regex:_q2s_gemv_kernel --launch-skip 8 --launch-count 2), and exit",
     )
     args = parser.parse_args()
+    variants = [parse_variant(v) for v in args.variant]
     if args.eager:
         shape, tokens = args.eager.split(":")
         case = Case(shape, q2s_format(shape), None)
+        hidden, inter, _, top_k = SHAPES[shape]
+        choice = None
+        if variants:
+            _, fields, launch = variants[0]
+            choice = variant_choices(hidden, inter, int(tokens) * top_k, fields, launch)
         for r in case.routings(int(tokens), 6, seed=int(tokens)) * 2:
-            case.call(r, None)
+            case.call(r, choice)
         torch.cuda.synchronize()
         return
-    variants = [parse_variant(v) for v in args.variant]
     Case.routing = args.routing
     info = run_info()
     if args.routing != "random":
@@ -538,11 +562,9 @@ def main() -> None:
                 emit(rec)
                 if name != "q2s" or split != 0:
                     continue
-                for label, fields in variants:  # the same case with forced fields
-                    c_gu = replace(gu_choice, **fields)
-                    c_dn = replace(moe_dispatch.choose_q2s_gemv(hidden, inter, pairs=pairs),
-                                   **fields)  # fmt: skip
-                    ms_v = time_case(case, tokens, (c_gu, c_dn))[0]
+                for label, fields, launch in variants:  # the same case with forced fields
+                    choice = variant_choices(hidden, inter, pairs, fields, launch)
+                    ms_v = time_case(case, tokens, choice)[0]
                     gbs_v = (nbytes + dbytes) / ms_v / 1e6
                     emit({**rec, "format": f"q2s[{label}]", "ms": round(ms_v, 5),
                           "GB/s": round(gbs_v, 1), "of_copy": round(gbs_v * 1e9 / copy_bw, 3),
