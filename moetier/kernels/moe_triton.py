@@ -753,7 +753,8 @@ def _q2s_gemv_kernel(
         with 2, a program serves two pairs of one expert, so the expert's rows are read once
         for both: of the pairs routed to an expert (in pair order), those of even rank lead
         and take the next one as their second (found in the call's topk_ids, PAIRS_P2 >= the
-        pair count), those of odd rank leave their programs empty.
+        pair count), those of odd rank leave their programs empty; a program without a second
+        skips the second's work in the K loop (a branch it takes whole).
     PDL (sm_90; `KernelChoice.pdl`, launched with programmatic dependent launch): the program
         lets the next launch start (`gdc_launch_dependents`), then reads its weights' first tile
         and asks for the rest (PREFETCH_L2) before it waits for the previous launch
@@ -926,12 +927,13 @@ def _q2s_gemv_kernel(
                                                     GSUM)  # fmt: skip
             if INT8:
                 if PAIRS == 2:  # the same words against the second pair's activations
-                    qb0, qb1, qb2, qb3, xscb, qsb = _x_words(xq_row_b, xs_row_b, xsum_row_b,
-                                                             row_words, wd, wmask,
-                                                             EVEN)  # fmt: skip
-                    accb0, accb1, accb2, accb3 = _tile_sums(
-                        accb0, accb1, accb2, accb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, qb0, qb1,
-                        qb2, qb3, xscb, qsb, False, GSUM, WPG, ASM)  # fmt: skip
+                    if has_b:  # (a branch the whole program takes or skips: no second, no cost)
+                        qb0, qb1, qb2, qb3, xscb, qsb = _x_words(xq_row_b, xs_row_b, xsum_row_b,
+                                                                 row_words, wd, wmask,
+                                                                 EVEN)  # fmt: skip
+                        accb0, accb1, accb2, accb3 = _tile_sums(
+                            accb0, accb1, accb2, accb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, qb0,
+                            qb1, qb2, qb3, xscb, qsb, False, GSUM, WPG, ASM)  # fmt: skip
                 if QUANT_IN:  # this tile's activations rounded here, as `_quant_store` does
                     q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
                 else:
@@ -1063,11 +1065,12 @@ def _q2s_gemv_kernel(
                                                 sc3, q0, q1, q2, q3, xsc, qs, True, GSUM, WPG,
                                                 ASM)  # fmt: skip
                 if PAIRS == 2:
-                    q0, q1, q2, q3, xsc, qs = _x_words(xq_row_b, xs_row_b, xsum_row_b, row_words,
-                                                       wd, wmask, EVEN)  # fmt: skip
-                    avb0, avb1, avb2, avb3 = _tile_sums(
-                        avb0, avb1, avb2, avb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, q0, q1, q2, q3,
-                        xsc, qs, True, GSUM, WPG, ASM)  # fmt: skip
+                    if has_b:
+                        q0, q1, q2, q3, xsc, qs = _x_words(xq_row_b, xs_row_b, xsum_row_b,
+                                                           row_words, wd, wmask, EVEN)  # fmt: skip
+                        avb0, avb1, avb2, avb3 = _tile_sums(
+                            avb0, avb1, avb2, avb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, q0, q1,
+                            q2, q3, xsc, qs, True, GSUM, WPG, ASM)  # fmt: skip
         if INT8:
             # β/32 and γ/64 (module docstring); β = a exactly when b = 3a
             beta = tl.where(corr != 0, 0.5 * (b - a), a) / 32
