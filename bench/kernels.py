@@ -60,8 +60,8 @@ def weight_bytes(fmt: BlobFormat) -> int:
 class Case:
     """All experts of one layer in a GPU pool (base slots, then delta slots). Routings are
     each token's top-k of random scores, or with `Case.routing = "distinct"` a call's pairs
-    all on different experts while there are enough of them (a study: duplicate experts in a
-    call are read once per pair by the q2s GEMV)."""
+    all on different experts while there are enough of them (a study: the q2s GEMV reads and
+    decodes an expert once per pair, so duplicates cost it about as much as distinct ones)."""
 
     routing = "random"
 
@@ -284,8 +284,9 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
 
 def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, dict]:  # type: ignore[type-arg]
     """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down,
-    for all of `tokens` at once (one config serves every decode size: the score is the sum
-    over them of each time over the first candidate's); for a ZeroCopyCase the `q2s-gemv-zc:`
+    for all of `tokens` at once (one config serves every decode size, or with a `suffix`
+    `:p<P>` the calls of at most P pairs: the score is the sum over them of each time over
+    the first candidate's); for a ZeroCopyCase the `q2s-gemv-zc:`
     configs (reads over PCIe: whole rows per K tile are among the candidates), for a case with
     a delta plane the `q2s-gemv-delta:` ones (depth 1; pipe_x and prefetch_l2 per launch)."""
     gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")

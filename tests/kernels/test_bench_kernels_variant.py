@@ -26,7 +26,7 @@ def kb():
 
 
 def test_variant_on_both_launches(kb):
-    spec, fields, launch = kb.parse_variant("depth=2,prefetch_l2=1")
+    _, fields, launch = kb.parse_variant("depth=2,prefetch_l2=1")
     assert (fields, launch) == ({"depth": 2, "prefetch_l2": True}, "both")
     gu, dn = kb.variant_choices(7168, 2048, 8, fields, launch)
     assert gu.depth == dn.depth == 2 and gu.prefetch_l2 and dn.prefetch_l2
