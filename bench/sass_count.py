@@ -35,12 +35,10 @@ POINTERS = {
     "x_ptr": "*fp32", "topk_ids": "*i64", "topk_w": "*fp32", "delta_mask": "*u8", "pool": "*u8",
     "slot_table": "*i32", "slot_offsets": "*i64", "delta_table": "*i32", "out": "*fp32",
     "xq": "*i32", "xs": "*fp32", "xsum": "*i32", "xqn": "*i32", "oq": "*i32", "osc": "*fp32",
-    "osum": "*i32", "oqn": "*i32", "scratch": "*fp32", "counters": "*i32", "ready": "*i32",
-    "h": "*fp32", "hq": "*i32", "hs": "*fp32", "hsum": "*i32", "hqn": "*i32", "sync": "*i32",
+    "osum": "*i32", "oqn": "*i32", "scratch": "*fp32", "counters": "*i32",
 }  # fmt: skip
 NOT_DIVISIBLE = {"limit", "alpha", "stride_xk", "topk_ids", "topk_w", "delta_mask", "slot_table",
-                 "slot_offsets", "delta_table", "in_bias", "out_bias", "N", "INTER", "task_pair",
-                 "task_n", "ready", "ready_target", "tokens", "n_pairs", "H"}  # fmt: skip
+                 "slot_offsets", "delta_table", "in_bias", "out_bias", "N", "INTER"}  # fmt: skip
 
 
 def main() -> None:
@@ -65,32 +63,18 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1, help="PAIRS constexpr (pairs a program)")
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
-    parser.add_argument("--fused", action="store_true",
-                        help="the one-launch kernel (`_q2s_moe_kernel`), both launches with "
-                        "these options; registers, stack and fences only")  # fmt: skip
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
     int8 = 0 if args.float else 1
     dkind = moe_triton.NVFP4 if args.delta == "nvfp4" else -1
-    stages = args.pipe or (2 if args.pipe_x else None)
     const = dict(GROUP=args.group, DKIND=dkind, DGROUP=16, BIAS=0, ACT=0,
                  IS_DOWN=int(args.down), TOPK=8, SUB=args.sub, BLOCK_K=args.block_k,
                  INT8=int8, ASM=1,
                  QUANT_OUT=int(int8 and (args.sub % 16 == 0 or args.sub == 8)), EVEN=args.even,
                  GROUP_ACC=args.group_acc, PREFETCH_L2=args.prefetch_l2,
                  PDL=args.pdl, QUANT_IN=args.quant_in, DEPTH=args.depth, PIPE=args.pipe,
-                 LOOP_STAGES=stages, SPLIT=args.split, PAIRS=args.pairs, PAIRS_P2=64,
-                 TASK=0)  # fmt: skip
-    if args.fused:
-        fn = moe_triton._q2s_moe_kernel
-        const = dict(BIAS=0, ACT=0, TOPK=8, INT8=int8, ASM=1, QUANT_X=int(int8 and not
-                     args.quant_in), QW=128, QUANT_IN=args.quant_in, PDL=args.pdl)  # fmt: skip
-        for p in ("GU", "DN"):
-            const.update({f"{p}_GROUP": args.group, f"{p}_DKIND": dkind, f"{p}_DGROUP": 16,
-                          f"{p}_SUB": args.sub, f"{p}_BLOCK_K": args.block_k,
-                          f"{p}_EVEN": args.even, f"{p}_GROUP_ACC": args.group_acc,
-                          f"{p}_PREFETCH_L2": args.prefetch_l2, f"{p}_DEPTH": args.depth,
-                          f"{p}_PIPE": args.pipe, f"{p}_STAGES": stages})  # fmt: skip
+                 LOOP_STAGES=args.pipe or (2 if args.pipe_x else None),
+                 SPLIT=args.split, PAIRS=args.pairs, PAIRS_P2=64)  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -120,13 +104,6 @@ def main() -> None:
              for line in sass.splitlines()]  # fmt: skip
     # (a fence may be predicated: the atomics it orders run on one thread)
     fences = sum(re.sub(r"^@!?P\d\s+", "", op).startswith("MEMBAR") for op in lines if op)
-    if args.fused:
-        count = sum(1 for op in lines if op and op[0] != ".")
-        print(json.dumps({"case": "sass-fused", "int8": bool(int8), "delta": args.delta,
-                          "sub": args.sub, "block_k": args.block_k, "warps": args.warps,
-                          "registers": regs, "stack_bytes": stack, "fences": fences,
-                          "instructions": count}))  # fmt: skip
-        return
     # the K loop: from the label its backward branch targets to that branch
     branches = [(i, m.group(1)) for i, line in enumerate(lines)
                 if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line))]  # fmt: skip

@@ -67,15 +67,6 @@ class KernelChoice:
     # ahead through shared memory by Triton's pipeliner; tuned per launch (H200: won while
     # the fitted path ran, kept by no launch on the b = 3a path).
     pipe_x: bool = False
-    # q2s GEMV, gate_up's choice: 0, or the whole call (activation rounding, gate_up, down) as
-    # one launch of this many programs per SM taking tasks from a queue (`_q2s_moe_kernel`;
-    # no split-K, one pair a program, num_warps gate_up's; where int8 h must be rounded by
-    # gate_up itself, else two launches).
-    fused: int = 0
-    # the fused launch's register cap per thread (ptxas maxnreg; 0: the compiler's choice). Its
-    # two tiles share one allocation (sm_90, DeepSeek-V3's: 170 registers, either alone 128;
-    # capped at 128 they do not spill), so a cap can keep two programs an SM.
-    maxnreg: int = 0
 
 
 GEMV = KernelChoice()

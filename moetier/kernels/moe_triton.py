@@ -693,7 +693,6 @@ def _q2s_gemv_kernel(
     GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
-    TASK: tl.constexpr, task_pair, task_n, ready, ready_target,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -759,20 +758,11 @@ def _q2s_gemv_kernel(
     PDL (sm_90; `KernelChoice.pdl`, launched with programmatic dependent launch): the program
         lets the next launch start (`gdc_launch_dependents`), then reads its weights' first tile
         and asks for the rest (PREFETCH_L2) before it waits for the previous launch
-        (`gdc_wait`) and reads its activations: weight reads overlap the previous kernel.
-    TASK (called by `_q2s_moe_kernel`, not launched): one (task_pair, task_n) tile of a launch
-        of one program, which at the point where PDL waits spins until the count at `ready`
-        reaches ready_target (its activations written by the same launch's other tasks; no
-        split, no second pair)."""
-    if TASK:
-        tl.static_assert(SPLIT == 1 and PAIRS == 1 and not PDL)
-        pair = task_pair
-        pid_n = task_n
-    else:
-        pair = tl.program_id(0)
-        if PDL:
-            gdc_launch_dependents()
-        pid_n = tl.program_id(1)
+        (`gdc_wait`) and reads its activations: weight reads overlap the previous kernel."""
+    pair = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    pid_n = tl.program_id(1)
     expert = tl.load(topk_ids + pair).to(tl.int32)
     slot = tl.load(slot_table + expert)
     use_delta = pair < 0  # False
@@ -914,8 +904,6 @@ def _q2s_gemv_kernel(
                     _prefetch_l2(bptr + scales + (first + INTER) * row_groups, count * row_groups)
         if PDL:  # the activations are the previous launch's output
             gdc_wait()
-        if TASK:  # ... or this launch's: written once the count reaches its target
-            _wait_count(ready, ready_target)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
             if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
                 wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
@@ -1169,133 +1157,6 @@ def _q2s_gemv_kernel(
                 else:
                     tl.store(out + pair * INTER + rows0, h0, mask=m0)
                     tl.store(out + pair * INTER + rows1, h1, mask=m1)
-
-
-@triton.jit
-def _signal_count(count):
-    """Count one more finished task at `count`: after every thread's stores (the barrier), one
-    release atomic at gpu scope, which makes them visible to whoever acquires the count."""
-    tl.debug_barrier()
-    tl.atomic_add(count, 1, sem="release")
-
-
-@triton.jit
-def _wait_count(count, target):
-    """Spin until the count at `count` reaches target (acquire atomics: what the counted tasks
-    stored is visible after)."""
-    seen = tl.atomic_add(count, 0, sem="acquire")
-    while seen < target:
-        seen = tl.atomic_add(count, 0, sem="acquire")
-
-
-# `_q2s_gemv_kernel` as a function `_q2s_moe_kernel` calls rather than inlines: inlined in its
-# task loop, the two tiles' loop-invariant values were hoisted out of it and kept live (sm_90,
-# DeepSeek-V3's tiles: 242 registers against 128 for either launch alone)
-_q2s_gemv_task = triton.jit(noinline=True)(_q2s_gemv_kernel.fn)
-
-
-@triton.jit
-def _q2s_moe_kernel(
-    x_ptr, stride_x, stride_xk, topk_ids, topk_w, delta_mask,
-    pool, slot_table, slot_offsets, delta_table,
-    h, out, H, INTER, h_words, i_words, one, tokens, n_pairs,
-    gu_groups, gu_codes, gu_scales, gu_row_scale, gu_aux, GU_GROUP: tl.constexpr,
-    GU_DKIND: tl.constexpr, gu_d_codes, gu_d_scales, gu_d_row_scale, gu_d_aux, gu_d_tensor_scale,
-    GU_DGROUP: tl.constexpr,
-    dn_groups, dn_codes, dn_scales, dn_row_scale, dn_aux, DN_GROUP: tl.constexpr,
-    DN_DKIND: tl.constexpr, dn_d_codes, dn_d_scales, dn_d_row_scale, dn_d_aux, dn_d_tensor_scale,
-    DN_DGROUP: tl.constexpr,
-    BIAS: tl.constexpr, in_bias, out_bias, ACT: tl.constexpr, limit, alpha, TOPK: tl.constexpr,
-    xq, xs, xsum, xqn, hq, hs, hsum, hqn, INT8: tl.constexpr, ASM: tl.constexpr, pool_bytes,
-    QUANT_X: tl.constexpr, QW: tl.constexpr, QUANT_IN: tl.constexpr,
-    GU_SUB: tl.constexpr, GU_BLOCK_K: tl.constexpr, GU_EVEN: tl.constexpr,
-    GU_GROUP_ACC: tl.constexpr, GU_PREFETCH_L2: tl.constexpr, GU_DEPTH: tl.constexpr,
-    GU_PIPE: tl.constexpr, GU_STAGES: tl.constexpr,
-    DN_SUB: tl.constexpr, DN_BLOCK_K: tl.constexpr, DN_EVEN: tl.constexpr,
-    DN_GROUP_ACC: tl.constexpr, DN_PREFETCH_L2: tl.constexpr, DN_DEPTH: tl.constexpr,
-    DN_PIPE: tl.constexpr, DN_STAGES: tl.constexpr,
-    sync, PDL: tl.constexpr,
-):  # fmt: skip
-    """A whole q2s decode call in one launch (`KernelChoice.fused`): the activation rounding,
-    gate_up and down as tasks of one queue, taken in order by however many programs run.
-
-    Tasks, numbered in this order: rounding x to int8 words (QUANT_X: a token's QW words each,
-    as `_quant_words_kernel` rounds them), gate_up tiles (pair-major, `_q2s_gemv_kernel`'s
-    programs with QUANT_OUT), down tiles. Each program takes the next task number from
-    sync[0] (an atomic) until none is left. A gate_up tile waits for its token's rounding
-    tasks (counted in sync[2 + token]), a down tile for its pair's gate_up tiles (sync[2 +
-    tokens + pair]), each after it has asked for its first weights (`_wait_count` where the
-    two-launch kernel waits for PDL), so down's weights are read while gate_up ends. No
-    deadlock whatever the grid: a task waits only on tasks of smaller numbers, which running
-    programs took before it and finish without waiting on anything later. The last program to
-    leave (counted in sync[1]) zeroes the counts for the next call. PDL (launched with
-    programmatic dependent launch): waits for the launch before before anything, the counts
-    included (a previous call may still be zeroing them)."""
-    if PDL:
-        gdc_wait()
-    q_chunks = tl.cdiv(h_words, QW) if QUANT_X else 0
-    n_q = tokens * q_chunks
-    gu_tiles = tl.cdiv(INTER, 2 * GU_SUB)
-    dn_tiles = tl.cdiv(H, 4 * DN_SUB)
-    n_gu = n_q + n_pairs * gu_tiles
-    total = n_gu + n_pairs * dn_tiles
-    x_ready = sync + 2
-    h_ready = x_ready + tokens
-    t = tl.atomic_add(sync, 1, sem="relaxed")
-    while t < total:
-        if t < n_q:  # a token's words t % q_chunks of x, rounded as `_quant_words_kernel` does
-            row = t // q_chunks
-            wd = (t % q_chunks) * QW + tl.arange(0, QW)
-            wmask = wd < h_words
-            col = tl.arange(0, 16)
-            v = tl.load(x_ptr + row * stride_x + (wd[:, None] * 16 + col[None, :]) * stride_xk,
-                        mask=wmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
-            _quant_store(v, wd, h_words, xq + row * (4 * h_words), xs + row * h_words,
-                         xsum + row * h_words, xqn + row * (4 * h_words), wmask)  # fmt: skip
-            _signal_count(x_ready + row)
-        elif t < n_gu:
-            pair = (t - n_q) // gu_tiles
-            _q2s_gemv_task(
-                x_ptr, stride_x, stride_xk, topk_ids, topk_w, delta_mask,
-                pool, slot_table, slot_offsets, delta_table,
-                h, 2 * INTER, H, INTER, h_words, gu_groups, one,
-                gu_codes, gu_scales, gu_row_scale, gu_aux, GU_GROUP,
-                GU_DKIND, gu_d_codes, gu_d_scales, gu_d_row_scale, gu_d_aux, gu_d_tensor_scale,
-                GU_DGROUP,
-                BIAS, in_bias, out_bias, ACT, limit, alpha,
-                False, TOPK, GU_SUB, GU_BLOCK_K,
-                xq, xs, xsum, xqn, INT8, ASM,
-                hq, hs, hsum, hqn, INT8, GU_EVEN,
-                GU_GROUP_ACC, GU_PREFETCH_L2, pool_bytes, False,
-                QUANT_IN, GU_DEPTH, GU_PIPE, GU_STAGES,
-                h, sync, 1, 1, 1,
-                True, pair, (t - n_q) % gu_tiles, x_ready + pair // TOPK, q_chunks,
-            )  # fmt: skip
-            _signal_count(h_ready + pair)
-        else:
-            pair = (t - n_gu) // dn_tiles
-            _q2s_gemv_task(
-                h, INTER, 1, topk_ids, topk_w, delta_mask,
-                pool, slot_table, slot_offsets, delta_table,
-                out, H, INTER, INTER, i_words, dn_groups, one,
-                dn_codes, dn_scales, dn_row_scale, dn_aux, DN_GROUP,
-                DN_DKIND, dn_d_codes, dn_d_scales, dn_d_row_scale, dn_d_aux, dn_d_tensor_scale,
-                DN_DGROUP,
-                BIAS, in_bias, out_bias, ACT, limit, alpha,
-                True, TOPK, DN_SUB, DN_BLOCK_K,
-                hq, hs, hsum, hqn, INT8, ASM,
-                hq, hs, hsum, hqn, False, DN_EVEN,
-                DN_GROUP_ACC, DN_PREFETCH_L2, pool_bytes, False,
-                False, DN_DEPTH, DN_PIPE, DN_STAGES,
-                out, sync, 1, 1, 1,
-                True, pair, (t - n_gu) % dn_tiles, h_ready + pair, gu_tiles,
-            )  # fmt: skip
-        t = tl.atomic_add(sync, 1, sem="relaxed")
-    if tl.atomic_add(sync + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        # the last program out: every task is done and no program reads a count again
-        for i in range(0, 2 + tokens + n_pairs, 128):
-            idx = i + tl.arange(0, 128)
-            tl.store(sync + idx, tl.zeros((128,), tl.int32), mask=idx < 2 + tokens + n_pairs)
 
 
 @triton.jit
@@ -1613,9 +1474,7 @@ def _q2s_gemv(
     delta_mask: torch.Tensor | None,
     delta_table: torch.Tensor | None,
 ) -> None:
-    """Two launches of `_q2s_gemv_kernel`: gate_up (+ activation) into h [P, I], then down
-    (after a launch rounding x to int8 words, where it does not itself); or, with
-    `KernelChoice.fused`, all of it in one launch (`_q2s_moe`)."""
+    """Two launches of `_q2s_gemv_kernel`: gate_up (+ activation) into h [P, I], then down."""
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     inter = gu.n // 2
@@ -1645,30 +1504,30 @@ def _q2s_gemv(
     pdl = hopper and c_gu.pdl and c_dn.pdl
     # gate_up rounds x itself (no activation-rounding launch) when no delta reads the rounded x
     quant_in = c_gu.quant_in and int8 and not has_delta
-    launches = [
-        _GemvLaunch.of(spec, c, bool(is_down), inter)
-        for is_down, spec, c in ((0, gu, c_gu), (1, dn, c_dn))
-    ]
-    # one launch for the whole call (`_q2s_moe_kernel`): no split, one pair a program, h
-    # rounded by gate_up where activations are int8
-    if c_gu.fused > 0 and all(g.split == 1 for g in launches) and (hq is not None or not int8):
-        _q2s_moe(hidden, topk_ids, topk_w, slot_table, pool, slot_offsets, act, out, h, hq,
-                 fmt, gu, dn, dgu if has_delta else None, ddn if has_delta else None, dmask,
-                 dtable, launches, (c_gu, c_dn), int8, quant_in, pdl)  # fmt: skip
-        return
-    for is_down, spec, dspec, c, x, dst, g in (
-        (0, gu, dgu, c_gu, hidden, h, launches[0]),
-        (1, dn, ddn, c_dn, h, out, launches[1]),
+    for is_down, spec, dspec, c, x, dst in (
+        (0, gu, dgu, c_gu, hidden, h),
+        (1, dn, ddn, c_dn, h, out),
     ):
-        grid = (pairs, triton.cdiv(g.rows, g.tile_rows), g.split)
+        sub = max(1, c.block_n // 4)
+        # whole groups per K tile (a group of 8 words needs BLOCK_K >= 128)
+        block_k = max(spec.group, min(c.block_k, max(16, triton.next_power_of_2(spec.k))))
+        rows = spec.n if is_down else inter
+        tile_rows = (4 if is_down else 2) * sub
+        # split-K (two K ranges of whole tiles, `_split_sum`); nothing to split in one tile
+        if c.split_k not in (1, 2):
+            raise ValueError(f"the q2s GEMV splits K in 1 or 2 ranges, not {c.split_k}")
+        split = c.split_k if spec.k > block_k else 1
+        grid = (pairs, triton.cdiv(rows, tile_rows), split)
         scratch, counters = dst, slot_table  # placeholders of the same types
-        if g.split > 1:
+        if split > 1:
             scratch, counters = _split_buffers(hidden.device, is_down, pairs, spec.n, grid[1])
         # two pairs of one expert per program: int8 x rounded by a launch, no delta, no split
         if c.pairs not in (1, 2):
             raise ValueError(f"a q2s GEMV program serves 1 or 2 pairs, not {c.pairs}")
         x_launched = int8 and not (quant_in and not is_down)
-        two = c.pairs == 2 and x_launched and not has_delta and g.split == 1
+        two = c.pairs == 2 and x_launched and not has_delta and split == 1
+        # whole K tiles and row tiles: no masks in the K loop
+        even = spec.k % block_k == 0 and rows % tile_rows == 0
         dspec = dspec if has_delta else None
         xq = xs = xsum = xqn = x  # placeholders, unused without int8 activations
         if int8 and not (quant_in and not is_down):
@@ -1687,136 +1546,15 @@ def _q2s_gemv(
             dspec.aux if dspec else 0, dspec.tensor_scale if dspec else 0,
             dspec.group if dspec else 1,
             bias, in_bias, out_bias, ACTIVATIONS[act.kind], act.limit, act.alpha,
-            is_down, top_k, g.sub, g.block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
-            oq, os_, osum, oqn, quant_out and not is_down, g.even, c.group_acc,
+            is_down, top_k, sub, block_k, xq, xs, xsum, xqn, int8, _inline_asm(),
+            oq, os_, osum, oqn, quant_out and not is_down, even, c.group_acc,
             c.prefetch_l2 and hopper and spec.k % 64 == 0, pool.numel(),
-            pdl, quant_in and not is_down, c.depth, c.pipe, g.stages,
-            scratch, counters, g.split, 2 if two else 1,
+            pdl, quant_in and not is_down, c.depth, c.pipe, c.pipe or (2 if c.pipe_x else None),
+            scratch, counters, split, 2 if two else 1,
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
-            False, 0, 0, slot_table, 0,  # (launched: no task arguments)
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl,
         )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _GemvLaunch:
-    """What one q2s GEMV launch (gate_up or down) derives from its config and matrix."""
-
-    sub: int  # rows of each of a program's four sub-tiles
-    block_k: int
-    rows: int  # output rows of a pair (gate_up: h's)
-    tile_rows: int  # a program's
-    split: int
-    even: bool  # whole K tiles and row tiles: no masks in the K loop
-    stages: int | None  # the K loop's num_stages
-
-    @staticmethod
-    def of(spec: MatrixSpec, c: KernelChoice, is_down: bool, inter: int) -> _GemvLaunch:
-        sub = max(1, c.block_n // 4)
-        # whole groups per K tile (a group of 8 words needs BLOCK_K >= 128)
-        block_k = max(spec.group, min(c.block_k, max(16, triton.next_power_of_2(spec.k))))
-        rows = spec.n if is_down else inter
-        tile_rows = (4 if is_down else 2) * sub
-        # split-K (two K ranges of whole tiles, `_split_sum`); nothing to split in one tile
-        if c.split_k not in (1, 2):
-            raise ValueError(f"the q2s GEMV splits K in 1 or 2 ranges, not {c.split_k}")
-        split = c.split_k if spec.k > block_k else 1
-        even = spec.k % block_k == 0 and rows % tile_rows == 0
-        stages = c.pipe or (2 if c.pipe_x else None)
-        return _GemvLaunch(sub, block_k, rows, tile_rows, split, even, stages)
-
-
-_SYNC: dict[torch.device, torch.Tensor] = {}
-
-
-def _sync_counts(device: torch.device) -> torch.Tensor:
-    """`_q2s_moe_kernel`'s task counts (int32 [2 + 2 * Q2S_GEMV_MAX_PAIRS]: the queue, the
-    programs out, then per token and per pair), zero when made and left zero by every launch,
-    so made once per device (the launches run one after another on the stream)."""
-    if device not in _SYNC:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "the fused q2s MoE kernel's counts are made on its first call, which cannot be "
-                "inside a CUDA graph capture: run one call (a warm-up step) before capturing"
-            )
-        _SYNC[device] = torch.zeros(2 + 2 * Q2S_GEMV_MAX_PAIRS, device=device, dtype=torch.int32)
-    return _SYNC[device]
-
-
-def _q2s_moe(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_w: torch.Tensor,
-    slot_table: torch.Tensor,
-    pool: torch.Tensor,
-    slot_offsets: torch.Tensor,
-    act: ExpertActivation,
-    out: torch.Tensor,
-    h: torch.Tensor,
-    hq: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    fmt: BlobFormat,
-    gu: MatrixSpec,
-    dn: MatrixSpec,
-    dgu: MatrixSpec | None,
-    ddn: MatrixSpec | None,
-    dmask: torch.Tensor,
-    dtable: torch.Tensor,
-    launches: list[_GemvLaunch],
-    choice: tuple[KernelChoice, KernelChoice],
-    int8: bool,
-    quant_in: bool,
-    pdl: bool,
-) -> None:
-    """The call as one launch of `_q2s_moe_kernel` (`KernelChoice.fused` programs per SM, at
-    most one per task), num_warps and maxnreg gate_up's."""
-    tokens, top_k = topk_ids.shape
-    pairs = tokens * top_k
-    hidden_size, inter = dn.n, gu.n // 2
-    g_gu, g_dn = launches
-    c_gu, c_dn = choice
-    quant_x = int8 and not quant_in
-    qw = min(128, triton.next_power_of_2(hidden_size // 16))
-    tasks = (
-        tokens * triton.cdiv(hidden_size // 16, qw) * quant_x
-        + pairs * triton.cdiv(inter, g_gu.tile_rows)
-        + pairs * triton.cdiv(hidden_size, g_dn.tile_rows)
-    )
-    if hidden.device.type == "cuda":
-        sms = torch.cuda.get_device_properties(hidden.device).multi_processor_count
-    else:
-        sms = 2  # the interpreter: a few programs, taking tasks in turn
-    xq = xs = xsum = xqn = hidden  # placeholders, unused without int8 activations
-    if quant_x:
-        xq, xs, xsum, xqn = quant_words_buffers(tokens, hidden_size, hidden.device)
-    hq_ = hq if hq is not None else (h, h, h, h)
-    bias, in_bias, out_bias = _bias_kind(fmt)
-    hopper = _sm_at_least(hidden.device, 9)
-    args: list[object] = []
-    for spec, dspec in ((gu, dgu), (dn, ddn)):
-        args += [
-            spec.k // spec.group, spec.codes, spec.scales, spec.row_scale, spec.aux, spec.group,
-            dspec.kind if dspec else NONE, dspec.codes if dspec else 0,
-            dspec.scales if dspec else 0, dspec.row_scale if dspec else 0,
-            dspec.aux if dspec else 0, dspec.tensor_scale if dspec else 0,
-            dspec.group if dspec else 1,
-        ]  # fmt: skip
-    _q2s_moe_kernel[(min(tasks, c_gu.fused * sms),)](
-        hidden, hidden.stride(0), hidden.stride(1), topk_ids, topk_w, dmask,
-        pool, slot_table, slot_offsets, dtable,
-        h, out, hidden_size, inter, hidden_size // 16, inter // 16, Q2S_ONE, tokens, pairs,
-        *args,
-        bias, in_bias, out_bias, ACTIVATIONS[act.kind], act.limit, act.alpha, top_k,
-        xq, xs, xsum, xqn, *hq_, int8, _inline_asm(), pool.numel(),
-        quant_x, qw, quant_in,
-        g_gu.sub, g_gu.block_k, g_gu.even, c_gu.group_acc,
-        c_gu.prefetch_l2 and hopper and gu.k % 64 == 0, c_gu.depth, c_gu.pipe, g_gu.stages,
-        g_dn.sub, g_dn.block_k, g_dn.even, c_dn.group_acc,
-        c_dn.prefetch_l2 and hopper and dn.k % 64 == 0, c_dn.depth, c_dn.pipe, g_dn.stages,
-        _sync_counts(hidden.device), pdl,
-        num_warps=c_gu.num_warps, num_stages=c_gu.num_stages, launch_pdl=pdl,
-        **({"maxnreg": c_gu.maxnreg} if c_gu.maxnreg else {}),
-    )  # fmt: skip
 
 
 _SplitKey = tuple[torch.device, int, int, int, int]  # device, is_down, pairs, n, row tiles

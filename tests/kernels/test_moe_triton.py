@@ -313,29 +313,6 @@ def test_q2s_gemv_two_pairs_per_program():
         _q2s_outputs([(replace(two, pairs=3), two)], seed=57)
 
 
-def test_q2s_moe_fused_one_launch(monkeypatch):
-    """The whole call as one launch (`KernelChoice.fused`: rounding x, gate_up and down as
-    tasks of one queue, `_q2s_moe_kernel`): the twin's figures with some experts without a
-    slot, a delta on random pairs, bias and gpt-oss's activation, ragged tiles, two tiles in
-    flight, float activations; no other launch (no `quant_words`); bit for bit the two-launch
-    outputs; the counts left zero for the next call (each case here runs after another)."""
-    fused = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True, fused=1)
-    rounded: list[torch.Tensor] = []
-    real = moe_triton.quant_words
-    monkeypatch.setattr(moe_triton, "quant_words", lambda x, *a: rounded.append(x) or real(x, *a))
-    run_case("q2s", 3, 2, 5, 128, 64, present_frac=0.6, force=(fused, fused), seed=60)
-    assert not rounded
-    run_case("q2s+nvfp4", 2, 2, 4, 96, 96, mask="random", force=(fused, fused), seed=61)
-    deep = replace(fused, depth=2, block_n=32, fused=2)
-    run_case("q2s", 1, 2, 4, 128, 64, act="gpt_oss", bias=True, force=(deep, deep), seed=62)
-    flt = replace(fused, int8_act=False)
-    run_case("q2s", 2, 2, 4, 64, 32, force=(flt, flt), seed=63)
-    plain = replace(fused, fused=0)
-    outs = _q2s_outputs([(plain, plain), (fused, fused)], seed=64)
-    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
-    assert not any(bool(c.any()) for c in moe_triton._SYNC.values())
-
-
 def test_q2s_gemv_eight_row_subtiles_round_h(monkeypatch):
     """gate_up with 8-row sub-tiles (block_n 32, the zero-copy configs' size) rounds h to int8
     words itself, its two sub-tiles making one word (so only x is rounded by a launch of its
@@ -563,43 +540,20 @@ def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n, split, pairs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("fused", "maxnreg", "block_n"), [(1, 0, 64), (4, 128, 64), (2, 0, 32)])
-def test_gpu_q2s_moe_fused(fused, maxnreg, block_n):
-    """The one-launch call (`_q2s_moe_kernel`) compiled for real, with PDL, against the twin:
-    slots in GPU and in pinned host memory, a delta on random pairs, whole and ragged tiles,
-    1-64 tokens (fused 1: 132 programs, each taking many tasks, down tiles waiting on
-    gate_up's); and bit for bit the two-launch outputs at 128 tokens of top-2 (256 pairs)."""
-    c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
-                                  fused=fused, maxnreg=maxnreg)  # fmt: skip
-    for tokens in (1, 7, 64):
-        run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
-                 seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip
-        run_case("q2s", tokens, 4, 16, 256, 128, host_slots=10, seed=tokens + 2, force=(c, c))
-    run_case("q2s", 2, 2, 5, 96, 96, force=(c, c), seed=16)  # ragged, EVEN = 0
-    plain = replace(c, fused=0, maxnreg=0)
-    outs = _q2s_outputs([(plain, plain), (c, c)], seed=3, tokens=128, experts=16)
-    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("quant_pdl", "split", "fused"), [(False, 1, 0), (True, 1, 0), (True, 2, 0), (False, 1, 2)]
-)
-def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl, split, fused):
+@pytest.mark.parametrize(("quant_pdl", "split"), [(False, 1), (True, 1), (True, 2)])
+def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl, split):
     """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel
     before it ends and waits for it before reading activations): replays give the eager
     results, call after call. quant_pdl: the rounding launch too, each call's x a view of the
     previous call's output, so that it directly follows the down launch it must wait for.
-    split: K in two ranges (`_split_sum`'s atomics and counts between overlapping launches).
-    fused: each call one launch (`_q2s_moe_kernel`, its task counts zeroed by each launch for
-    the next, which waits for it)."""
+    split: K in two ranges (`_split_sum`'s atomics and counts between overlapping launches)."""
     gen = torch.Generator().manual_seed(0)
     fmt = q2s_expert_format(256, 128, False, 32, 16)
     experts, top_k = 16, 4
     pool = Pool(fmt, None, experts, torch.ones(experts, dtype=torch.bool), gen, 0)
     dev_pool, offsets, table, _ = pool.device_args()
     c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True,
-                                  quant_pdl=quant_pdl, split_k=split, fused=fused)  # fmt: skip
+                                  quant_pdl=quant_pdl, split_k=split)  # fmt: skip
     x = torch.randn(1, 256, generator=gen).cuda()
     outs, ids = [], []
     for _ in range(6):  # each call's input is the previous call's output: a real dependency

@@ -45,28 +45,6 @@ def test_q2s_gemv_compiles_for_sm90(args):
     assert rec["fences"] <= ("--split" in args)
 
 
-@pytest.mark.parametrize(
-    "args",
-    [["--fused"], ["--fused", "--delta", "nvfp4", "--even", "0", "--pdl", "1"],
-     ["--fused", "--float", "--depth", "2"],
-     ["--fused", "--group-acc", "1", "--sub", "32", "--warps", "8", "--prefetch-l2", "1",
-      "--maxnreg", "128"]],
-    ids=lambda a: "".join(a).replace("--", "_"),
-)  # fmt: skip
-def test_q2s_moe_fused_compiles_for_sm90(args):
-    """The one-launch kernel (`_q2s_moe_kernel`: both GEMV launches' tiles inlined in a task
-    loop) compiles for sm_90 without spilling (DeepSeek-V3's tiles capped at 128 registers,
-    as the tuner may cap them), with three fences: the release of the two kinds of task
-    counts (rounded x, gate_up tiles) and the programs-out count."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(BENCH / "sass_count.py"), *args],
-                         capture_output=True, text=True, env=env)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    rec = json.loads(out.stdout.splitlines()[-1])
-    assert rec["case"] == "sass-fused" and rec["stack_bytes"] == 0 and rec["registers"] <= 255
-    assert rec["fences"] == 3
-
-
 def test_quant_words_kernel_compiles_for_sm90_with_pdl_wait():
     """`_quant_words_kernel` with WAIT (launched with programmatic dependent launch) compiles
     for sm_90 and waits (griddepcontrol.wait) before it lets the next launch start
