@@ -67,6 +67,12 @@ class KernelChoice:
     # ahead through shared memory by Triton's pipeliner; tuned per launch (H200: won while
     # the fitted path ran, kept by no launch on the b = 3a path).
     pipe_x: bool = False
+    # q2s GEMV: consecutive row tiles of a pair one program computes, one after another (its
+    # blob found once for them all; no split-K)
+    row_tiles: int = 1
+    # q2s GEMV: the launch's register cap per thread (ptxas maxnreg; 0: the compiler's
+    # choice), e.g. 128 keeps four programs of 4 warps an SM where row_tiles added a few
+    maxnreg: int = 0
 
 
 GEMV = KernelChoice()

@@ -693,6 +693,7 @@ def _q2s_gemv_kernel(
     GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
+    ROW_TILES: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -758,11 +759,14 @@ def _q2s_gemv_kernel(
     PDL (sm_90; `KernelChoice.pdl`, launched with programmatic dependent launch): the program
         lets the next launch start (`gdc_launch_dependents`), then reads its weights' first tile
         and asks for the rest (PREFETCH_L2) before it waits for the previous launch
-        (`gdc_wait`) and reads its activations: weight reads overlap the previous kernel."""
+        (`gdc_wait`) and reads its activations: weight reads overlap the previous kernel.
+    ROW_TILES (`KernelChoice.row_tiles`; no split): a program computes that many consecutive
+        row tiles of its pair, one after another, so the chain of dependent loads that finds
+        its blob (pair -> expert -> slot -> offset -> grid) is paid once for all of them."""
     pair = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
-    pid_n = tl.program_id(1)
+    pid_n0 = tl.program_id(1)
     expert = tl.load(topk_ids + pair).to(tl.int32)
     slot = tl.load(slot_table + expert)
     use_delta = pair < 0  # False
@@ -771,6 +775,7 @@ def _q2s_gemv_kernel(
         dslot = tl.load(delta_table + expert)
         use_delta = (tl.load(delta_mask + pair) != 0) & (dslot >= 0)
     run = slot >= 0
+    tl.static_assert(ROW_TILES == 1 or SPLIT == 1)
     if PAIRS == 2:  # the pair of the same expert after this one, if this one leads
         tl.static_assert(INT8 and DKIND < 0 and SPLIT == 1 and not QUANT_IN)
         idx = tl.arange(0, PAIRS_P2)
@@ -783,35 +788,6 @@ def _q2s_gemv_kernel(
     if run:
         bptr, dptr = _blob_ptrs(pool, slot_offsets, slot, dslot, use_delta, DKIND)
         wbase = (bptr + codes).to(tl.pointer_type(tl.int32))
-        r = tl.arange(0, SUB)
-        if IS_DOWN:
-            rows0 = pid_n * 4 * SUB + r
-            rows1 = rows0 + SUB
-            rows2 = rows0 + 2 * SUB
-            rows3 = rows0 + 3 * SUB
-            m0, m1, m2, m3 = rows0 < N, rows1 < N, rows2 < N, rows3 < N
-            x_row = x_ptr + pair * stride_x
-            x_idx = pair
-        else:
-            rows0 = pid_n * 2 * SUB + r
-            rows1 = rows0 + SUB
-            rows2 = rows0 + INTER
-            rows3 = rows1 + INTER
-            m0, m1 = rows0 < INTER, rows1 < INTER
-            m2, m3 = m0, m1
-            x_row = x_ptr + (pair // TOPK) * stride_x
-            x_idx = pair // TOPK
-        # row_words (= K / 16) rather than K // 16: an argument, so its divisibility is known
-        # and the per-word loads below vectorize
-        xq_row = xq + x_idx * (4 * row_words)
-        xqn_row = xqn + x_idx * (4 * row_words)
-        xs_row = xs + x_idx * row_words
-        xsum_row = xsum + x_idx * row_words
-        if PAIRS == 2:
-            xb_idx = pair_b if IS_DOWN else pair_b // TOPK
-            xq_row_b = xq + xb_idx * (4 * row_words)
-            xs_row_b = xs + xb_idx * row_words
-            xsum_row_b = xsum + xb_idx * row_words
         a = _f32_at(bptr, aux)
         b = _f32_at(bptr, aux + 4)
         # b - 3a, exactly 0 when b = 3a as float32 rounds it: `b - 3 * a` alone compiles to one
@@ -822,341 +798,378 @@ def _q2s_gemv_kernel(
         DELTA_K: tl.constexpr = 64 if BLOCK_K > 64 else BLOCK_K
         # NVFP4 delta with int8 activations: PRMT + IDP4A per word (`_fp4_delta_words`)
         FP4_INT8: tl.constexpr = INT8 and DKIND == 4 and DGROUP == 16
-        dv0 = tl.zeros((SUB, W), tl.float32)
-        dv1 = tl.zeros((SUB, W), tl.float32)
-        dv2 = tl.zeros((SUB, W), tl.float32)
-        dv3 = tl.zeros((SUB, W), tl.float32)
         # GROUP_ACC (int8, groups of 2+ words): the int8 path's sums are kept per group, each
         # word's product with its x scale summed over the group before the group scale
         WPG: tl.constexpr = GROUP // 16
         GSUM: tl.constexpr = GROUP_ACC and INT8 and WPG >= 2
         AW: tl.constexpr = W // WPG if GSUM else W
-        acc0 = tl.zeros((SUB, AW), tl.float32)
-        acc1 = tl.zeros((SUB, AW), tl.float32)
-        acc2 = tl.zeros((SUB, AW), tl.float32)
-        acc3 = tl.zeros((SUB, AW), tl.float32)
-        # float path: Σx per word times the group scale (the -11a term); both paths: the
-        # b != 3a term
-        ax0 = tl.zeros((SUB, W), tl.float32)
-        ax1 = tl.zeros((SUB, W), tl.float32)
-        ax2 = tl.zeros((SUB, W), tl.float32)
-        ax3 = tl.zeros((SUB, W), tl.float32)
-        av0 = tl.zeros((SUB, AW), tl.float32)
-        av1 = tl.zeros((SUB, AW), tl.float32)
-        av2 = tl.zeros((SUB, AW), tl.float32)
-        av3 = tl.zeros((SUB, AW), tl.float32)
-        if PAIRS == 2:  # the second pair's sums
-            accb0 = tl.zeros((SUB, AW), tl.float32)
-            accb1 = tl.zeros((SUB, AW), tl.float32)
-            accb2 = tl.zeros((SUB, AW), tl.float32)
-            accb3 = tl.zeros((SUB, AW), tl.float32)
-            avb0 = tl.zeros((SUB, AW), tl.float32)
-            avb1 = tl.zeros((SUB, AW), tl.float32)
-            avb2 = tl.zeros((SUB, AW), tl.float32)
-            avb3 = tl.zeros((SUB, AW), tl.float32)
-        d0 = tl.zeros((SUB,), tl.float32)
-        d1 = tl.zeros((SUB,), tl.float32)
-        d2 = tl.zeros((SUB,), tl.float32)
-        d3 = tl.zeros((SUB,), tl.float32)
-        # the words of K tile i + 1 are loaded before tile i is decoded (a hand-made pipeline:
-        # each program holds few tiles, so load latency would otherwise stall every one)
-        k_lo = 0
-        k_hi = K
-        wd = tl.arange(0, W)
-        if SPLIT > 1:  # this program's range of whole K tiles
-            per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
-            k_lo = tl.program_id(2) * per
-            k_hi = tl.minimum(K, k_lo + per)
-            wd = tl.multiple_of(k_lo // 16, W) + tl.arange(0, W)
-        wmask = wd < row_words
-        if PIPE > 0:  # loaded in the loop
-            w0 = tl.zeros((SUB, W), tl.int32)
-            w1, w2, w3 = w0, w0, w0
-        else:
-            w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                         wd, wmask, row_words, EVEN)  # fmt: skip
-        # DEPTH 2: tile 1 too (v: the tile after w); EVEN: K >= BLOCK_K, and a one-tile K
-        # reloads tile 0 (from L1) rather than masking
-        v0, v1, v2, v3 = w0, w1, w2, w3
-        if (DEPTH == 2) and (PIPE == 0):
-            wd1 = wd + W
-            if EVEN:
-                wd1 = tl.multiple_of(tl.minimum(k_lo + BLOCK_K, k_hi - BLOCK_K) // 16,
-                                     W) + tl.arange(0, W)  # fmt: skip
-            wmask1 = wd1 < row_words
-            v0, v1, v2, v3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                         wd1, wmask1, row_words, EVEN)  # fmt: skip
-        if PREFETCH_L2:
-            slot_off = tl.load(slot_offsets + slot)
-            if (slot_off >= 0) & (slot_off < pool_bytes):
-                if IS_DOWN:
-                    first = pid_n * 4 * SUB
-                    count = tl.minimum(4 * SUB, N - first)
-                    _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
-                    _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
-                else:
-                    first = pid_n * 2 * SUB
-                    count = tl.minimum(2 * SUB, INTER - first)
-                    _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
-                    _prefetch_l2(bptr + codes + (first + INTER) * row_words * 4,
-                                 count * row_words * 4)  # fmt: skip
-                    _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
-                    _prefetch_l2(bptr + scales + (first + INTER) * row_groups, count * row_groups)
-        if PDL:  # the activations are the previous launch's output
-            gdc_wait()
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
-            if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
-                wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
-                wmask = wd < row_words
+        HW: tl.constexpr = SUB // 16  # words of h per sub-tile (QUANT_OUT, SUB % 16 == 0)
+        # ROW_TILES: this program's row tiles one after another (the pair's slot and blob
+        # looked up once); past the last one it does the last again (the same values)
+        n_tiles = tl.cdiv(N if IS_DOWN else INTER, (4 if IS_DOWN else 2) * SUB)
+        for rt in tl.static_range(ROW_TILES):
+            pid_n = tl.minimum(pid_n0 * ROW_TILES + rt, n_tiles - 1)
+            r = tl.arange(0, SUB)
+            if IS_DOWN:
+                rows0 = pid_n * 4 * SUB + r
+                rows1 = rows0 + SUB
+                rows2 = rows0 + 2 * SUB
+                rows3 = rows0 + 3 * SUB
+                m0, m1, m2, m3 = rows0 < N, rows1 < N, rows2 < N, rows3 < N
+                x_row = x_ptr + pair * stride_x
+                x_idx = pair
+            else:
+                rows0 = pid_n * 2 * SUB + r
+                rows1 = rows0 + SUB
+                rows2 = rows0 + INTER
+                rows3 = rows1 + INTER
+                m0, m1 = rows0 < INTER, rows1 < INTER
+                m2, m3 = m0, m1
+                x_row = x_ptr + (pair // TOPK) * stride_x
+                x_idx = pair // TOPK
+            # row_words (= K / 16) rather than K // 16: an argument, so its divisibility is known
+            # and the per-word loads below vectorize
+            xq_row = xq + x_idx * (4 * row_words)
+            xqn_row = xqn + x_idx * (4 * row_words)
+            xs_row = xs + x_idx * row_words
+            xsum_row = xsum + x_idx * row_words
+            if PAIRS == 2:
+                xb_idx = pair_b if IS_DOWN else pair_b // TOPK
+                xq_row_b = xq + xb_idx * (4 * row_words)
+                xs_row_b = xs + xb_idx * row_words
+                xsum_row_b = xsum + xb_idx * row_words
+            dv0 = tl.zeros((SUB, W), tl.float32)
+            dv1 = tl.zeros((SUB, W), tl.float32)
+            dv2 = tl.zeros((SUB, W), tl.float32)
+            dv3 = tl.zeros((SUB, W), tl.float32)
+            acc0 = tl.zeros((SUB, AW), tl.float32)
+            acc1 = tl.zeros((SUB, AW), tl.float32)
+            acc2 = tl.zeros((SUB, AW), tl.float32)
+            acc3 = tl.zeros((SUB, AW), tl.float32)
+            # float path: Σx per word times the group scale (the -11a term); both paths: the
+            # b != 3a term
+            ax0 = tl.zeros((SUB, W), tl.float32)
+            ax1 = tl.zeros((SUB, W), tl.float32)
+            ax2 = tl.zeros((SUB, W), tl.float32)
+            ax3 = tl.zeros((SUB, W), tl.float32)
+            av0 = tl.zeros((SUB, AW), tl.float32)
+            av1 = tl.zeros((SUB, AW), tl.float32)
+            av2 = tl.zeros((SUB, AW), tl.float32)
+            av3 = tl.zeros((SUB, AW), tl.float32)
+            if PAIRS == 2:  # the second pair's sums
+                accb0 = tl.zeros((SUB, AW), tl.float32)
+                accb1 = tl.zeros((SUB, AW), tl.float32)
+                accb2 = tl.zeros((SUB, AW), tl.float32)
+                accb3 = tl.zeros((SUB, AW), tl.float32)
+                avb0 = tl.zeros((SUB, AW), tl.float32)
+                avb1 = tl.zeros((SUB, AW), tl.float32)
+                avb2 = tl.zeros((SUB, AW), tl.float32)
+                avb3 = tl.zeros((SUB, AW), tl.float32)
+            d0 = tl.zeros((SUB,), tl.float32)
+            d1 = tl.zeros((SUB,), tl.float32)
+            d2 = tl.zeros((SUB,), tl.float32)
+            d3 = tl.zeros((SUB,), tl.float32)
+            # the words of K tile i + 1 are loaded before tile i is decoded (a hand-made pipeline:
+            # each program holds few tiles, so load latency would otherwise stall every one)
+            k_lo = 0
+            k_hi = K
+            wd = tl.arange(0, W)
+            if SPLIT > 1:  # this program's range of whole K tiles
+                per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+                k_lo = tl.program_id(2) * per
+                k_hi = tl.minimum(K, k_lo + per)
+                wd = tl.multiple_of(k_lo // 16, W) + tl.arange(0, W)
+            wmask = wd < row_words
+            if PIPE > 0:  # loaded in the loop
+                w0 = tl.zeros((SUB, W), tl.int32)
+                w1, w2, w3 = w0, w0, w0
+            else:
                 w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
                                              wd, wmask, row_words, EVEN)  # fmt: skip
-            wd_next = wd + W
-            wmask_next = wd_next < row_words
-            if PIPE > 0:
-                n0, n1, n2, n3 = w0, w1, w2, w3
-            else:
-                pref = wd + DEPTH * W  # the tile DEPTH ahead
-                pmask = pref < row_words
-                if EVEN:  # the last tiles' prefetches reload the last tile (from L1): no masks
-                    kw_next = tl.minimum(k0 + DEPTH * BLOCK_K, k_hi - BLOCK_K) // 16
-                    pref = tl.multiple_of(kw_next, W) + tl.arange(0, W)
-                n0, n1, n2, n3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                             pref, pmask, row_words, EVEN)  # fmt: skip
-            sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3, m0,
-                                                    m1, m2, m3, k0, row_groups, GROUP, W, EVEN,
-                                                    GSUM)  # fmt: skip
-            if INT8:
-                if PAIRS == 2:  # the same words against the second pair's activations
-                    if has_b:  # (a branch the whole program takes or skips: no second, no cost)
-                        qb0, qb1, qb2, qb3, xscb, qsb = _x_words(xq_row_b, xs_row_b, xsum_row_b,
-                                                                 row_words, wd, wmask,
-                                                                 EVEN)  # fmt: skip
-                        accb0, accb1, accb2, accb3 = _tile_sums(
-                            accb0, accb1, accb2, accb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, qb0,
-                            qb1, qb2, qb3, xscb, qsb, False, GSUM, WPG, ASM)  # fmt: skip
-                if QUANT_IN:  # this tile's activations rounded here, as `_quant_store` does
-                    q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
-                else:
-                    q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
-                                                       wmask, EVEN)  # fmt: skip
-                init = qs * -96  # R = 64C - 96Σq = 32(2C - 3Σq)
-                r0 = _q2s_word_dots(w0, q0, q1, q2, q3, init, False, ASM)
-                r1 = _q2s_word_dots(w1, q0, q1, q2, q3, init, False, ASM)
-                r2 = _q2s_word_dots(w2, q0, q1, q2, q3, init, False, ASM)
-                r3 = _q2s_word_dots(w3, q0, q1, q2, q3, init, False, ASM)
-                if GSUM:
-                    acc0 += _group_sum(r0.to(tl.float32) * xsc, WPG) * sc0
-                    acc1 += _group_sum(r1.to(tl.float32) * xsc, WPG) * sc1
-                    acc2 += _group_sum(r2.to(tl.float32) * xsc, WPG) * sc2
-                    acc3 += _group_sum(r3.to(tl.float32) * xsc, WPG) * sc3
-                else:
-                    sc0 = sc0 * xsc
-                    sc1 = sc1 * xsc
-                    sc2 = sc2 * xsc
-                    sc3 = sc3 * xsc
-                    acc0 += r0.to(tl.float32) * sc0
-                    acc1 += r1.to(tl.float32) * sc1
-                    acc2 += r2.to(tl.float32) * sc2
-                    acc3 += r3.to(tl.float32) * sc3
-            else:
-                s0 = tl.zeros((SUB, W), tl.float32)
-                s1 = tl.zeros((SUB, W), tl.float32)
-                s2 = tl.zeros((SUB, W), tl.float32)
-                s3 = tl.zeros((SUB, W), tl.float32)
-                o0 = tl.zeros((SUB, W), tl.float32)
-                o1 = tl.zeros((SUB, W), tl.float32)
-                o2 = tl.zeros((SUB, W), tl.float32)
-                o3 = tl.zeros((SUB, W), tl.float32)
-                sx = tl.zeros((1, W), tl.float32)
-                for j in tl.static_range(16):
-                    xj = tl.load(x_row + (wd[None, :] * 16 + j) * stride_xk, mask=wmask[None, :],
-                                 other=0.0).to(tl.float32)  # fmt: skip
-                    sx += xj
-                    s0 += _q2s_level(w0, j, one) * xj
-                    s1 += _q2s_level(w1, j, one) * xj
-                    s2 += _q2s_level(w2, j, one) * xj
-                    s3 += _q2s_level(w3, j, one) * xj
-                    if corr != 0:
-                        o0 += _q2s_outer(w0, j) * xj
-                        o1 += _q2s_outer(w1, j) * xj
-                        o2 += _q2s_outer(w2, j) * xj
-                        o3 += _q2s_outer(w3, j) * xj
-                acc0 += s0 * sc0
-                acc1 += s1 * sc1
-                acc2 += s2 * sc2
-                acc3 += s3 * sc3
-                ax0 += sx * sc0
-                ax1 += sx * sc1
-                ax2 += sx * sc2
-                ax3 += sx * sc3
-                if corr != 0:
-                    av0 += o0 * sc0
-                    av1 += o1 * sc1
-                    av2 += o2 * sc2
-                    av3 += o3 * sc3
-            if DKIND >= 0:
-                if use_delta and FP4_INT8:  # NVFP4 delta, integer products per word
-                    xw = xqn_row + wd
-                    if EVEN:
-                        xn0 = tl.load(xw)[None, :]
-                        xn1 = tl.load(xw + row_words)[None, :]
-                        xn2 = tl.load(xw + 2 * row_words)[None, :]
-                        xn3 = tl.load(xw + 3 * row_words)[None, :]
-                    else:
-                        xn0 = tl.load(xw, mask=wmask, other=0)[None, :]
-                        xn1 = tl.load(xw + row_words, mask=wmask, other=0)[None, :]
-                        xn2 = tl.load(xw + 2 * row_words, mask=wmask, other=0)[None, :]
-                        xn3 = tl.load(xw + 3 * row_words, mask=wmask, other=0)[None, :]
-                    dv0 += _fp4_delta_words(dptr, d_codes, d_scales, rows0, m0, k0, wd, wmask,
-                                            row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
-                                            ASM)  # fmt: skip
-                    dv1 += _fp4_delta_words(dptr, d_codes, d_scales, rows1, m1, k0, wd, wmask,
-                                            row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
-                                            ASM)  # fmt: skip
-                    dv2 += _fp4_delta_words(dptr, d_codes, d_scales, rows2, m2, k0, wd, wmask,
-                                            row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
-                                            ASM)  # fmt: skip
-                    dv3 += _fp4_delta_words(dptr, d_codes, d_scales, rows3, m3, k0, wd, wmask,
-                                            row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
-                                            ASM)  # fmt: skip
-                elif use_delta:  # additive delta, its own product (natural-order x), decoded
-                    # DELTA_K columns at a time (a whole BLOCK_K tile of float weights spills)
-                    for kk in range(0, BLOCK_K, DELTA_K):
-                        cols = k0 + kk + tl.arange(0, DELTA_K)
-                        kmask = cols < K
-                        if INT8:  # the same rounded activations as the base plane
-                            xn = _dequant_words(xq_row, xs_row, cols, K, kmask)[None, :]
-                        else:
-                            xn = tl.load(x_row + cols[None, :] * stride_xk, mask=kmask[None, :],
-                                         other=0.0).to(tl.float32)  # fmt: skip
-                        d0 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows0, m0, cols,
-                                         kmask, K, DGROUP, xn)  # fmt: skip
-                        d1 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows1, m1, cols,
-                                         kmask, K, DGROUP, xn)  # fmt: skip
-                        d2 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows2, m2, cols,
-                                         kmask, K, DGROUP, xn)  # fmt: skip
-                        d3 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows3, m3, cols,
-                                         kmask, K, DGROUP, xn)  # fmt: skip
+            # DEPTH 2: tile 1 too (v: the tile after w); EVEN: K >= BLOCK_K, and a one-tile K
+            # reloads tile 0 (from L1) rather than masking
+            v0, v1, v2, v3 = w0, w1, w2, w3
             if (DEPTH == 2) and (PIPE == 0):
-                w0, w1, w2, w3 = v0, v1, v2, v3
-                v0, v1, v2, v3 = n0, n1, n2, n3
-            else:
-                w0, w1, w2, w3 = n0, n1, n2, n3
-            wd, wmask = wd_next, wmask_next
-        if INT8 and (corr != 0):
-            # a fitted grid (b != 3a; the converter writes b = 3a): the high bits' sums, in a
-            # pass of their own over the words, so that the loop above keeps no registers for
-            # them (sm_90: 16-row sub-tiles 158 -> 124 registers, 32-row ones with 8 warps
-            # 171 -> 122). RH = 128H - 64Σq = 64(2H - Σq), summed as the loop above sums R.
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
-                wmask = wd < row_words
-                w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                             wd, wmask, row_words, EVEN)  # fmt: skip
+                wd1 = wd + W
+                if EVEN:
+                    wd1 = tl.multiple_of(tl.minimum(k_lo + BLOCK_K, k_hi - BLOCK_K) // 16,
+                                         W) + tl.arange(0, W)  # fmt: skip
+                wmask1 = wd1 < row_words
+                v0, v1, v2, v3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                             wd1, wmask1, row_words, EVEN)  # fmt: skip
+            if PREFETCH_L2:
+                slot_off = tl.load(slot_offsets + slot)
+                if (slot_off >= 0) & (slot_off < pool_bytes):
+                    if IS_DOWN:
+                        first = pid_n * 4 * SUB
+                        count = tl.minimum(4 * SUB, N - first)
+                        _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
+                        _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
+                    else:
+                        first = pid_n * 2 * SUB
+                        count = tl.minimum(2 * SUB, INTER - first)
+                        _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
+                        _prefetch_l2(bptr + codes + (first + INTER) * row_words * 4,
+                                     count * row_words * 4)  # fmt: skip
+                        _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
+                        _prefetch_l2(bptr + scales + (first + INTER) * row_groups,
+                                     count * row_groups)  # fmt: skip
+            if PDL:  # the activations are the previous launch's output
+                gdc_wait()
+            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES):
+                if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
+                    wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
+                    wmask = wd < row_words
+                    w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                                 wd, wmask, row_words, EVEN)  # fmt: skip
+                wd_next = wd + W
+                wmask_next = wd_next < row_words
+                if PIPE > 0:
+                    n0, n1, n2, n3 = w0, w1, w2, w3
+                else:
+                    pref = wd + DEPTH * W  # the tile DEPTH ahead
+                    pmask = pref < row_words
+                    if EVEN:  # the last tiles' prefetches reload the last tile (from L1): no masks
+                        kw_next = tl.minimum(k0 + DEPTH * BLOCK_K, k_hi - BLOCK_K) // 16
+                        pref = tl.multiple_of(kw_next, W) + tl.arange(0, W)
+                    n0, n1, n2, n3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                                 pref, pmask, row_words, EVEN)  # fmt: skip
                 sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3,
                                                         m0, m1, m2, m3, k0, row_groups, GROUP, W,
                                                         EVEN, GSUM)  # fmt: skip
-                if QUANT_IN:
-                    q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
+                if INT8:
+                    if PAIRS == 2:  # the same words against the second pair's activations
+                        if has_b:  # (a branch the whole program takes or skips: no second, no cost)
+                            qb0, qb1, qb2, qb3, xscb, qsb = _x_words(xq_row_b, xs_row_b, xsum_row_b,
+                                                                     row_words, wd, wmask,
+                                                                     EVEN)  # fmt: skip
+                            accb0, accb1, accb2, accb3 = _tile_sums(
+                                accb0, accb1, accb2, accb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, qb0,
+                                qb1, qb2, qb3, xscb, qsb, False, GSUM, WPG, ASM)  # fmt: skip
+                    if QUANT_IN:  # this tile's activations rounded here, as `_quant_store` does
+                        q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
+                    else:
+                        q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
+                                                           wmask, EVEN)  # fmt: skip
+                    init = qs * -96  # R = 64C - 96Σq = 32(2C - 3Σq)
+                    r0 = _q2s_word_dots(w0, q0, q1, q2, q3, init, False, ASM)
+                    r1 = _q2s_word_dots(w1, q0, q1, q2, q3, init, False, ASM)
+                    r2 = _q2s_word_dots(w2, q0, q1, q2, q3, init, False, ASM)
+                    r3 = _q2s_word_dots(w3, q0, q1, q2, q3, init, False, ASM)
+                    if GSUM:
+                        acc0 += _group_sum(r0.to(tl.float32) * xsc, WPG) * sc0
+                        acc1 += _group_sum(r1.to(tl.float32) * xsc, WPG) * sc1
+                        acc2 += _group_sum(r2.to(tl.float32) * xsc, WPG) * sc2
+                        acc3 += _group_sum(r3.to(tl.float32) * xsc, WPG) * sc3
+                    else:
+                        sc0 = sc0 * xsc
+                        sc1 = sc1 * xsc
+                        sc2 = sc2 * xsc
+                        sc3 = sc3 * xsc
+                        acc0 += r0.to(tl.float32) * sc0
+                        acc1 += r1.to(tl.float32) * sc1
+                        acc2 += r2.to(tl.float32) * sc2
+                        acc3 += r3.to(tl.float32) * sc3
                 else:
-                    q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
-                                                       wmask, EVEN)  # fmt: skip
-                av0, av1, av2, av3 = _tile_sums(av0, av1, av2, av3, w0, w1, w2, w3, sc0, sc1, sc2,
-                                                sc3, q0, q1, q2, q3, xsc, qs, True, GSUM, WPG,
+                    s0 = tl.zeros((SUB, W), tl.float32)
+                    s1 = tl.zeros((SUB, W), tl.float32)
+                    s2 = tl.zeros((SUB, W), tl.float32)
+                    s3 = tl.zeros((SUB, W), tl.float32)
+                    o0 = tl.zeros((SUB, W), tl.float32)
+                    o1 = tl.zeros((SUB, W), tl.float32)
+                    o2 = tl.zeros((SUB, W), tl.float32)
+                    o3 = tl.zeros((SUB, W), tl.float32)
+                    sx = tl.zeros((1, W), tl.float32)
+                    for j in tl.static_range(16):
+                        xj = tl.load(x_row + (wd[None, :] * 16 + j) * stride_xk,
+                                     mask=wmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                        sx += xj
+                        s0 += _q2s_level(w0, j, one) * xj
+                        s1 += _q2s_level(w1, j, one) * xj
+                        s2 += _q2s_level(w2, j, one) * xj
+                        s3 += _q2s_level(w3, j, one) * xj
+                        if corr != 0:
+                            o0 += _q2s_outer(w0, j) * xj
+                            o1 += _q2s_outer(w1, j) * xj
+                            o2 += _q2s_outer(w2, j) * xj
+                            o3 += _q2s_outer(w3, j) * xj
+                    acc0 += s0 * sc0
+                    acc1 += s1 * sc1
+                    acc2 += s2 * sc2
+                    acc3 += s3 * sc3
+                    ax0 += sx * sc0
+                    ax1 += sx * sc1
+                    ax2 += sx * sc2
+                    ax3 += sx * sc3
+                    if corr != 0:
+                        av0 += o0 * sc0
+                        av1 += o1 * sc1
+                        av2 += o2 * sc2
+                        av3 += o3 * sc3
+                if DKIND >= 0:
+                    if use_delta and FP4_INT8:  # NVFP4 delta, integer products per word
+                        xw = xqn_row + wd
+                        if EVEN:
+                            xn0 = tl.load(xw)[None, :]
+                            xn1 = tl.load(xw + row_words)[None, :]
+                            xn2 = tl.load(xw + 2 * row_words)[None, :]
+                            xn3 = tl.load(xw + 3 * row_words)[None, :]
+                        else:
+                            xn0 = tl.load(xw, mask=wmask, other=0)[None, :]
+                            xn1 = tl.load(xw + row_words, mask=wmask, other=0)[None, :]
+                            xn2 = tl.load(xw + 2 * row_words, mask=wmask, other=0)[None, :]
+                            xn3 = tl.load(xw + 3 * row_words, mask=wmask, other=0)[None, :]
+                        dv0 += _fp4_delta_words(dptr, d_codes, d_scales, rows0, m0, k0, wd, wmask,
+                                                row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
                                                 ASM)  # fmt: skip
-                if PAIRS == 2:
-                    if has_b:
-                        q0, q1, q2, q3, xsc, qs = _x_words(xq_row_b, xs_row_b, xsum_row_b,
-                                                           row_words, wd, wmask, EVEN)  # fmt: skip
-                        avb0, avb1, avb2, avb3 = _tile_sums(
-                            avb0, avb1, avb2, avb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, q0, q1,
-                            q2, q3, xsc, qs, True, GSUM, WPG, ASM)  # fmt: skip
-        if INT8:
-            # β/32 and γ/64 (module docstring); β = a exactly when b = 3a
-            beta = tl.where(corr != 0, 0.5 * (b - a), a) / 32
-            gamma = -corr / 128
-            y0 = tl.sum(beta * acc0 + gamma * av0, axis=1)
-            y1 = tl.sum(beta * acc1 + gamma * av1, axis=1)
-            y2 = tl.sum(beta * acc2 + gamma * av2, axis=1)
-            y3 = tl.sum(beta * acc3 + gamma * av3, axis=1)
-            if PAIRS == 2:
-                yb0 = tl.sum(beta * accb0 + gamma * avb0, axis=1)
-                yb1 = tl.sum(beta * accb1 + gamma * avb1, axis=1)
-                yb2 = tl.sum(beta * accb2 + gamma * avb2, axis=1)
-                yb3 = tl.sum(beta * accb3 + gamma * avb3, axis=1)
-        else:
-            y0 = tl.sum(8 * a * acc0 - 11 * a * ax0 + corr * av0, axis=1)
-            y1 = tl.sum(8 * a * acc1 - 11 * a * ax1 + corr * av1, axis=1)
-            y2 = tl.sum(8 * a * acc2 - 11 * a * ax2 + corr * av2, axis=1)
-            y3 = tl.sum(8 * a * acc3 - 11 * a * ax3 + corr * av3, axis=1)
-        HW: tl.constexpr = SUB // 16  # words of h per sub-tile (QUANT_OUT, SUB % 16 == 0)
-        for member in tl.static_range(PAIRS):
-            if member == 1:  # the second pair (PAIRS 2): its sums, its rows of out or h
-                y0, y1, y2, y3 = yb0, yb1, yb2, yb3
-                pair = pair_b
-                # (tl.where: `mask & scalar` is no bool mask to Triton 3.9's interpreter)
-                m0, m1 = tl.where(has_b, m0, False), tl.where(has_b, m1, False)
-                m2, m3 = tl.where(has_b, m2, False), tl.where(has_b, m3, False)
-            y0 = y0 * _row_factor(bptr, 3, row_scale, 0, rows0, m0)
-            y1 = y1 * _row_factor(bptr, 3, row_scale, 0, rows1, m1)
-            y2 = y2 * _row_factor(bptr, 3, row_scale, 0, rows2, m2)
-            y3 = y3 * _row_factor(bptr, 3, row_scale, 0, rows3, m3)
-            if FP4_INT8:
-                d0 = 0.5 * tl.sum(dv0, axis=1)
-                d1 = 0.5 * tl.sum(dv1, axis=1)
-                d2 = 0.5 * tl.sum(dv2, axis=1)
-                d3 = 0.5 * tl.sum(dv3, axis=1)
-            if DKIND >= 0:
-                if use_delta:
-                    y0 += d0 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows0, m0)
-                    y1 += d1 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows1, m1)
-                    y2 += d2 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows2, m2)
-                    y3 += d3 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows3, m3)
-            if SPLIT > 1:  # the K ranges' sums meet; the last program to arrive goes on alone
-                y0, y1, y2, y3, last = _split_sum(scratch, counters, pair, pid_n, N, rows0, rows1,
-                                                  rows2, rows3, m0, m1, m2, m3, y0, y1, y2, y3,
-                                                  SPLIT)  # fmt: skip
-                m0, m1 = tl.where(last, m0, False), tl.where(last, m1, False)
-                m2, m3 = tl.where(last, m2, False), tl.where(last, m3, False)
-            words_ok = INTER // 16  # the words of h this program may write (split: the last's)
-            if SPLIT > 1:
-                words_ok = tl.where(last, words_ok, 0)
-            if member == 1:
-                words_ok = tl.where(has_b, words_ok, 0)
-            if BIAS > 0:
-                bias_at = out_bias if IS_DOWN else in_bias
-                y0 += _bias(bptr, BIAS, bias_at, rows0, m0)
-                y1 += _bias(bptr, BIAS, bias_at, rows1, m1)
-                y2 += _bias(bptr, BIAS, bias_at, rows2, m2)
-                y3 += _bias(bptr, BIAS, bias_at, rows3, m3)
-            if IS_DOWN:
-                weight = tl.load(topk_w + pair).to(tl.float32)
-                tl.store(out + pair * N + rows0, y0 * weight, mask=m0)
-                tl.store(out + pair * N + rows1, y1 * weight, mask=m1)
-                tl.store(out + pair * N + rows2, y2 * weight, mask=m2)
-                tl.store(out + pair * N + rows3, y3 * weight, mask=m3)
-            else:
-                h0 = _activation(y0, y2, ACT, limit, alpha)
-                h1 = _activation(y1, y3, ACT, limit, alpha)
-                if QUANT_OUT and SUB == 8:  # the two sub-tiles' 16 rows are one word of h
-                    word = pid_n + tl.arange(0, 1)
-                    hrow = INTER // 16
-                    both = tl.reshape(tl.trans(tl.join(h0, h1)), (1, 16))  # rows h0 then h1
-                    _quant_store(both, word, hrow, oq + pair * (INTER // 4), osc + pair * hrow,
-                                 osum + pair * hrow, oqn + pair * (INTER // 4),
-                                 word < words_ok)  # fmt: skip
-                elif QUANT_OUT:  # h rounded to int8 words here, for down (SUB % 16 == 0)
-                    word0 = pid_n * 2 * HW + tl.arange(0, HW)
-                    hrow = INTER // 16
-                    _quant_store(tl.reshape(h0, (HW, 16)), word0, hrow, oq + pair * (INTER // 4),
-                                 osc + pair * hrow, osum + pair * hrow, oqn + pair * (INTER // 4),
-                                 word0 < words_ok)  # fmt: skip
-                    _quant_store(tl.reshape(h1, (HW, 16)), word0 + HW, hrow,
-                                 oq + pair * (INTER // 4), osc + pair * hrow, osum + pair * hrow,
-                                 oqn + pair * (INTER // 4), word0 + HW < words_ok)  # fmt: skip
+                        dv1 += _fp4_delta_words(dptr, d_codes, d_scales, rows1, m1, k0, wd, wmask,
+                                                row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
+                                                ASM)  # fmt: skip
+                        dv2 += _fp4_delta_words(dptr, d_codes, d_scales, rows2, m2, k0, wd, wmask,
+                                                row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
+                                                ASM)  # fmt: skip
+                        dv3 += _fp4_delta_words(dptr, d_codes, d_scales, rows3, m3, k0, wd, wmask,
+                                                row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
+                                                ASM)  # fmt: skip
+                    elif use_delta:  # additive delta, its own product (natural-order x), decoded
+                        # DELTA_K columns at a time (a whole BLOCK_K tile of float weights spills)
+                        for kk in range(0, BLOCK_K, DELTA_K):
+                            cols = k0 + kk + tl.arange(0, DELTA_K)
+                            kmask = cols < K
+                            if INT8:  # the same rounded activations as the base plane
+                                xn = _dequant_words(xq_row, xs_row, cols, K, kmask)[None, :]
+                            else:
+                                xn = tl.load(x_row + cols[None, :] * stride_xk, mask=kmask[None, :],
+                                             other=0.0).to(tl.float32)  # fmt: skip
+                            d0 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows0, m0, cols,
+                                             kmask, K, DGROUP, xn)  # fmt: skip
+                            d1 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows1, m1, cols,
+                                             kmask, K, DGROUP, xn)  # fmt: skip
+                            d2 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows2, m2, cols,
+                                             kmask, K, DGROUP, xn)  # fmt: skip
+                            d3 += _delta_dot(dptr, DKIND, d_codes, d_scales, d_aux, rows3, m3, cols,
+                                             kmask, K, DGROUP, xn)  # fmt: skip
+                if (DEPTH == 2) and (PIPE == 0):
+                    w0, w1, w2, w3 = v0, v1, v2, v3
+                    v0, v1, v2, v3 = n0, n1, n2, n3
                 else:
-                    tl.store(out + pair * INTER + rows0, h0, mask=m0)
-                    tl.store(out + pair * INTER + rows1, h1, mask=m1)
+                    w0, w1, w2, w3 = n0, n1, n2, n3
+                wd, wmask = wd_next, wmask_next
+            if INT8 and (corr != 0):
+                # a fitted grid (b != 3a; the converter writes b = 3a): the high bits' sums, in a
+                # pass of their own over the words, so that the loop above keeps no registers for
+                # them (sm_90: 16-row sub-tiles 158 -> 124 registers, 32-row ones with 8 warps
+                # 171 -> 122). RH = 128H - 64Σq = 64(2H - Σq), summed as the loop above sums R.
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
+                    wmask = wd < row_words
+                    w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                                 wd, wmask, row_words, EVEN)  # fmt: skip
+                    sc0, sc1, sc2, sc3 = _q2s_group_scales4(
+                        bptr, scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k0, row_groups,
+                        GROUP, W, EVEN, GSUM)  # fmt: skip
+                    if QUANT_IN:
+                        q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
+                    else:
+                        q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
+                                                           wmask, EVEN)  # fmt: skip
+                    av0, av1, av2, av3 = _tile_sums(
+                        av0, av1, av2, av3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, q0, q1, q2, q3,
+                        xsc, qs, True, GSUM, WPG, ASM)  # fmt: skip
+                    if PAIRS == 2:
+                        if has_b:
+                            q0, q1, q2, q3, xsc, qs = _x_words(
+                                xq_row_b, xs_row_b, xsum_row_b, row_words, wd, wmask,
+                                EVEN)  # fmt: skip
+                            avb0, avb1, avb2, avb3 = _tile_sums(
+                                avb0, avb1, avb2, avb3, w0, w1, w2, w3, sc0, sc1, sc2, sc3, q0, q1,
+                                q2, q3, xsc, qs, True, GSUM, WPG, ASM)  # fmt: skip
+            if INT8:
+                # β/32 and γ/64 (module docstring); β = a exactly when b = 3a
+                beta = tl.where(corr != 0, 0.5 * (b - a), a) / 32
+                gamma = -corr / 128
+                y0 = tl.sum(beta * acc0 + gamma * av0, axis=1)
+                y1 = tl.sum(beta * acc1 + gamma * av1, axis=1)
+                y2 = tl.sum(beta * acc2 + gamma * av2, axis=1)
+                y3 = tl.sum(beta * acc3 + gamma * av3, axis=1)
+                if PAIRS == 2:
+                    yb0 = tl.sum(beta * accb0 + gamma * avb0, axis=1)
+                    yb1 = tl.sum(beta * accb1 + gamma * avb1, axis=1)
+                    yb2 = tl.sum(beta * accb2 + gamma * avb2, axis=1)
+                    yb3 = tl.sum(beta * accb3 + gamma * avb3, axis=1)
+            else:
+                y0 = tl.sum(8 * a * acc0 - 11 * a * ax0 + corr * av0, axis=1)
+                y1 = tl.sum(8 * a * acc1 - 11 * a * ax1 + corr * av1, axis=1)
+                y2 = tl.sum(8 * a * acc2 - 11 * a * ax2 + corr * av2, axis=1)
+                y3 = tl.sum(8 * a * acc3 - 11 * a * ax3 + corr * av3, axis=1)
+            for member in tl.static_range(PAIRS):
+                if member == 1:  # the second pair (PAIRS 2): its sums, its rows of out or h
+                    y0, y1, y2, y3 = yb0, yb1, yb2, yb3
+                    pair = pair_b
+                    # (tl.where: `mask & scalar` is no bool mask to Triton 3.9's interpreter)
+                    m0, m1 = tl.where(has_b, m0, False), tl.where(has_b, m1, False)
+                    m2, m3 = tl.where(has_b, m2, False), tl.where(has_b, m3, False)
+                y0 = y0 * _row_factor(bptr, 3, row_scale, 0, rows0, m0)
+                y1 = y1 * _row_factor(bptr, 3, row_scale, 0, rows1, m1)
+                y2 = y2 * _row_factor(bptr, 3, row_scale, 0, rows2, m2)
+                y3 = y3 * _row_factor(bptr, 3, row_scale, 0, rows3, m3)
+                if FP4_INT8:
+                    d0 = 0.5 * tl.sum(dv0, axis=1)
+                    d1 = 0.5 * tl.sum(dv1, axis=1)
+                    d2 = 0.5 * tl.sum(dv2, axis=1)
+                    d3 = 0.5 * tl.sum(dv3, axis=1)
+                if DKIND >= 0:
+                    if use_delta:
+                        y0 += d0 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows0, m0)
+                        y1 += d1 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows1, m1)
+                        y2 += d2 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows2, m2)
+                        y3 += d3 * _row_factor(dptr, DKIND, d_row_scale, d_tensor_scale, rows3, m3)
+                if SPLIT > 1:  # the K ranges' sums meet; the last program to arrive goes on alone
+                    y0, y1, y2, y3, last = _split_sum(
+                        scratch, counters, pair, pid_n, N, rows0, rows1, rows2, rows3, m0, m1, m2,
+                        m3, y0, y1, y2, y3, SPLIT)  # fmt: skip
+                    m0, m1 = tl.where(last, m0, False), tl.where(last, m1, False)
+                    m2, m3 = tl.where(last, m2, False), tl.where(last, m3, False)
+                words_ok = INTER // 16  # the words of h this program may write (split: the last's)
+                if SPLIT > 1:
+                    words_ok = tl.where(last, words_ok, 0)
+                if member == 1:
+                    words_ok = tl.where(has_b, words_ok, 0)
+                if BIAS > 0:
+                    bias_at = out_bias if IS_DOWN else in_bias
+                    y0 += _bias(bptr, BIAS, bias_at, rows0, m0)
+                    y1 += _bias(bptr, BIAS, bias_at, rows1, m1)
+                    y2 += _bias(bptr, BIAS, bias_at, rows2, m2)
+                    y3 += _bias(bptr, BIAS, bias_at, rows3, m3)
+                if IS_DOWN:
+                    weight = tl.load(topk_w + pair).to(tl.float32)
+                    tl.store(out + pair * N + rows0, y0 * weight, mask=m0)
+                    tl.store(out + pair * N + rows1, y1 * weight, mask=m1)
+                    tl.store(out + pair * N + rows2, y2 * weight, mask=m2)
+                    tl.store(out + pair * N + rows3, y3 * weight, mask=m3)
+                else:
+                    h0 = _activation(y0, y2, ACT, limit, alpha)
+                    h1 = _activation(y1, y3, ACT, limit, alpha)
+                    if QUANT_OUT and SUB == 8:  # the two sub-tiles' 16 rows are one word of h
+                        word = pid_n + tl.arange(0, 1)
+                        hrow = INTER // 16
+                        both = tl.reshape(tl.trans(tl.join(h0, h1)), (1, 16))  # rows h0 then h1
+                        _quant_store(both, word, hrow, oq + pair * (INTER // 4), osc + pair * hrow,
+                                     osum + pair * hrow, oqn + pair * (INTER // 4),
+                                     word < words_ok)  # fmt: skip
+                    elif QUANT_OUT:  # h rounded to int8 words here, for down (SUB % 16 == 0)
+                        word0 = pid_n * 2 * HW + tl.arange(0, HW)
+                        hrow = INTER // 16
+                        hq_row, hqn_row = oq + pair * (INTER // 4), oqn + pair * (INTER // 4)
+                        _quant_store(tl.reshape(h0, (HW, 16)), word0, hrow, hq_row,
+                                     osc + pair * hrow, osum + pair * hrow, hqn_row,
+                                     word0 < words_ok)  # fmt: skip
+                        _quant_store(tl.reshape(h1, (HW, 16)), word0 + HW, hrow, hq_row,
+                                     osc + pair * hrow, osum + pair * hrow, hqn_row,
+                                     word0 + HW < words_ok)  # fmt: skip
+                    else:
+                        tl.store(out + pair * INTER + rows0, h0, mask=m0)
+                        tl.store(out + pair * INTER + rows1, h1, mask=m1)
 
 
 @triton.jit
@@ -1517,7 +1530,9 @@ def _q2s_gemv(
         if c.split_k not in (1, 2):
             raise ValueError(f"the q2s GEMV splits K in 1 or 2 ranges, not {c.split_k}")
         split = c.split_k if spec.k > block_k else 1
-        grid = (pairs, triton.cdiv(rows, tile_rows), split)
+        if c.row_tiles < 1 or (c.row_tiles > 1 and split > 1):
+            raise ValueError(f"row_tiles {c.row_tiles}: 1, or more without split-K")
+        grid = (pairs, triton.cdiv(triton.cdiv(rows, tile_rows), c.row_tiles), split)
         scratch, counters = dst, slot_table  # placeholders of the same types
         if split > 1:
             scratch, counters = _split_buffers(hidden.device, is_down, pairs, spec.n, grid[1])
@@ -1552,8 +1567,9 @@ def _q2s_gemv(
             pdl, quant_in and not is_down, c.depth, c.pipe, c.pipe or (2 if c.pipe_x else None),
             scratch, counters, split, 2 if two else 1,
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
+            c.row_tiles,
             num_warps=c.num_warps, num_stages=c.num_stages,
-            launch_pdl=pdl,
+            launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip
 
 

@@ -313,6 +313,23 @@ def test_q2s_gemv_two_pairs_per_program():
         _q2s_outputs([(replace(two, pairs=3), two)], seed=57)
 
 
+def test_q2s_gemv_row_tiles():
+    """Consecutive row tiles of a pair in one program (`KernelChoice.row_tiles`): the twin's
+    figures with a tile count that is no multiple of them (the last program redoes the last
+    tile), ragged tiles, a delta on random pairs and two tiles in flight; bit for bit the
+    outputs of one tile a program; split-K refused with them."""
+    rt = moe_dispatch.KernelChoice(block_n=32, block_k=64, int8_act=True, row_tiles=3,
+                                   maxnreg=128)  # fmt: skip
+    run_case("q2s", 2, 2, 4, 128, 64, force=(rt, rt), seed=70)  # 4 and 4 tiles
+    deep = replace(rt, depth=2, row_tiles=2, block_n=64)
+    run_case("q2s+nvfp4", 2, 2, 4, 96, 96, mask="random", force=(deep, deep), seed=71)
+    one = replace(rt, row_tiles=1)
+    outs = _q2s_outputs([(one, one), (rt, rt)], seed=72)
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+    with pytest.raises(ValueError, match="row_tiles"):
+        _q2s_outputs([(replace(rt, split_k=2), rt)], seed=73)
+
+
 def test_q2s_gemv_eight_row_subtiles_round_h(monkeypatch):
     """gate_up with 8-row sub-tiles (block_n 32, the zero-copy configs' size) rounds h to int8
     words itself, its two sub-tiles making one word (so only x is rounded by a launch of its
@@ -532,6 +549,23 @@ def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n, split, pairs):
     c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
                                   depth=depth, pipe=pipe, pipe_x=pipe_x, split_k=split,
                                   pairs=pairs)  # fmt: skip
+    for tokens in (1, 7):
+        run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
+                 seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip
+        run_case("q2s", tokens, 4, 16, 256, 128, host_slots=10, seed=tokens + 2, force=(c, c))
+    run_case("q2s", 2, 2, 5, 96, 96, force=(c, c), seed=16)  # ragged, EVEN = 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("row_tiles", "maxnreg", "depth", "block_n"), [(2, 0, 1, 64), (3, 128, 2, 64), (4, 128, 1, 32)]
+)
+def test_gpu_q2s_gemv_row_tiles(row_tiles, maxnreg, depth, block_n):
+    """Row tiles one after another in a program, compiled for real, with PDL and a register
+    cap, against the twin: slots in GPU and pinned host memory, a delta on random pairs,
+    whole and ragged tiles, tile counts no multiple of row_tiles."""
+    c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
+                                  depth=depth, row_tiles=row_tiles, maxnreg=maxnreg)  # fmt: skip
     for tokens in (1, 7):
         run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
                  seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip
