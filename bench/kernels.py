@@ -330,7 +330,8 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     # pipeliner (pipe 3, 4); gate_up rounding x itself (one launch fewer; a q2s-only case);
     # the rounding launches with programmatic dependent launch (quant_pdl); K in two ranges
     # (split_k 2: more programs, shorter chains of K tiles, for few pairs); two pairs of an
-    # expert per program (pairs 2: its rows read once for both)
+    # expert per program (pairs 2: its rows read once for both); two row tiles a program
+    # (row_tiles 2: its blob found once for both), with registers capped at 128 (maxnreg)
     best = score(best_gu, best_dn)
     ahead = ({"pipe_x": True},) if delta else ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
     options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
@@ -338,6 +339,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     two = ("split_k",) if delta else ("split_k", "pairs")  # (no pairs with a delta plane)
     options += [(launch, {f: 2}) for launch in ("gu", "dn") for f in two]
     options += [] if delta else [("gu", {"quant_in": True}), ("gu", {"quant_pdl": True})]
+    options += [(launch, {"row_tiles": 2, "maxnreg": 128}) for launch in ("gu", "dn")]
     for launch, option in options:
         c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
         c_dn = replace(best_dn, **option) if launch == "dn" else best_dn
@@ -345,7 +347,8 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
         if got < best:
             best_gu, best_dn, best = c_gu, c_dn, got
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
-              "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs")  # fmt: skip
+              "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs", "row_tiles",
+              "maxnreg")  # fmt: skip
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv-delta" if delta else "q2s-gemv"
     return {
         f"{key}:{gu.n}x{gu.k}{suffix}": {f: asdict(best_gu)[f] for f in fields},
