@@ -807,8 +807,10 @@ def _q2s_gemv_kernel(
         # ROW_TILES: this program's row tiles one after another (the pair's slot and blob
         # looked up once); past the last one it does the last again (the same values)
         n_tiles = tl.cdiv(N if IS_DOWN else INTER, (4 if IS_DOWN else 2) * SUB)
+        pair0 = pair  # (the epilogue of a second pair, PAIRS 2, sets pair to it)
         for rt in tl.static_range(ROW_TILES):
             pid_n = tl.minimum(pid_n0 * ROW_TILES + rt, n_tiles - 1)
+            pair = pair0
             r = tl.arange(0, SUB)
             if IS_DOWN:
                 rows0 = pid_n * 4 * SUB + r

@@ -316,13 +316,15 @@ def test_q2s_gemv_two_pairs_per_program():
 def test_q2s_gemv_row_tiles():
     """Consecutive row tiles of a pair in one program (`KernelChoice.row_tiles`): the twin's
     figures with a tile count that is no multiple of them (the last program redoes the last
-    tile), ragged tiles, a delta on random pairs and two tiles in flight; bit for bit the
-    outputs of one tile a program; split-K refused with them."""
+    tile), ragged tiles, a delta on random pairs, two tiles in flight, two pairs of an expert a
+    program; bit for bit the outputs of one tile a program; split-K refused with them."""
     rt = moe_dispatch.KernelChoice(block_n=32, block_k=64, int8_act=True, row_tiles=3,
                                    maxnreg=128)  # fmt: skip
     run_case("q2s", 2, 2, 4, 128, 64, force=(rt, rt), seed=70)  # 4 and 4 tiles
     deep = replace(rt, depth=2, row_tiles=2, block_n=64)
     run_case("q2s+nvfp4", 2, 2, 4, 96, 96, mask="random", force=(deep, deep), seed=71)
+    two = replace(rt, row_tiles=2, pairs=2)  # two pairs of an expert a program, too
+    run_case("q2s", 3, 2, 3, 64, 32, one_expert=True, force=(two, two), seed=74)
     one = replace(rt, row_tiles=1)
     outs = _q2s_outputs([(one, one), (rt, rt)], seed=72)
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0

@@ -27,6 +27,9 @@ VARIANTS = [
     ["--split", "2", "--delta", "nvfp4", "--even", "0"],
     ["--pairs", "2", "--group-acc", "1", "--pipe-x", "1"],
     ["--pairs", "2", "--depth", "2", "--even", "0", "--pdl", "1"],
+    # the H200 tables' row-tile configs (DeepSeek-V3 gate_up, DeepSeek-V4-Flash both launches)
+    ["--row-tiles", "2", "--group-acc", "1", "--sub", "32", "--warps", "8", "--maxnreg", "128"],
+    ["--down", "--row-tiles", "2", "--group-acc", "1", "--sub", "32", "--warps", "8"],
 ]
 
 
