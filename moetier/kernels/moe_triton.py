@@ -695,7 +695,7 @@ def _q2s_gemv_kernel(
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
     ROW_TILES: tl.constexpr,
 ):  # fmt: skip
-    """q2s GEMV, one (pair, row tile) per program, four row sub-tiles of SUB rows sharing every
+    """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
     [SUB, W] tensor, its level 1 + c/4 built from bits (`_q2s_level`). The levels are linear in
     that when b = 3a: L = 8a(1 + c/4) - 11a, so per word Σ L x = 8a Σ (1 + c/4) x - 11a Σ x, and
