@@ -532,6 +532,17 @@ def test_gpu_q2s_gemv_prefetch_and_pdl(mask):
         run_case("q2s", 2, 2, 5, 96, 96, force=(c, c), seed=16)  # ragged, EVEN = 0
 
 
+def _gpu_q2s_cases(c: moe_dispatch.KernelChoice) -> None:
+    """The q2s GEMV with config c (both launches) against the twin: 1 and 7 tokens of top-4
+    over 16 experts, slots in GPU and in pinned host memory, a delta on random pairs; and
+    ragged tiles (EVEN = 0)."""
+    for tokens in (1, 7):
+        run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
+                 seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip
+        run_case("q2s", tokens, 4, 16, 256, 128, host_slots=10, seed=tokens + 2, force=(c, c))
+    run_case("q2s", 2, 2, 5, 96, 96, force=(c, c), seed=16)  # ragged, EVEN = 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("depth", "pipe", "pipe_x", "block_n", "split", "pairs"),
@@ -551,11 +562,7 @@ def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n, split, pairs):
     c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
                                   depth=depth, pipe=pipe, pipe_x=pipe_x, split_k=split,
                                   pairs=pairs)  # fmt: skip
-    for tokens in (1, 7):
-        run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
-                 seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip
-        run_case("q2s", tokens, 4, 16, 256, 128, host_slots=10, seed=tokens + 2, force=(c, c))
-    run_case("q2s", 2, 2, 5, 96, 96, force=(c, c), seed=16)  # ragged, EVEN = 0
+    _gpu_q2s_cases(c)
 
 
 @pytest.mark.gpu
@@ -568,11 +575,7 @@ def test_gpu_q2s_gemv_row_tiles(row_tiles, maxnreg, depth, block_n):
     whole and ragged tiles, tile counts no multiple of row_tiles."""
     c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
                                   depth=depth, row_tiles=row_tiles, maxnreg=maxnreg)  # fmt: skip
-    for tokens in (1, 7):
-        run_case("q2s+nvfp4", tokens, 4, 16, 256, 128, mask="random", host_slots=6,
-                 seed=tokens, force=(c, c), dtype=torch.bfloat16)  # fmt: skip
-        run_case("q2s", tokens, 4, 16, 256, 128, host_slots=10, seed=tokens + 2, force=(c, c))
-    run_case("q2s", 2, 2, 5, 96, 96, force=(c, c), seed=16)  # ragged, EVEN = 0
+    _gpu_q2s_cases(c)
 
 
 @pytest.mark.gpu
