@@ -172,6 +172,17 @@ class ZeroCopyCase(Case):
         )  # fmt: skip
 
 
+class HotCase(Case):
+    """q2s with every expert in one slot: after the first call its blob is in L2, so a call
+    reads no weights from HBM. Its time is what the call's launches, lookups and decode cost
+    without HBM's bandwidth and latency: the floor of this kernel structure (its "GB/s" counts
+    the bytes the pairs' distinct experts would have been)."""
+
+    def __init__(self, shape: str, fmt: BlobFormat):
+        super().__init__(shape, fmt, None)
+        self.slot_table = torch.zeros_like(self.slot_table)
+
+
 WARM_S = 0.05  # seconds of replays before a graph is timed
 
 
@@ -342,7 +353,8 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     # the rounding launches with programmatic dependent launch (quant_pdl); K in two ranges
     # (split_k 2: more programs, shorter chains of K tiles, for few pairs); two pairs of an
     # expert per program (pairs 2: its rows read once for both); two row tiles a program
-    # (row_tiles 2: its blob found once for both), with registers capped at 128 (maxnreg)
+    # (row_tiles 2: its blob found once for both), with registers capped at 128 (maxnreg);
+    # gate_up asking L2 for down's weights, before or after its K loop (next_l2 1, 2)
     best = score(best_gu, best_dn)
     ahead = ({"pipe_x": True},) if delta else ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
     options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
@@ -351,6 +363,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     options += [(launch, {f: 2}) for launch in ("gu", "dn") for f in two]
     options += [] if delta else [("gu", {"quant_in": True}), ("gu", {"quant_pdl": True})]
     options += [(launch, {"row_tiles": 2, "maxnreg": 128}) for launch in ("gu", "dn")]
+    options += [("gu", {"next_l2": 1}), ("gu", {"next_l2": 2})]
     for launch, option in options:
         c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
         c_dn = replace(best_dn, **option) if launch == "dn" else best_dn
@@ -359,7 +372,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
             best_gu, best_dn, best = c_gu, c_dn, got
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
               "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs", "row_tiles",
-              "maxnreg")  # fmt: skip
+              "maxnreg", "next_l2")  # fmt: skip
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv-delta" if delta else "q2s-gemv"
     return {
         f"{key}:{gu.n}x{gu.k}{suffix}": {f: asdict(best_gu)[f] for f in fields},
@@ -462,8 +475,8 @@ def main() -> None:
     parser.add_argument(
         "--formats",
         default="q2s,q2s-fitted,q2s+nvfp4",
-        help="the formats to time (of q2s, q2s-fitted, q2s+nvfp4; q2s+nvfp4's prediction needs "
-        "q2s too)",
+        help="the formats to time (of q2s, q2s-fitted, q2s+nvfp4, q2s-hot: every expert in one "
+        "slot, its blob in L2; q2s+nvfp4's prediction needs q2s too)",
     )
     parser.add_argument(
         "--zero-copy",
@@ -518,6 +531,7 @@ def main() -> None:
             "q2s": Case(shape, q2s, None),
             "q2s-fitted": Case(shape, q2s, None, fitted_grid=True),
             "q2s+nvfp4": Case(shape, q2s, nvfp4),
+            "q2s-hot": HotCase(shape, q2s),
         }
         zc_name = f"q2s-zero-copy-{args.zero_copy:g}"
         if args.zero_copy:
@@ -551,7 +565,7 @@ def main() -> None:
         cases["bf16-kernel"] = Case(shape, bf16, None, distinct=2)
         baseline = None if args.no_baseline else GroupedMM(shape)
         for tokens in tokens_list:
-            base_bw = None
+            base_bw = base_ms = None
             for name, case in cases.items():
                 ms, r = time_case(case, tokens)
                 pairs = tokens * top_k
@@ -579,7 +593,9 @@ def main() -> None:
                     rec["host_GB/s"] = round(host / ms / 1e6, 2)
                     rec["gpu_fraction"] = args.zero_copy
                 if name == "q2s":
-                    base_bw = nbytes / ms
+                    base_bw, base_ms = nbytes / ms, ms
+                elif name == "q2s-hot" and base_ms:
+                    rec["vs_q2s"] = round(ms / base_ms, 3)
                 elif name == "q2s+nvfp4" and base_bw:
                     rec["vs_predicted"] = round(ms / ((nbytes + dbytes) / base_bw), 3)
                 emit(rec)

@@ -73,6 +73,9 @@ class KernelChoice:
     # q2s GEMV: the launch's register cap per thread (ptxas maxnreg; 0: the compiler's
     # choice), e.g. 128 keeps four programs of 4 warps an SM where row_tiles added a few
     maxnreg: int = 0
+    # q2s GEMV gate_up on sm_90: its programs ask L2 for their pair's down weights, 1: before
+    # their K loop, 2: after it (down's reads start while gate_up runs; blobs in the GPU pool)
+    next_l2: int = 0
 
 
 GEMV = KernelChoice()

@@ -666,6 +666,20 @@ def _prefetch_l2(ptr, nbytes):
 
 
 @triton.jit
+def _prefetch_share(pool, slot_offsets, slot, pool_bytes, lo, nbytes):
+    """Ask L2 (`_prefetch_l2`) for this program's share of bytes [lo, lo + nbytes) of the blob
+    in `slot`, when that blob is in the GPU pool: the range split in 256-byte multiples over
+    the launch's programs of one pair (program ids 1 and 2)."""
+    slot_off = tl.load(slot_offsets + slot)
+    if (slot_off >= 0) & (slot_off < pool_bytes):
+        count = tl.num_programs(1) * tl.num_programs(2)
+        pid = tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
+        share = (tl.cdiv(nbytes, count) + 255) // 256 * 256
+        first = pid * share
+        _prefetch_l2(pool + slot_off + lo + first, tl.minimum(share, nbytes - first))
+
+
+@triton.jit
 def _blob_ptrs(pool, slot_offsets, slot, dslot, use_delta, DKIND: tl.constexpr):
     """(base blob, delta blob) pointers of a slotted pair; the delta's is the base's when the
     pair does not use it. Slots start on TENSOR_ALIGN (256-byte) boundaries: say so, so loads
@@ -693,7 +707,7 @@ def _q2s_gemv_kernel(
     GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
-    ROW_TILES: tl.constexpr,
+    ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -762,7 +776,11 @@ def _q2s_gemv_kernel(
         (`gdc_wait`) and reads its activations: weight reads overlap the previous kernel.
     ROW_TILES (`KernelChoice.row_tiles`; no split): a program computes that many consecutive
         row tiles of its pair, one after another, so the chain of dependent loads that finds
-        its blob (pair -> expert -> slot -> offset -> grid) is paid once for all of them."""
+        its blob (pair -> expert -> slot -> offset -> grid) is paid once for all of them.
+    NEXT_L2 (gate_up on sm_90, blobs in the GPU pool; `KernelChoice.next_l2`): each program asks
+        L2 for its share of its pair's down weights (bytes [next_lo, next_lo + next_bytes) of
+        the blob, split evenly over the pair's programs), 1: before its K loop, 2: after it,
+        so that down's reads start while gate_up still runs and its launch waits."""
     pair = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -807,6 +825,8 @@ def _q2s_gemv_kernel(
         # ROW_TILES: this program's row tiles one after another (the pair's slot and blob
         # looked up once); past the last one it does the last again (the same values)
         n_tiles = tl.cdiv(N if IS_DOWN else INTER, (4 if IS_DOWN else 2) * SUB)
+        if NEXT_L2 == 1:
+            _prefetch_share(pool, slot_offsets, slot, pool_bytes, next_lo, next_bytes)
         pair0 = pair  # (the epilogue of a second pair, PAIRS 2, sets pair to it)
         for rt in tl.static_range(ROW_TILES):
             pid_n = tl.minimum(pid_n0 * ROW_TILES + rt, n_tiles - 1)
@@ -1172,6 +1192,8 @@ def _q2s_gemv_kernel(
                     else:
                         tl.store(out + pair * INTER + rows0, h0, mask=m0)
                         tl.store(out + pair * INTER + rows1, h1, mask=m1)
+        if NEXT_L2 == 2:
+            _prefetch_share(pool, slot_offsets, slot, pool_bytes, next_lo, next_bytes)
 
 
 @triton.jit
@@ -1519,6 +1541,9 @@ def _q2s_gemv(
     pdl = hopper and c_gu.pdl and c_dn.pdl
     # gate_up rounds x itself (no activation-rounding launch) when no delta reads the rounded x
     quant_in = c_gu.quant_in and int8 and not has_delta
+    # down's weights in its blob (NEXT_L2: gate_up's programs ask L2 for them)
+    dn_lo = min(dn.codes, dn.scales)
+    dn_hi = max(dn.codes + dn.n * dn.k // 4, dn.scales + dn.n * (dn.k // dn.group))
     for is_down, spec, dspec, c, x, dst in (
         (0, gu, dgu, c_gu, hidden, h),
         (1, dn, ddn, c_dn, h, out),
@@ -1569,7 +1594,7 @@ def _q2s_gemv(
             pdl, quant_in and not is_down, c.depth, c.pipe, c.pipe or (2 if c.pipe_x else None),
             scratch, counters, split, 2 if two else 1,
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
-            c.row_tiles,
+            c.row_tiles, c.next_l2 if hopper and not is_down else 0, dn_lo, dn_hi - dn_lo,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip
