@@ -76,9 +76,6 @@ class KernelChoice:
     # q2s GEMV gate_up on sm_90: its programs ask L2 for their pair's down weights, 1: before
     # their K loop, 2: after it (down's reads start while gate_up runs; blobs in the GPU pool)
     next_l2: int = 0
-    # q2s GEMV with pipe > 0 on sm_90: each tile's words loaded by TMA through a descriptor the
-    # program makes (no registers or scoreboards for the tiles in flight) instead of cp.async
-    tma: bool = False
 
 
 GEMV = KernelChoice()

@@ -31,7 +31,6 @@ NVFP4 delta through PRMT + IDP4A): the twin is `moe_slots_ref(..., act_int8=True
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -708,7 +707,7 @@ def _q2s_gemv_kernel(
     GROUP_ACC: tl.constexpr, PREFETCH_L2: tl.constexpr, pool_bytes, PDL: tl.constexpr,
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
-    ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes, TMA: tl.constexpr,
+    ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -781,11 +780,7 @@ def _q2s_gemv_kernel(
     NEXT_L2 (gate_up on sm_90, blobs in the GPU pool; `KernelChoice.next_l2`): each program asks
         L2 for its share of its pair's down weights (bytes [next_lo, next_lo + next_bytes) of
         the blob, split evenly over the pair's programs), 1: before its K loop, 2: after it,
-        so that down's reads start while gate_up still runs and its launch waits.
-    TMA (sm_90, with PIPE; `KernelChoice.tma`): the words of each sub-tile come by the tensor
-        memory accelerator, through a descriptor of the pair's matrix [N, row_words] made by the
-        program (`tl.make_tensor_descriptor`), so the pipeliner's PIPE - 1 tiles in flight
-        cost no registers, no scoreboards and one instruction each."""
+        so that down's reads start while gate_up still runs and its launch waits."""
     pair = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -832,10 +827,6 @@ def _q2s_gemv_kernel(
         n_tiles = tl.cdiv(N if IS_DOWN else INTER, (4 if IS_DOWN else 2) * SUB)
         if NEXT_L2 == 1:
             _prefetch_share(pool, slot_offsets, slot, pool_bytes, next_lo, next_bytes)
-        if TMA:  # the pair's whole matrix; rows past N and words past K come as zeros
-            tl.static_assert(PIPE > 0)
-            wdesc = tl.make_tensor_descriptor(wbase, shape=[N, row_words], strides=[row_words, 1],
-                                              block_shape=[SUB, W])  # fmt: skip
         pair0 = pair  # (the epilogue of a second pair, PAIRS 2, sets pair to it)
         for rt in tl.static_range(ROW_TILES):
             pid_n = tl.minimum(pid_n0 * ROW_TILES + rt, n_tiles - 1)
@@ -951,18 +942,8 @@ def _q2s_gemv_kernel(
                 if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
                     wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                     wmask = wd < row_words
-                    if TMA:
-                        kw = k0 // 16
-                        # the sub-tiles' first rows, as rows0..rows3 above
-                        first0 = pid_n * 4 * SUB if IS_DOWN else pid_n * 2 * SUB
-                        first2 = first0 + (2 * SUB if IS_DOWN else INTER)
-                        w0 = wdesc.load([first0, kw])
-                        w1 = wdesc.load([first0 + SUB, kw])
-                        w2 = wdesc.load([first2, kw])
-                        w3 = wdesc.load([first2 + SUB, kw])
-                    else:
-                        w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2,
-                                                     m3, wd, wmask, row_words, EVEN)  # fmt: skip
+                    w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                                                 wd, wmask, row_words, EVEN)  # fmt: skip
                 wd_next = wd + W
                 wmask_next = wd_next < row_words
                 if PIPE > 0:
@@ -1597,9 +1578,6 @@ def _q2s_gemv(
                 else quant_words(x, pdl, pdl and c_gu.quant_pdl)
             )  # fmt: skip
         oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
-        tma = c.tma and hopper and c.pipe > 0
-        if tma:  # the programs' descriptors live in scratch memory the launch asks for
-            triton.set_allocator(functools.partial(_tma_scratch, hidden.device, is_down))
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,
             pool, slot_table, slot_offsets, dtable,
@@ -1617,26 +1595,9 @@ def _q2s_gemv(
             scratch, counters, split, 2 if two else 1,
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
             c.row_tiles, c.next_l2 if hopper and not is_down else 0, dn_lo, dn_hi - dn_lo,
-            tma,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip
-
-
-_TMA_SCRATCH: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-
-
-def _tma_scratch(
-    device: torch.device, is_down: int, size: int, alignment: int, stream: int | None
-) -> torch.Tensor:
-    """Scratch memory for a launch's TMA descriptors (Triton's allocator): one buffer per
-    device, launch kind and size, made once and kept (like `_split_buffers`), so a CUDA graph
-    that captured a launch keeps its buffer, and gate_up and down, which may overlap under
-    programmatic dependent launch, never share one."""
-    key = (device, is_down, size)
-    if key not in _TMA_SCRATCH:
-        _TMA_SCRATCH[key] = torch.empty(size, dtype=torch.uint8, device=device)
-    return _TMA_SCRATCH[key]
 
 
 _SplitKey = tuple[torch.device, int, int, int, int]  # device, is_down, pairs, n, row tiles
