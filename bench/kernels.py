@@ -354,7 +354,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     # (split_k 2: more programs, shorter chains of K tiles, for few pairs); two pairs of an
     # expert per program (pairs 2: its rows read once for both); two row tiles a program
     # (row_tiles 2: its blob found once for both), with registers capped at 128 (maxnreg);
-    # gate_up asking L2 for down's weights, before or after its K loop (next_l2 1, 2)
+    # gate_up asking L2 for down's weights when done (next_l2)
     best = score(best_gu, best_dn)
     ahead = ({"pipe_x": True},) if delta else ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
     options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
@@ -363,7 +363,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     options += [(launch, {f: 2}) for launch in ("gu", "dn") for f in two]
     options += [] if delta else [("gu", {"quant_in": True}), ("gu", {"quant_pdl": True})]
     options += [(launch, {"row_tiles": 2, "maxnreg": 128}) for launch in ("gu", "dn")]
-    options += [("gu", {"next_l2": 1}), ("gu", {"next_l2": 2})]
+    options += [("gu", {"next_l2": True})]
     for launch, option in options:
         c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
         c_dn = replace(best_dn, **option) if launch == "dn" else best_dn

@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--down", action="store_true", help="the down launch (IS_DOWN=1)")
     parser.add_argument("--row-tiles", type=int, default=1, help="ROW_TILES constexpr")
     parser.add_argument("--next-l2", type=int, default=0, help="NEXT_L2 constexpr (gate_up)")
+    parser.add_argument("--unroll", type=int, default=1, help="UNROLL (K loop unroll factor)")
     parser.add_argument("--split", type=int, default=1, help="SPLIT constexpr (K ranges)")
     parser.add_argument("--pairs", type=int, default=1, help="PAIRS constexpr (pairs a program)")
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
@@ -77,7 +78,8 @@ def main() -> None:
                  PDL=args.pdl, QUANT_IN=args.quant_in, DEPTH=args.depth, PIPE=args.pipe,
                  LOOP_STAGES=args.pipe or (2 if args.pipe_x else None),
                  SPLIT=args.split, PAIRS=args.pairs, PAIRS_P2=64,
-                 ROW_TILES=args.row_tiles, NEXT_L2=args.next_l2)  # fmt: skip
+                 ROW_TILES=args.row_tiles, NEXT_L2=args.next_l2,
+                 UNROLL=args.unroll if args.unroll > 1 else None)  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:

@@ -73,9 +73,11 @@ class KernelChoice:
     # q2s GEMV: the launch's register cap per thread (ptxas maxnreg; 0: the compiler's
     # choice), e.g. 128 keeps four programs of 4 warps an SM where row_tiles added a few
     maxnreg: int = 0
-    # q2s GEMV gate_up on sm_90: its programs ask L2 for their pair's down weights, 1: before
-    # their K loop, 2: after it (down's reads start while gate_up runs; blobs in the GPU pool)
-    next_l2: int = 0
+    # q2s GEMV gate_up on sm_90: its programs, when done, ask L2 for their pair's down weights
+    # (down's reads start while gate_up's last programs run; blobs in the GPU pool)
+    next_l2: bool = False
+    # q2s GEMV: the K loop unrolled this many times (1: not)
+    unroll: int = 1
 
 
 GEMV = KernelChoice()

@@ -579,6 +579,19 @@ def test_gpu_q2s_gemv_row_tiles(row_tiles, maxnreg, depth, block_n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("next_l2", "unroll", "depth"), [(True, 1, 1), (False, 2, 1), (True, 2, 2)]
+)
+def test_gpu_q2s_gemv_next_l2_unroll(next_l2, unroll, depth):
+    """gate_up asking L2 for down's weights when done (a hint: the results must not change,
+    host slots included, which it skips) and the K loop unrolled, compiled for real with PDL,
+    against the twin."""
+    c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True,
+                                  next_l2=next_l2, unroll=unroll, depth=depth)  # fmt: skip
+    _gpu_q2s_cases(c)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("quant_pdl", "split"), [(False, 1), (True, 1), (True, 2)])
 def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl, split):
     """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel

@@ -30,6 +30,9 @@ VARIANTS = [
     # the H200 tables' row-tile configs (DeepSeek-V3 gate_up, DeepSeek-V4-Flash both launches)
     ["--row-tiles", "2", "--group-acc", "1", "--sub", "32", "--warps", "8", "--maxnreg", "128"],
     ["--down", "--row-tiles", "2", "--group-acc", "1", "--sub", "32", "--warps", "8"],
+    # gate_up asking L2 for down's weights when done; the K loop unrolled
+    ["--next-l2", "1", "--unroll", "2", "--pdl", "1", "--group-acc", "1", "--sub", "32"],
+    ["--unroll", "2", "--depth", "2", "--even", "0"],
 ]
 
 
