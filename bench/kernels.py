@@ -190,6 +190,25 @@ def hot_slots(fmt: BlobFormat) -> int:
     return max(1, int(0.6 * L2_BYTES) // weight_bytes(fmt))
 
 
+FORMATS = ("q2s", "q2s-fitted", "q2s+nvfp4", "q2s-hot", "q2s-hot-spread")
+
+
+def make_case(name: str, shape: str) -> Case:
+    """The case of format `name` (of FORMATS) at this shape: each a pool of all its experts,
+    so only the cases a run times or tunes are made."""
+    hidden, inter, _, _ = SHAPES[shape]
+    q2s = q2s_format(shape)
+    if name == "q2s-fitted":
+        return Case(shape, q2s, None, fitted_grid=True)
+    if name == "q2s+nvfp4":
+        return Case(shape, q2s, fp4_expert_format("nvfp4", hidden, inter, False))
+    if name == "q2s-hot":
+        return HotCase(shape, q2s)
+    if name == "q2s-hot-spread":
+        return HotCase(shape, q2s, hot_slots(q2s))
+    return Case(shape, q2s, None)
+
+
 WARM_S = 0.05  # seconds of replays before a graph is timed
 
 
@@ -533,15 +552,10 @@ def main() -> None:
     for shape in args.shapes.split(","):
         hidden, inter, experts, top_k = SHAPES[shape]
         q2s = q2s_format(shape)
-        nvfp4 = fp4_expert_format("nvfp4", hidden, inter, False)
         bf16 = raw_expert_format("bfloat16", hidden, inter, False)
-        cases = {
-            "q2s": Case(shape, q2s, None),
-            "q2s-fitted": Case(shape, q2s, None, fitted_grid=True),
-            "q2s+nvfp4": Case(shape, q2s, nvfp4),
-            "q2s-hot": HotCase(shape, q2s),
-            "q2s-hot-spread": HotCase(shape, q2s, hot_slots(q2s)),
-        }
+        timed = set(args.formats.split(","))
+        needed = timed | {"q2s"} | ({"q2s+nvfp4"} if args.tune_delta else set())
+        cases = {name: make_case(name, shape) for name in FORMATS if name in needed}
         zc_name = f"q2s-zero-copy-{args.zero_copy:g}"
         if args.zero_copy:
             cases[zc_name] = ZeroCopyCase(shape, q2s, args.zero_copy)
@@ -569,7 +583,6 @@ def main() -> None:
             path.write_text(json.dumps(tuned, indent=1, sort_keys=True))
             if args.configs_out:
                 args.configs_out.write_text(path.read_text())
-        timed = set(args.formats.split(","))
         cases = {name: c for name, c in cases.items() if name in timed or name == zc_name}
         cases["bf16-kernel"] = Case(shape, bf16, None, distinct=2)
         baseline = None if args.no_baseline else GroupedMM(shape)
