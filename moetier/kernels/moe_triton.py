@@ -379,6 +379,35 @@ def _fp4_delta_words(dptr, d_codes, d_scales, rows, rmask, k0, wd, wmask, row_wo
 
 
 @triton.jit
+def _fp4_delta_tile(dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k0, wd,
+                    wmask, row_words, xqn_row, xsc, EVEN: tl.constexpr,
+                    ASM: tl.constexpr):  # fmt: skip
+    """One K tile of an NVFP4 delta for the four sub-tiles' rows (`_fp4_delta_words` each),
+    against the tile's int8 activations in column order (xqn, loaded once for the four)."""
+    xw = xqn_row + wd
+    if EVEN:
+        xn0 = tl.load(xw)[None, :]
+        xn1 = tl.load(xw + row_words)[None, :]
+        xn2 = tl.load(xw + 2 * row_words)[None, :]
+        xn3 = tl.load(xw + 3 * row_words)[None, :]
+    else:
+        xn0 = tl.load(xw, mask=wmask, other=0)[None, :]
+        xn1 = tl.load(xw + row_words, mask=wmask, other=0)[None, :]
+        xn2 = tl.load(xw + 2 * row_words, mask=wmask, other=0)[None, :]
+        xn3 = tl.load(xw + 3 * row_words, mask=wmask, other=0)[None, :]
+    return (
+        _fp4_delta_words(dptr, d_codes, d_scales, rows0, m0, k0, wd, wmask, row_words, xn0, xn1,
+                         xn2, xn3, xsc, EVEN, ASM),
+        _fp4_delta_words(dptr, d_codes, d_scales, rows1, m1, k0, wd, wmask, row_words, xn0, xn1,
+                         xn2, xn3, xsc, EVEN, ASM),
+        _fp4_delta_words(dptr, d_codes, d_scales, rows2, m2, k0, wd, wmask, row_words, xn0, xn1,
+                         xn2, xn3, xsc, EVEN, ASM),
+        _fp4_delta_words(dptr, d_codes, d_scales, rows3, m3, k0, wd, wmask, row_words, xn0, xn1,
+                         xn2, xn3, xsc, EVEN, ASM),
+    )  # fmt: skip
+
+
+@triton.jit
 def _q2s_word_dots(w, q0, q1, q2, q3, init, HIGH: tl.constexpr, ASM: tl.constexpr):
     """R = 64·Σ c·q + init per int32 word w of 16 codes, q the int8 activations of the word's 16
     columns packed as `_quant_words_kernel` writes them (int32 s holds the bytes of columns s,
@@ -1032,29 +1061,13 @@ def _q2s_gemv_kernel(
                         av3 += o3 * sc3
                 if DKIND >= 0:
                     if use_delta and FP4_INT8:  # NVFP4 delta, integer products per word
-                        xw = xqn_row + wd
-                        if EVEN:
-                            xn0 = tl.load(xw)[None, :]
-                            xn1 = tl.load(xw + row_words)[None, :]
-                            xn2 = tl.load(xw + 2 * row_words)[None, :]
-                            xn3 = tl.load(xw + 3 * row_words)[None, :]
-                        else:
-                            xn0 = tl.load(xw, mask=wmask, other=0)[None, :]
-                            xn1 = tl.load(xw + row_words, mask=wmask, other=0)[None, :]
-                            xn2 = tl.load(xw + 2 * row_words, mask=wmask, other=0)[None, :]
-                            xn3 = tl.load(xw + 3 * row_words, mask=wmask, other=0)[None, :]
-                        dv0 += _fp4_delta_words(dptr, d_codes, d_scales, rows0, m0, k0, wd, wmask,
-                                                row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
-                                                ASM)  # fmt: skip
-                        dv1 += _fp4_delta_words(dptr, d_codes, d_scales, rows1, m1, k0, wd, wmask,
-                                                row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
-                                                ASM)  # fmt: skip
-                        dv2 += _fp4_delta_words(dptr, d_codes, d_scales, rows2, m2, k0, wd, wmask,
-                                                row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
-                                                ASM)  # fmt: skip
-                        dv3 += _fp4_delta_words(dptr, d_codes, d_scales, rows3, m3, k0, wd, wmask,
-                                                row_words, xn0, xn1, xn2, xn3, xsc, EVEN,
-                                                ASM)  # fmt: skip
+                        t0, t1, t2, t3 = _fp4_delta_tile(
+                            dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                            k0, wd, wmask, row_words, xqn_row, xsc, EVEN, ASM)  # fmt: skip
+                        dv0 += t0
+                        dv1 += t1
+                        dv2 += t2
+                        dv3 += t3
                     elif use_delta:  # additive delta, its own product (natural-order x), decoded
                         # DELTA_K columns at a time (a whole BLOCK_K tile of float weights spills)
                         for kk in range(0, BLOCK_K, DELTA_K):
