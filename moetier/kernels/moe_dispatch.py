@@ -78,6 +78,11 @@ class KernelChoice:
     next_l2: bool = False
     # q2s GEMV: the K loop unrolled this many times (1: not)
     unroll: int = 1
+    # q2s GEMV, pipe 0 and no pipe_x: each K tile's group scales loaded with its words, a tile
+    # ahead in registers (else at the tile's start, a memory latency the decode waits every
+    # tile); x_ahead: the int8 activations too (x rounded by a launch)
+    scales_ahead: bool = False
+    x_ahead: bool = False
 
 
 GEMV = KernelChoice()

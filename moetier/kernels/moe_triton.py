@@ -737,6 +737,7 @@ def _q2s_gemv_kernel(
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
     ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes, UNROLL: tl.constexpr,
+    SC_AHEAD: tl.constexpr, X_AHEAD: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -812,7 +813,14 @@ def _q2s_gemv_kernel(
         start while gate_up's last programs run and down's launch waits. (Asked for before the
         K loop instead, they measured 1.01-1.44x the time: they compete with gate_up's own.)
     UNROLL (`KernelChoice.unroll`): the K loop unrolled this many times (Triton's
-        loop_unroll_factor), so the hand-made prefetch's tiles are renamed rather than moved."""
+        loop_unroll_factor), so the hand-made prefetch's tiles are renamed rather than moved.
+    SC_AHEAD (PIPE 0, no pipe_x; `KernelChoice.scales_ahead`): the group scales of K tile i + 1
+        are loaded with its words, before tile i is decoded, and held in registers a tile (a
+        few per thread): without it each tile's scales are loaded at its start and the decode
+        waits a whole memory latency for them every tile (the words are a tile ahead already).
+    X_AHEAD (int8, x rounded by a launch, PIPE 0, no pipe_x; `KernelChoice.x_ahead`): the same
+        for the int8 activations, their scales and sums (from L1 / L2; more registers: the
+        words' columns of six planes)."""
     pair = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -949,6 +957,15 @@ def _q2s_gemv_kernel(
                 wmask1 = wd1 < row_words
                 v0, v1, v2, v3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
                                              wd1, wmask1, row_words, EVEN)  # fmt: skip
+            # SC_AHEAD / X_AHEAD: the first tile's group scales (weights: before PDL's wait) and
+            # activations (after it), then each tile's next ones in the loop
+            SCA: tl.constexpr = SC_AHEAD and PIPE == 0 and LOOP_STAGES is None
+            XA: tl.constexpr = (X_AHEAD and INT8 and not QUANT_IN and PIPE == 0
+                                and LOOP_STAGES is None)  # fmt: skip
+            if SCA:
+                sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3,
+                                                        m0, m1, m2, m3, k_lo, row_groups, GROUP,
+                                                        W, EVEN, GSUM)  # fmt: skip
             if PREFETCH_L2:
                 slot_off = tl.load(slot_offsets + slot)
                 if (slot_off >= 0) & (slot_off < pool_bytes):
@@ -968,6 +985,9 @@ def _q2s_gemv_kernel(
                                      count * row_groups)  # fmt: skip
             if PDL:  # the activations are the previous launch's output
                 gdc_wait()
+            if XA:
+                q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
+                                                   wmask, EVEN)  # fmt: skip
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES,
                                loop_unroll_factor=UNROLL):  # fmt: skip
                 if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
@@ -987,9 +1007,23 @@ def _q2s_gemv_kernel(
                         pref = tl.multiple_of(kw_next, W) + tl.arange(0, W)
                     n0, n1, n2, n3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
                                                  pref, pmask, row_words, EVEN)  # fmt: skip
-                sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3,
-                                                        m0, m1, m2, m3, k0, row_groups, GROUP, W,
-                                                        EVEN, GSUM)  # fmt: skip
+                if SCA or XA:  # the next tile's (EVEN: the last tile's again past the end)
+                    k_nx = k0 + BLOCK_K
+                    wd_nx, wmask_nx = wd_next, wmask_next
+                    if EVEN:
+                        k_nx = tl.multiple_of(tl.minimum(k_nx, k_hi - BLOCK_K), BLOCK_K)
+                        wd_nx = tl.multiple_of(k_nx // 16, W) + tl.arange(0, W)
+                if SCA:
+                    ns0, ns1, ns2, ns3 = _q2s_group_scales4(
+                        bptr, scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k_nx,
+                        row_groups, GROUP, W, EVEN, GSUM)  # fmt: skip
+                else:
+                    sc0, sc1, sc2, sc3 = _q2s_group_scales4(
+                        bptr, scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k0, row_groups,
+                        GROUP, W, EVEN, GSUM)  # fmt: skip
+                if XA:
+                    nq0, nq1, nq2, nq3, nxsc, nqs = _x_words(xq_row, xs_row, xsum_row, row_words,
+                                                             wd_nx, wmask_nx, EVEN)  # fmt: skip
                 if INT8:
                     if PAIRS == 2:  # the same words against the second pair's activations
                         if has_b:  # (a branch the whole program takes or skips: no second, no cost)
@@ -1001,7 +1035,7 @@ def _q2s_gemv_kernel(
                                 qb1, qb2, qb3, xscb, qsb, False, GSUM, WPG, ASM)  # fmt: skip
                     if QUANT_IN:  # this tile's activations rounded here, as `_quant_store` does
                         q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
-                    else:
+                    elif not XA:
                         q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
                                                            wmask, EVEN)  # fmt: skip
                     init = qs * -96  # R = 64C - 96Σq = 32(2C - 3Σq)
@@ -1091,6 +1125,10 @@ def _q2s_gemv_kernel(
                     v0, v1, v2, v3 = n0, n1, n2, n3
                 else:
                     w0, w1, w2, w3 = n0, n1, n2, n3
+                if SCA:
+                    sc0, sc1, sc2, sc3 = ns0, ns1, ns2, ns3
+                if XA:
+                    q0, q1, q2, q3, xsc, qs = nq0, nq1, nq2, nq3, nxsc, nqs
                 wd, wmask = wd_next, wmask_next
             if INT8 and (corr != 0):
                 # a fitted grid (b != 3a; the converter writes b = 3a): the high bits' sums, in a
@@ -1610,7 +1648,7 @@ def _q2s_gemv(
             scratch, counters, split, 2 if two else 1,
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
             c.row_tiles, c.next_l2 and hopper and not is_down, dn_lo, dn_hi - dn_lo,
-            c.unroll if c.unroll > 1 else None,
+            c.unroll if c.unroll > 1 else None, c.scales_ahead, c.x_ahead,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip

@@ -268,6 +268,24 @@ def test_q2s_gemv_look_ahead(depth, pipe):
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize(("scales_ahead", "x_ahead"), [(True, False), (True, True)])
+def test_q2s_gemv_operands_ahead(scales_ahead, x_ahead):
+    """The group scales (and the int8 activations) loaded a K tile ahead with the words
+    (`KernelChoice.scales_ahead`, `x_ahead`) against the twin: four K tiles, split-K ranges,
+    ragged tiles (masked look-aheads past K), group sums and a delta on random pairs; bit for
+    bit the outputs of loading them in the tile's own step (only when they are loaded changes)."""
+    c = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True,
+                                  scales_ahead=scales_ahead, x_ahead=x_ahead)  # fmt: skip
+    run_case("q2s", 2, 2, 4, 128, 64, force=(c, c), seed=26)
+    split = replace(c, split_k=2, group_acc=True)
+    run_case("q2s+nvfp4", 2, 2, 5, 96, 96, mask="random", force=(split, split), seed=27)
+    ragged = replace(c, block_k=64, depth=2)
+    run_case("q2s", 1, 2, 4, 96, 96, act="gpt_oss", bias=True, force=(ragged, ragged), seed=28)
+    plain = replace(c, scales_ahead=False, x_ahead=False)
+    outs = _q2s_outputs([(plain, plain), (c, c)], seed=29)
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
+
+
 def test_q2s_gemv_split_k():
     """K split in two ranges of whole tiles (`KernelChoice.split_k` 2), the last program of each
     (pair, row tile) finishing the sums and the epilogue: the twin's figures with an even and an
