@@ -610,6 +610,20 @@ def test_gpu_q2s_gemv_next_l2_unroll(next_l2, unroll, depth):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("scales_ahead", "x_ahead", "depth", "split"), [(True, False, 1, 1), (True, True, 2, 2)]
+)
+def test_gpu_q2s_gemv_operands_ahead(scales_ahead, x_ahead, depth, split):
+    """The group scales (and activations) a K tile ahead in registers, compiled for real with
+    PDL (the first tile's scales read before its wait, the activations after), against the
+    twin: slots in GPU and pinned host memory, a delta on random pairs, whole and ragged tiles."""
+    c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True,
+                                  scales_ahead=scales_ahead, x_ahead=x_ahead, depth=depth,
+                                  split_k=split)  # fmt: skip
+    _gpu_q2s_cases(c)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("quant_pdl", "split"), [(False, 1), (True, 1), (True, 2)])
 def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl, split):
     """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel
