@@ -862,6 +862,9 @@ def _q2s_gemv_kernel(
         GSUM: tl.constexpr = GROUP_ACC and INT8 and WPG >= 2
         AW: tl.constexpr = W // WPG if GSUM else W
         HW: tl.constexpr = SUB // 16  # words of h per sub-tile (QUANT_OUT, SUB % 16 == 0)
+        # the group scales / activations a K tile ahead (hand-made prefetch only)
+        SCA: tl.constexpr = SC_AHEAD and PIPE == 0 and LOOP_STAGES is None
+        XA: tl.constexpr = X_AHEAD and INT8 and not QUANT_IN and PIPE == 0 and LOOP_STAGES is None
         # ROW_TILES: this program's row tiles one after another (the pair's slot and blob
         # looked up once); past the last one it does the last again (the same values)
         n_tiles = tl.cdiv(N if IS_DOWN else INTER, (4 if IS_DOWN else 2) * SUB)
@@ -959,9 +962,6 @@ def _q2s_gemv_kernel(
                                              wd1, wmask1, row_words, EVEN)  # fmt: skip
             # SC_AHEAD / X_AHEAD: the first tile's group scales (weights: before PDL's wait) and
             # activations (after it), then each tile's next ones in the loop
-            SCA: tl.constexpr = SC_AHEAD and PIPE == 0 and LOOP_STAGES is None
-            XA: tl.constexpr = (X_AHEAD and INT8 and not QUANT_IN and PIPE == 0
-                                and LOOP_STAGES is None)  # fmt: skip
             if SCA:
                 sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3,
                                                         m0, m1, m2, m3, k_lo, row_groups, GROUP,

@@ -33,6 +33,9 @@ VARIANTS = [
     # gate_up asking L2 for down's weights when done; the K loop unrolled
     ["--next-l2", "1", "--unroll", "2", "--pdl", "1", "--group-acc", "1", "--sub", "32"],
     ["--unroll", "2", "--depth", "2", "--even", "0"],
+    # the group scales and activations a K tile ahead (row tiles: constexprs set once)
+    ["--scales-ahead", "1", "--x-ahead", "1", "--row-tiles", "2", "--pdl", "1", "--group-acc", "1"],
+    ["--scales-ahead", "1", "--split", "2", "--delta", "nvfp4", "--even", "0", "--depth", "2"],
 ]
 
 
