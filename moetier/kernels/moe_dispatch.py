@@ -83,6 +83,10 @@ class KernelChoice:
     # tile); x_ahead: the int8 activations too (x rounded by a launch)
     scales_ahead: bool = False
     x_ahead: bool = False
+    # q2s GEMV int8 on sm_90: each program first asks L1 for its K range of the activations
+    # (x_l1); the weights' words loaded through L2 only, not kept in L1 (weights_cg)
+    x_l1: bool = False
+    weights_cg: bool = False
 
 
 GEMV = KernelChoice()

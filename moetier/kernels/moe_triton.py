@@ -509,12 +509,14 @@ def _quant_tile(x_row, stride_k, wd, wmask):
 
 
 @triton.jit
-def _q2s_words(wbase, rows, rmask, wd, wmask, row_words, EVEN: tl.constexpr):
-    """Words wd of rows `rows`: [SUB, W] int32 (EVEN: whole tiles, no mask)."""
+def _q2s_words(wbase, rows, rmask, wd, wmask, row_words, EVEN: tl.constexpr, CG: tl.constexpr):
+    """Words wd of rows `rows`: [SUB, W] int32 (EVEN: whole tiles, no mask; CG: through L2
+    only, not kept in L1)."""
     at = wbase + rows[:, None] * row_words + wd[None, :]
     if EVEN:
-        return tl.load(at)
-    return tl.load(at, mask=rmask[:, None] & wmask[None, :], other=0)
+        return tl.load(at, cache_modifier=".cg" if CG else "")
+    return tl.load(at, mask=rmask[:, None] & wmask[None, :], other=0,
+                   cache_modifier=".cg" if CG else "")  # fmt: skip
 
 
 @triton.jit
@@ -566,13 +568,13 @@ def _q2s_group_scale(bptr, scales, rows, rmask, k0, row_groups, GROUP: tl.conste
 
 @triton.jit
 def _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3, wd, wmask, row_words,
-                EVEN: tl.constexpr):  # fmt: skip
+                EVEN: tl.constexpr, CG: tl.constexpr):  # fmt: skip
     """Words wd of the four sub-tiles' rows (`_q2s_words` each)."""
     return (
-        _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN),
-        _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN),
-        _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN),
-        _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN),
+        _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN, CG),
+        _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN, CG),
+        _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN, CG),
+        _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN, CG),
     )
 
 
@@ -695,6 +697,26 @@ def _prefetch_l2(ptr, nbytes):
 
 
 @triton.jit
+def _prefetch_l1(ptr, nbytes, ASM: tl.constexpr):
+    """Ask for the 128-byte lines of bytes [ptr, ptr + nbytes) in this SM's L1
+    (`prefetch.global.L1`, one per lane; no register waits for it). A hint: nothing under the
+    interpreter."""
+    if ASM:
+        base = ptr.to(tl.pointer_type(tl.int8))
+        for off in range(0, nbytes, 32 * 128):
+            o = off + tl.arange(0, 32) * 128
+            tl.inline_asm_elementwise(
+                """{
+                .reg .pred p;
+                setp.lt.s32 p, $2, $3;
+                @p prefetch.global.L1 [$1];
+                mov.u32 $0, 0;
+                }""",
+                "=r,l,r,r", [base + o, o, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+
+
+@triton.jit
 def _prefetch_share(pool, slot_offsets, slot, pool_bytes, lo, nbytes):
     """Ask L2 (`_prefetch_l2`) for this program's share of bytes [lo, lo + nbytes) of the blob
     in `slot`, when that blob is in the GPU pool: the range split in 256-byte multiples over
@@ -737,7 +759,7 @@ def _q2s_gemv_kernel(
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
     ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes, UNROLL: tl.constexpr,
-    SC_AHEAD: tl.constexpr, X_AHEAD: tl.constexpr,
+    SC_AHEAD: tl.constexpr, X_AHEAD: tl.constexpr, X_L1: tl.constexpr, W_CG: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -820,7 +842,13 @@ def _q2s_gemv_kernel(
         waits a whole memory latency for them every tile (the words are a tile ahead already).
     X_AHEAD (int8, x rounded by a launch, PIPE 0, no pipe_x; `KernelChoice.x_ahead`): the same
         for the int8 activations, their scales and sums (from L1 / L2; more registers: the
-        words' columns of six planes)."""
+        words' columns of six planes).
+    X_L1 (int8, x rounded by a launch, sm_90 inline assembly; `KernelChoice.x_l1`): before its
+        K loop the program asks this SM's L1 for all of its K range of the int8 activations,
+        their scales and sums (`_prefetch_l1`), so that each tile's loads of them, which the
+        decode waits for at the tile's start, hit L1 instead of crossing to L2.
+    W_CG (`KernelChoice.weights_cg`): the words are loaded through L2 only (`.cg`), so
+        the weights streaming past do not evict the activations from L1."""
     pair = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -948,7 +976,7 @@ def _q2s_gemv_kernel(
                 w1, w2, w3 = w0, w0, w0
             else:
                 w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                             wd, wmask, row_words, EVEN)  # fmt: skip
+                                             wd, wmask, row_words, EVEN, W_CG)  # fmt: skip
             # DEPTH 2: tile 1 too (v: the tile after w); EVEN: K >= BLOCK_K, and a one-tile K
             # reloads tile 0 (from L1) rather than masking
             v0, v1, v2, v3 = w0, w1, w2, w3
@@ -959,7 +987,7 @@ def _q2s_gemv_kernel(
                                          W) + tl.arange(0, W)  # fmt: skip
                 wmask1 = wd1 < row_words
                 v0, v1, v2, v3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                             wd1, wmask1, row_words, EVEN)  # fmt: skip
+                                             wd1, wmask1, row_words, EVEN, W_CG)  # fmt: skip
             # SC_AHEAD / X_AHEAD: the first tile's group scales (weights: before PDL's wait) and
             # activations (after it), then each tile's next ones in the loop
             if SCA:
@@ -985,6 +1013,15 @@ def _q2s_gemv_kernel(
                                      count * row_groups)  # fmt: skip
             if PDL:  # the activations are the previous launch's output
                 gdc_wait()
+            if X_L1 and INT8 and not QUANT_IN:  # this K range's x words, into L1
+                w_lo = k_lo // 16
+                w_n = (k_hi - k_lo) // 16
+                _prefetch_l1(xq_row + w_lo, w_n * 4, ASM)
+                _prefetch_l1(xq_row + row_words + w_lo, w_n * 4, ASM)
+                _prefetch_l1(xq_row + 2 * row_words + w_lo, w_n * 4, ASM)
+                _prefetch_l1(xq_row + 3 * row_words + w_lo, w_n * 4, ASM)
+                _prefetch_l1(xs_row + w_lo, w_n * 4, ASM)
+                _prefetch_l1(xsum_row + w_lo, w_n * 4, ASM)
             if XA:
                 q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
                                                    wmask, EVEN)  # fmt: skip
@@ -994,7 +1031,7 @@ def _q2s_gemv_kernel(
                     wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                     wmask = wd < row_words
                     w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                                 wd, wmask, row_words, EVEN)  # fmt: skip
+                                                 wd, wmask, row_words, EVEN, W_CG)  # fmt: skip
                 wd_next = wd + W
                 wmask_next = wd_next < row_words
                 if PIPE > 0:
@@ -1006,7 +1043,7 @@ def _q2s_gemv_kernel(
                         kw_next = tl.minimum(k0 + DEPTH * BLOCK_K, k_hi - BLOCK_K) // 16
                         pref = tl.multiple_of(kw_next, W) + tl.arange(0, W)
                     n0, n1, n2, n3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                                 pref, pmask, row_words, EVEN)  # fmt: skip
+                                                 pref, pmask, row_words, EVEN, W_CG)  # fmt: skip
                 if SCA or XA:  # the next tile's (EVEN: the last tile's again past the end)
                     k_nx = k0 + BLOCK_K
                     wd_nx, wmask_nx = wd_next, wmask_next
@@ -1139,7 +1176,7 @@ def _q2s_gemv_kernel(
                     wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                     wmask = wd < row_words
                     w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                                 wd, wmask, row_words, EVEN)  # fmt: skip
+                                                 wd, wmask, row_words, EVEN, W_CG)  # fmt: skip
                     sc0, sc1, sc2, sc3 = _q2s_group_scales4(
                         bptr, scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k0, row_groups,
                         GROUP, W, EVEN, GSUM)  # fmt: skip
@@ -1648,7 +1685,7 @@ def _q2s_gemv(
             scratch, counters, split, 2 if two else 1,
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
             c.row_tiles, c.next_l2 and hopper and not is_down, dn_lo, dn_hi - dn_lo,
-            c.unroll if c.unroll > 1 else None, c.scales_ahead, c.x_ahead,
+            c.unroll if c.unroll > 1 else None, c.scales_ahead, c.x_ahead, c.x_l1, c.weights_cg,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip

@@ -611,15 +611,16 @@ def test_gpu_q2s_gemv_next_l2_unroll(next_l2, unroll, depth):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("scales_ahead", "x_ahead", "depth", "split"), [(True, False, 1, 1), (True, True, 2, 2)]
-)
-def test_gpu_q2s_gemv_operands_ahead(scales_ahead, x_ahead, depth, split):
-    """The group scales (and activations) a K tile ahead in registers, compiled for real with
-    PDL (the first tile's scales read before its wait, the activations after), against the
-    twin: slots in GPU and pinned host memory, a delta on random pairs, whole and ragged tiles."""
-    c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True,
-                                  scales_ahead=scales_ahead, x_ahead=x_ahead, depth=depth,
-                                  split_k=split)  # fmt: skip
+    "fields",
+    [{"scales_ahead": True}, {"scales_ahead": True, "x_ahead": True, "depth": 2, "split_k": 2},
+     {"x_l1": True, "weights_cg": True}, {"x_l1": True, "split_k": 2, "depth": 2}],
+)  # fmt: skip
+def test_gpu_q2s_gemv_operands_ahead(fields):
+    """The group scales (and activations) a K tile ahead in registers, the activations asked
+    for in L1 first, the words read past L1: compiled for real with PDL (the first tile's
+    scales read before its wait, the activations after), against the twin: slots in GPU and
+    pinned host memory, a delta on random pairs, whole and ragged tiles."""
+    c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True, **fields)
     _gpu_q2s_cases(c)
 
 

@@ -36,6 +36,8 @@ VARIANTS = [
     # the group scales and activations a K tile ahead (row tiles: constexprs set once)
     ["--scales-ahead", "1", "--x-ahead", "1", "--row-tiles", "2", "--pdl", "1", "--group-acc", "1"],
     ["--scales-ahead", "1", "--split", "2", "--delta", "nvfp4", "--even", "0", "--depth", "2"],
+    # the activations asked for in L1 first; the words read past L1
+    ["--x-l1", "1", "--weights-cg", "1", "--split", "2", "--pdl", "1", "--even", "0"],
 ]
 
 
