@@ -401,7 +401,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
               "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs", "row_tiles",
               "maxnreg", "next_l2", "unroll", "scales_ahead", "x_ahead", "x_l1",
-              "weights_cg")  # fmt: skip
+              "weights_cg", "x_copies")  # fmt: skip
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv-delta" if delta else "q2s-gemv"
     return {
         f"{key}:{gu.n}x{gu.k}{suffix}": {f: asdict(best_gu)[f] for f in fields},

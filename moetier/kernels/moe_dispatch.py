@@ -87,6 +87,10 @@ class KernelChoice:
     # (x_l1); the weights' words loaded through L2 only, not kept in L1 (weights_cg)
     x_l1: bool = False
     weights_cg: bool = False
+    # q2s GEMV int8: copies of the int8 activations (x rounded by a launch, or h by gate_up
+    # for down); program of row tile n reads copy n % x_copies, so one line of x is not asked
+    # for by every SM at once (at one token every gate_up program reads the same x)
+    x_copies: int = 1
 
 
 GEMV = KernelChoice()

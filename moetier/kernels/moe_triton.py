@@ -462,7 +462,7 @@ def _quant_store(v, wd, KW, xq_row, xs_row, xsum_row, xqn_row, wmask):
 @triton.jit
 def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
                         BLOCK_W: tl.constexpr, PDL: tl.constexpr = False,
-                        WAIT: tl.constexpr = False):  # fmt: skip
+                        WAIT: tl.constexpr = False, COPIES: tl.constexpr = 1):  # fmt: skip
     """x [R, K] float -> int8 per 16-column word with a float32 scale each (absmax / 127, round
     half up): xq int32 [R, 4, K/16], xs float32 [R, K/16], xsum int32 [R, K/16] = Σ q over the
     word (twin: moe_ref.quant_words_ref). xq's (row, s, w) holds the bytes of columns
@@ -472,7 +472,9 @@ def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
     (the GEMV, launched with programmatic dependent launch) start reading its weights now.
     WAIT (launched with programmatic dependent launch itself): first waits for the launch
     before (x may be its output; nothing is read or written before), and only then lets the
-    next one start, so what the next reads before its own wait is as ready as without it."""
+    next one start, so what the next reads before its own wait is as ready as without it.
+    COPIES: each row is written COPIES times, copy c of row r at row c * R + r (the GEMV's
+    X_COPIES)."""
     if WAIT:
         gdc_wait()
     if PDL:
@@ -483,8 +485,10 @@ def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
     col = tl.arange(0, 16)
     v = tl.load(x_ptr + row * stride_r + (wd[:, None] * 16 + col[None, :]) * stride_k,
                 mask=wmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    _quant_store(v, wd, K // 16, xq + row * (K // 4), xs + row * (K // 16),
-                 xsum + row * (K // 16), xqn + row * (K // 4), wmask)  # fmt: skip
+    for c in tl.static_range(COPIES):
+        r = row + c * tl.num_programs(0)
+        _quant_store(v, wd, K // 16, xq + r * (K // 4), xs + r * (K // 16),
+                     xsum + r * (K // 16), xqn + r * (K // 4), wmask)  # fmt: skip
 
 
 @triton.jit
@@ -760,6 +764,7 @@ def _q2s_gemv_kernel(
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
     ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes, UNROLL: tl.constexpr,
     SC_AHEAD: tl.constexpr, X_AHEAD: tl.constexpr, X_L1: tl.constexpr, W_CG: tl.constexpr,
+    X_COPIES: tl.constexpr, H_COPIES: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -848,7 +853,12 @@ def _q2s_gemv_kernel(
         their scales and sums (`_prefetch_l1`), so that each tile's loads of them, which the
         decode waits for at the tile's start, hit L1 instead of crossing to L2.
     W_CG (`KernelChoice.weights_cg`): the words are loaded through L2 only (`.cg`), so
-        the weights streaming past do not evict the activations from L1."""
+        the weights streaming past do not evict the activations from L1.
+    X_COPIES (int8, x rounded by a launch or by gate_up; `KernelChoice.x_copies`): the int8
+        activations come in X_COPIES copies (row c * rows + r of the buffers is copy c of row
+        r), and a program of row tile n reads copy n % X_COPIES: at one token every gate_up
+        program reads the same x, and each line of it is asked for by every SM at once.
+    H_COPIES (gate_up with QUANT_OUT): the copies of h it writes for down (down's X_COPIES)."""
     pair = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -920,12 +930,17 @@ def _q2s_gemv_kernel(
                 x_idx = pair // TOPK
             # row_words (= K / 16) rather than K // 16: an argument, so its divisibility is known
             # and the per-word loads below vectorize
+            if X_COPIES > 1:  # this row tile's copy of the int8 x rows
+                x_rows = tl.num_programs(0) if IS_DOWN else tl.num_programs(0) // TOPK
+                x_idx += (pid_n0 % X_COPIES) * x_rows
             xq_row = xq + x_idx * (4 * row_words)
             xqn_row = xqn + x_idx * (4 * row_words)
             xs_row = xs + x_idx * row_words
             xsum_row = xsum + x_idx * row_words
             if PAIRS == 2:
                 xb_idx = pair_b if IS_DOWN else pair_b // TOPK
+                if X_COPIES > 1:
+                    xb_idx += (pid_n0 % X_COPIES) * x_rows
                 xq_row_b = xq + xb_idx * (4 * row_words)
                 xs_row_b = xs + xb_idx * row_words
                 xsum_row_b = xsum + xb_idx * row_words
@@ -1266,19 +1281,23 @@ def _q2s_gemv_kernel(
                         word = pid_n + tl.arange(0, 1)
                         hrow = INTER // 16
                         both = tl.reshape(tl.trans(tl.join(h0, h1)), (1, 16))  # rows h0 then h1
-                        _quant_store(both, word, hrow, oq + pair * (INTER // 4), osc + pair * hrow,
-                                     osum + pair * hrow, oqn + pair * (INTER // 4),
-                                     word < words_ok)  # fmt: skip
+                        for cp in tl.static_range(H_COPIES):  # (copy cp of h row pair)
+                            hp = pair + cp * tl.num_programs(0)
+                            _quant_store(both, word, hrow, oq + hp * (INTER // 4), osc + hp * hrow,
+                                         osum + hp * hrow, oqn + hp * (INTER // 4),
+                                         word < words_ok)  # fmt: skip
                     elif QUANT_OUT:  # h rounded to int8 words here, for down (SUB % 16 == 0)
                         word0 = pid_n * 2 * HW + tl.arange(0, HW)
                         hrow = INTER // 16
-                        hq_row, hqn_row = oq + pair * (INTER // 4), oqn + pair * (INTER // 4)
-                        _quant_store(tl.reshape(h0, (HW, 16)), word0, hrow, hq_row,
-                                     osc + pair * hrow, osum + pair * hrow, hqn_row,
-                                     word0 < words_ok)  # fmt: skip
-                        _quant_store(tl.reshape(h1, (HW, 16)), word0 + HW, hrow, hq_row,
-                                     osc + pair * hrow, osum + pair * hrow, hqn_row,
-                                     word0 + HW < words_ok)  # fmt: skip
+                        for cp in tl.static_range(H_COPIES):
+                            hp = pair + cp * tl.num_programs(0)
+                            hq_row, hqn_row = oq + hp * (INTER // 4), oqn + hp * (INTER // 4)
+                            _quant_store(tl.reshape(h0, (HW, 16)), word0, hrow, hq_row,
+                                         osc + hp * hrow, osum + hp * hrow, hqn_row,
+                                         word0 < words_ok)  # fmt: skip
+                            _quant_store(tl.reshape(h1, (HW, 16)), word0 + HW, hrow, hq_row,
+                                         osc + hp * hrow, osum + hp * hrow, hqn_row,
+                                         word0 + HW < words_ok)  # fmt: skip
                     else:
                         tl.store(out + pair * INTER + rows0, h0, mask=m0)
                         tl.store(out + pair * INTER + rows1, h1, mask=m1)
@@ -1620,7 +1639,7 @@ def _q2s_gemv(
     # rows, its two sub-tiles make one)
     sub_gu = max(1, c_gu.block_n // 4)
     quant_out = int8 and (sub_gu % 16 == 0 or sub_gu == 8) and inter % 16 == 0
-    hq = quant_words_buffers(pairs, inter, hidden.device) if quant_out else None
+    hq = quant_words_buffers(pairs * c_dn.x_copies, inter, hidden.device) if quant_out else None
     if hq is None:
         h = torch.empty(pairs, inter, device=hidden.device, dtype=torch.float32)
     else:
@@ -1665,7 +1684,7 @@ def _q2s_gemv(
         if int8 and not (quant_in and not is_down):
             xq, xs, xsum, xqn = (
                 hq if is_down and hq is not None
-                else quant_words(x, pdl, pdl and c_gu.quant_pdl)
+                else quant_words(x, pdl, pdl and c_gu.quant_pdl, c.x_copies)
             )  # fmt: skip
         oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
         _q2s_gemv_kernel[grid](
@@ -1686,6 +1705,7 @@ def _q2s_gemv(
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
             c.row_tiles, c.next_l2 and hopper and not is_down, dn_lo, dn_hi - dn_lo,
             c.unroll if c.unroll > 1 else None, c.scales_ahead, c.x_ahead, c.x_l1, c.weights_cg,
+            c.x_copies if x_launched else 1, c_dn.x_copies,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip
@@ -1741,18 +1761,19 @@ def quant_words_buffers(
 
 
 def quant_words(
-    x: torch.Tensor, pdl: bool = False, pdl_wait: bool = False
+    x: torch.Tensor, pdl: bool = False, pdl_wait: bool = False, copies: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, K] float (K a multiple of 16) -> (q packed int32 [R, 4, K/16], scale float32
     [R, K/16], Σq int32 [R, K/16], q in column order int32 [R, 4, K/16]): `_quant_words_kernel`,
     twin of moe_ref.quant_words_ref. pdl (sm_90): the next launch, if launched with programmatic
     dependent launch, may start before this one ends. pdl_wait (sm_90): this launch is one
-    too (its launch overlaps the kernel before; `_quant_words_kernel`'s WAIT)."""
+    too (its launch overlaps the kernel before; `_quant_words_kernel`'s WAIT). copies: the
+    rows written that many times (row c * R + r: copy c of row r; the buffers R * copies rows)."""
     rows, k = x.shape
-    xq, xs, xsum, xqn = quant_words_buffers(rows, k, x.device)
+    xq, xs, xsum, xqn = quant_words_buffers(rows * copies, k, x.device)
     block_w = min(64, triton.next_power_of_2(k // 16))
     _quant_words_kernel[(rows, triton.cdiv(k // 16, block_w))](
-        x, x.stride(0), x.stride(1), xq, xs, xsum, xqn, k, block_w, pdl, pdl_wait,
+        x, x.stride(0), x.stride(1), xq, xs, xsum, xqn, k, block_w, pdl, pdl_wait, copies,
         launch_pdl=pdl_wait,
     )  # fmt: skip
     return xq, xs, xsum, xqn

@@ -38,6 +38,8 @@ VARIANTS = [
     ["--scales-ahead", "1", "--split", "2", "--delta", "nvfp4", "--even", "0", "--depth", "2"],
     # the activations asked for in L1 first; the words read past L1
     ["--x-l1", "1", "--weights-cg", "1", "--split", "2", "--pdl", "1", "--even", "0"],
+    # the int8 activations read from copies, h written in copies (8-row sub-tiles: one word)
+    ["--x-copies", "4", "--h-copies", "2", "--sub", "8", "--pairs", "2", "--pdl", "1"],
 ]
 
 
