@@ -62,12 +62,6 @@ def main() -> None:
     parser.add_argument("--row-tiles", type=int, default=1, help="ROW_TILES constexpr")
     parser.add_argument("--next-l2", type=int, default=0, help="NEXT_L2 constexpr (gate_up)")
     parser.add_argument("--unroll", type=int, default=1, help="UNROLL (K loop unroll factor)")
-    parser.add_argument("--scales-ahead", type=int, default=0, help="SC_AHEAD constexpr")
-    parser.add_argument("--x-ahead", type=int, default=0, help="X_AHEAD constexpr")
-    parser.add_argument("--x-l1", type=int, default=0, help="X_L1 constexpr")
-    parser.add_argument("--weights-cg", type=int, default=0, help="W_CG constexpr")
-    parser.add_argument("--x-copies", type=int, default=1, help="X_COPIES constexpr")
-    parser.add_argument("--h-copies", type=int, default=1, help="H_COPIES constexpr")
     parser.add_argument("--split", type=int, default=1, help="SPLIT constexpr (K ranges)")
     parser.add_argument("--pairs", type=int, default=1, help="PAIRS constexpr (pairs a program)")
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
@@ -85,9 +79,7 @@ def main() -> None:
                  LOOP_STAGES=args.pipe or (2 if args.pipe_x else None),
                  SPLIT=args.split, PAIRS=args.pairs, PAIRS_P2=64,
                  ROW_TILES=args.row_tiles, NEXT_L2=args.next_l2,
-                 UNROLL=args.unroll if args.unroll > 1 else None,
-                 SC_AHEAD=args.scales_ahead, X_AHEAD=args.x_ahead, X_L1=args.x_l1,
-                 W_CG=args.weights_cg, X_COPIES=args.x_copies, H_COPIES=args.h_copies)  # fmt: skip
+                 UNROLL=args.unroll if args.unroll > 1 else None)  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:

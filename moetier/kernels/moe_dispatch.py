@@ -78,19 +78,6 @@ class KernelChoice:
     next_l2: bool = False
     # q2s GEMV: the K loop unrolled this many times (1: not)
     unroll: int = 1
-    # q2s GEMV, pipe 0 and no pipe_x: each K tile's group scales loaded with its words, a tile
-    # ahead in registers (else at the tile's start, a memory latency the decode waits every
-    # tile); x_ahead: the int8 activations too (x rounded by a launch)
-    scales_ahead: bool = False
-    x_ahead: bool = False
-    # q2s GEMV int8 on sm_90: each program first asks L1 for its K range of the activations
-    # (x_l1); the weights' words loaded through L2 only, not kept in L1 (weights_cg)
-    x_l1: bool = False
-    weights_cg: bool = False
-    # q2s GEMV int8: copies of the int8 activations (x rounded by a launch, or h by gate_up
-    # for down); program of row tile n reads copy n % x_copies, so one line of x is not asked
-    # for by every SM at once (at one token every gate_up program reads the same x)
-    x_copies: int = 1
 
 
 GEMV = KernelChoice()

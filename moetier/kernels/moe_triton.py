@@ -462,7 +462,7 @@ def _quant_store(v, wd, KW, xq_row, xs_row, xsum_row, xqn_row, wmask):
 @triton.jit
 def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
                         BLOCK_W: tl.constexpr, PDL: tl.constexpr = False,
-                        WAIT: tl.constexpr = False, COPIES: tl.constexpr = 1):  # fmt: skip
+                        WAIT: tl.constexpr = False):  # fmt: skip
     """x [R, K] float -> int8 per 16-column word with a float32 scale each (absmax / 127, round
     half up): xq int32 [R, 4, K/16], xs float32 [R, K/16], xsum int32 [R, K/16] = Σ q over the
     word (twin: moe_ref.quant_words_ref). xq's (row, s, w) holds the bytes of columns
@@ -472,9 +472,7 @@ def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
     (the GEMV, launched with programmatic dependent launch) start reading its weights now.
     WAIT (launched with programmatic dependent launch itself): first waits for the launch
     before (x may be its output; nothing is read or written before), and only then lets the
-    next one start, so what the next reads before its own wait is as ready as without it.
-    COPIES: each row is written COPIES times, copy c of row r at row c * R + r (the GEMV's
-    X_COPIES)."""
+    next one start, so what the next reads before its own wait is as ready as without it."""
     if WAIT:
         gdc_wait()
     if PDL:
@@ -485,10 +483,8 @@ def _quant_words_kernel(x_ptr, stride_r, stride_k, xq, xs, xsum, xqn, K,
     col = tl.arange(0, 16)
     v = tl.load(x_ptr + row * stride_r + (wd[:, None] * 16 + col[None, :]) * stride_k,
                 mask=wmask[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    for c in tl.static_range(COPIES):
-        r = row + c * tl.num_programs(0)
-        _quant_store(v, wd, K // 16, xq + r * (K // 4), xs + r * (K // 16),
-                     xsum + r * (K // 16), xqn + r * (K // 4), wmask)  # fmt: skip
+    _quant_store(v, wd, K // 16, xq + row * (K // 4), xs + row * (K // 16),
+                 xsum + row * (K // 16), xqn + row * (K // 4), wmask)  # fmt: skip
 
 
 @triton.jit
@@ -513,14 +509,12 @@ def _quant_tile(x_row, stride_k, wd, wmask):
 
 
 @triton.jit
-def _q2s_words(wbase, rows, rmask, wd, wmask, row_words, EVEN: tl.constexpr, CG: tl.constexpr):
-    """Words wd of rows `rows`: [SUB, W] int32 (EVEN: whole tiles, no mask; CG: through L2
-    only, not kept in L1)."""
+def _q2s_words(wbase, rows, rmask, wd, wmask, row_words, EVEN: tl.constexpr):
+    """Words wd of rows `rows`: [SUB, W] int32 (EVEN: whole tiles, no mask)."""
     at = wbase + rows[:, None] * row_words + wd[None, :]
     if EVEN:
-        return tl.load(at, cache_modifier=".cg" if CG else "")
-    return tl.load(at, mask=rmask[:, None] & wmask[None, :], other=0,
-                   cache_modifier=".cg" if CG else "")  # fmt: skip
+        return tl.load(at)
+    return tl.load(at, mask=rmask[:, None] & wmask[None, :], other=0)
 
 
 @triton.jit
@@ -572,13 +566,13 @@ def _q2s_group_scale(bptr, scales, rows, rmask, k0, row_groups, GROUP: tl.conste
 
 @triton.jit
 def _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3, wd, wmask, row_words,
-                EVEN: tl.constexpr, CG: tl.constexpr):  # fmt: skip
+                EVEN: tl.constexpr):  # fmt: skip
     """Words wd of the four sub-tiles' rows (`_q2s_words` each)."""
     return (
-        _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN, CG),
-        _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN, CG),
-        _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN, CG),
-        _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN, CG),
+        _q2s_words(wbase, rows0, m0, wd, wmask, row_words, EVEN),
+        _q2s_words(wbase, rows1, m1, wd, wmask, row_words, EVEN),
+        _q2s_words(wbase, rows2, m2, wd, wmask, row_words, EVEN),
+        _q2s_words(wbase, rows3, m3, wd, wmask, row_words, EVEN),
     )
 
 
@@ -701,26 +695,6 @@ def _prefetch_l2(ptr, nbytes):
 
 
 @triton.jit
-def _prefetch_l1(ptr, nbytes, ASM: tl.constexpr):
-    """Ask for the 128-byte lines of bytes [ptr, ptr + nbytes) in this SM's L1
-    (`prefetch.global.L1`, one per lane; no register waits for it). A hint: nothing under the
-    interpreter."""
-    if ASM:
-        base = ptr.to(tl.pointer_type(tl.int8))
-        for off in range(0, nbytes, 32 * 128):
-            o = off + tl.arange(0, 32) * 128
-            tl.inline_asm_elementwise(
-                """{
-                .reg .pred p;
-                setp.lt.s32 p, $2, $3;
-                @p prefetch.global.L1 [$1];
-                mov.u32 $0, 0;
-                }""",
-                "=r,l,r,r", [base + o, o, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-
-
-@triton.jit
 def _prefetch_share(pool, slot_offsets, slot, pool_bytes, lo, nbytes):
     """Ask L2 (`_prefetch_l2`) for this program's share of bytes [lo, lo + nbytes) of the blob
     in `slot`, when that blob is in the GPU pool: the range split in 256-byte multiples over
@@ -763,8 +737,6 @@ def _q2s_gemv_kernel(
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
     ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes, UNROLL: tl.constexpr,
-    SC_AHEAD: tl.constexpr, X_AHEAD: tl.constexpr, X_L1: tl.constexpr, W_CG: tl.constexpr,
-    X_COPIES: tl.constexpr, H_COPIES: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -840,25 +812,7 @@ def _q2s_gemv_kernel(
         start while gate_up's last programs run and down's launch waits. (Asked for before the
         K loop instead, they measured 1.01-1.44x the time: they compete with gate_up's own.)
     UNROLL (`KernelChoice.unroll`): the K loop unrolled this many times (Triton's
-        loop_unroll_factor), so the hand-made prefetch's tiles are renamed rather than moved.
-    SC_AHEAD (PIPE 0, no pipe_x; `KernelChoice.scales_ahead`): the group scales of K tile i + 1
-        are loaded with its words, before tile i is decoded, and held in registers a tile (a
-        few per thread): without it each tile's scales are loaded at its start and the decode
-        waits a whole memory latency for them every tile (the words are a tile ahead already).
-    X_AHEAD (int8, x rounded by a launch, PIPE 0, no pipe_x; `KernelChoice.x_ahead`): the same
-        for the int8 activations, their scales and sums (from L1 / L2; more registers: the
-        words' columns of six planes).
-    X_L1 (int8, x rounded by a launch, sm_90 inline assembly; `KernelChoice.x_l1`): before its
-        K loop the program asks this SM's L1 for all of its K range of the int8 activations,
-        their scales and sums (`_prefetch_l1`), so that each tile's loads of them, which the
-        decode waits for at the tile's start, hit L1 instead of crossing to L2.
-    W_CG (`KernelChoice.weights_cg`): the words are loaded through L2 only (`.cg`), so
-        the weights streaming past do not evict the activations from L1.
-    X_COPIES (int8, x rounded by a launch or by gate_up; `KernelChoice.x_copies`): the int8
-        activations come in X_COPIES copies (row c * rows + r of the buffers is copy c of row
-        r), and a program of row tile n reads copy n % X_COPIES: at one token every gate_up
-        program reads the same x, and each line of it is asked for by every SM at once.
-    H_COPIES (gate_up with QUANT_OUT): the copies of h it writes for down (down's X_COPIES)."""
+        loop_unroll_factor), so the hand-made prefetch's tiles are renamed rather than moved."""
     pair = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -900,9 +854,6 @@ def _q2s_gemv_kernel(
         GSUM: tl.constexpr = GROUP_ACC and INT8 and WPG >= 2
         AW: tl.constexpr = W // WPG if GSUM else W
         HW: tl.constexpr = SUB // 16  # words of h per sub-tile (QUANT_OUT, SUB % 16 == 0)
-        # the group scales / activations a K tile ahead (hand-made prefetch only)
-        SCA: tl.constexpr = SC_AHEAD and PIPE == 0 and LOOP_STAGES is None
-        XA: tl.constexpr = X_AHEAD and INT8 and not QUANT_IN and PIPE == 0 and LOOP_STAGES is None
         # ROW_TILES: this program's row tiles one after another (the pair's slot and blob
         # looked up once); past the last one it does the last again (the same values)
         n_tiles = tl.cdiv(N if IS_DOWN else INTER, (4 if IS_DOWN else 2) * SUB)
@@ -930,17 +881,12 @@ def _q2s_gemv_kernel(
                 x_idx = pair // TOPK
             # row_words (= K / 16) rather than K // 16: an argument, so its divisibility is known
             # and the per-word loads below vectorize
-            if X_COPIES > 1:  # this row tile's copy of the int8 x rows
-                x_rows = tl.num_programs(0) if IS_DOWN else tl.num_programs(0) // TOPK
-                x_idx += (pid_n0 % X_COPIES) * x_rows
             xq_row = xq + x_idx * (4 * row_words)
             xqn_row = xqn + x_idx * (4 * row_words)
             xs_row = xs + x_idx * row_words
             xsum_row = xsum + x_idx * row_words
             if PAIRS == 2:
                 xb_idx = pair_b if IS_DOWN else pair_b // TOPK
-                if X_COPIES > 1:
-                    xb_idx += (pid_n0 % X_COPIES) * x_rows
                 xq_row_b = xq + xb_idx * (4 * row_words)
                 xs_row_b = xs + xb_idx * row_words
                 xsum_row_b = xsum + xb_idx * row_words
@@ -991,7 +937,7 @@ def _q2s_gemv_kernel(
                 w1, w2, w3 = w0, w0, w0
             else:
                 w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                             wd, wmask, row_words, EVEN, W_CG)  # fmt: skip
+                                             wd, wmask, row_words, EVEN)  # fmt: skip
             # DEPTH 2: tile 1 too (v: the tile after w); EVEN: K >= BLOCK_K, and a one-tile K
             # reloads tile 0 (from L1) rather than masking
             v0, v1, v2, v3 = w0, w1, w2, w3
@@ -1002,13 +948,7 @@ def _q2s_gemv_kernel(
                                          W) + tl.arange(0, W)  # fmt: skip
                 wmask1 = wd1 < row_words
                 v0, v1, v2, v3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                             wd1, wmask1, row_words, EVEN, W_CG)  # fmt: skip
-            # SC_AHEAD / X_AHEAD: the first tile's group scales (weights: before PDL's wait) and
-            # activations (after it), then each tile's next ones in the loop
-            if SCA:
-                sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3,
-                                                        m0, m1, m2, m3, k_lo, row_groups, GROUP,
-                                                        W, EVEN, GSUM)  # fmt: skip
+                                             wd1, wmask1, row_words, EVEN)  # fmt: skip
             if PREFETCH_L2:
                 slot_off = tl.load(slot_offsets + slot)
                 if (slot_off >= 0) & (slot_off < pool_bytes):
@@ -1028,25 +968,13 @@ def _q2s_gemv_kernel(
                                      count * row_groups)  # fmt: skip
             if PDL:  # the activations are the previous launch's output
                 gdc_wait()
-            if X_L1 and INT8 and not QUANT_IN:  # this K range's x words, into L1
-                w_lo = k_lo // 16
-                w_n = (k_hi - k_lo) // 16
-                _prefetch_l1(xq_row + w_lo, w_n * 4, ASM)
-                _prefetch_l1(xq_row + row_words + w_lo, w_n * 4, ASM)
-                _prefetch_l1(xq_row + 2 * row_words + w_lo, w_n * 4, ASM)
-                _prefetch_l1(xq_row + 3 * row_words + w_lo, w_n * 4, ASM)
-                _prefetch_l1(xs_row + w_lo, w_n * 4, ASM)
-                _prefetch_l1(xsum_row + w_lo, w_n * 4, ASM)
-            if XA:
-                q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
-                                                   wmask, EVEN)  # fmt: skip
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES,
                                loop_unroll_factor=UNROLL):  # fmt: skip
                 if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
                     wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                     wmask = wd < row_words
                     w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                                 wd, wmask, row_words, EVEN, W_CG)  # fmt: skip
+                                                 wd, wmask, row_words, EVEN)  # fmt: skip
                 wd_next = wd + W
                 wmask_next = wd_next < row_words
                 if PIPE > 0:
@@ -1058,24 +986,10 @@ def _q2s_gemv_kernel(
                         kw_next = tl.minimum(k0 + DEPTH * BLOCK_K, k_hi - BLOCK_K) // 16
                         pref = tl.multiple_of(kw_next, W) + tl.arange(0, W)
                     n0, n1, n2, n3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                                 pref, pmask, row_words, EVEN, W_CG)  # fmt: skip
-                if SCA or XA:  # the next tile's (EVEN: the last tile's again past the end)
-                    k_nx = k0 + BLOCK_K
-                    wd_nx, wmask_nx = wd_next, wmask_next
-                    if EVEN:
-                        k_nx = tl.multiple_of(tl.minimum(k_nx, k_hi - BLOCK_K), BLOCK_K)
-                        wd_nx = tl.multiple_of(k_nx // 16, W) + tl.arange(0, W)
-                if SCA:
-                    ns0, ns1, ns2, ns3 = _q2s_group_scales4(
-                        bptr, scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k_nx,
-                        row_groups, GROUP, W, EVEN, GSUM)  # fmt: skip
-                else:
-                    sc0, sc1, sc2, sc3 = _q2s_group_scales4(
-                        bptr, scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k0, row_groups,
-                        GROUP, W, EVEN, GSUM)  # fmt: skip
-                if XA:
-                    nq0, nq1, nq2, nq3, nxsc, nqs = _x_words(xq_row, xs_row, xsum_row, row_words,
-                                                             wd_nx, wmask_nx, EVEN)  # fmt: skip
+                                                 pref, pmask, row_words, EVEN)  # fmt: skip
+                sc0, sc1, sc2, sc3 = _q2s_group_scales4(bptr, scales, rows0, rows1, rows2, rows3,
+                                                        m0, m1, m2, m3, k0, row_groups, GROUP, W,
+                                                        EVEN, GSUM)  # fmt: skip
                 if INT8:
                     if PAIRS == 2:  # the same words against the second pair's activations
                         if has_b:  # (a branch the whole program takes or skips: no second, no cost)
@@ -1087,7 +1001,7 @@ def _q2s_gemv_kernel(
                                 qb1, qb2, qb3, xscb, qsb, False, GSUM, WPG, ASM)  # fmt: skip
                     if QUANT_IN:  # this tile's activations rounded here, as `_quant_store` does
                         q0, q1, q2, q3, xsc, qs = _quant_tile(x_row, stride_xk, wd, wmask)
-                    elif not XA:
+                    else:
                         q0, q1, q2, q3, xsc, qs = _x_words(xq_row, xs_row, xsum_row, row_words, wd,
                                                            wmask, EVEN)  # fmt: skip
                     init = qs * -96  # R = 64C - 96Σq = 32(2C - 3Σq)
@@ -1177,10 +1091,6 @@ def _q2s_gemv_kernel(
                     v0, v1, v2, v3 = n0, n1, n2, n3
                 else:
                     w0, w1, w2, w3 = n0, n1, n2, n3
-                if SCA:
-                    sc0, sc1, sc2, sc3 = ns0, ns1, ns2, ns3
-                if XA:
-                    q0, q1, q2, q3, xsc, qs = nq0, nq1, nq2, nq3, nxsc, nqs
                 wd, wmask = wd_next, wmask_next
             if INT8 and (corr != 0):
                 # a fitted grid (b != 3a; the converter writes b = 3a): the high bits' sums, in a
@@ -1191,7 +1101,7 @@ def _q2s_gemv_kernel(
                     wd = tl.multiple_of(k0 // 16, W) + tl.arange(0, W)
                     wmask = wd < row_words
                     w0, w1, w2, w3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                                                 wd, wmask, row_words, EVEN, W_CG)  # fmt: skip
+                                                 wd, wmask, row_words, EVEN)  # fmt: skip
                     sc0, sc1, sc2, sc3 = _q2s_group_scales4(
                         bptr, scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k0, row_groups,
                         GROUP, W, EVEN, GSUM)  # fmt: skip
@@ -1281,23 +1191,19 @@ def _q2s_gemv_kernel(
                         word = pid_n + tl.arange(0, 1)
                         hrow = INTER // 16
                         both = tl.reshape(tl.trans(tl.join(h0, h1)), (1, 16))  # rows h0 then h1
-                        for cp in tl.static_range(H_COPIES):  # (copy cp of h row pair)
-                            hp = pair + cp * tl.num_programs(0)
-                            _quant_store(both, word, hrow, oq + hp * (INTER // 4), osc + hp * hrow,
-                                         osum + hp * hrow, oqn + hp * (INTER // 4),
-                                         word < words_ok)  # fmt: skip
+                        _quant_store(both, word, hrow, oq + pair * (INTER // 4), osc + pair * hrow,
+                                     osum + pair * hrow, oqn + pair * (INTER // 4),
+                                     word < words_ok)  # fmt: skip
                     elif QUANT_OUT:  # h rounded to int8 words here, for down (SUB % 16 == 0)
                         word0 = pid_n * 2 * HW + tl.arange(0, HW)
                         hrow = INTER // 16
-                        for cp in tl.static_range(H_COPIES):
-                            hp = pair + cp * tl.num_programs(0)
-                            hq_row, hqn_row = oq + hp * (INTER // 4), oqn + hp * (INTER // 4)
-                            _quant_store(tl.reshape(h0, (HW, 16)), word0, hrow, hq_row,
-                                         osc + hp * hrow, osum + hp * hrow, hqn_row,
-                                         word0 < words_ok)  # fmt: skip
-                            _quant_store(tl.reshape(h1, (HW, 16)), word0 + HW, hrow, hq_row,
-                                         osc + hp * hrow, osum + hp * hrow, hqn_row,
-                                         word0 + HW < words_ok)  # fmt: skip
+                        hq_row, hqn_row = oq + pair * (INTER // 4), oqn + pair * (INTER // 4)
+                        _quant_store(tl.reshape(h0, (HW, 16)), word0, hrow, hq_row,
+                                     osc + pair * hrow, osum + pair * hrow, hqn_row,
+                                     word0 < words_ok)  # fmt: skip
+                        _quant_store(tl.reshape(h1, (HW, 16)), word0 + HW, hrow, hq_row,
+                                     osc + pair * hrow, osum + pair * hrow, hqn_row,
+                                     word0 + HW < words_ok)  # fmt: skip
                     else:
                         tl.store(out + pair * INTER + rows0, h0, mask=m0)
                         tl.store(out + pair * INTER + rows1, h1, mask=m1)
@@ -1639,7 +1545,7 @@ def _q2s_gemv(
     # rows, its two sub-tiles make one)
     sub_gu = max(1, c_gu.block_n // 4)
     quant_out = int8 and (sub_gu % 16 == 0 or sub_gu == 8) and inter % 16 == 0
-    hq = quant_words_buffers(pairs * c_dn.x_copies, inter, hidden.device) if quant_out else None
+    hq = quant_words_buffers(pairs, inter, hidden.device) if quant_out else None
     if hq is None:
         h = torch.empty(pairs, inter, device=hidden.device, dtype=torch.float32)
     else:
@@ -1684,7 +1590,7 @@ def _q2s_gemv(
         if int8 and not (quant_in and not is_down):
             xq, xs, xsum, xqn = (
                 hq if is_down and hq is not None
-                else quant_words(x, pdl, pdl and c_gu.quant_pdl, c.x_copies)
+                else quant_words(x, pdl, pdl and c_gu.quant_pdl)
             )  # fmt: skip
         oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
         _q2s_gemv_kernel[grid](
@@ -1704,8 +1610,7 @@ def _q2s_gemv(
             scratch, counters, split, 2 if two else 1,
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
             c.row_tiles, c.next_l2 and hopper and not is_down, dn_lo, dn_hi - dn_lo,
-            c.unroll if c.unroll > 1 else None, c.scales_ahead, c.x_ahead, c.x_l1, c.weights_cg,
-            c.x_copies if x_launched else 1, c_dn.x_copies,
+            c.unroll if c.unroll > 1 else None,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip
@@ -1761,19 +1666,18 @@ def quant_words_buffers(
 
 
 def quant_words(
-    x: torch.Tensor, pdl: bool = False, pdl_wait: bool = False, copies: int = 1
+    x: torch.Tensor, pdl: bool = False, pdl_wait: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [R, K] float (K a multiple of 16) -> (q packed int32 [R, 4, K/16], scale float32
     [R, K/16], Σq int32 [R, K/16], q in column order int32 [R, 4, K/16]): `_quant_words_kernel`,
     twin of moe_ref.quant_words_ref. pdl (sm_90): the next launch, if launched with programmatic
     dependent launch, may start before this one ends. pdl_wait (sm_90): this launch is one
-    too (its launch overlaps the kernel before; `_quant_words_kernel`'s WAIT). copies: the
-    rows written that many times (row c * R + r: copy c of row r; the buffers R * copies rows)."""
+    too (its launch overlaps the kernel before; `_quant_words_kernel`'s WAIT)."""
     rows, k = x.shape
-    xq, xs, xsum, xqn = quant_words_buffers(rows * copies, k, x.device)
+    xq, xs, xsum, xqn = quant_words_buffers(rows, k, x.device)
     block_w = min(64, triton.next_power_of_2(k // 16))
     _quant_words_kernel[(rows, triton.cdiv(k // 16, block_w))](
-        x, x.stride(0), x.stride(1), xq, xs, xsum, xqn, k, block_w, pdl, pdl_wait, copies,
+        x, x.stride(0), x.stride(1), xq, xs, xsum, xqn, k, block_w, pdl, pdl_wait,
         launch_pdl=pdl_wait,
     )  # fmt: skip
     return xq, xs, xsum, xqn

@@ -268,42 +268,6 @@ def test_q2s_gemv_look_ahead(depth, pipe):
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
 
 
-@pytest.mark.parametrize(("scales_ahead", "x_ahead"), [(True, False), (True, True)])
-def test_q2s_gemv_operands_ahead(scales_ahead, x_ahead):
-    """The group scales (and the int8 activations) loaded a K tile ahead with the words
-    (`KernelChoice.scales_ahead`, `x_ahead`) against the twin: four K tiles, split-K ranges,
-    ragged tiles (masked look-aheads past K), group sums and a delta on random pairs; bit for
-    bit the outputs of loading them in the tile's own step (only when they are loaded changes)."""
-    c = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True,
-                                  scales_ahead=scales_ahead, x_ahead=x_ahead)  # fmt: skip
-    run_case("q2s", 2, 2, 4, 128, 64, force=(c, c), seed=26)
-    split = replace(c, split_k=2, group_acc=True)
-    run_case("q2s+nvfp4", 2, 2, 5, 96, 96, mask="random", force=(split, split), seed=27)
-    ragged = replace(c, block_k=64, depth=2)
-    run_case("q2s", 1, 2, 4, 96, 96, act="gpt_oss", bias=True, force=(ragged, ragged), seed=28)
-    plain = replace(c, scales_ahead=False, x_ahead=False)
-    outs = _q2s_outputs([(plain, plain), (c, c)], seed=29)
-    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
-
-
-def test_q2s_gemv_x_copies():
-    """The int8 activations in copies (`KernelChoice.x_copies`: the rounding launch writes x,
-    gate_up writes h, that many times; each row tile reads one): the twin's figures with 8-row
-    and 16-row sub-tiles (h rounded by gate_up), h rounded by a launch (gate_up's sub-tiles
-    hold no whole word), a delta on random pairs, split-K and two pairs a program; bit for bit
-    the outputs of one copy."""
-    c = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True, x_copies=3)
-    run_case("q2s", 2, 2, 4, 128, 64, force=(c, c), seed=60)
-    sub8 = replace(c, block_n=32, split_k=2)
-    run_case("q2s+nvfp4", 2, 2, 5, 96, 96, mask="random", force=(sub8, replace(c, x_copies=2)),
-             seed=61)  # fmt: skip
-    sub4 = replace(c, block_n=16, pairs=2)  # 4-row sub-tiles: h rounded by a launch
-    run_case("q2s", 3, 2, 3, 64, 32, one_expert=True, force=(sub4, sub4), seed=62)
-    one = replace(c, x_copies=1)
-    outs = _q2s_outputs([(one, one), (c, c)], seed=63)
-    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
-
-
 def test_q2s_gemv_split_k():
     """K split in two ranges of whole tiles (`KernelChoice.split_k` 2), the last program of each
     (pair, row tile) finishing the sums and the epilogue: the twin's figures with an even and an
@@ -624,22 +588,6 @@ def test_gpu_q2s_gemv_next_l2_unroll(next_l2, unroll, depth):
     against the twin."""
     c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True,
                                   next_l2=next_l2, unroll=unroll, depth=depth)  # fmt: skip
-    _gpu_q2s_cases(c)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "fields",
-    [{"scales_ahead": True}, {"scales_ahead": True, "x_ahead": True, "depth": 2, "split_k": 2},
-     {"x_l1": True, "weights_cg": True}, {"x_l1": True, "split_k": 2, "depth": 2},
-     {"x_copies": 4}, {"x_copies": 3, "block_n": 32, "split_k": 2}],
-)  # fmt: skip
-def test_gpu_q2s_gemv_operands_ahead(fields):
-    """The group scales (and activations) a K tile ahead in registers, the activations asked
-    for in L1 first, the words read past L1: compiled for real with PDL (the first tile's
-    scales read before its wait, the activations after), against the twin: slots in GPU and
-    pinned host memory, a delta on random pairs, whole and ragged tiles."""
-    c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True, **fields)
     _gpu_q2s_cases(c)
 
 

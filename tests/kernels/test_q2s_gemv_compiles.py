@@ -33,13 +33,6 @@ VARIANTS = [
     # gate_up asking L2 for down's weights when done; the K loop unrolled
     ["--next-l2", "1", "--unroll", "2", "--pdl", "1", "--group-acc", "1", "--sub", "32"],
     ["--unroll", "2", "--depth", "2", "--even", "0"],
-    # the group scales and activations a K tile ahead (row tiles: constexprs set once)
-    ["--scales-ahead", "1", "--x-ahead", "1", "--row-tiles", "2", "--pdl", "1", "--group-acc", "1"],
-    ["--scales-ahead", "1", "--split", "2", "--delta", "nvfp4", "--even", "0", "--depth", "2"],
-    # the activations asked for in L1 first; the words read past L1
-    ["--x-l1", "1", "--weights-cg", "1", "--split", "2", "--pdl", "1", "--even", "0"],
-    # the int8 activations read from copies, h written in copies (8-row sub-tiles: one word)
-    ["--x-copies", "4", "--h-copies", "2", "--sub", "8", "--pairs", "2", "--pdl", "1"],
 ]
 
 
