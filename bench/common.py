@@ -60,6 +60,65 @@ def copy_bandwidth(nbytes: int = 2**30, reps: int = 20) -> float:
     return 2 * nbytes / (time_cuda(lambda: dst.copy_(src), reps) / 1e3)
 
 
+@functools.cache
+def _read_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_words(src, out, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Reads int32 words [0, n) of src, BLOCK a program per step, programs striding over
+        them; writes each program's sum (so nothing is optimised away)."""
+        acc = tl.zeros((BLOCK,), tl.int32)
+        for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(src + offs, mask=offs < n, other=0)
+        tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
+
+    return read_words
+
+
+def read_floor_ms(nbytes: int, l2_bytes: int = 50 * 2**20, warm_s: float = 0.05) -> float:
+    """The physical floor of reading `nbytes` from HBM in one kernel launch, as a decode call
+    is timed: ms per launch of a CUDA graph of launches that each read their own buffer (the
+    buffers together over 4x L2, so reads come from HBM), best of a few grid and block sizes.
+    At small sizes the launch and the ramp of a kernel dominate, so this is well under copy
+    bandwidth: what any one-launch kernel reading these bytes could do at best."""
+    import time
+
+    import triton
+
+    kernel = _read_kernel()
+    words = max(1, nbytes // 4)
+    count = max(2, min(32, -(-4 * l2_bytes // max(1, nbytes)) + 1))
+    bufs = [torch.randint(0, 100, (words,), dtype=torch.int32, device="cuda")
+            for _ in range(count)]  # fmt: skip
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.empty(sms * 32, dtype=torch.int32, device="cuda")
+    best = float("inf")
+    for per_sm, block, warps in ((4, 2048, 4), (8, 2048, 4), (16, 1024, 4), (8, 4096, 8)):
+        grid = (max(1, min(sms * per_sm, triton.cdiv(words, block))),)
+
+        def launch(src: torch.Tensor, grid: tuple[int] = grid, block: int = block,
+                   warps: int = warps) -> None:  # fmt: skip
+            kernel[grid](src, out, words, block, num_warps=warps)
+
+        for b in bufs:
+            launch(b)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for b in bufs:
+                launch(b)
+        start = time.perf_counter()
+        while time.perf_counter() - start < warm_s:
+            graph.replay()
+            torch.cuda.synchronize()
+        best = min(best, time_cuda(graph.replay, reps=20) / count)
+    del bufs
+    return best
+
+
 def time_cuda(fn: Any, reps: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of fn() timed with CUDA events."""
     for _ in range(warmup):

@@ -36,7 +36,7 @@ from moetier.kernels.moe_triton import matrix_spec, moe_slots_triton, q2s_gemv_s
 from moetier.quant.synthetic import random_blob
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, emit, run_info, time_cuda  # noqa: E402
+from common import copy_bandwidth, emit, read_floor_ms, run_info, time_cuda  # noqa: E402
 
 SHAPES = {  # name: (hidden, expert intermediate, experts, top-k)
     "deepseek-v3": (7168, 2048, 256, 8),
@@ -506,6 +506,12 @@ def main() -> None:
         "q2s+nvfp4's prediction needs q2s too)",
     )
     parser.add_argument(
+        "--read-floor",
+        action="store_true",
+        help="with each q2s line, the time one kernel launch takes to read the same bytes at "
+        "best (read_floor_ms; of_read_floor: that time over the call's)",
+    )
+    parser.add_argument(
         "--zero-copy",
         type=float,
         default=0.0,
@@ -616,6 +622,12 @@ def main() -> None:
                     rec["gpu_fraction"] = args.zero_copy
                 if name == "q2s":
                     base_bw, base_ms = nbytes / ms, ms
+                    if args.read_floor:  # one launch reading the same bytes, at best
+                        floor = read_floor_ms(nbytes + dbytes)
+                        rec["read_floor_ms"] = round(floor, 5)
+                        rec["read_floor_of_copy"] = round((nbytes + dbytes) / floor / 1e6 * 1e9
+                                                          / copy_bw, 3)  # fmt: skip
+                        rec["of_read_floor"] = round(floor / ms, 3)
                 elif name.startswith("q2s-hot") and base_ms:
                     rec["vs_q2s"] = round(ms / base_ms, 3)
                 elif name == "q2s+nvfp4" and base_bw:
