@@ -625,8 +625,8 @@ def main() -> None:
                     if args.read_floor:  # one launch reading the same bytes, at best
                         floor = read_floor_ms(nbytes + dbytes)
                         rec["read_floor_ms"] = round(floor, 5)
-                        rec["read_floor_of_copy"] = round((nbytes + dbytes) / floor / 1e6 * 1e9
-                                                          / copy_bw, 3)  # fmt: skip
+                        floor_bw = (nbytes + dbytes) / (floor / 1e3)  # bytes/s
+                        rec["read_floor_of_copy"] = round(floor_bw / copy_bw, 3)
                         rec["of_read_floor"] = round(floor / ms, 3)
                 elif name.startswith("q2s-hot") and base_ms:
                     rec["vs_q2s"] = round(ms / base_ms, 3)
