@@ -78,14 +78,36 @@ def _read_kernel() -> Any:
     return read_words
 
 
-def read_floor_ms(nbytes: int, l2_bytes: int = 50 * 2**20, warm_s: float = 0.05) -> float:
-    """The physical floor of reading `nbytes` from HBM in one kernel launch, as a decode call
-    is timed: ms per launch of a CUDA graph of launches that each read their own buffer (the
-    buffers together over 4x L2, so reads come from HBM), best of a few grid and block sizes.
-    At small sizes the launch and the ramp of a kernel dominate, so this is well under copy
-    bandwidth: what any one-launch kernel reading these bytes could do at best."""
+WARM_S = 0.05  # seconds of replays before a graph is timed
+
+
+def graph_ms(fn_list: list[Any]) -> float:
+    """Median ms per call of the calls in fn_list, replayed as one CUDA graph, after WARM_S
+    seconds of replays (identical configs timed twice in one run after 3 warm-up replays
+    differed by 5-7%, the first timed the slower; after WARM_S, 0.987-1.027x on the H200:
+    docs/benchmarks.md)."""
     import time
 
+    for fn in fn_list:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fn_list:
+            fn()
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_S:
+        graph.replay()
+        torch.cuda.synchronize()
+    return time_cuda(graph.replay, reps=20) / len(fn_list)
+
+
+def read_floor_ms(nbytes: int, l2_bytes: int = 50 * 2**20) -> float:
+    """The physical floor of reading `nbytes` from HBM in one kernel launch, as a decode call
+    is timed: ms per launch of a CUDA graph of launches that each read their own buffer (the
+    buffers together over 4x L2, so reads come from HBM; `graph_ms`), best of a few grid and
+    block sizes. At small sizes the launch and the ramp of a kernel dominate, so this is well
+    under copy bandwidth: what any one-launch kernel reading these bytes could do at best."""
     import triton
 
     kernel = _read_kernel()
@@ -98,23 +120,9 @@ def read_floor_ms(nbytes: int, l2_bytes: int = 50 * 2**20, warm_s: float = 0.05)
     best = float("inf")
     for per_sm, block, warps in ((4, 2048, 4), (8, 2048, 4), (16, 1024, 4), (8, 4096, 8)):
         grid = (max(1, min(sms * per_sm, triton.cdiv(words, block))),)
-
-        def launch(src: torch.Tensor, grid: tuple[int] = grid, block: int = block,
-                   warps: int = warps) -> None:  # fmt: skip
-            kernel[grid](src, out, words, block, num_warps=warps)
-
-        for b in bufs:
-            launch(b)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for b in bufs:
-                launch(b)
-        start = time.perf_counter()
-        while time.perf_counter() - start < warm_s:
-            graph.replay()
-            torch.cuda.synchronize()
-        best = min(best, time_cuda(graph.replay, reps=20) / count)
+        launches = [lambda b=b, g=grid, bk=block, w=warps: kernel[g](b, out, words, bk, num_warps=w)
+                    for b in bufs]  # fmt: skip
+        best = min(best, graph_ms(launches))
     del bufs
     return best
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import asdict, replace
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
@@ -36,7 +35,7 @@ from moetier.kernels.moe_triton import matrix_spec, moe_slots_triton, q2s_gemv_s
 from moetier.quant.synthetic import random_blob
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, emit, read_floor_ms, run_info, time_cuda  # noqa: E402
+from common import copy_bandwidth, emit, graph_ms, read_floor_ms, run_info  # noqa: E402
 
 SHAPES = {  # name: (hidden, expert intermediate, experts, top-k)
     "deepseek-v3": (7168, 2048, 256, 8),
@@ -207,28 +206,6 @@ def make_case(name: str, shape: str) -> Case:
     if name == "q2s-hot-spread":
         return HotCase(shape, q2s, hot_slots(q2s))
     return Case(shape, q2s, None)
-
-
-WARM_S = 0.05  # seconds of replays before a graph is timed
-
-
-def graph_ms(fn_list: list) -> float:  # type: ignore[type-arg]
-    """Median ms per call of the calls in fn_list, replayed as one CUDA graph, after WARM_S
-    seconds of replays (identical configs timed twice in one run after 3 warm-up replays
-    differed by 5-7%, the first timed the slower: docs/benchmarks.md; the longer warm-up is
-    meant to remove that, and was not yet checked on the H200)."""
-    for fn in fn_list:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fn_list:
-            fn()
-    start = time.perf_counter()
-    while time.perf_counter() - start < WARM_S:
-        graph.replay()
-        torch.cuda.synchronize()
-    return time_cuda(graph.replay, reps=20) / len(fn_list)
 
 
 def routing_count(tokens: int, case: Case) -> int:
