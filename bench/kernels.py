@@ -600,7 +600,7 @@ def main() -> None:
                 if name == "q2s":
                     base_bw, base_ms = nbytes / ms, ms
                     if args.read_floor:  # one launch reading the same bytes, at best
-                        floor = read_floor_ms(nbytes + dbytes)
+                        floor = read_floor_ms(nbytes + dbytes, L2_BYTES)
                         rec["read_floor_ms"] = round(floor, 5)
                         floor_bw = (nbytes + dbytes) / (floor / 1e3)  # bytes/s
                         rec["read_floor_of_copy"] = round(floor_bw / copy_bw, 3)
