@@ -614,7 +614,11 @@ def main() -> None:
                     continue
                 for label, fields, launch in variants:  # the same case with forced fields
                     choice = variant_choices(hidden, inter, pairs, fields, launch)
-                    ms_v = time_case(case, tokens, choice)[0]
+                    try:
+                        ms_v = time_case(case, tokens, choice)[0]
+                    except (ValueError, RuntimeError) as exc:  # a config this shape cannot run
+                        emit({**rec, "format": f"{name}[{label}]", "error": str(exc)[:200]})
+                        continue
                     gbs_v = (nbytes + dbytes) / ms_v / 1e6
                     rec.pop("vs_q2s", None)
                     emit({**rec, "format": f"{name}[{label}]", "ms": round(ms_v, 5),

@@ -78,6 +78,10 @@ class KernelChoice:
     next_l2: bool = False
     # q2s GEMV: the K loop unrolled this many times (1: not)
     unroll: int = 1
+    # q2s GEMV int8 on sm_90, no delta plane or bias: the launch runs the Gluon kernel
+    # (`q2s_gluon.py`: activations staged in shared memory once a program) instead; a study,
+    # off in every config
+    gluon: bool = False
 
 
 GEMV = KernelChoice()

@@ -592,6 +592,22 @@ def test_gpu_q2s_gemv_next_l2_unroll(next_l2, unroll, depth):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize(("block_n", "block_k", "warps"), [(64, 256, 4), (128, 512, 8)])
+def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps):
+    """Both launches in Gluon, or one of them with the Triton kernel's other, against the twin
+    (int8 activations): 1 and 7 tokens of top-4 over 16 experts, b = 3a and fitted grids (odd
+    and even experts), slots in GPU and pinned host memory."""
+    g = moe_dispatch.KernelChoice(block_n=block_n, block_k=block_k, num_warps=warps,
+                                  int8_act=True, pdl=pdl, gluon=True)  # fmt: skip
+    t = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=pdl)
+    for tokens in (1, 7):
+        for force in ((g, g), (g, t), (t, g)):
+            run_case("q2s", tokens, 4, 16, 512, 256, host_slots=10, seed=tokens, force=force)
+    run_case("q2s", 3, 8, 16, 1024, 512, seed=5, force=(g, g), dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("quant_pdl", "split"), [(False, 1), (True, 1), (True, 2)])
 def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl, split):
     """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel

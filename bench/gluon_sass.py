@@ -1,0 +1,77 @@
+"""The Gluon q2s GEMV study kernel (`moetier/kernels/q2s_gluon.py`) compiled here for sm_90 (no
+GPU: Triton's bundled ptxas): one JSON line with its registers, stack, shared memory and the
+SASS counts of its words' loads, shared-memory loads and IDP4A. Run without TRITON_INTERPRET."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from moetier.kernels import moe_dispatch, q2s_gluon
+
+POINTERS = {"xq": "*i32", "xs": "*fp32", "xsum": "*i32", "topk_ids": "*i64", "topk_w": "*fp32",
+            "pool": "*u8", "slot_table": "*i32", "slot_offsets": "*i64",
+            "out": "*fp32"}  # fmt: skip
+NOT_DIVISIBLE = {"limit", "alpha", "topk_ids", "topk_w", "slot_table", "slot_offsets", "N",
+                 "INTER"}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--down", action="store_true", help="the down launch (IS_DOWN=1)")
+    parser.add_argument("--k", type=int, default=7168, help="the matrix's K")
+    parser.add_argument("--group", type=int, default=32, help="q2s group (columns per scale)")
+    parser.add_argument("--block-n", type=int, default=128)
+    parser.add_argument("--block-k", type=int, default=512)
+    parser.add_argument("--warps", type=int, default=8)
+    parser.add_argument("--pdl", type=int, default=1)
+    args = parser.parse_args()
+    choice = moe_dispatch.KernelChoice(block_n=args.block_n, block_k=args.block_k,
+                                       num_warps=args.warps, int8_act=True, gluon=True)  # fmt: skip
+    r, w, rpt, tr = q2s_gluon.tile(args.k, args.group, choice)
+    nt = args.k // 16 // w
+    wpg = args.group // 16
+    fn = q2s_gluon._q2s_gemv_gluon_kernel
+    const = dict(ACT=0, IS_DOWN=int(args.down), TOPK=8, R=r, W=w, NT=nt,
+                 NTP=triton.next_power_of_2(nt), WPG=wpg, SMASK=-1 if wpg == 1 else 0xFFFF,
+                 RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl)  # fmt: skip
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = POINTERS.get(name, "fp32" if name in ("limit", "alpha") else "i32")
+    divisible = [
+        i for i, n in enumerate(fn.arg_names) if sig[n] != "constexpr" and n not in NOT_DIVISIBLE
+    ]
+    source = GluonASTSource(fn, sig, const,
+                            attrs={(i,): [["tt.divisibility", 16]] for i in divisible})  # fmt: skip
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": args.warps})  # fmt: skip
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    print(json.dumps({
+        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),  # type: ignore[union-attr]
+        "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),  # type: ignore[union-attr]
+        "shared_bytes": kernel.metadata.shared,
+        "ldg128": sass.count("LDG.E.128"), "lds128": sass.count("LDS.128"),
+        "idp4a": sass.count("IDP.4A"), "tile": {"R": r, "W": w, "RPT": rpt, "TR": tr},
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

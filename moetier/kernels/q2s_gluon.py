@@ -1,0 +1,296 @@
+"""q2s decode GEMV in Gluon (Triton's layout-explicit dialect), sm_90: a study of one launch of
+`moe_triton._q2s_gemv_kernel` (gate_up or down) with its activations staged in shared memory.
+
+Why: in the Triton kernel each K tile's int8 activations are a first touch for the program (the
+tile's columns are new to it), so their loads go to L2, and an H200 profile put 44% of
+DeepSeek-V3 gate_up's stall samples on them. Held a tile ahead in registers they cost more
+registers than two programs an SM leave (docs/benchmarks.md). Here every program copies its
+token's whole activation row (int8 planes, scales, Σq: 24 bytes a word of 16 columns) into shared
+memory once, after the weights' first tile is asked for, and each K tile reads it from there. The
+words and group scales of tile i + 1 are loaded (into registers) before tile i is decoded.
+
+Same arithmetic as the Triton kernel's int8 path (`_q2s_word_dots`, the same IDP4A sums, one
+float product a word: r · (group scale · x scale)), so the twin is the same:
+`moe_ref.moe_slots_ref(..., act_int8=True)`. What it takes (`tile` raises otherwise): q2s
+matrices whose K tiles and row tiles are whole (no masks), groups of 16 or 32 columns, no delta
+plane, no bias,
+the activations rounded by `_quant_words_kernel` (gate_up writes float h, so down's input is
+rounded by a launch of its own). A fitted grid (b != 3a) takes a second pass over the words for
+its high bits, as the Triton kernel does.
+
+A program computes two row tiles of R rows (gate_up: R gate rows and their R up rows; down: 2R
+consecutive rows), each held as [R, W/4, 4] int32 words (four consecutive words a thread: one
+16-byte load) in the blocked layout `_layout` returns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from moetier.kernels.moe_dispatch import KernelChoice
+
+
+@gluon.jit
+def _dp4a(a, b, c):
+    return gl.inline_asm_elementwise(
+        "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+        dtype=gl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _word_dots(w, q0, q1, q2, q3, init, HIGH: gl.constexpr):
+    """`moe_triton._q2s_word_dots`: R = 64·Σ c·q + init per word (HIGH: 128·Σ h·q + init)."""
+    if HIGH:
+        m_hi = 0x80808080 - (1 << 32)
+        m_lo = 0x20202020
+    else:
+        m_hi = 0xC0C0C0C0 - (1 << 32)
+        m_lo = 0x30303030
+    w4 = w << 4
+    hi = _dp4a(w & m_hi, q3, init)
+    hi = _dp4a(w4 & m_hi, q1, hi)
+    lo = _dp4a(w & m_lo, q2, init * 0)
+    lo = _dp4a(w4 & m_lo, q0, lo)
+    return hi + (lo << 2)
+
+
+@gluon.jit
+def _scale_words(raw, WPG: gl.constexpr, L3: gl.constexpr):
+    """Group scales of a thread's four words: raw [R, W/4] int32 holds the bytes of its 4 / WPG
+    groups (E4M3); -> [R, W/4, 4] float32, one per word."""
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    shift = gl.expand_dims(gl.expand_dims((j // WPG) * 8, 0), 1)  # [1, 1, 4]
+    byte = (gl.expand_dims(raw, 2) >> shift) & 0xFF
+    return byte.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32)
+
+
+@gluon.jit
+def _tile_sum(acc, w, raw, xqm, xsm, t, NTP: gl.constexpr, WPG: gl.constexpr,
+              HIGH: gl.constexpr, L3: gl.constexpr):  # fmt: skip
+    """acc + one K tile's products of words w [R, W/4, 4] with the staged activations of tile t
+    (xqm: the four planes of int8 bytes, xsm: the scales' bits and Σq): r · (group scale · x
+    scale) per word (r: `_word_dots`)."""
+    XL: gl.constexpr = gl.SliceLayout(0, L3)
+    q0 = gl.expand_dims(xqm.index(t).load(XL), 0)
+    q1 = gl.expand_dims(xqm.index(NTP + t).load(XL), 0)
+    q2 = gl.expand_dims(xqm.index(2 * NTP + t).load(XL), 0)
+    q3 = gl.expand_dims(xqm.index(3 * NTP + t).load(XL), 0)
+    xsc = gl.expand_dims(xsm.index(t).load(XL), 0).to(gl.float32, bitcast=True)
+    qs = gl.expand_dims(xsm.index(NTP + t).load(XL), 0)
+    if HIGH:
+        init = qs * -64
+    else:
+        init = qs * -96
+    r = _word_dots(w, q0, q1, q2, q3, init, HIGH)
+    return acc + r.to(gl.float32) * (_scale_words(raw, WPG, L3) * xsc)
+
+
+@gluon.jit
+def _q2s_gemv_gluon_kernel(
+    xq, xs, xsum, topk_ids, topk_w, pool, slot_table, slot_offsets, out,
+    N, INTER, row_words, row_groups, codes, scales, row_scale, aux,
+    ACT: gl.constexpr, limit, alpha, IS_DOWN: gl.constexpr, TOPK: gl.constexpr,
+    R: gl.constexpr, W: gl.constexpr, NT: gl.constexpr, NTP: gl.constexpr, WPG: gl.constexpr,
+    SMASK: gl.constexpr, RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr,
+    PDL: gl.constexpr,
+):  # fmt: skip
+    """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP:
+    the next power of two), SMASK the bits of a thread's group scale bytes."""
+    W4: gl.constexpr = W // 4
+    L3: gl.constexpr = gl.BlockedLayout([RPT, 1, 4], [TR, W4, 1], [NW, 1, 1], [2, 1, 0])
+    LR: gl.constexpr = gl.SliceLayout(2, L3)  # [R, W/4]
+    LROW: gl.constexpr = gl.SliceLayout(1, LR)  # [R]
+    pair = gl.program_id(0)
+    if PDL:
+        _gdc_launch_dependents()
+    pid_n = gl.program_id(1)
+    expert = gl.load(topk_ids + pair).to(gl.int32)
+    slot = gl.load(slot_table + expert)
+    if slot >= 0:
+        bptr = pool + gl.multiple_of(gl.load(slot_offsets + slot), 256)
+        wbase = (bptr + codes).to(gl.pointer_type(gl.int32))
+        sbase = bptr + scales
+        r = gl.arange(0, R, layout=LROW)
+        if IS_DOWN:
+            rows_a = pid_n * 2 * R + r
+            rows_b = rows_a + R
+        else:
+            rows_a = pid_n * R + r
+            rows_b = rows_a + INTER
+        g = gl.arange(0, W4, layout=gl.SliceLayout(0, LR))
+        j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        col = gl.expand_dims(gl.expand_dims(g * 4, 0), 2) + gl.expand_dims(gl.expand_dims(j, 0), 1)
+        w_at_a = wbase + gl.expand_dims(gl.expand_dims(rows_a * row_words, 1), 2) + col
+        w_at_b = wbase + gl.expand_dims(gl.expand_dims(rows_b * row_words, 1), 2) + col
+        # a thread's 4 / WPG group scale bytes of a row, as one int32 (WPG 1) or int16 (WPG 2)
+        gcol = gl.expand_dims(g * (4 // WPG), 0)  # [1, W/4] group of each thread's first word
+        if WPG == 1:
+            s_at_a = (sbase + gl.expand_dims(rows_a * row_groups, 1) + gcol).to(
+                gl.pointer_type(gl.int32)
+            )
+            s_at_b = (sbase + gl.expand_dims(rows_b * row_groups, 1) + gcol).to(
+                gl.pointer_type(gl.int32)
+            )
+        else:
+            s_at_a = (sbase + gl.expand_dims(rows_a * row_groups, 1) + gcol).to(
+                gl.pointer_type(gl.int16)
+            )
+            s_at_b = (sbase + gl.expand_dims(rows_b * row_groups, 1) + gcol).to(
+                gl.pointer_type(gl.int16)
+            )
+        # (a K tile moves each of these pointers by W / 4 of its elements)
+        wa = gl.load(w_at_a)
+        wb = gl.load(w_at_b)
+        sa = gl.load(s_at_a).to(gl.int32) & SMASK
+        sb = gl.load(s_at_b).to(gl.int32) & SMASK
+        a = gl.load((bptr + aux).to(gl.pointer_type(gl.float32)))
+        b = gl.load((bptr + aux + 4).to(gl.pointer_type(gl.float32)))
+        corr = gl.where(b == 3 * a, 0.0, b - 3 * a)
+        if PDL:
+            _gdc_wait()
+        # the token's activations into shared memory: 4 planes of int8 bytes (xqm), the scales'
+        # bits and Σq (xsm), each NTP tiles x [W/4, 4] words
+        x_idx = pair if IS_DOWN else pair // TOPK
+        # (plain row-major layouts, so the [tiles, W] views that fill them and the [tiles,
+        # W/4, 4] views the K loop indexes are the same bytes)
+        SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        xq2 = gl.allocate_shared_memory(gl.int32, [4 * NTP, W], layout=SL)
+        xs2 = gl.allocate_shared_memory(gl.int32, [2 * NTP, W], layout=SL)
+        LF: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        tf = gl.arange(0, NTP, layout=gl.SliceLayout(1, LF))
+        wf = gl.arange(0, W, layout=gl.SliceLayout(0, LF))
+        word = gl.expand_dims(tf * W, 1) + gl.expand_dims(wf, 0)  # [NTP, W]
+        fmask = word < NT * W
+        xq_row = xq + x_idx * (4 * row_words)
+        for p in gl.static_range(4):
+            xq2.slice(p * NTP, NTP).store(gl.load(xq_row + p * row_words + word, mask=fmask,
+                                                  other=0))  # fmt: skip
+        xs_row = (xs + x_idx * row_words).to(gl.pointer_type(gl.int32))
+        xs2.slice(0, NTP).store(gl.load(xs_row + word, mask=fmask, other=0))
+        xs2.slice(NTP, NTP).store(gl.load(xsum + x_idx * row_words + word, mask=fmask, other=0))
+        xqm = xq2._reinterpret(gl.int32, [4 * NTP, W4, 4], SL)
+        xsm = xs2._reinterpret(gl.int32, [2 * NTP, W4, 4], SL)
+        gl.thread_barrier()
+        acc_a = gl.zeros([R, W4, 4], gl.float32, layout=L3)
+        acc_b = gl.zeros([R, W4, 4], gl.float32, layout=L3)
+        for t in range(NT):
+            tn = gl.minimum(t + 1, NT - 1)  # the last tile's look-ahead reloads it (no masks)
+            na = gl.load(w_at_a + tn * W)
+            nb = gl.load(w_at_b + tn * W)
+            nsa = gl.load(s_at_a + tn * W4)
+            nsb = gl.load(s_at_b + tn * W4)
+            acc_a = _tile_sum(acc_a, wa, sa, xqm, xsm, t, NTP, WPG, False, L3)
+            acc_b = _tile_sum(acc_b, wb, sb, xqm, xsm, t, NTP, WPG, False, L3)
+            wa, wb = na, nb
+            sa, sb = nsa.to(gl.int32) & SMASK, nsb.to(gl.int32) & SMASK
+        beta = gl.where(corr != 0, 0.5 * (b - a), a) / 32
+        ya = gl.sum(gl.sum(acc_a, axis=2), axis=1) * beta
+        yb = gl.sum(gl.sum(acc_b, axis=2), axis=1) * beta
+        if corr != 0:  # a fitted grid: the high bits' sums, in a pass of their own
+            gamma = -corr / 128
+            ha = gl.zeros([R, W4, 4], gl.float32, layout=L3)
+            hb = gl.zeros([R, W4, 4], gl.float32, layout=L3)
+            for t in range(NT):
+                wa = gl.load(w_at_a + t * W)
+                wb = gl.load(w_at_b + t * W)
+                sa = gl.load(s_at_a + t * W4).to(gl.int32) & SMASK
+                sb = gl.load(s_at_b + t * W4).to(gl.int32) & SMASK
+                ha = _tile_sum(ha, wa, sa, xqm, xsm, t, NTP, WPG, True, L3)
+                hb = _tile_sum(hb, wb, sb, xqm, xsm, t, NTP, WPG, True, L3)
+            ya += gl.sum(gl.sum(ha, axis=2), axis=1) * gamma
+            yb += gl.sum(gl.sum(hb, axis=2), axis=1) * gamma
+        rs = (bptr + row_scale).to(gl.pointer_type(gl.float32))
+        ya = ya * gl.load(rs + rows_a)
+        yb = yb * gl.load(rs + rows_b)
+        if IS_DOWN:
+            weight = gl.load(topk_w + pair).to(gl.float32)
+            gl.store(out + pair * N + rows_a, ya * weight)
+            gl.store(out + pair * N + rows_b, yb * weight)
+        else:
+            if ACT == 0:
+                h = ya / (1 + gl.exp(-ya)) * yb
+            elif ACT == 1:
+                ya = gl.minimum(ya, limit)
+                yb = gl.minimum(gl.maximum(yb, -limit), limit)
+                h = ya / (1 + gl.exp(-ya)) * yb
+            else:
+                ya = gl.minimum(ya, limit)
+                yb = gl.minimum(gl.maximum(yb, -limit), limit)
+                h = (yb + 1) * (ya / (1 + gl.exp(-ya * alpha)))
+            gl.store(out + pair * INTER + rows_a, h)
+
+
+def tile(spec_k: int, group: int, choice: KernelChoice) -> tuple[int, int, int, int]:
+    """(R, W, RPT, TR) of a launch whose matrix has K = spec_k, or ValueError when this kernel
+    cannot run it: R = block_n / 2 rows a row tile, W = the words of the largest K tile <=
+    block_k / 16 that divides K (at least 16), four words a thread along K, TR = 32 / (W / 4)
+    threads along rows, RPT rows a thread."""
+    kw = spec_k // 16
+    wpg = group // 16
+    if spec_k % 16 or wpg not in (1, 2):
+        raise ValueError(f"q2s gluon GEMV: K {spec_k} with groups of {group} not supported")
+    w = min(choice.block_k // 16, 128)
+    while w >= 16 and kw % w:
+        w //= 2
+    if w < 16:
+        raise ValueError(f"q2s gluon GEMV: no K tile of 16-128 words divides {kw} words")
+    r = choice.block_n // 2
+    tr = 32 // (w // 4)
+    rpt = r // (tr * choice.num_warps)
+    if rpt < 1 or rpt * tr * choice.num_warps != r or r & (r - 1):
+        raise ValueError(f"q2s gluon GEMV: block_n {choice.block_n} with {choice.num_warps} "
+                         f"warps and {w}-word tiles")  # fmt: skip
+    return r, w, rpt, tr
+
+
+def launch(
+    is_down: bool,
+    xwords: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    pool: torch.Tensor,
+    slot_table: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    out: torch.Tensor,
+    spec,  # moe_triton.MatrixSpec (this module does not import moe_triton)
+    inter: int,
+    top_k: int,
+    act: int,
+    limit: float,
+    alpha: float,
+    choice: KernelChoice,
+    pdl: bool,
+) -> None:
+    """One launch: gate_up (out: float h [P, I]) or down (out: [P, N])."""
+    pairs = topk_ids.numel()
+    r, w, rpt, tr = tile(spec.k, spec.group, choice)
+    rows, per = (spec.n, 2 * r) if is_down else (inter, r)
+    if rows % per:
+        raise ValueError(f"q2s gluon GEMV: {rows} rows are not whole tiles of {per}")
+    nt = spec.k // 16 // w
+    wpg = spec.group // 16
+    smask = -1 if wpg == 1 else (1 << (8 * (4 // wpg))) - 1
+    xq, xs, xsum, _ = xwords
+    _q2s_gemv_gluon_kernel[(pairs, rows // per)](
+        xq, xs, xsum, topk_ids, topk_w, pool, slot_table, slot_offsets, out,
+        spec.n, inter, spec.k // 16, spec.k // spec.group, spec.codes, spec.scales,
+        spec.row_scale, spec.aux, act, limit, alpha, int(is_down), top_k,
+        r, w, nt, triton.next_power_of_2(nt), wpg, smask, rpt, tr, choice.num_warps, pdl,
+        num_warps=choice.num_warps, launch_pdl=pdl,
+    )  # fmt: skip

@@ -1,0 +1,51 @@
+"""The Gluon q2s GEMV study kernel (`moetier/kernels/q2s_gluon.py`) compiles for sm_90 here
+(`bench/gluon_sass.py`: Triton's bundled ptxas, no GPU; outside the interpreter the CPU tests
+run in). Its GPU test against the twin is `test_moe_triton.test_gpu_gluon_matches_twin`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+from moetier.kernels import moe_dispatch, q2s_gluon  # noqa: E402
+
+BENCH = Path(__file__).parents[2] / "bench"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--k", "7168", "--group", "32", "--block-n", "128", "--warps", "8"],  # DeepSeek-V3 gate_up
+        ["--down", "--k", "2048", "--group", "16", "--block-n", "64", "--warps", "4"],  # its down
+    ],
+    ids=["gate_up", "down"],
+)
+def test_compiles_for_sm90_with_vector_loads(args):
+    """DeepSeek-V3's tiles: no spills, at most 128 registers (two 8-warp or four 4-warp
+    programs an SM), words in 16-byte loads, activations from shared memory, four IDP4A a
+    word (16 words a thread a K tile, and the fitted grid's pass)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU tests set it
+    out = subprocess.run([sys.executable, str(BENCH / "gluon_sass.py"), *args],
+                         capture_output=True, text=True, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads(out.stdout.splitlines()[-1])
+    assert rec["stack_bytes"] == 0 and rec["registers"] <= 128, rec
+    assert rec["ldg128"] > 0 and rec["lds128"] > 0 and rec["idp4a"] >= 2 * 64, rec
+
+
+def test_tile_refuses_what_it_cannot_run():
+    gu = moe_dispatch.KernelChoice(block_n=128, block_k=512, num_warps=8, gluon=True)
+    assert q2s_gluon.tile(7168, 32, gu) == (64, 32, 2, 4)
+    with pytest.raises(ValueError, match="groups of 64"):
+        q2s_gluon.tile(4096, 64, gu)
+    with pytest.raises(ValueError, match="divides"):
+        q2s_gluon.tile(16 * 40, 16, gu)  # 40 words: no tile of 16-128 words divides it
+    with pytest.raises(ValueError, match="block_n"):
+        q2s_gluon.tile(2048, 16, replace(gu, block_n=48, num_warps=4))
