@@ -1,6 +1,7 @@
 """The Gluon q2s GEMV study kernel (`moetier/kernels/q2s_gluon.py`) compiled here for sm_90 (no
 GPU: Triton's bundled ptxas): one JSON line with its registers, stack, shared memory and the
-SASS counts of its words' loads, shared-memory loads and IDP4A. Run without TRITON_INTERPRET."""
+SASS counts of its words' loads (LDG, or LDGSTS: cp.async), shared-memory loads and IDP4A.
+Run without TRITON_INTERPRET."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--block-k", type=int, default=512)
     parser.add_argument("--warps", type=int, default=8)
     parser.add_argument("--pdl", type=int, default=1)
+    parser.add_argument("--stages", type=int, default=1, help="STAGES (KernelChoice.pipe)")
     args = parser.parse_args()
     choice = moe_dispatch.KernelChoice(block_n=args.block_n, block_k=args.block_k,
                                        num_warps=args.warps, int8_act=True, gluon=True)  # fmt: skip
@@ -42,7 +44,7 @@ def main() -> None:
     fn = q2s_gluon._q2s_gemv_gluon_kernel
     const = dict(ACT=0, IS_DOWN=int(args.down), TOPK=8, R=r, W=w, NT=nt,
                  NTP=triton.next_power_of_2(nt), WPG=wpg, SMASK=-1 if wpg == 1 else 0xFFFF,
-                 RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl)  # fmt: skip
+                 RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl, STAGES=args.stages)  # fmt: skip
     sig = {}
     for name in fn.arg_names:
         if name in const:
@@ -69,6 +71,7 @@ def main() -> None:
         "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),  # type: ignore[union-attr]
         "shared_bytes": kernel.metadata.shared,
         "ldg128": sass.count("LDG.E.128"), "lds128": sass.count("LDS.128"),
+        "ldgsts": sass.count("LDGSTS"),
         "idp4a": sass.count("IDP.4A"), "tile": {"R": r, "W": w, "RPT": rpt, "TR": tr},
     }))  # fmt: skip
 

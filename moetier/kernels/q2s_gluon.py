@@ -29,6 +29,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 from moetier.kernels.moe_dispatch import KernelChoice
 
@@ -108,10 +109,13 @@ def _q2s_gemv_gluon_kernel(
     ACT: gl.constexpr, limit, alpha, IS_DOWN: gl.constexpr, TOPK: gl.constexpr,
     R: gl.constexpr, W: gl.constexpr, NT: gl.constexpr, NTP: gl.constexpr, WPG: gl.constexpr,
     SMASK: gl.constexpr, RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr,
-    PDL: gl.constexpr,
+    PDL: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP:
-    the next power of two), SMASK the bits of a thread's group scale bytes."""
+    the next power of two), SMASK the bits of a thread's group scale bytes. STAGES 1: the words
+    of tile i + 1 are loaded into registers before tile i is decoded; 2+: they stream through a
+    ring of STAGES tiles in shared memory (cp.async, STAGES - 1 tiles ahead; each thread reads
+    back only what it copied, so no barrier)."""
     W4: gl.constexpr = W // 4
     L3: gl.constexpr = gl.BlockedLayout([RPT, 1, 4], [TR, W4, 1], [NW, 1, 1], [2, 1, 0])
     LR: gl.constexpr = gl.SliceLayout(2, L3)  # [R, W/4]
@@ -155,8 +159,19 @@ def _q2s_gemv_gluon_kernel(
                 gl.pointer_type(gl.int16)
             )
         # (a K tile moves each of these pointers by W / 4 of its elements)
-        wa = gl.load(w_at_a)
-        wb = gl.load(w_at_b)
+        if STAGES > 1:
+            SW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+            wsm_a = gl.allocate_shared_memory(gl.int32, [STAGES, R, W4, 4], layout=SW)
+            wsm_b = gl.allocate_shared_memory(gl.int32, [STAGES, R, W4, 4], layout=SW)
+            for s in gl.static_range(STAGES - 1):
+                cp.async_copy_global_to_shared(wsm_a.index(s), w_at_a + min(s, NT - 1) * W)
+                cp.async_copy_global_to_shared(wsm_b.index(s), w_at_b + min(s, NT - 1) * W)
+                cp.commit_group()
+            wa = gl.zeros([R, W4, 4], gl.int32, layout=L3)
+            wb = wa
+        else:
+            wa = gl.load(w_at_a)
+            wb = gl.load(w_at_b)
         sa = gl.load(s_at_a).to(gl.int32) & SMASK
         sb = gl.load(s_at_b).to(gl.int32) & SMASK
         a = gl.load((bptr + aux).to(gl.pointer_type(gl.float32)))
@@ -191,8 +206,20 @@ def _q2s_gemv_gluon_kernel(
         acc_b = gl.zeros([R, W4, 4], gl.float32, layout=L3)
         for t in range(NT):
             tn = gl.minimum(t + 1, NT - 1)  # the last tile's look-ahead reloads it (no masks)
-            na = gl.load(w_at_a + tn * W)
-            nb = gl.load(w_at_b + tn * W)
+            if STAGES > 1:
+                ta = gl.minimum(t + STAGES - 1, NT - 1)
+                cp.async_copy_global_to_shared(wsm_a.index((t + STAGES - 1) % STAGES),
+                                               w_at_a + ta * W)  # fmt: skip
+                cp.async_copy_global_to_shared(wsm_b.index((t + STAGES - 1) % STAGES),
+                                               w_at_b + ta * W)  # fmt: skip
+                cp.commit_group()
+                cp.wait_group(STAGES - 1)
+                wa = wsm_a.index(t % STAGES).load(L3)
+                wb = wsm_b.index(t % STAGES).load(L3)
+                na, nb = wa, wb
+            else:
+                na = gl.load(w_at_a + tn * W)
+                nb = gl.load(w_at_b + tn * W)
             nsa = gl.load(s_at_a + tn * W4)
             nsb = gl.load(s_at_b + tn * W4)
             acc_a = _tile_sum(acc_a, wa, sa, xqm, xsm, t, NTP, WPG, False, L3)
@@ -292,5 +319,5 @@ def launch(
         spec.n, inter, spec.k // 16, spec.k // spec.group, spec.codes, spec.scales,
         spec.row_scale, spec.aux, act, limit, alpha, int(is_down), top_k,
         r, w, nt, triton.next_power_of_2(nt), wpg, smask, rpt, tr, choice.num_warps, pdl,
-        num_warps=choice.num_warps, launch_pdl=pdl,
+        max(1, choice.pipe), num_warps=choice.num_warps, launch_pdl=pdl,
     )  # fmt: skip

@@ -593,13 +593,17 @@ def test_gpu_q2s_gemv_next_l2_unroll(next_l2, unroll, depth):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize(("block_n", "block_k", "warps"), [(64, 256, 4), (128, 512, 8)])
-def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps):
+@pytest.mark.parametrize(
+    ("block_n", "block_k", "warps", "pipe"), [(64, 256, 4, 0), (128, 512, 8, 0), (64, 256, 4, 3),
+                                              (128, 512, 8, 2)]
+)  # fmt: skip
+def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps, pipe):
     """Both launches in Gluon, or one of them with the Triton kernel's other, against the twin
     (int8 activations): 1 and 7 tokens of top-4 over 16 experts, b = 3a and fitted grids (odd
-    and even experts), slots in GPU and pinned host memory."""
+    and even experts), slots in GPU and pinned host memory; words through registers (pipe 0)
+    or a cp.async ring (pipe 2, 3)."""
     g = moe_dispatch.KernelChoice(block_n=block_n, block_k=block_k, num_warps=warps,
-                                  int8_act=True, pdl=pdl, gluon=True)  # fmt: skip
+                                  int8_act=True, pdl=pdl, gluon=True, pipe=pipe)  # fmt: skip
     t = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=pdl)
     for tokens in (1, 7):
         for force in ((g, g), (g, t), (t, g)):
