@@ -1548,7 +1548,9 @@ def _q2s_gemv(
     # plane or bias (its gate_up writes float h)
     gluon = _sm_at_least(hidden.device, 9) and int8 and not has_delta and bias == 0
     gl_gu, gl_dn = gluon and c_gu.gluon, gluon and c_dn.gluon
-    quant_out = int8 and (sub_gu % 16 == 0 or sub_gu == 8) and inter % 16 == 0 and not gl_gu
+    quant_out = int8 and (sub_gu % 16 == 0 or sub_gu == 8) and inter % 16 == 0
+    if gl_gu:  # (its row tiles of block_n / 2 rows round whole words)
+        quant_out = int8 and (c_gu.block_n // 2) % 16 == 0 and inter % 16 == 0
     hq = quant_words_buffers(pairs, inter, hidden.device) if quant_out else None
     if hq is None:
         h = torch.empty(pairs, inter, device=hidden.device, dtype=torch.float32)
@@ -1559,7 +1561,7 @@ def _q2s_gemv(
     hopper = _sm_at_least(hidden.device, 9)
     pdl = hopper and c_gu.pdl and c_dn.pdl
     # gate_up rounds x itself (no activation-rounding launch) when no delta reads the rounded x
-    quant_in = c_gu.quant_in and int8 and not has_delta and not gl_gu
+    quant_in = c_gu.quant_in and int8 and not has_delta
     # down's weights in its blob (NEXT_L2: gate_up's programs ask L2 for them)
     dn_lo = min(dn.codes, dn.scales)
     dn_hi = max(dn.codes + dn.n * dn.k // 4, dn.scales + dn.n * (dn.k // dn.group))
@@ -1600,8 +1602,9 @@ def _q2s_gemv(
         if gl_dn if is_down else gl_gu:
             from moetier.kernels import q2s_gluon
 
-            q2s_gluon.launch(bool(is_down), (xq, xs, xsum, xqn), topk_ids, topk_w, pool,
-                             slot_table, slot_offsets, dst, spec, inter, top_k,
+            q2s_gluon.launch(bool(is_down), x, None if xq is x else (xq, xs, xsum, xqn),
+                             topk_ids, topk_w, pool, slot_table, slot_offsets, dst,
+                             None if is_down else hq, spec, inter, top_k,
                              ACTIVATIONS[act.kind], act.limit, act.alpha, c, pdl)  # fmt: skip
             continue
         _q2s_gemv_kernel[grid](

@@ -103,21 +103,45 @@ def _tile_sum(acc, w, raw, xqm, xsm, t, NTP: gl.constexpr, WPG: gl.constexpr,
 
 
 @gluon.jit
+def _round_words(v):
+    """v [n, 16] float32 (one word of 16 columns a row) -> int8 per word exactly as
+    `moe_triton._quant_store` rounds it: (the four s-planes of packed bytes, byte j of plane s
+    being column 4j + s; the scales amax / 127; Σq), each [n]."""
+    col = gl.arange(0, 16, layout=gl.SliceLayout(0, v.type.layout))[None, :]
+    amax = gl.max(gl.abs(v), axis=1)
+    inv = gl.where(amax > 0, 127.0 / gl.where(amax > 0, amax, 1.0), 0.0)
+    q = gl.floor(v * inv[:, None] + 0.5).to(gl.int32)
+    qb = (q & 0xFF) << ((col // 4) * 8)
+    p0 = gl.sum(gl.where(col % 4 == 0, qb, 0), axis=1)
+    p1 = gl.sum(gl.where(col % 4 == 1, qb, 0), axis=1)
+    p2 = gl.sum(gl.where(col % 4 == 2, qb, 0), axis=1)
+    p3 = gl.sum(gl.where(col % 4 == 3, qb, 0), axis=1)
+    return p0, p1, p2, p3, amax / 127.0, gl.sum(q, axis=1)
+
+
+@gluon.jit
 def _q2s_gemv_gluon_kernel(
-    xq, xs, xsum, topk_ids, topk_w, pool, slot_table, slot_offsets, out,
+    x_ptr, stride_x, stride_xk, xq, xs, xsum, topk_ids, topk_w, pool, slot_table, slot_offsets,
+    out, oq, osc, osum,
     N, INTER, row_words, row_groups, codes, scales, row_scale, aux,
     ACT: gl.constexpr, limit, alpha, IS_DOWN: gl.constexpr, TOPK: gl.constexpr,
     R: gl.constexpr, W: gl.constexpr, NT: gl.constexpr, NTP: gl.constexpr, WPG: gl.constexpr,
     SMASK: gl.constexpr, RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr,
-    PDL: gl.constexpr, STAGES: gl.constexpr,
+    PDL: gl.constexpr, STAGES: gl.constexpr, QUANT_IN: gl.constexpr, QUANT_OUT: gl.constexpr,
 ):  # fmt: skip
     """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP:
     the next power of two), SMASK the bits of a thread's group scale bytes. STAGES 1: the words
     of tile i + 1 are loaded into registers before tile i is decoded; 2+: they stream through a
     ring of STAGES tiles in shared memory (cp.async, STAGES - 1 tiles ahead; each thread reads
-    back only what it copied, so no barrier)."""
+    back only what it copied, so no barrier). QUANT_IN (gate_up): the program rounds its
+    token's row of x (x_ptr, float) to int8 words itself while staging it, so no launch rounds
+    x; else it copies `_quant_words_kernel`'s words (xq, xs, xsum). QUANT_OUT (gate_up): h is
+    written as int8 words (oq, osc, osum; the column-order plane, which only a delta reads, is
+    not), so no launch rounds it for down; else as float (out)."""
     W4: gl.constexpr = W // 4
     L3: gl.constexpr = gl.BlockedLayout([RPT, 1, 4], [TR, W4, 1], [NW, 1, 1], [2, 1, 0])
+    SL1H: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    SL2H: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     LR: gl.constexpr = gl.SliceLayout(2, L3)  # [R, W/4]
     LROW: gl.constexpr = gl.SliceLayout(1, LR)  # [R]
     pair = gl.program_id(0)
@@ -187,18 +211,36 @@ def _q2s_gemv_gluon_kernel(
         SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         xq2 = gl.allocate_shared_memory(gl.int32, [4 * NTP, W], layout=SL)
         xs2 = gl.allocate_shared_memory(gl.int32, [2 * NTP, W], layout=SL)
-        LF: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-        tf = gl.arange(0, NTP, layout=gl.SliceLayout(1, LF))
-        wf = gl.arange(0, W, layout=gl.SliceLayout(0, LF))
-        word = gl.expand_dims(tf * W, 1) + gl.expand_dims(wf, 0)  # [NTP, W]
-        fmask = word < NT * W
-        xq_row = xq + x_idx * (4 * row_words)
-        for p in gl.static_range(4):
-            xq2.slice(p * NTP, NTP).store(gl.load(xq_row + p * row_words + word, mask=fmask,
-                                                  other=0))  # fmt: skip
-        xs_row = (xs + x_idx * row_words).to(gl.pointer_type(gl.int32))
-        xs2.slice(0, NTP).store(gl.load(xs_row + word, mask=fmask, other=0))
-        xs2.slice(NTP, NTP).store(gl.load(xsum + x_idx * row_words + word, mask=fmask, other=0))
+        if QUANT_IN:  # one word of x a thread: rounded as `_quant_words_kernel` rounds it
+            LQ: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
+            SL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+            wq = gl.arange(0, NTP * W, layout=gl.SliceLayout(1, LQ))
+            cq = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
+            v = gl.load(x_ptr + x_idx * stride_x + (wq[:, None] * 16 + cq[None, :]) * stride_xk,
+                        mask=(wq < NT * W)[:, None], other=0.0).to(gl.float32)  # fmt: skip
+            p0, p1, p2, p3, xsc, qsum = _round_words(v)
+            xq1 = xq2._reinterpret(gl.int32, [4, NTP * W], SL1)
+            xq1.index(0).store(p0)
+            xq1.index(1).store(p1)
+            xq1.index(2).store(p2)
+            xq1.index(3).store(p3)
+            xs1 = xs2._reinterpret(gl.int32, [2, NTP * W], SL1)
+            xs1.index(0).store(xsc.to(gl.int32, bitcast=True))
+            xs1.index(1).store(qsum)
+        else:
+            LF: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+            tf = gl.arange(0, NTP, layout=gl.SliceLayout(1, LF))
+            wf = gl.arange(0, W, layout=gl.SliceLayout(0, LF))
+            word = gl.expand_dims(tf * W, 1) + gl.expand_dims(wf, 0)  # [NTP, W]
+            fmask = word < NT * W
+            xq_row = xq + x_idx * (4 * row_words)
+            for p in gl.static_range(4):
+                xq2.slice(p * NTP, NTP).store(gl.load(xq_row + p * row_words + word, mask=fmask,
+                                                      other=0))  # fmt: skip
+            xs_row = (xs + x_idx * row_words).to(gl.pointer_type(gl.int32))
+            xs2.slice(0, NTP).store(gl.load(xs_row + word, mask=fmask, other=0))
+            xs2.slice(NTP, NTP).store(gl.load(xsum + x_idx * row_words + word, mask=fmask,
+                                              other=0))  # fmt: skip
         xqm = xq2._reinterpret(gl.int32, [4 * NTP, W4, 4], SL)
         xsm = xs2._reinterpret(gl.int32, [2 * NTP, W4, 4], SL)
         gl.thread_barrier()
@@ -260,7 +302,24 @@ def _q2s_gemv_gluon_kernel(
                 ya = gl.minimum(ya, limit)
                 yb = gl.minimum(gl.maximum(yb, -limit), limit)
                 h = (yb + 1) * (ya / (1 + gl.exp(-ya * alpha)))
-            gl.store(out + pair * INTER + rows_a, h)
+            if QUANT_OUT:  # through shared memory, so that a thread holds a word of h
+                hsm = gl.allocate_shared_memory(gl.float32, [R], layout=SL1H)
+                hsm.store(h)
+                gl.thread_barrier()
+                LH: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
+                hv = hsm._reinterpret(gl.float32, [R // 16, 16], SL2H).load(LH)
+                p0, p1, p2, p3, hsc, hsum = _round_words(hv)
+                hrow = INTER // 16
+                wd = pid_n * (R // 16) + gl.arange(0, R // 16, layout=gl.SliceLayout(1, LH))
+                hq_row = oq + pair * (INTER // 4)
+                gl.store(hq_row + wd, p0)
+                gl.store(hq_row + hrow + wd, p1)
+                gl.store(hq_row + 2 * hrow + wd, p2)
+                gl.store(hq_row + 3 * hrow + wd, p3)
+                gl.store(osc + pair * hrow + wd, hsc)
+                gl.store(osum + pair * hrow + wd, hsum)
+            else:
+                gl.store(out + pair * INTER + rows_a, h)
 
 
 def tile(spec_k: int, group: int, choice: KernelChoice) -> tuple[int, int, int, int]:
@@ -288,13 +347,15 @@ def tile(spec_k: int, group: int, choice: KernelChoice) -> tuple[int, int, int, 
 
 def launch(
     is_down: bool,
-    xwords: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    x: torch.Tensor,
+    xwords: tuple[torch.Tensor, ...] | None,
     topk_ids: torch.Tensor,
     topk_w: torch.Tensor,
     pool: torch.Tensor,
     slot_table: torch.Tensor,
     slot_offsets: torch.Tensor,
     out: torch.Tensor,
+    hwords: tuple[torch.Tensor, ...] | None,
     spec,  # moe_triton.MatrixSpec (this module does not import moe_triton)
     inter: int,
     top_k: int,
@@ -304,20 +365,29 @@ def launch(
     choice: KernelChoice,
     pdl: bool,
 ) -> None:
-    """One launch: gate_up (out: float h [P, I]) or down (out: [P, N])."""
+    """One launch: gate_up (h into out [P, I] float, or as int8 words into hwords (q, scale, Σq)
+    when given) or down (out [P, N]). x: the launch's float input, rounded here (gate_up only)
+    when xwords (`quant_words`' q, scale, Σq) is None."""
     pairs = topk_ids.numel()
     r, w, rpt, tr = tile(spec.k, spec.group, choice)
     rows, per = (spec.n, 2 * r) if is_down else (inter, r)
     if rows % per:
         raise ValueError(f"q2s gluon GEMV: {rows} rows are not whole tiles of {per}")
+    if is_down and (xwords is None or hwords is not None):
+        raise ValueError("q2s gluon GEMV: down reads int8 words and writes float")
+    if hwords is not None and r % 16:
+        raise ValueError(f"q2s gluon GEMV: rows of {r} are not whole words of h to round")
     nt = spec.k // 16 // w
     wpg = spec.group // 16
     smask = -1 if wpg == 1 else (1 << (8 * (4 // wpg))) - 1
-    xq, xs, xsum, _ = xwords
+    xq, xs, xsum = xwords[:3] if xwords is not None else (out, out, out)  # (unread placeholders)
+    oq, osc, osum = hwords[:3] if hwords is not None else (out, out, out)
     _q2s_gemv_gluon_kernel[(pairs, rows // per)](
-        xq, xs, xsum, topk_ids, topk_w, pool, slot_table, slot_offsets, out,
+        x, x.stride(0), x.stride(1), xq, xs, xsum, topk_ids, topk_w, pool, slot_table,
+        slot_offsets, out, oq, osc, osum,
         spec.n, inter, spec.k // 16, spec.k // spec.group, spec.codes, spec.scales,
         spec.row_scale, spec.aux, act, limit, alpha, int(is_down), top_k,
         r, w, nt, triton.next_power_of_2(nt), wpg, smask, rpt, tr, choice.num_warps, pdl,
-        max(1, choice.pipe), num_warps=choice.num_warps, launch_pdl=pdl,
+        max(1, choice.pipe), xwords is None, hwords is not None,
+        num_warps=choice.num_warps, launch_pdl=pdl,
     )  # fmt: skip

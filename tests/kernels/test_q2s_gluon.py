@@ -23,9 +23,25 @@ BENCH = Path(__file__).parents[2] / "bench"
     "args",
     [
         ["--k", "7168", "--group", "32", "--block-n", "128", "--warps", "8"],  # DeepSeek-V3 gate_up
+        [
+            "--k",
+            "7168",
+            "--group",
+            "32",
+            "--block-n",
+            "128",
+            "--warps",
+            "8",
+            "--quant-in",
+            "1",
+            "--quant-out",
+            "1",
+            "--stages",
+            "2",
+        ],  # x and h rounded in the kernel, a cp.async ring
         ["--down", "--k", "2048", "--group", "16", "--block-n", "64", "--warps", "4"],  # its down
     ],
-    ids=["gate_up", "down"],
+    ids=["gate_up", "gate_up_rounding_ring", "down"],
 )
 def test_compiles_for_sm90_with_vector_loads(args):
     """DeepSeek-V3's tiles: no spills, at most 128 registers (two 8-warp or four 4-warp
