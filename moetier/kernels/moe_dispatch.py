@@ -53,8 +53,9 @@ class KernelChoice:
     # where the tuner kept it.
     quant_pdl: bool = False
     # q2s GEMV int8, gate_up: x rounded to int8 words in the kernel (one launch fewer a call;
-    # not with a delta plane, which reads the rounded x from memory). Slower at every large
-    # shape on the H200 (the rounding in the K loop costs more than the launch): off.
+    # not with a delta plane, which reads the rounded x from memory). The Triton kernel rounds
+    # each K tile in its loop (H200: slower at every large shape, off in its configs); the
+    # Gluon one (`gluon`) rounds its token's row once while staging it (on with it).
     quant_in: bool = False
     # q2s GEMV: K tiles of weights loaded ahead of the one being decoded (1 or 2); tuned per
     # launch (H200: kept for DeepSeek-V3's down only).
@@ -79,8 +80,10 @@ class KernelChoice:
     # q2s GEMV: the K loop unrolled this many times (1: not)
     unroll: int = 1
     # q2s GEMV int8 on sm_90, no delta plane or bias: the launch runs the Gluon kernel
-    # (`q2s_gluon.py`: activations staged in shared memory once a program) instead; a study,
-    # off in every config
+    # (`q2s_gluon.py`: activations staged in shared memory once a program, gate_up rounding x
+    # and h itself) instead; elsewhere the Triton kernel with the same fields. H200: on where
+    # it measured faster (1-2 tokens at DeepSeek-V3, every size at DeepSeek-V4-Flash, gate_up
+    # and from 4 tokens down at Qwen3-30B-A3B; docs/benchmarks.md)
     gluon: bool = False
 
 

@@ -268,6 +268,8 @@ def _q2s_gemv_gluon_kernel(
             acc_b = _tile_sum(acc_b, wb, sb, xqm, xsm, t, NTP, WPG, False, L3)
             wa, wb = na, nb
             sa, sb = nsa.to(gl.int32) & SMASK, nsb.to(gl.int32) & SMASK
+        if STAGES > 1:  # the look-ahead's last reloads land before any shared memory is reused
+            cp.wait_group(0)
         beta = gl.where(corr != 0, 0.5 * (b - a), a) / 32
         ya = gl.sum(gl.sum(acc_a, axis=2), axis=1) * beta
         yb = gl.sum(gl.sum(acc_b, axis=2), axis=1) * beta

@@ -596,7 +596,7 @@ def test_gpu_q2s_gemv_next_l2_unroll(next_l2, unroll, depth):
 @pytest.mark.parametrize(
     ("block_n", "block_k", "warps", "pipe", "quant_in"),
     [(64, 256, 4, 0, False), (128, 512, 8, 0, True), (64, 256, 4, 3, True),
-     (128, 512, 8, 2, False), (32, 512, 4, 0, True)],
+     (128, 512, 8, 2, False), (32, 512, 2, 0, True), (128, 256, 8, 2, True)],
 )  # fmt: skip
 def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps, pipe, quant_in):
     """Both launches in Gluon, or one of them with the Triton kernel's other, against the twin
