@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=8)
     parser.add_argument("--pdl", type=int, default=1)
     parser.add_argument("--stages", type=int, default=1, help="STAGES (KernelChoice.pipe)")
+    parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--quant-in", type=int, default=0, help="QUANT_IN (gate_up rounds x)")
     parser.add_argument("--quant-out", type=int, default=0, help="QUANT_OUT (gate_up rounds h)")
     args = parser.parse_args()
@@ -60,7 +61,7 @@ def main() -> None:
     source = GluonASTSource(fn, sig, const,
                             attrs={(i,): [["tt.divisibility", 16]] for i in divisible})  # fmt: skip
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": args.warps})  # fmt: skip
+                            options={"num_warps": args.warps, "maxnreg": args.maxnreg})  # fmt: skip
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"

@@ -84,9 +84,9 @@ def _scale_words(raw, WPG: gl.constexpr, L3: gl.constexpr):
 @gluon.jit
 def _tile_sum(acc, w, raw, xqm, xsm, t, NTP: gl.constexpr, WPG: gl.constexpr,
               HIGH: gl.constexpr, L3: gl.constexpr):  # fmt: skip
-    """acc + one K tile's products of words w [R, W/4, 4] with the staged activations of tile t
-    (xqm: the four planes of int8 bytes, xsm: the scales' bits and Σq): r · (group scale · x
-    scale) per word (r: `_word_dots`)."""
+    """acc [R, W/4] + one K tile's products of words w [R, W/4, 4] with the staged activations
+    of tile t (xqm: the four planes of int8 bytes, xsm: the scales' bits and Σq): r · (group
+    scale · x scale) per word (r: `_word_dots`), summed over a thread's four words."""
     XL: gl.constexpr = gl.SliceLayout(0, L3)
     q0 = gl.expand_dims(xqm.index(t).load(XL), 0)
     q1 = gl.expand_dims(xqm.index(NTP + t).load(XL), 0)
@@ -99,7 +99,8 @@ def _tile_sum(acc, w, raw, xqm, xsm, t, NTP: gl.constexpr, WPG: gl.constexpr,
     else:
         init = qs * -96
     r = _word_dots(w, q0, q1, q2, q3, init, HIGH)
-    return acc + r.to(gl.float32) * (_scale_words(raw, WPG, L3) * xsc)
+    # a thread's four words of a row summed before they meet its sum: [R, W/4] accumulators
+    return acc + gl.sum(r.to(gl.float32) * (_scale_words(raw, WPG, L3) * xsc), axis=2)
 
 
 @gluon.jit
@@ -211,22 +212,24 @@ def _q2s_gemv_gluon_kernel(
         SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         xq2 = gl.allocate_shared_memory(gl.int32, [4 * NTP, W], layout=SL)
         xs2 = gl.allocate_shared_memory(gl.int32, [2 * NTP, W], layout=SL)
-        if QUANT_IN:  # one word of x a thread: rounded as `_quant_words_kernel` rounds it
+        if QUANT_IN:  # one word of x a thread at a time, rounded as `_quant_words_kernel` does
             LQ: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
             SL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-            wq = gl.arange(0, NTP * W, layout=gl.SliceLayout(1, LQ))
-            cq = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
-            v = gl.load(x_ptr + x_idx * stride_x + (wq[:, None] * 16 + cq[None, :]) * stride_xk,
-                        mask=(wq < NT * W)[:, None], other=0.0).to(gl.float32)  # fmt: skip
-            p0, p1, p2, p3, xsc, qsum = _round_words(v)
+            CH: gl.constexpr = min(32 * NW, NTP * W)  # words a chunk
             xq1 = xq2._reinterpret(gl.int32, [4, NTP * W], SL1)
-            xq1.index(0).store(p0)
-            xq1.index(1).store(p1)
-            xq1.index(2).store(p2)
-            xq1.index(3).store(p3)
             xs1 = xs2._reinterpret(gl.int32, [2, NTP * W], SL1)
-            xs1.index(0).store(xsc.to(gl.int32, bitcast=True))
-            xs1.index(1).store(qsum)
+            cq = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
+            for c in gl.static_range(NTP * W // CH):
+                wq = c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, LQ))
+                v = gl.load(x_ptr + x_idx * stride_x + (wq[:, None] * 16 + cq[None, :]) * stride_xk,
+                            mask=(wq < NT * W)[:, None], other=0.0).to(gl.float32)  # fmt: skip
+                p0, p1, p2, p3, xsc, qsum = _round_words(v)
+                xq1.index(0).slice(c * CH, CH).store(p0)
+                xq1.index(1).slice(c * CH, CH).store(p1)
+                xq1.index(2).slice(c * CH, CH).store(p2)
+                xq1.index(3).slice(c * CH, CH).store(p3)
+                xs1.index(0).slice(c * CH, CH).store(xsc.to(gl.int32, bitcast=True))
+                xs1.index(1).slice(c * CH, CH).store(qsum)
         else:
             LF: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
             tf = gl.arange(0, NTP, layout=gl.SliceLayout(1, LF))
@@ -244,8 +247,8 @@ def _q2s_gemv_gluon_kernel(
         xqm = xq2._reinterpret(gl.int32, [4 * NTP, W4, 4], SL)
         xsm = xs2._reinterpret(gl.int32, [2 * NTP, W4, 4], SL)
         gl.thread_barrier()
-        acc_a = gl.zeros([R, W4, 4], gl.float32, layout=L3)
-        acc_b = gl.zeros([R, W4, 4], gl.float32, layout=L3)
+        acc_a = gl.zeros([R, W4], gl.float32, layout=LR)
+        acc_b = gl.zeros([R, W4], gl.float32, layout=LR)
         for t in range(NT):
             tn = gl.minimum(t + 1, NT - 1)  # the last tile's look-ahead reloads it (no masks)
             if STAGES > 1:
@@ -271,12 +274,12 @@ def _q2s_gemv_gluon_kernel(
         if STAGES > 1:  # the look-ahead's last reloads land before any shared memory is reused
             cp.wait_group(0)
         beta = gl.where(corr != 0, 0.5 * (b - a), a) / 32
-        ya = gl.sum(gl.sum(acc_a, axis=2), axis=1) * beta
-        yb = gl.sum(gl.sum(acc_b, axis=2), axis=1) * beta
+        ya = gl.sum(acc_a, axis=1) * beta
+        yb = gl.sum(acc_b, axis=1) * beta
         if corr != 0:  # a fitted grid: the high bits' sums, in a pass of their own
             gamma = -corr / 128
-            ha = gl.zeros([R, W4, 4], gl.float32, layout=L3)
-            hb = gl.zeros([R, W4, 4], gl.float32, layout=L3)
+            ha = gl.zeros([R, W4], gl.float32, layout=LR)
+            hb = gl.zeros([R, W4], gl.float32, layout=LR)
             for t in range(NT):
                 wa = gl.load(w_at_a + t * W)
                 wb = gl.load(w_at_b + t * W)
@@ -284,8 +287,8 @@ def _q2s_gemv_gluon_kernel(
                 sb = gl.load(s_at_b + t * W4).to(gl.int32) & SMASK
                 ha = _tile_sum(ha, wa, sa, xqm, xsm, t, NTP, WPG, True, L3)
                 hb = _tile_sum(hb, wb, sb, xqm, xsm, t, NTP, WPG, True, L3)
-            ya += gl.sum(gl.sum(ha, axis=2), axis=1) * gamma
-            yb += gl.sum(gl.sum(hb, axis=2), axis=1) * gamma
+            ya += gl.sum(ha, axis=1) * gamma
+            yb += gl.sum(hb, axis=1) * gamma
         rs = (bptr + row_scale).to(gl.pointer_type(gl.float32))
         ya = ya * gl.load(rs + rows_a)
         yb = yb * gl.load(rs + rows_b)
@@ -392,4 +395,5 @@ def launch(
         r, w, nt, triton.next_power_of_2(nt), wpg, smask, rpt, tr, choice.num_warps, pdl,
         max(1, choice.pipe), xwords is None, hwords is not None,
         num_warps=choice.num_warps, launch_pdl=pdl,
+        **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip
