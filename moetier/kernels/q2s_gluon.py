@@ -33,6 +33,21 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 from moetier.kernels.moe_dispatch import KernelChoice
 
+# Gluon is experimental and its names move: Triton 3.6 (the H200 image) has
+# `gl.thread_barrier` and `shared_memory_descriptor._reinterpret`, 3.9 (CI) `gl.barrier` and
+# `.reinterpret`
+_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+_NEW_REINTERPRET: gl.constexpr = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def _view(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """smem's bytes as dtype [shape] with layout (plain row-major layouts only)."""
+    if _NEW_REINTERPRET:
+        return smem.reinterpret(dtype, shape, layout)
+    else:
+        return smem._reinterpret(dtype, shape, layout)
+
 
 @gluon.jit
 def _dp4a(a, b, c):
@@ -216,8 +231,8 @@ def _q2s_gemv_gluon_kernel(
             LQ: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
             SL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
             CH: gl.constexpr = min(32 * NW, NTP * W)  # words a chunk
-            xq1 = xq2._reinterpret(gl.int32, [4, NTP * W], SL1)
-            xs1 = xs2._reinterpret(gl.int32, [2, NTP * W], SL1)
+            xq1 = _view(xq2, gl.int32, [4, NTP * W], SL1)
+            xs1 = _view(xs2, gl.int32, [2, NTP * W], SL1)
             cq = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
             for c in gl.static_range(NTP * W // CH):
                 wq = c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, LQ))
@@ -244,9 +259,9 @@ def _q2s_gemv_gluon_kernel(
             xs2.slice(0, NTP).store(gl.load(xs_row + word, mask=fmask, other=0))
             xs2.slice(NTP, NTP).store(gl.load(xsum + x_idx * row_words + word, mask=fmask,
                                               other=0))  # fmt: skip
-        xqm = xq2._reinterpret(gl.int32, [4 * NTP, W4, 4], SL)
-        xsm = xs2._reinterpret(gl.int32, [2 * NTP, W4, 4], SL)
-        gl.thread_barrier()
+        xqm = _view(xq2, gl.int32, [4 * NTP, W4, 4], SL)
+        xsm = _view(xs2, gl.int32, [2 * NTP, W4, 4], SL)
+        _barrier()
         acc_a = gl.zeros([R, W4], gl.float32, layout=LR)
         acc_b = gl.zeros([R, W4], gl.float32, layout=LR)
         for t in range(NT):
@@ -310,9 +325,9 @@ def _q2s_gemv_gluon_kernel(
             if QUANT_OUT:  # through shared memory, so that a thread holds a word of h
                 hsm = gl.allocate_shared_memory(gl.float32, [R], layout=SL1H)
                 hsm.store(h)
-                gl.thread_barrier()
+                _barrier()
                 LH: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
-                hv = hsm._reinterpret(gl.float32, [R // 16, 16], SL2H).load(LH)
+                hv = _view(hsm, gl.float32, [R // 16, 16], SL2H).load(LH)
                 p0, p1, p2, p3, hsc, hsum = _round_words(hv)
                 hrow = INTER // 16
                 wd = pid_n * (R // 16) + gl.arange(0, R // 16, layout=gl.SliceLayout(1, LH))
