@@ -34,9 +34,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from moetier.kernels.moe_dispatch import KernelChoice
 
 # Gluon is experimental and its names move: Triton 3.6 (the H200 image) has
-# `gl.thread_barrier` and `shared_memory_descriptor._reinterpret`, 3.9 (CI) `gl.barrier` and
-# `.reinterpret`
+# `gl.thread_barrier`, `shared_memory_descriptor._reinterpret` and
+# `async_copy_global_to_shared`, 3.9 (CI) `gl.barrier`, `.reinterpret` and `async_load`
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+_async_load = cp.async_load if hasattr(cp, "async_load") else cp.async_copy_global_to_shared
 _NEW_REINTERPRET: gl.constexpr = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 
@@ -204,8 +205,8 @@ def _q2s_gemv_gluon_kernel(
             wsm_a = gl.allocate_shared_memory(gl.int32, [STAGES, R, W4, 4], layout=SW)
             wsm_b = gl.allocate_shared_memory(gl.int32, [STAGES, R, W4, 4], layout=SW)
             for s in gl.static_range(STAGES - 1):
-                cp.async_copy_global_to_shared(wsm_a.index(s), w_at_a + min(s, NT - 1) * W)
-                cp.async_copy_global_to_shared(wsm_b.index(s), w_at_b + min(s, NT - 1) * W)
+                _async_load(wsm_a.index(s), w_at_a + min(s, NT - 1) * W)
+                _async_load(wsm_b.index(s), w_at_b + min(s, NT - 1) * W)
                 cp.commit_group()
             wa = gl.zeros([R, W4, 4], gl.int32, layout=L3)
             wb = wa
@@ -268,9 +269,9 @@ def _q2s_gemv_gluon_kernel(
             tn = gl.minimum(t + 1, NT - 1)  # the last tile's look-ahead reloads it (no masks)
             if STAGES > 1:
                 ta = gl.minimum(t + STAGES - 1, NT - 1)
-                cp.async_copy_global_to_shared(wsm_a.index((t + STAGES - 1) % STAGES),
+                _async_load(wsm_a.index((t + STAGES - 1) % STAGES),
                                                w_at_a + ta * W)  # fmt: skip
-                cp.async_copy_global_to_shared(wsm_b.index((t + STAGES - 1) % STAGES),
+                _async_load(wsm_b.index((t + STAGES - 1) % STAGES),
                                                w_at_b + ta * W)  # fmt: skip
                 cp.commit_group()
                 cp.wait_group(STAGES - 1)
