@@ -357,7 +357,8 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     # (split_k 2: more programs, shorter chains of K tiles, for few pairs); two pairs of an
     # expert per program (pairs 2: its rows read once for both); two row tiles a program
     # (row_tiles 2: its blob found once for both), with registers capped at 128 (maxnreg);
-    # gate_up asking L2 for down's weights when done (next_l2); gate_up's K loop unrolled twice
+    # gate_up asking L2 for down's weights when done (next_l2); gate_up's K loop unrolled twice;
+    # the Gluon kernel (gluon)
     best = score(best_gu, best_dn)
     ahead = ({"pipe_x": True},) if delta else ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
     options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
@@ -367,6 +368,9 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     options += [] if delta else [("gu", {"quant_in": True}), ("gu", {"quant_pdl": True})]
     options += [(launch, {"row_tiles": 2, "maxnreg": 128}) for launch in ("gu", "dn")]
     options += [("gu", {"next_l2": True}), ("gu", {"unroll": 2})]
+    # the Gluon kernel on a launch (no delta plane; gate_up rounding x and h itself): a tile it
+    # cannot run raises, which scores inf
+    options += [] if delta else [("gu", {"gluon": True, "quant_in": True}), ("dn", {"gluon": True})]
     for launch, option in options:
         c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
         c_dn = replace(best_dn, **option) if launch == "dn" else best_dn
@@ -375,7 +379,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
             best_gu, best_dn, best = c_gu, c_dn, got
     fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
               "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs", "row_tiles",
-              "maxnreg", "next_l2", "unroll")  # fmt: skip
+              "maxnreg", "next_l2", "unroll", "gluon")  # fmt: skip
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv-delta" if delta else "q2s-gemv"
     return {
         f"{key}:{gu.n}x{gu.k}{suffix}": {f: asdict(best_gu)[f] for f in fields},

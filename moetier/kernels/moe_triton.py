@@ -21,9 +21,10 @@ Two modes, chosen by `moe_dispatch.choose`:
 A group holds only pairs with the delta on or only pairs with it off, so the delta is applied per
 (token, expert) pair exactly as the mask says, and a group with it off never reads the delta blob.
 
-q2s decode (below `Q2S_GEMV_MAX_PAIRS` pairs) has its own GEMV kernel, `_q2s_gemv_kernel`: int32
-words of 16 codes, four row sub-tiles sharing each load of x, gate_up applying the activation
-itself (gate and up rows of the same outputs in one program), so it writes h [P, I] and no split-K
+q2s decode (below `Q2S_GEMV_MAX_PAIRS` pairs) has its own GEMV kernel, `_q2s_gemv_kernel` (or,
+per launch where a config sets `gluon`, its Gluon counterpart in `q2s_gluon.py`): int32 words of
+16 codes, four row sub-tiles sharing each load of x, gate_up applying the activation itself
+(gate and up rows of the same outputs in one program), so it writes h [P, I] and no split-K
 partials. By default (`KernelChoice.int8_act`) its activations are rounded to int8 per 16 columns
 (`_quant_words_kernel`; gate_up rounds h itself) and each word's products are integer (IDP4A; an
 NVFP4 delta through PRMT + IDP4A): the twin is `moe_slots_ref(..., act_int8=True)`.
