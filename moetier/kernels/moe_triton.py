@@ -1545,8 +1545,8 @@ def _q2s_gemv(
     # gate_up rounds h to int8 words itself when its row sub-tiles hold whole words (or, at 8
     # rows, its two sub-tiles make one)
     sub_gu = max(1, c_gu.block_n // 4)
-    # the Gluon study kernel (`q2s_gluon`) where asked for and it runs: sm_90, int8, no delta
-    # plane or bias (its gate_up writes float h)
+    # the Gluon kernel (`q2s_gluon`) on the launches whose config asks for it, where it runs:
+    # sm_90, int8, no delta plane or bias (elsewhere the Triton kernel takes the same config)
     gluon = _sm_at_least(hidden.device, 9) and int8 and not has_delta and bias == 0
     gl_gu, gl_dn = gluon and c_gu.gluon, gluon and c_dn.gluon
     quant_out = int8 and (sub_gu % 16 == 0 or sub_gu == 8) and inter % 16 == 0

@@ -1,26 +1,24 @@
-"""q2s decode GEMV in Gluon (Triton's layout-explicit dialect), sm_90: a study of one launch of
-`moe_triton._q2s_gemv_kernel` (gate_up or down) with its activations staged in shared memory.
+"""q2s decode GEMV in Gluon (Triton's layout-explicit dialect), sm_90: one launch of a call's
+gate_up or down, in place of `moe_triton._q2s_gemv_kernel` where a config sets
+`KernelChoice.gluon` (H200 configs: where it measured faster, docs/benchmarks.md).
 
-Why: in the Triton kernel each K tile's int8 activations are a first touch for the program (the
-tile's columns are new to it), so their loads go to L2, and an H200 profile put 44% of
-DeepSeek-V3 gate_up's stall samples on them. Held a tile ahead in registers they cost more
-registers than two programs an SM leave (docs/benchmarks.md). Here every program copies its
-token's whole activation row (int8 planes, scales, Σq: 24 bytes a word of 16 columns) into shared
-memory once, after the weights' first tile is asked for, and each K tile reads it from there. The
-words and group scales of tile i + 1 are loaded (into registers) before tile i is decoded.
+Every program copies its token's activation row into shared memory once (int8 planes, scales,
+Σq: 24 bytes a word of 16 columns), after its weights' first tile is asked for, and each K tile
+reads it from there. gate_up can round x to int8 words itself while copying it (QUANT_IN: once
+a program, so no rounding launch) and rounds h into int8 words for down (QUANT_OUT), so a call
+is two launches. The words and group scales of tile i + 1 are loaded into registers before tile
+i is decoded (or the words stream through a cp.async ring, STAGES >= 2: slower on the H200).
 
 Same arithmetic as the Triton kernel's int8 path (`_q2s_word_dots`, the same IDP4A sums, one
-float product a word: r · (group scale · x scale)), so the twin is the same:
-`moe_ref.moe_slots_ref(..., act_int8=True)`. What it takes (`tile` raises otherwise): q2s
-matrices whose K tiles and row tiles are whole (no masks), groups of 16 or 32 columns, no delta
-plane, no bias,
-the activations rounded by `_quant_words_kernel` (gate_up writes float h, so down's input is
-rounded by a launch of its own). A fitted grid (b != 3a) takes a second pass over the words for
-its high bits, as the Triton kernel does.
+float product a word: r · (group scale · x scale)) and the same rounding, so the twin is the
+same: `moe_ref.moe_slots_ref(..., act_int8=True)`. What it takes (`tile` and `launch` raise
+otherwise): q2s matrices whose K tiles and row tiles are whole (no masks), groups of 16 or 32
+columns; `moe_triton` sends it no call with a delta plane or a bias. A fitted grid (b != 3a)
+takes a second pass over the words for its high bits, as the Triton kernel does.
 
 A program computes two row tiles of R rows (gate_up: R gate rows and their R up rows; down: 2R
 consecutive rows), each held as [R, W/4, 4] int32 words (four consecutive words a thread: one
-16-byte load) in the blocked layout `_layout` returns.
+16-byte load) in the kernel's blocked layout L3.
 """
 
 from __future__ import annotations
