@@ -1,19 +1,15 @@
-"""The Gluon q2s GEMV study kernel (`moetier/kernels/q2s_gluon.py`) compiled here for sm_90 (no
-GPU: Triton's bundled ptxas): one JSON line with its registers, stack, shared memory and the
-SASS counts of its words' loads (LDG, or LDGSTS: cp.async), shared-memory loads and IDP4A.
-Run without TRITON_INTERPRET."""
+"""The Gluon q2s GEMV kernel (`moetier/kernels/q2s_gluon.py`) compiled here for sm_90 (no GPU:
+Triton's bundled ptxas, through `sass_count.compile_sm90`): one JSON line with its registers,
+stack, shared memory and the SASS counts of its words' loads (LDG, or LDGSTS: cp.async),
+shared-memory loads and IDP4A. Run without TRITON_INTERPRET."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import triton
-from triton.backends.compiler import GPUTarget
+from sass_count import compile_sm90
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from moetier.kernels import moe_dispatch, q2s_gluon
@@ -49,30 +45,16 @@ def main() -> None:
                  NTP=triton.next_power_of_2(nt), WPG=wpg, SMASK=-1 if wpg == 1 else 0xFFFF,
                  RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl, STAGES=args.stages,
                  QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out)  # fmt: skip
-    sig = {}
-    for name in fn.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = POINTERS.get(name, "fp32" if name in ("limit", "alpha") else "i32")
-    divisible = [
-        i for i, n in enumerate(fn.arg_names) if sig[n] != "constexpr" and n not in NOT_DIVISIBLE
-    ]
-    source = GluonASTSource(fn, sig, const,
-                            attrs={(i,): [["tt.divisibility", 16]] for i in divisible})  # fmt: skip
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": args.warps, "maxnreg": args.maxnreg})  # fmt: skip
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
-        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)],
-                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    kernel, sass, regs, stack = compile_sm90(
+        fn,
+        const,
+        POINTERS,
+        NOT_DIVISIBLE,
+        {"num_warps": args.warps, "maxnreg": args.maxnreg},
+        GluonASTSource,
+    )
     print(json.dumps({
-        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),  # type: ignore[union-attr]
-        "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),  # type: ignore[union-attr]
+        "registers": regs, "stack_bytes": stack,
         "shared_bytes": kernel.metadata.shared,
         "ldg128": sass.count("LDG.E.128"), "lds128": sass.count("LDS.128"),
         "ldgsts": sass.count("LDGSTS"),

@@ -41,6 +41,34 @@ NOT_DIVISIBLE = {"limit", "alpha", "stride_xk", "topk_ids", "topk_w", "delta_mas
                  "slot_offsets", "delta_table", "in_bias", "out_bias", "N", "INTER"}  # fmt: skip
 
 
+def compile_sm90(fn, const, pointers, not_divisible, options, source_cls=ASTSource):  # type: ignore[no-untyped-def]
+    """(compiled kernel, SASS, registers, stack bytes) of jit function fn compiled for sm_90
+    with these constexprs: arguments typed from `pointers` (else fp32 for limit / alpha, i32),
+    those not in `not_divisible` marked divisible by 16; source_cls: Gluon's for its kernels."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = pointers.get(name, "fp32" if name in ("limit", "alpha") else "i32")
+    divisible = [
+        i for i, n in enumerate(fn.arg_names) if sig[n] != "constexpr" and n not in not_divisible
+    ]
+    source = source_cls(fn, sig, const, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))  # type: ignore[union-attr]
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))  # type: ignore[union-attr]
+    return kernel, sass, regs, stack
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--float", action="store_true", help="float activations (INT8=0)")
@@ -80,31 +108,9 @@ def main() -> None:
                  SPLIT=args.split, PAIRS=args.pairs, PAIRS_P2=64,
                  ROW_TILES=args.row_tiles, NEXT_L2=args.next_l2,
                  UNROLL=args.unroll if args.unroll > 1 else None)  # fmt: skip
-    sig = {}
-    for name in fn.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        else:
-            sig[name] = POINTERS.get(name, "fp32" if name in ("limit", "alpha") else "i32")
-    divisible = [
-        i for i, n in enumerate(fn.arg_names) if sig[n] != "constexpr" and n not in NOT_DIVISIBLE
-    ]
-    source = ASTSource(fn, sig, const, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
-    kernel = triton.compile(
-        source,
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": args.warps, "maxnreg": args.maxnreg},
+    kernel, sass, regs, stack = compile_sm90(
+        fn, const, POINTERS, NOT_DIVISIBLE, {"num_warps": args.warps, "maxnreg": args.maxnreg}
     )
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        sass = subprocess.run([str(tools / "nvdisasm"), "-c", str(cubin)], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
-        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)],
-                               capture_output=True, text=True, check=True).stdout  # fmt: skip
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))  # type: ignore[union-attr]
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))  # type: ignore[union-attr]
     lines = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s*", "", line).split(";")[0].strip()
              for line in sass.splitlines()]  # fmt: skip
     # (a fence may be predicated: the atomics it orders run on one thread)

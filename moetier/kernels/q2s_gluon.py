@@ -30,6 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 from moetier.kernels.moe_dispatch import KernelChoice
+from moetier.kernels.moe_triton import _q2s_word_dots
 
 # Gluon is experimental and its names move: Triton 3.6 (the H200 image) has
 # `gl.thread_barrier`, `shared_memory_descriptor._reinterpret` and
@@ -49,14 +50,6 @@ def _view(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _dp4a(a, b, c):
-    return gl.inline_asm_elementwise(
-        "dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
-        dtype=gl.int32, is_pure=True, pack=1,
-    )  # fmt: skip
-
-
-@gluon.jit
 def _gdc_wait():
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
                               is_pure=False, pack=1)  # fmt: skip
@@ -66,23 +59,6 @@ def _gdc_wait():
 def _gdc_launch_dependents():
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _word_dots(w, q0, q1, q2, q3, init, HIGH: gl.constexpr):
-    """`moe_triton._q2s_word_dots`: R = 64·Σ c·q + init per word (HIGH: 128·Σ h·q + init)."""
-    if HIGH:
-        m_hi = 0x80808080 - (1 << 32)
-        m_lo = 0x20202020
-    else:
-        m_hi = 0xC0C0C0C0 - (1 << 32)
-        m_lo = 0x30303030
-    w4 = w << 4
-    hi = _dp4a(w & m_hi, q3, init)
-    hi = _dp4a(w4 & m_hi, q1, hi)
-    lo = _dp4a(w & m_lo, q2, init * 0)
-    lo = _dp4a(w4 & m_lo, q0, lo)
-    return hi + (lo << 2)
 
 
 @gluon.jit
@@ -100,7 +76,8 @@ def _tile_sum(acc, w, raw, xqm, xsm, t, NTP: gl.constexpr, WPG: gl.constexpr,
               HIGH: gl.constexpr, L3: gl.constexpr):  # fmt: skip
     """acc [R, W/4] + one K tile's products of words w [R, W/4, 4] with the staged activations
     of tile t (xqm: the four planes of int8 bytes, xsm: the scales' bits and Σq): r · (group
-    scale · x scale) per word (r: `_word_dots`), summed over a thread's four words."""
+    scale · x scale) per word (r: `moe_triton._q2s_word_dots`, called from here), summed over
+    a thread's four words."""
     XL: gl.constexpr = gl.SliceLayout(0, L3)
     q0 = gl.expand_dims(xqm.index(t).load(XL), 0)
     q1 = gl.expand_dims(xqm.index(NTP + t).load(XL), 0)
@@ -112,7 +89,7 @@ def _tile_sum(acc, w, raw, xqm, xsm, t, NTP: gl.constexpr, WPG: gl.constexpr,
         init = qs * -64
     else:
         init = qs * -96
-    r = _word_dots(w, q0, q1, q2, q3, init, HIGH)
+    r = _q2s_word_dots(w, q0, q1, q2, q3, init, HIGH, True)
     # a thread's four words of a row summed before they meet its sum: [R, W/4] accumulators
     return acc + gl.sum(r.to(gl.float32) * (_scale_words(raw, WPG, L3) * xsc), axis=2)
 
