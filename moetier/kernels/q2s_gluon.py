@@ -28,6 +28,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moetier.kernels.moe_dispatch import KernelChoice
 from moetier.kernels.moe_triton import _q2s_word_dots
@@ -47,18 +48,6 @@ def _view(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
         return smem.reinterpret(dtype, shape, layout)
     else:
         return smem._reinterpret(dtype, shape, layout)
-
-
-@gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -138,7 +127,7 @@ def _q2s_gemv_gluon_kernel(
     LROW: gl.constexpr = gl.SliceLayout(1, LR)  # [R]
     pair = gl.program_id(0)
     if PDL:
-        _gdc_launch_dependents()
+        gdc_launch_dependents()
     pid_n = gl.program_id(1)
     expert = gl.load(topk_ids + pair).to(gl.int32)
     slot = gl.load(slot_table + expert)
@@ -194,7 +183,7 @@ def _q2s_gemv_gluon_kernel(
         b = gl.load((bptr + aux + 4).to(gl.pointer_type(gl.float32)))
         corr = gl.where(b == 3 * a, 0.0, b - 3 * a)
         if PDL:
-            _gdc_wait()
+            gdc_wait()
         # the token's activations into shared memory: 4 planes of int8 bytes (xqm), the scales'
         # bits and Σq (xsm), each NTP tiles x [W/4, 4] words
         x_idx = pair if IS_DOWN else pair // TOPK
