@@ -233,10 +233,8 @@ def _q2s_gemv_gluon_kernel(
             tn = gl.minimum(t + 1, NT - 1)  # the last tile's look-ahead reloads it (no masks)
             if STAGES > 1:
                 ta = gl.minimum(t + STAGES - 1, NT - 1)
-                _async_load(wsm_a.index((t + STAGES - 1) % STAGES),
-                                               w_at_a + ta * W)  # fmt: skip
-                _async_load(wsm_b.index((t + STAGES - 1) % STAGES),
-                                               w_at_b + ta * W)  # fmt: skip
+                _async_load(wsm_a.index((t + STAGES - 1) % STAGES), w_at_a + ta * W)
+                _async_load(wsm_b.index((t + STAGES - 1) % STAGES), w_at_b + ta * W)
                 cp.commit_group()
                 cp.wait_group(STAGES - 1)
                 wa = wsm_a.index(t % STAGES).load(L3)
