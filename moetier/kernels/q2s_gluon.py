@@ -149,20 +149,11 @@ def _q2s_gemv_gluon_kernel(
         w_at_b = wbase + gl.expand_dims(gl.expand_dims(rows_b * row_words, 1), 2) + col
         # a thread's 4 / WPG group scale bytes of a row, as one int32 (WPG 1) or int16 (WPG 2)
         gcol = gl.expand_dims(g * (4 // WPG), 0)  # [1, W/4] group of each thread's first word
-        if WPG == 1:
-            s_at_a = (sbase + gl.expand_dims(rows_a * row_groups, 1) + gcol).to(
-                gl.pointer_type(gl.int32)
-            )
-            s_at_b = (sbase + gl.expand_dims(rows_b * row_groups, 1) + gcol).to(
-                gl.pointer_type(gl.int32)
-            )
-        else:
-            s_at_a = (sbase + gl.expand_dims(rows_a * row_groups, 1) + gcol).to(
-                gl.pointer_type(gl.int16)
-            )
-            s_at_b = (sbase + gl.expand_dims(rows_b * row_groups, 1) + gcol).to(
-                gl.pointer_type(gl.int16)
-            )
+        s_at_a = sbase + gl.expand_dims(rows_a * row_groups, 1) + gcol
+        s_at_b = sbase + gl.expand_dims(rows_b * row_groups, 1) + gcol
+        SDT: gl.constexpr = gl.int32 if WPG == 1 else gl.int16
+        s_at_a = s_at_a.to(gl.pointer_type(SDT))
+        s_at_b = s_at_b.to(gl.pointer_type(SDT))
         # (a K tile moves each of these pointers by W / 4 of its elements)
         if STAGES > 1:
             SW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
