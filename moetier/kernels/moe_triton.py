@@ -1368,6 +1368,31 @@ def _bias_kind(fmt: BlobFormat) -> tuple[int, int, int]:
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+_PLAIN_OFFSETS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def _plain_slot_offsets(pool: torch.Tensor) -> torch.Tensor:
+    """The default slot offsets (slot s at s * pool.stride(0)), made once per pool shape: made
+    per call they were two more launches in every call (and in every captured graph), which
+    also broke the programmatic dependent launch chain from one call's down to the next
+    call's gate_up."""
+    key = (pool.device, pool.shape[0], pool.stride(0))
+    offsets = _PLAIN_OFFSETS.get(key)
+    if offsets is None:
+        offsets = torch.arange(pool.shape[0], device=pool.device, dtype=torch.int64)
+        offsets *= pool.stride(0)
+        if not (pool.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _PLAIN_OFFSETS[key] = offsets  # (one made in a capture belongs to that graph)
+    return offsets
+
+
+def _mask_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """The delta mask as uint8 bytes; a contiguous bool mask is viewed as them (no launch)."""
+    if mask.dtype == torch.bool and mask.is_contiguous():
+        return mask.view(torch.uint8)
+    return mask.contiguous().to(torch.uint8)
+
+
 def moe_slots_triton(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -1412,8 +1437,7 @@ def moe_slots_triton(
     dgu = matrix_spec(delta_fmt, "gate_up") if use_delta else None
     ddn = matrix_spec(delta_fmt, "down") if use_delta else None
     if slot_offsets is None:
-        slot_offsets = torch.arange(pool.shape[0], device=pool.device, dtype=torch.int64)
-        slot_offsets *= pool.stride(0)
+        slot_offsets = _plain_slot_offsets(pool)
     pairs = tokens * top_k
     inter = gu.n // 2
     from moetier.kernels import q2s_mma  # it imports this module's tile decoders
@@ -1448,7 +1472,7 @@ def moe_slots_triton(
         raise ValueError("gate_up and down must use the same pair grouping (mode and BLOCK_M)")
     topk_ids = topk_ids.contiguous()
     topk_w = topk_weights.contiguous()
-    mask = delta_mask.contiguous().to(torch.uint8) if use_delta and delta_mask is not None else None
+    mask = _mask_bytes(delta_mask) if use_delta and delta_mask is not None else None
     grouped = c_gu.grouped
     block_pairs = block_key = topk_ids  # unused placeholders in the ungrouped mode
     if grouped:
@@ -1536,11 +1560,7 @@ def _q2s_gemv(
         raise ValueError("gate_up and down must agree on int8 activations")
     bias, in_bias, out_bias = _bias_kind(fmt)
     has_delta = dgu is not None and delta_mask is not None and delta_table is not None
-    dmask = (
-        delta_mask.contiguous().to(torch.uint8)
-        if has_delta and delta_mask is not None
-        else topk_ids
-    )
+    dmask = _mask_bytes(delta_mask) if has_delta and delta_mask is not None else topk_ids
     dtable = delta_table if has_delta and delta_table is not None else slot_table
     # gate_up rounds h to int8 words itself when its row sub-tiles hold whole words (or, at 8
     # rows, its two sub-tiles make one)

@@ -403,6 +403,43 @@ def test_quant_words_matches_ref():
     assert torch.equal(natural.permute(0, 2, 1, 3).reshape(5, 96).float(), q)
 
 
+def test_default_slot_offsets_made_once_and_masks_viewed(monkeypatch):
+    """A call without slot offsets takes the plain layout (slot s at s * stride) from a tensor
+    made once per pool shape, not two launches a call; a bool delta mask is read through a
+    uint8 view, not a cast launch. Both calls still match the twin."""
+    torch.manual_seed(5)
+    fmt, delta_fmt = formats(64, 32)["q2s+nvfp4"]
+    experts, stride = 3, align_up(max(fmt.nbytes, delta_fmt.nbytes), 4096)
+    pool = torch.zeros(2 * experts, stride, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(5)
+    for e in range(experts):
+        pool[e, : fmt.nbytes] = random_blob(fmt, gen)
+        pool[experts + e, : delta_fmt.nbytes] = random_blob(delta_fmt, gen)
+    pool = pool.to(DEVICE)
+    table = torch.arange(experts, dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([[0, 2], [1, 0]], device=DEVICE)
+    w = torch.rand(2, 2, device=DEVICE)
+    x = torch.randn(2, 64, device=DEVICE)
+    mask = torch.tensor([[True, False], [False, True]], device=DEVICE)
+    first = moe_triton._plain_slot_offsets(pool)
+    assert moe_triton._plain_slot_offsets(pool) is first
+    assert first.tolist() == [s * stride for s in range(2 * experts)]
+    assert torch.equal(moe_triton._mask_bytes(mask), mask.to(torch.uint8))
+    assert moe_triton._mask_bytes(mask).data_ptr() == mask.data_ptr()  # a view, no launch
+    made = []
+    real_arange = torch.arange
+    monkeypatch.setattr(torch, "arange", lambda *a, **k: made.append(a) or real_arange(*a, **k))
+    got = torch.empty(2, 2, 64, device=DEVICE)
+    used = moe_slots_triton(x, ids, w, table, pool, fmt, ExpertActivation(), got, delta_mask=mask,
+                            delta_table=table + experts, delta_fmt=delta_fmt)  # fmt: skip
+    assert made == []
+    want = torch.empty_like(got)
+    moe_slots_ref(x.cpu(), ids.cpu(), w.cpu(), table.cpu(), pool.cpu(), fmt, ExpertActivation(),
+                  want, delta_mask=mask.cpu(), delta_table=(table + experts).cpu(),
+                  delta_fmt=delta_fmt, act_int8=used[0].int8_act)  # fmt: skip
+    assert (got.cpu() - want).norm() / want.norm() < 1e-3
+
+
 def test_dispatch_is_shape_only():
     small = moe_dispatch.choose(8, 128, 1536, 2048)
     large = moe_dispatch.choose(4096, 128, 1536, 2048)
