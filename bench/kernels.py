@@ -372,9 +372,11 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     options += [] if delta else [("gu", {"quant_in": True}), ("gu", {"quant_pdl": True})]
     options += [(launch, {"row_tiles": 2, "maxnreg": 128}) for launch in ("gu", "dn")]
     options += [("gu", {"next_l2": True}), ("gu", {"unroll": 2})]
-    # the Gluon kernel on a launch (no delta plane; gate_up rounding x and h itself): a tile it
+    # the Gluon kernel on a launch (no delta plane; gate_up rounding x and h itself, or reading
+    # the rounding launch's words: at 1 token a lone launch rounding x once won): a tile it
     # cannot run raises, which scores inf
-    options += [] if delta else [("gu", {"gluon": True, "quant_in": True}), ("dn", {"gluon": True})]
+    options += [] if delta else [("gu", {"gluon": True, "quant_in": True}), ("gu", {"gluon": True}),
+                                 ("dn", {"gluon": True})]  # fmt: skip
     for launch, option in options:
         c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
         c_dn = replace(best_dn, **option) if launch == "dn" else best_dn
