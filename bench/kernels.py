@@ -326,7 +326,9 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
         # int8 activations only: the float path lost every shape by 2-3x (docs/benchmarks.md)
         replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w, int8_act=True)
         for bn, bk, w in [(64, 512, 4), (128, 512, 4), (128, 512, 8), (64, 256, 4),
-                          (128, 256, 4), (32, 512, 4), (64, 1024, 4), (32, 256, 2)]
+                          (128, 256, 4), (32, 512, 4), (64, 1024, 4), (32, 256, 2),
+                          # the H200's hand-found winners at 1-2 tokens (docs/benchmarks.md)
+                          (32, 1024, 4), (64, 512, 8)]
     ] + [
         # int8 sums per q2s group: half the accumulators, so 32 words and rows per thread fit
         replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w, group_acc=True)
