@@ -16,10 +16,9 @@ from moetier.kernels import moe_dispatch, q2s_gluon
 
 POINTERS = {"x_ptr": "*bf16", "xq": "*i32", "xs": "*fp32", "xsum": "*i32", "topk_ids": "*i64",
             "topk_w": "*fp32", "pool": "*u8", "slot_table": "*i32", "slot_offsets": "*i64",
-            "out": "*fp32", "oq": "*i32", "osc": "*fp32", "osum": "*i32",
-            "pool_bytes": "i64"}  # fmt: skip
+            "out": "*fp32", "oq": "*i32", "osc": "*fp32", "osum": "*i32"}  # fmt: skip
 NOT_DIVISIBLE = {"limit", "alpha", "stride_xk", "topk_ids", "topk_w", "slot_table",
-                 "slot_offsets", "N", "INTER", "pool_bytes", "next_lo", "next_bytes"}  # fmt: skip
+                 "slot_offsets", "N", "INTER"}  # fmt: skip
 
 
 def main() -> None:
@@ -35,7 +34,6 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--quant-in", type=int, default=0, help="QUANT_IN (gate_up rounds x)")
     parser.add_argument("--quant-out", type=int, default=0, help="QUANT_OUT (gate_up rounds h)")
-    parser.add_argument("--next-l2", type=int, default=0, help="NEXT_L2 (gate_up asks L2 for down)")
     args = parser.parse_args()
     choice = moe_dispatch.KernelChoice(block_n=args.block_n, block_k=args.block_k,
                                        num_warps=args.warps, int8_act=True, gluon=True)  # fmt: skip
@@ -46,8 +44,7 @@ def main() -> None:
     const = dict(ACT=0, IS_DOWN=int(args.down), TOPK=8, R=r, W=w, NT=nt,
                  NTP=triton.next_power_of_2(nt), WPG=wpg, SMASK=-1 if wpg == 1 else 0xFFFF,
                  RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl, STAGES=args.stages,
-                 QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out,
-                 NEXT_L2=args.next_l2)  # fmt: skip
+                 QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn,
         const,
@@ -60,7 +57,7 @@ def main() -> None:
         "registers": regs, "stack_bytes": stack,
         "shared_bytes": kernel.metadata.shared,
         "ldg128": sass.count("LDG.E.128"), "lds128": sass.count("LDS.128"),
-        "ldgsts": sass.count("LDGSTS"), "l2_prefetch": sass.count("UBLKPF"),
+        "ldgsts": sass.count("LDGSTS"),
         "idp4a": sass.count("IDP.4A"), "tile": {"R": r, "W": w, "RPT": rpt, "TR": tr},
     }))  # fmt: skip
 

@@ -1626,9 +1626,7 @@ def _q2s_gemv(
             q2s_gluon.launch(bool(is_down), x, None if xq is x else (xq, xs, xsum, xqn),
                              topk_ids, topk_w, pool, slot_table, slot_offsets, dst,
                              None if is_down else hq, spec, inter, top_k,
-                             ACTIVATIONS[act.kind], act.limit, act.alpha, c, pdl,
-                             None if is_down or not c.next_l2 else (dn_lo, dn_hi - dn_lo),
-                             )  # fmt: skip
+                             ACTIVATIONS[act.kind], act.limit, act.alpha, c, pdl)  # fmt: skip
             continue
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,

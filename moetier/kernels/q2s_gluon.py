@@ -8,8 +8,6 @@ reads it from there. gate_up can round x to int8 words itself while copying it (
 a program, so no rounding launch) and rounds h into int8 words for down (QUANT_OUT), so a call
 is two launches. The words and group scales of tile i + 1 are loaded into registers before tile
 i is decoded (or the words stream through a cp.async ring, STAGES >= 2: slower on the H200).
-Where the config sets `next_l2`, each gate_up program, when done, asks L2 for its share of its
-pair's down weights, as the Triton kernel's NEXT_L2 does.
 
 Same arithmetic as the Triton kernel's int8 path (`_q2s_word_dots`, the same IDP4A sums, one
 float product a word: r · (group scale · x scale)) and the same rounding, so the twin is the
@@ -33,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moetier.kernels.moe_dispatch import KernelChoice
-from moetier.kernels.moe_triton import _prefetch_l2, _q2s_word_dots
+from moetier.kernels.moe_triton import _q2s_word_dots
 
 # Gluon is experimental and its names move: Triton 3.6 (the H200 image) has
 # `gl.thread_barrier`, `shared_memory_descriptor._reinterpret` and
@@ -106,13 +104,11 @@ def _round_words(v):
 def _q2s_gemv_gluon_kernel(
     x_ptr, stride_x, stride_xk, xq, xs, xsum, topk_ids, topk_w, pool, slot_table, slot_offsets,
     out, oq, osc, osum,
-    N, INTER, row_words, row_groups, codes, scales, row_scale, aux, pool_bytes, next_lo,
-    next_bytes,
+    N, INTER, row_words, row_groups, codes, scales, row_scale, aux,
     ACT: gl.constexpr, limit, alpha, IS_DOWN: gl.constexpr, TOPK: gl.constexpr,
     R: gl.constexpr, W: gl.constexpr, NT: gl.constexpr, NTP: gl.constexpr, WPG: gl.constexpr,
     SMASK: gl.constexpr, RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr,
     PDL: gl.constexpr, STAGES: gl.constexpr, QUANT_IN: gl.constexpr, QUANT_OUT: gl.constexpr,
-    NEXT_L2: gl.constexpr,
 ):  # fmt: skip
     """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP:
     the next power of two), SMASK the bits of a thread's group scale bytes. STAGES 1: the words
@@ -122,10 +118,7 @@ def _q2s_gemv_gluon_kernel(
     token's row of x (x_ptr, float) to int8 words itself while staging it, so no launch rounds
     x; else it copies `_quant_words_kernel`'s words (xq, xs, xsum). QUANT_OUT (gate_up): h is
     written as int8 words (oq, osc, osum; the column-order plane, which only a delta reads, is
-    not), so no launch rounds it for down; else as float (out). NEXT_L2 (gate_up): when done,
-    the program asks L2 for its share of its pair's down weights (bytes [next_lo, next_lo +
-    next_bytes) of the blob, split in 256-byte multiples over the pair's programs), as
-    `moe_triton`'s NEXT_L2 does, where the blob is in the GPU pool (offset < pool_bytes)."""
+    not), so no launch rounds it for down; else as float (out)."""
     W4: gl.constexpr = W // 4
     L3: gl.constexpr = gl.BlockedLayout([RPT, 1, 4], [TR, W4, 1], [NW, 1, 1], [2, 1, 0])
     SL1H: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -139,8 +132,7 @@ def _q2s_gemv_gluon_kernel(
     expert = gl.load(topk_ids + pair).to(gl.int32)
     slot = gl.load(slot_table + expert)
     if slot >= 0:
-        slot_off = gl.load(slot_offsets + slot)
-        bptr = pool + gl.multiple_of(slot_off, 256)
+        bptr = pool + gl.multiple_of(gl.load(slot_offsets + slot), 256)
         wbase = (bptr + codes).to(gl.pointer_type(gl.int32))
         sbase = bptr + scales
         r = gl.arange(0, R, layout=LROW)
@@ -302,12 +294,6 @@ def _q2s_gemv_gluon_kernel(
                 gl.store(osum + pair * hrow + wd, hsum)
             else:
                 gl.store(out + pair * INTER + rows_a, h)
-            if NEXT_L2:
-                if (slot_off >= 0) & (slot_off < pool_bytes):
-                    count = gl.num_programs(1)
-                    share = ((next_bytes + count - 1) // count + 255) // 256 * 256
-                    first = pid_n * share
-                    _prefetch_l2(bptr + next_lo + first, gl.minimum(share, next_bytes - first))
 
 
 def tile(spec_k: int, group: int, choice: KernelChoice) -> tuple[int, int, int, int]:
@@ -352,12 +338,10 @@ def launch(
     alpha: float,
     choice: KernelChoice,
     pdl: bool,
-    next_l2: tuple[int, int] | None = None,
 ) -> None:
     """One launch: gate_up (h into out [P, I] float, or as int8 words into hwords (q, scale, Σq)
     when given) or down (out [P, N]). x: the launch's float input, rounded here (gate_up only)
-    when xwords (`quant_words`' q, scale, Σq) is None. next_l2 (gate_up, sm_90): (first byte,
-    bytes) of down's weights in a blob, which the programs ask L2 for when done."""
+    when xwords (`quant_words`' q, scale, Σq) is None."""
     pairs = topk_ids.numel()
     r, w, rpt, tr = tile(spec.k, spec.group, choice)
     rows, per = (spec.n, 2 * r) if is_down else (inter, r)
@@ -367,9 +351,6 @@ def launch(
         raise ValueError("q2s gluon GEMV: down reads int8 words and writes float")
     if hwords is not None and r % 16:
         raise ValueError(f"q2s gluon GEMV: rows of {r} are not whole words of h to round")
-    if is_down and next_l2 is not None:
-        raise ValueError("q2s gluon GEMV: only gate_up asks L2 for down's weights")
-    next_lo, next_bytes = next_l2 if next_l2 is not None else (0, 0)
     nt = spec.k // 16 // w
     wpg = spec.group // 16
     smask = -1 if wpg == 1 else (1 << (8 * (4 // wpg))) - 1
@@ -379,10 +360,9 @@ def launch(
         x, x.stride(0), x.stride(1), xq, xs, xsum, topk_ids, topk_w, pool, slot_table,
         slot_offsets, out, oq, osc, osum,
         spec.n, inter, spec.k // 16, spec.k // spec.group, spec.codes, spec.scales,
-        spec.row_scale, spec.aux, pool.numel(), next_lo, next_bytes, act, limit, alpha,
-        int(is_down), top_k,
+        spec.row_scale, spec.aux, act, limit, alpha, int(is_down), top_k,
         r, w, nt, triton.next_power_of_2(nt), wpg, smask, rpt, tr, choice.num_warps, pdl,
-        max(1, choice.pipe), xwords is None, hwords is not None, next_l2 is not None,
+        max(1, choice.pipe), xwords is None, hwords is not None,
         num_warps=choice.num_warps, launch_pdl=pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip

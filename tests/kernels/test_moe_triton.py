@@ -631,20 +631,19 @@ def test_gpu_q2s_gemv_next_l2_unroll(next_l2, unroll, depth):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize(
-    ("block_n", "block_k", "warps", "pipe", "quant_in", "next_l2"),
-    [(64, 256, 4, 0, False, False), (128, 512, 8, 0, True, True), (64, 256, 4, 3, True, False),
-     (128, 512, 8, 2, False, True), (32, 512, 2, 0, True, True), (128, 256, 8, 2, True, False)],
+    ("block_n", "block_k", "warps", "pipe", "quant_in"),
+    [(64, 256, 4, 0, False), (128, 512, 8, 0, True), (64, 256, 4, 3, True),
+     (128, 512, 8, 2, False), (32, 512, 2, 0, True), (128, 256, 8, 2, True)],
 )  # fmt: skip
-def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps, pipe, quant_in, next_l2):
+def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps, pipe, quant_in):
     """Both launches in Gluon, or one of them with the Triton kernel's other, against the twin
     (int8 activations): 1 and 7 tokens of top-4 over 16 experts, b = 3a and fitted grids (odd
     and even experts), slots in GPU and pinned host memory; words through registers (pipe 0)
     or a cp.async ring (pipe 2, 3); x rounded by a launch or in gate_up (quant_in), bf16 and
-    strided x too; h rounded in gate_up (16-row words) for down; gate_up asking L2 for down's
-    weights (next_l2; skipped for host rows)."""
+    strided x too; h rounded in gate_up (16-row words) for down."""
     g = moe_dispatch.KernelChoice(block_n=block_n, block_k=block_k, num_warps=warps,
                                   int8_act=True, pdl=pdl, gluon=True, pipe=pipe,
-                                  quant_in=quant_in, next_l2=next_l2)  # fmt: skip
+                                  quant_in=quant_in)  # fmt: skip
     t = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=pdl)
     for tokens in (1, 7):
         for force in ((g, g), (g, t), (t, g)):

@@ -56,22 +56,6 @@ def test_compiles_for_sm90_with_vector_loads(args):
     assert rec["ldg128"] > 0 and rec["lds128"] > 0 and rec["idp4a"] >= 2 * 64, rec
 
 
-@pytest.mark.parametrize("next_l2", [0, 1])
-def test_gate_up_asks_l2_for_down_weights_only_when_told(next_l2):
-    """DeepSeek-V3's 1-token gate_up as dispatched (x and h rounded in the kernel): NEXT_L2
-    adds one `cp.async.bulk.prefetch.L2` (SASS UBLKPF) for down's weights, and nothing else
-    of the tile's loads; without it there is none."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = ["--k", "7168", "--group", "32", "--block-n", "128", "--warps", "8", "--quant-in", "1",
-            "--quant-out", "1", "--next-l2", str(next_l2)]  # fmt: skip
-    out = subprocess.run([sys.executable, str(BENCH / "gluon_sass.py"), *args],
-                         capture_output=True, text=True, env=env)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    rec = json.loads(out.stdout.splitlines()[-1])
-    assert rec["l2_prefetch"] == next_l2 and rec["stack_bytes"] == 0, rec
-    assert rec["registers"] <= 128 and rec["ldg128"] > 0 and rec["idp4a"] >= 2 * 64, rec
-
-
 def test_tile_refuses_what_it_cannot_run():
     gu = moe_dispatch.KernelChoice(block_n=128, block_k=512, num_warps=8, gluon=True)
     assert q2s_gluon.tile(7168, 32, gu) == (64, 32, 2, 4)
