@@ -35,7 +35,7 @@ POINTERS = {
     "x_ptr": "*fp32", "topk_ids": "*i64", "topk_w": "*fp32", "delta_mask": "*u8", "pool": "*u8",
     "slot_table": "*i32", "slot_offsets": "*i64", "delta_table": "*i32", "out": "*fp32",
     "xq": "*i32", "xs": "*fp32", "xsum": "*i32", "xqn": "*i32", "oq": "*i32", "osc": "*fp32",
-    "osum": "*i32", "oqn": "*i32", "scratch": "*fp32", "counters": "*i32",
+    "osum": "*i32", "oqn": "*i32", "scratch": "*fp32", "counters": "*i32", "trace": "*i64",
 }  # fmt: skip
 NOT_DIVISIBLE = {"limit", "alpha", "stride_xk", "topk_ids", "topk_w", "delta_mask", "slot_table",
                  "slot_offsets", "delta_table", "in_bias", "out_bias", "N", "INTER"}  # fmt: skip
@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--split", type=int, default=1, help="SPLIT constexpr (K ranges)")
     parser.add_argument("--pairs", type=int, default=1, help="PAIRS constexpr (pairs a program)")
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
+    parser.add_argument("--trace", type=int, default=0, help="TRACE constexpr (timer stamps)")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
@@ -107,7 +108,8 @@ def main() -> None:
                  LOOP_STAGES=args.pipe or (2 if args.pipe_x else None),
                  SPLIT=args.split, PAIRS=args.pairs, PAIRS_P2=64,
                  ROW_TILES=args.row_tiles, NEXT_L2=args.next_l2,
-                 UNROLL=args.unroll if args.unroll > 1 else None)  # fmt: skip
+                 UNROLL=args.unroll if args.unroll > 1 else None,
+                 TRACE=args.trace)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn, const, POINTERS, NOT_DIVISIBLE, {"num_warps": args.warps, "maxnreg": args.maxnreg}
     )

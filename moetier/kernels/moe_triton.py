@@ -674,6 +674,20 @@ def _split_sum(scratch, counters, pair, pid_n, N, rows0, rows1, rows2, rows3, m0
 
 
 @triton.jit
+def _globaltimer():
+    """The GPU's global nanosecond timer (sm_90 PTX; `TRACE` only)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _smid():
+    """The SM this program runs on (`TRACE` only)."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@triton.jit
 def _prefetch_l2(ptr, nbytes):
     """Ask for bytes [ptr, ptr + nbytes) in L2 (sm_90 `cp.async.bulk.prefetch.L2`, issued by the
     program's first thread; the range shrunk to whole 16-byte units, as the instruction wants).
@@ -738,6 +752,7 @@ def _q2s_gemv_kernel(
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
     ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes, UNROLL: tl.constexpr,
+    trace, TRACE: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -813,7 +828,14 @@ def _q2s_gemv_kernel(
         start while gate_up's last programs run and down's launch waits. (Asked for before the
         K loop instead, they measured 1.01-1.44x the time: they compete with gate_up's own.)
     UNROLL (`KernelChoice.unroll`): the K loop unrolled this many times (Triton's
-        loop_unroll_factor), so the hand-made prefetch's tiles are renamed rather than moved."""
+        loop_unroll_factor), so the hand-made prefetch's tiles are renamed rather than moved.
+    TRACE (sm_90, a study: `TRACE_BUFFERS`, bench/timeline.py): each program writes the global
+        timer at its start, before and after its wait for the launch before, and at its end,
+        and its SM, to trace[program]: where a chained call's time goes."""
+    if TRACE:
+        t_start = _globaltimer()
+        t_pre = t_start
+        t_post = t_start
     pair = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -967,8 +989,12 @@ def _q2s_gemv_kernel(
                         _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
                         _prefetch_l2(bptr + scales + (first + INTER) * row_groups,
                                      count * row_groups)  # fmt: skip
+            if TRACE:
+                t_pre = _globaltimer()
             if PDL:  # the activations are the previous launch's output
                 gdc_wait()
+            if TRACE:
+                t_post = _globaltimer()
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES,
                                loop_unroll_factor=UNROLL):  # fmt: skip
                 if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
@@ -1210,6 +1236,15 @@ def _q2s_gemv_kernel(
                         tl.store(out + pair * INTER + rows1, h1, mask=m1)
         if NEXT_L2:
             _prefetch_share(pool, slot_offsets, slot, pool_bytes, next_lo, next_bytes)
+    if TRACE:
+        t_end = _globaltimer()
+        lin = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
+        at = trace + (lin + tl.program_id(2)) * 8
+        tl.store(at, t_start)
+        tl.store(at + 1, t_pre)
+        tl.store(at + 2, t_post)
+        tl.store(at + 3, t_end)
+        tl.store(at + 4, _smid().to(tl.int64))
 
 
 @triton.jit
@@ -1620,6 +1655,7 @@ def _q2s_gemv(
                 else quant_words(x, pdl, pdl and c_gu.quant_pdl)
             )  # fmt: skip
         oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
+        trace = TRACE_BUFFERS[is_down] if TRACE_BUFFERS and hopper else None
         if gl_dn if is_down else gl_gu:
             from moetier.kernels import q2s_gluon
 
@@ -1646,10 +1682,15 @@ def _q2s_gemv(
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
             c.row_tiles, c.next_l2 and hopper and not is_down, dn_lo, dn_hi - dn_lo,
             c.unroll if c.unroll > 1 else None,
+            trace if trace is not None else topk_ids, trace is not None,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip
 
+
+# a study (bench/timeline.py): where set, (gate_up's, down's) int64 [programs, 8] buffers that
+# the q2s GEMV's Triton launches write their programs' timer stamps to (`TRACE`)
+TRACE_BUFFERS: tuple[torch.Tensor, torch.Tensor] | None = None
 
 _SplitKey = tuple[torch.device, int, int, int, int]  # device, is_down, pairs, n, row tiles
 _SPLIT_BUFFERS: dict[_SplitKey, tuple[torch.Tensor, torch.Tensor]] = {}
