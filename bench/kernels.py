@@ -395,6 +395,83 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     }
 
 
+def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8) -> None:  # type: ignore[type-arg]
+    """A study of the q2s GEMV's two launches together (`--sweep-joint`): the tuner picks
+    gate_up, then down, then options one at a time, but a launch's registers and programs decide
+    how many of the other's programs share an SM with it (a timeline, bench/timeline.py: at
+    1-2 tokens down programs that found no room before gate_up ended ran as a second wave).
+    Every gate_up candidate is timed against three downs, then the `keep` best against every
+    down candidate; then prefetch_l2 toggled on the best five. One JSON line per pair, time
+    over the dispatcher's in the same run (`of_dispatcher`)."""
+    hidden, inter, _, top_k = SHAPES[shape]
+    pairs = tokens * top_k
+    base = replace(moe_dispatch.Q2S_GEMV, int8_act=True)
+    gu_cands = [
+        replace(base, block_n=bn, block_k=bk, num_warps=w, quant_in=qi, quant_pdl=not qi,
+                pipe_x=px, row_tiles=rt)
+        for bn, bk, w in [(32, 512, 4), (32, 1024, 4), (64, 512, 4), (64, 512, 8), (64, 1024, 8),
+                          (128, 512, 8)]
+        for qi in (True, False) for px in (False, True) for rt in (1, 2)
+    ] + [
+        replace(base, block_n=bn, block_k=bk, num_warps=w, quant_in=qi, quant_pdl=not qi,
+                gluon=True)
+        for bn, bk, w in [(32, 512, 4), (32, 1024, 4), (64, 512, 4), (64, 512, 8), (128, 512, 8)]
+        for qi in (True, False)
+    ]  # fmt: skip
+    dn_cands = [
+        replace(base, block_n=bn, block_k=bk, num_warps=w, group_acc=ga, row_tiles=rt)
+        for bn, bk, w in [(32, 512, 4), (64, 512, 4), (64, 1024, 4), (64, 1024, 8),
+                          (128, 512, 8), (32, 1024, 4)]
+        for ga in (False, True) for rt in (1, 2)
+    ] + [
+        replace(base, block_n=bn, block_k=bk, num_warps=w, gluon=True)
+        for bn, bk, w in [(32, 512, 4), (64, 512, 4), (64, 512, 8), (128, 512, 8)]
+    ]  # fmt: skip
+    disp = variant_choices(hidden, inter, pairs, {}, "both")
+    ref = time_config(case, tokens, *disp)
+    emit({**info, "case": "sweep-joint", "shape": shape, "tokens": tokens, "which": "dispatcher",
+          "ms": round(ref, 5), "gu": asdict(disp[0]), "dn": asdict(disp[1])})  # fmt: skip
+    timed: dict[tuple[KernelChoice, KernelChoice], float] = {}
+
+    def run(c_gu: KernelChoice, c_dn: KernelChoice, which: str) -> float:
+        if (c_gu, c_dn) not in timed:
+            ms = time_config(case, tokens, c_gu, c_dn)
+            timed[(c_gu, c_dn)] = ms
+            emit({**info, "case": "sweep-joint", "shape": shape, "tokens": tokens,
+                  "which": which, "ms": round(ms, 5), "of_dispatcher": round(ms / ref, 3),
+                  "gu": _short(c_gu), "dn": _short(c_dn)})  # fmt: skip
+        return timed[(c_gu, c_dn)]
+
+    probes = [
+        disp[1],
+        replace(disp[1], row_tiles=2),
+        replace(base, block_n=128, block_k=512, num_warps=8),
+    ]
+    score = {c: min(run(c, d, "gu") for d in probes) for c in gu_cands}
+    best_gu = sorted(gu_cands, key=lambda c: score[c])[:keep]
+    for c in best_gu:
+        for d in dn_cands:
+            run(c, d, "pair")
+    top = sorted(timed, key=lambda k: timed[k])[:5]
+    for c, d in top:
+        for launch in ("gu", "dn"):
+            cc = replace(c, prefetch_l2=not c.prefetch_l2) if launch == "gu" else c
+            dd = replace(d, prefetch_l2=not d.prefetch_l2) if launch == "dn" else d
+            run(cc, dd, f"prefetch-{launch}")
+    (c, d), ms = min(timed.items(), key=lambda kv: kv[1])
+    again = time_config(case, tokens, c, d)  # the winner and the dispatcher once more
+    ref2 = time_config(case, tokens, *disp)
+    emit({**info, "case": "sweep-joint", "shape": shape, "tokens": tokens, "which": "best",
+          "ms": round(ms, 5), "of_dispatcher": round(ms / ref, 3), "again_ms": round(again, 5),
+          "dispatcher_again_ms": round(ref2, 5), "gu": asdict(c), "dn": asdict(d)})  # fmt: skip
+
+
+def _short(c: KernelChoice) -> dict[str, object]:
+    """The fields of c that differ from the q2s GEMV's defaults."""
+    ref = asdict(replace(moe_dispatch.Q2S_GEMV, int8_act=True))
+    return {k: v for k, v in asdict(c).items() if v != ref[k]}
+
+
 def tune_q2s_mma(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
     """Best q2s prefill kernel (`q2s_mma.py`) configs: gate_up swept with down at its default,
     then down over the candidates with the best gate_up's BLOCK_M."""
@@ -485,6 +562,12 @@ def main() -> None:
         help="distinct: a call's pairs on different experts (up to the expert count), a study "
         "of what duplicate experts cost the q2s GEMV",
     )
+    parser.add_argument(
+        "--sweep-joint",
+        default="",
+        help="tokens at which to time gate_up and down configs together (a study: one line "
+        "per pair, `sweep_joint`); nothing else is timed or written",
+    )
     parser.add_argument("--configs-out", type=Path, help="where --tune writes the tuned JSON")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument(
@@ -540,6 +623,12 @@ def main() -> None:
     info = run_info()
     if args.routing != "random":
         info["routing"] = args.routing
+    if args.sweep_joint:
+        for shape in args.shapes.split(","):
+            case = make_case("q2s", shape)
+            for tokens in (int(t) for t in args.sweep_joint.split(",")):
+                sweep_joint(case, shape, tokens, info)
+        return
     copy_bw = copy_bandwidth()
     emit({**info, "case": "copy", "GB/s": round(copy_bw / 1e9, 1)})
     tokens_list = [int(t) for t in args.tokens.split(",")]
