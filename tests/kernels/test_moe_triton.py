@@ -653,6 +653,18 @@ def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps, pipe, quant_in):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("hidden", "inter", "top_k", "tokens"),
+    [(2048, 768, 8, 1), (4096, 2048, 6, 1), (4096, 2048, 6, 2), (7168, 2048, 8, 1)],
+)
+def test_gpu_q2s_dispatcher_configs_at_model_shapes(hidden, inter, top_k, tokens):
+    """The configs the dispatcher takes for 1-2 token calls at the bench's model shapes
+    (Qwen3-30B-A3B, DeepSeek-V4-Flash, DeepSeek-V3; on the H200 its tuned `:p` entries, Gluon
+    and Triton launches mixed) against the twin."""
+    run_case("q2s", tokens, top_k, 16, hidden, inter, seed=tokens)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("quant_pdl", "split"), [(False, 1), (True, 1), (True, 2)])
 def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl, split):
     """Calls chained in one CUDA graph with PDL (each GEMV launch may start before the kernel
