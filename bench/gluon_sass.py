@@ -16,7 +16,8 @@ from moetier.kernels import moe_dispatch, q2s_gluon
 
 POINTERS = {"x_ptr": "*bf16", "xq": "*i32", "xs": "*fp32", "xsum": "*i32", "topk_ids": "*i64",
             "topk_w": "*fp32", "pool": "*u8", "slot_table": "*i32", "slot_offsets": "*i64",
-            "out": "*fp32", "oq": "*i32", "osc": "*fp32", "osum": "*i32"}  # fmt: skip
+            "out": "*fp32", "oq": "*i32", "osc": "*fp32", "osum": "*i32",
+            "trace": "*i64"}  # fmt: skip
 NOT_DIVISIBLE = {"limit", "alpha", "stride_xk", "topk_ids", "topk_w", "slot_table",
                  "slot_offsets", "N", "INTER"}  # fmt: skip
 
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1, help="STAGES (KernelChoice.pipe)")
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--quant-in", type=int, default=0, help="QUANT_IN (gate_up rounds x)")
+    parser.add_argument("--trace", type=int, default=0, help="TRACE (timer stamps)")
     parser.add_argument("--quant-out", type=int, default=0, help="QUANT_OUT (gate_up rounds h)")
     args = parser.parse_args()
     choice = moe_dispatch.KernelChoice(block_n=args.block_n, block_k=args.block_k,
@@ -44,7 +46,8 @@ def main() -> None:
     const = dict(ACT=0, IS_DOWN=int(args.down), TOPK=8, R=r, W=w, NT=nt,
                  NTP=triton.next_power_of_2(nt), WPG=wpg, SMASK=-1 if wpg == 1 else 0xFFFF,
                  RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl, STAGES=args.stages,
-                 QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out)  # fmt: skip
+                 QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out,
+                 TRACE=args.trace)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn,
         const,

@@ -1,5 +1,5 @@
 """Where a chained q2s decode call's time goes (H200 study): every program of the q2s GEMV's
-Triton launches writes the GPU's global timer at its start, before and after its wait for the
+launches (Triton or Gluon) writes the GPU's global timer at its start, before and after its wait for the
 launch before it (programmatic dependent launch), and at its end (`moe_triton.TRACE_BUFFERS`).
 Calls are replayed as `bench/kernels.py` times them (one CUDA graph of chained calls); one JSON
 line per (shape, tokens, variant) with the medians over the graph's middle calls, in µs:
@@ -17,8 +17,9 @@ line per (shape, tokens, variant) with the medians over the graph's middle calls
   python3 bench/timeline.py --shapes qwen3-30b-a3b,deepseek-v4-flash --tokens 1,2 \
       --variant gu:quant_in=0
 
-Launches that the configs send to the Gluon kernel (or the int8 rounding launch) write no
-stamps: the lines say which launches were traced (`traced`)."""
+The int8 rounding launch (configs without quant_in) writes no stamps; it sits inside
+`gu_release`. The stamps cost time themselves (`call_us` against `plain_call_us`), so the
+figures say where time goes, not how much each part takes untraced."""
 
 from __future__ import annotations
 

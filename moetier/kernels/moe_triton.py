@@ -1662,7 +1662,8 @@ def _q2s_gemv(
             q2s_gluon.launch(bool(is_down), x, None if xq is x else (xq, xs, xsum, xqn),
                              topk_ids, topk_w, pool, slot_table, slot_offsets, dst,
                              None if is_down else hq, spec, inter, top_k,
-                             ACTIVATIONS[act.kind], act.limit, act.alpha, c, pdl)  # fmt: skip
+                             ACTIVATIONS[act.kind], act.limit, act.alpha, c, pdl,
+                             trace)  # fmt: skip
             continue
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,
@@ -1689,7 +1690,8 @@ def _q2s_gemv(
 
 
 # a study (bench/timeline.py): where set, (gate_up's, down's) int64 [programs, 8] buffers that
-# the q2s GEMV's Triton launches write their programs' timer stamps to (`TRACE`)
+# the q2s GEMV's launches (Triton and Gluon, sm_90) write their programs' timer stamps to
+# (`TRACE`)
 TRACE_BUFFERS: tuple[torch.Tensor, torch.Tensor] | None = None
 
 _SplitKey = tuple[torch.device, int, int, int, int]  # device, is_down, pairs, n, row tiles

@@ -109,6 +109,7 @@ def _q2s_gemv_gluon_kernel(
     R: gl.constexpr, W: gl.constexpr, NT: gl.constexpr, NTP: gl.constexpr, WPG: gl.constexpr,
     SMASK: gl.constexpr, RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr,
     PDL: gl.constexpr, STAGES: gl.constexpr, QUANT_IN: gl.constexpr, QUANT_OUT: gl.constexpr,
+    trace, TRACE: gl.constexpr,
 ):  # fmt: skip
     """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP:
     the next power of two), SMASK the bits of a thread's group scale bytes. STAGES 1: the words
@@ -118,7 +119,12 @@ def _q2s_gemv_gluon_kernel(
     token's row of x (x_ptr, float) to int8 words itself while staging it, so no launch rounds
     x; else it copies `_quant_words_kernel`'s words (xq, xs, xsum). QUANT_OUT (gate_up): h is
     written as int8 words (oq, osc, osum; the column-order plane, which only a delta reads, is
-    not), so no launch rounds it for down; else as float (out)."""
+    not), so no launch rounds it for down; else as float (out). TRACE (a study,
+    bench/timeline.py): timer stamps and SM to trace[program], as the Triton kernel writes them."""
+    if TRACE:
+        t_start = _globaltimer()
+        t_pre = t_start
+        t_post = t_start
     W4: gl.constexpr = W // 4
     L3: gl.constexpr = gl.BlockedLayout([RPT, 1, 4], [TR, W4, 1], [NW, 1, 1], [2, 1, 0])
     SL1H: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -173,8 +179,12 @@ def _q2s_gemv_gluon_kernel(
         a = gl.load((bptr + aux).to(gl.pointer_type(gl.float32)))
         b = gl.load((bptr + aux + 4).to(gl.pointer_type(gl.float32)))
         corr = gl.where(b == 3 * a, 0.0, b - 3 * a)
+        if TRACE:
+            t_pre = _globaltimer()
         if PDL:
             gdc_wait()
+        if TRACE:
+            t_post = _globaltimer()
         # the token's activations into shared memory: 4 planes of int8 bytes (xqm), the scales'
         # bits and Σq (xsm), each NTP tiles x [W/4, 4] words
         x_idx = pair if IS_DOWN else pair // TOPK
@@ -294,6 +304,28 @@ def _q2s_gemv_gluon_kernel(
                 gl.store(osum + pair * hrow + wd, hsum)
             else:
                 gl.store(out + pair * INTER + rows_a, h)
+    if TRACE:
+        t_end = _globaltimer()
+        at = trace + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 8
+        gl.store(at, t_start)
+        gl.store(at + 1, t_pre)
+        gl.store(at + 2, t_post)
+        gl.store(at + 3, t_end)
+        gl.store(at + 4, _smid().to(gl.int64))
+
+
+@gluon.jit
+def _globaltimer():
+    """The GPU's global nanosecond timer (`TRACE` only)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                     is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _smid():
+    """The SM this program runs on (`TRACE` only)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)  # fmt: skip
 
 
 def tile(spec_k: int, group: int, choice: KernelChoice) -> tuple[int, int, int, int]:
@@ -338,6 +370,7 @@ def launch(
     alpha: float,
     choice: KernelChoice,
     pdl: bool,
+    trace: torch.Tensor | None = None,
 ) -> None:
     """One launch: gate_up (h into out [P, I] float, or as int8 words into hwords (q, scale, Σq)
     when given) or down (out [P, N]). x: the launch's float input, rounded here (gate_up only)
@@ -363,6 +396,7 @@ def launch(
         spec.row_scale, spec.aux, act, limit, alpha, int(is_down), top_k,
         r, w, nt, triton.next_power_of_2(nt), wpg, smask, rpt, tr, choice.num_warps, pdl,
         max(1, choice.pipe), xwords is None, hwords is not None,
+        trace if trace is not None else topk_ids, trace is not None,
         num_warps=choice.num_warps, launch_pdl=pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip
