@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 
 import triton
 from sass_count import compile_sm90
@@ -36,7 +34,6 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=1, help="STAGES (KernelChoice.pipe)")
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--quant-in", type=int, default=0, help="QUANT_IN (gate_up rounds x)")
-    parser.add_argument("--prefetch-l2", type=int, default=0, help="PREFETCH_L2")
     parser.add_argument("--trace", type=int, default=0, help="TRACE (timer stamps)")
     parser.add_argument("--quant-out", type=int, default=0, help="QUANT_OUT (gate_up rounds h)")
     args = parser.parse_args()
@@ -50,7 +47,7 @@ def main() -> None:
                  NTP=triton.next_power_of_2(nt), WPG=wpg, SMASK=-1 if wpg == 1 else 0xFFFF,
                  RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl, STAGES=args.stages,
                  QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out,
-                 TRACE=args.trace, PREFETCH_L2=args.prefetch_l2)  # fmt: skip
+                 TRACE=args.trace)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn,
         const,
@@ -59,8 +56,6 @@ def main() -> None:
         {"num_warps": args.warps, "maxnreg": args.maxnreg},
         GluonASTSource,
     )
-    if os.environ.get("GLUON_PTX"):
-        Path(os.environ["GLUON_PTX"]).write_text(kernel.asm["ptx"])
     print(json.dumps({
         "registers": regs, "stack_bytes": stack,
         "shared_bytes": kernel.metadata.shared,

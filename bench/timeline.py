@@ -1,7 +1,6 @@
 """Where a chained q2s decode call's time goes (H200 study): every program of the q2s GEMV's
-launches (Triton or Gluon) writes the GPU's global timer at its start, before and after its
-wait for the launch before it (programmatic dependent launch), and at its end
-(`moe_triton.TRACE_BUFFERS`).
+launches (Triton or Gluon) writes the GPU's global timer at its start, before and after its wait for the
+launch before it (programmatic dependent launch), and at its end (`moe_triton.TRACE_BUFFERS`).
 Calls are replayed as `bench/kernels.py` times them (one CUDA graph of chained calls); one JSON
 line per (shape, tokens, variant) with the medians over the graph's middle calls, in µs:
 

@@ -8,8 +8,6 @@ reads it from there. gate_up can round x to int8 words itself while copying it (
 a program, so no rounding launch) and rounds h into int8 words for down (QUANT_OUT), so a call
 is two launches. The words and group scales of tile i + 1 are loaded into registers before tile
 i is decoded (or the words stream through a cp.async ring, STAGES >= 2: slower on the H200).
-Where the config sets `prefetch_l2` (PREFETCH_L2), each program whose blob is in the GPU pool
-first asks L2 for all of its rows' words and scales, as the Triton kernel does.
 
 Same arithmetic as the Triton kernel's int8 path (`_q2s_word_dots`, the same IDP4A sums, one
 float product a word: r · (group scale · x scale)) and the same rounding, so the twin is the
@@ -33,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moetier.kernels.moe_dispatch import KernelChoice
-from moetier.kernels.moe_triton import _prefetch_l2, _q2s_word_dots
+from moetier.kernels.moe_triton import _q2s_word_dots
 
 # Gluon is experimental and its names move: Triton 3.6 (the H200 image) has
 # `gl.thread_barrier`, `shared_memory_descriptor._reinterpret` and
@@ -111,7 +109,7 @@ def _q2s_gemv_gluon_kernel(
     R: gl.constexpr, W: gl.constexpr, NT: gl.constexpr, NTP: gl.constexpr, WPG: gl.constexpr,
     SMASK: gl.constexpr, RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr,
     PDL: gl.constexpr, STAGES: gl.constexpr, QUANT_IN: gl.constexpr, QUANT_OUT: gl.constexpr,
-    PREFETCH_L2: gl.constexpr, pool_bytes, trace, TRACE: gl.constexpr,
+    trace, TRACE: gl.constexpr,
 ):  # fmt: skip
     """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP:
     the next power of two), SMASK the bits of a thread's group scale bytes. STAGES 1: the words
@@ -140,8 +138,7 @@ def _q2s_gemv_gluon_kernel(
     expert = gl.load(topk_ids + pair).to(gl.int32)
     slot = gl.load(slot_table + expert)
     if slot >= 0:
-        slot_off = gl.load(slot_offsets + slot)
-        bptr = pool + gl.multiple_of(slot_off, 256)
+        bptr = pool + gl.multiple_of(gl.load(slot_offsets + slot), 256)
         wbase = (bptr + codes).to(gl.pointer_type(gl.int32))
         sbase = bptr + scales
         r = gl.arange(0, R, layout=LROW)
@@ -182,16 +179,6 @@ def _q2s_gemv_gluon_kernel(
         a = gl.load((bptr + aux).to(gl.pointer_type(gl.float32)))
         b = gl.load((bptr + aux + 4).to(gl.pointer_type(gl.float32)))
         corr = gl.where(b == 3 * a, 0.0, b - 3 * a)
-        if PREFETCH_L2:  # all of this program's rows asked for in L2 (blobs in the GPU pool)
-            if (slot_off >= 0) & (slot_off < pool_bytes):
-                first = pid_n * 2 * R if IS_DOWN else pid_n * R
-                count: gl.constexpr = 2 * R if IS_DOWN else R
-                _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
-                _prefetch_l2(sbase + first * row_groups, count * row_groups)
-                if not IS_DOWN:  # the matching up rows
-                    up = first + INTER
-                    _prefetch_l2(bptr + codes + up * row_words * 4, count * row_words * 4)
-                    _prefetch_l2(sbase + up * row_groups, count * row_groups)
         if TRACE:
             t_pre = _globaltimer()
         if PDL:
@@ -409,7 +396,7 @@ def launch(
         spec.row_scale, spec.aux, act, limit, alpha, int(is_down), top_k,
         r, w, nt, triton.next_power_of_2(nt), wpg, smask, rpt, tr, choice.num_warps, pdl,
         max(1, choice.pipe), xwords is None, hwords is not None,
-        choice.prefetch_l2, pool.numel(), trace if trace is not None else topk_ids,
-        trace is not None, num_warps=choice.num_warps, launch_pdl=pdl,
+        trace if trace is not None else topk_ids, trace is not None,
+        num_warps=choice.num_warps, launch_pdl=pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip

@@ -653,17 +653,6 @@ def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps, pipe, quant_in):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant_in", [False, True])
-def test_gpu_gluon_prefetch_l2(quant_in):
-    """Gluon launches asking L2 for their rows first (prefetch_l2): slots in GPU memory (asked
-    for) and in pinned host memory (not asked for) give the twin's results."""
-    g = moe_dispatch.KernelChoice(block_n=64, block_k=256, num_warps=4, int8_act=True, pdl=True,
-                                  gluon=True, quant_in=quant_in, prefetch_l2=True)  # fmt: skip
-    for tokens in (1, 7):
-        run_case("q2s", tokens, 4, 16, 512, 256, host_slots=10, seed=tokens, force=(g, g))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("hidden", "inter", "top_k", "tokens"),
     [(2048, 768, 8, 1), (4096, 2048, 6, 1), (4096, 2048, 6, 2), (7168, 2048, 8, 1)],
