@@ -1,6 +1,7 @@
 """Where a chained q2s decode call's time goes (H200 study): every program of the q2s GEMV's
-launches (Triton or Gluon) writes the GPU's global timer at its start, before and after its wait for the
-launch before it (programmatic dependent launch), and at its end (`moe_triton.TRACE_BUFFERS`).
+launches (Triton or Gluon) writes the GPU's global timer at its start, before and after its
+wait for the launch before it (programmatic dependent launch), and at its end
+(`moe_triton.TRACE_BUFFERS`).
 Calls are replayed as `bench/kernels.py` times them (one CUDA graph of chained calls); one JSON
 line per (shape, tokens, variant) with the medians over the graph's middle calls, in µs:
 
@@ -72,21 +73,24 @@ def timeline(shape: str, tokens: int, choice, calls: int) -> dict:  # type: igno
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    launches = []
-    for gu, dn in bufs:
-        pair = []
-        for buf in (gu, dn):
-            rows = buf[buf[:, 0] != 0].cpu()
-            pair.append(rows)
-        launches.append(pair)
+    launches = [tuple(buf[buf[:, 0] != 0].cpu() for buf in pair) for pair in bufs]
     rec: dict[str, object] = {"call_us": round(ms * 1e3, 3), "plain_call_us": round(plain * 1e3, 3)}
+    rec.update(summarize(launches))  # type: ignore[arg-type]
+    return rec
+
+
+def summarize(launches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, object]:
+    """The line's figures from each call's (gate_up, down) stamps, int64 [programs, 5] (start,
+    before the wait, after it, end in ns; SM): medians over calls 2 .. n - 3 (each with a call
+    before and after it), in µs."""
+    rec: dict[str, object] = {}
     rec["traced"] = [name for name, i in (("gate_up", 0), ("down", 1)) if len(launches[0][i])]
     stats: dict[str, list[float]] = {}
 
     def add(key: str, value: float) -> None:
         stats.setdefault(key, []).append(float(value))
 
-    for i in range(2, len(sets) - 2):
+    for i in range(2, len(launches) - 2):
         gu, dn = launches[i]
         prev_dn = launches[i - 1][1]
         nxt_gu = launches[i + 1][0]
@@ -105,7 +109,8 @@ def timeline(shape: str, tokens: int, choice, calls: int) -> dict:  # type: igno
             add(f"{name}_end_spread", float(end.max() - end.median()))
             add(f"{name}_programs", float(len(rows)))
             steps = start.sort().values.diff()
-            add("timer_step_ns", float(steps[steps > 0].min()) * 1e3 if (steps > 0).any() else 0)
+            if (steps > 0).any():  # the smallest gap between two starts: the timer's step, or more
+                add("timer_step_ns", float(steps[steps > 0].min()) * 1e3)
             per_sm = torch.bincount(rows[:, 4].long())
             add(f"{name}_per_sm_max", float(per_sm.max()))
             if name == "gu" and len(nxt_gu):

@@ -33,6 +33,8 @@ VARIANTS = [
     # gate_up asking L2 for down's weights when done; the K loop unrolled
     ["--next-l2", "1", "--unroll", "2", "--pdl", "1", "--group-acc", "1", "--sub", "32"],
     ["--unroll", "2", "--depth", "2", "--even", "0"],
+    # the timer stamps of a study (bench/timeline.py)
+    ["--trace", "1", "--pdl", "1", "--quant-in", "1", "--sub", "8", "--block-k", "1024"],
 ]
 
 

@@ -40,8 +40,10 @@ BENCH = Path(__file__).parents[2] / "bench"
             "2",
         ],  # x and h rounded in the kernel, a cp.async ring
         ["--down", "--k", "2048", "--group", "16", "--block-n", "64", "--warps", "4"],  # its down
+        # gate_up with the timer stamps of a study (bench/timeline.py)
+        "--k 7168 --block-n 128 --warps 8 --pdl 1 --quant-in 1 --quant-out 1 --trace 1".split(),
     ],
-    ids=["gate_up", "gate_up_rounding_ring", "down"],
+    ids=["gate_up", "gate_up_rounding_ring", "down", "gate_up_traced"],
 )
 def test_compiles_for_sm90_with_vector_loads(args):
     """DeepSeek-V3's tiles: no spills, at most 128 registers (two 8-warp or four 4-warp
