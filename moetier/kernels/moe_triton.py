@@ -688,6 +688,19 @@ def _smid():
 
 
 @triton.jit
+def _trace_store(trace, program, t_start, t_pre, t_post):
+    """A program's stamps (`TRACE`): start, before and after its wait, now (its end) and its SM
+    at trace[program] (the Gluon kernel's too)."""
+    t_end = _globaltimer()
+    at = trace + program * 8
+    tl.store(at, t_start)
+    tl.store(at + 1, t_pre)
+    tl.store(at + 2, t_post)
+    tl.store(at + 3, t_end)
+    tl.store(at + 4, _smid().to(tl.int64))
+
+
+@triton.jit
 def _prefetch_l2(ptr, nbytes):
     """Ask for bytes [ptr, ptr + nbytes) in L2 (sm_90 `cp.async.bulk.prefetch.L2`, issued by the
     program's first thread; the range shrunk to whole 16-byte units, as the instruction wants).
@@ -1237,14 +1250,8 @@ def _q2s_gemv_kernel(
         if NEXT_L2:
             _prefetch_share(pool, slot_offsets, slot, pool_bytes, next_lo, next_bytes)
     if TRACE:
-        t_end = _globaltimer()
         lin = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
-        at = trace + (lin + tl.program_id(2)) * 8
-        tl.store(at, t_start)
-        tl.store(at + 1, t_pre)
-        tl.store(at + 2, t_post)
-        tl.store(at + 3, t_end)
-        tl.store(at + 4, _smid().to(tl.int64))
+        _trace_store(trace, lin + tl.program_id(2), t_start, t_pre, t_post)
 
 
 @triton.jit

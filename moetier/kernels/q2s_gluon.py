@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moetier.kernels.moe_dispatch import KernelChoice
-from moetier.kernels.moe_triton import _q2s_word_dots
+from moetier.kernels.moe_triton import _globaltimer, _q2s_word_dots, _trace_store
 
 # Gluon is experimental and its names move: Triton 3.6 (the H200 image) has
 # `gl.thread_barrier`, `shared_memory_descriptor._reinterpret` and
@@ -305,27 +305,8 @@ def _q2s_gemv_gluon_kernel(
             else:
                 gl.store(out + pair * INTER + rows_a, h)
     if TRACE:
-        t_end = _globaltimer()
-        at = trace + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 8
-        gl.store(at, t_start)
-        gl.store(at + 1, t_pre)
-        gl.store(at + 2, t_post)
-        gl.store(at + 3, t_end)
-        gl.store(at + 4, _smid().to(gl.int64))
-
-
-@gluon.jit
-def _globaltimer():
-    """The GPU's global nanosecond timer (`TRACE` only)."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
-                                     is_pure=False, pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _smid():
-    """The SM this program runs on (`TRACE` only)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
-                                     is_pure=False, pack=1)  # fmt: skip
+        program = gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)
+        _trace_store(trace, program, t_start, t_pre, t_post)
 
 
 def tile(spec_k: int, group: int, choice: KernelChoice) -> tuple[int, int, int, int]:
