@@ -311,6 +311,12 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
     }
 
 
+# the q2s GEMV config fields a tuned table entry holds
+GEMV_FIELDS = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
+               "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs",
+               "row_tiles", "maxnreg", "next_l2", "unroll", "gluon")  # fmt: skip
+
+
 def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, dict]:  # type: ignore[type-arg]
     """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down,
     for all of `tokens` at once (one config serves every decode size, or with a `suffix`
@@ -385,9 +391,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
         got = score(c_gu, c_dn)
         if got < best:
             best_gu, best_dn, best = c_gu, c_dn, got
-    fields = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
-              "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs", "row_tiles",
-              "maxnreg", "next_l2", "unroll", "gluon")  # fmt: skip
+    fields = GEMV_FIELDS
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv-delta" if delta else "q2s-gemv"
     return {
         f"{key}:{gu.n}x{gu.k}{suffix}": {f: asdict(best_gu)[f] for f in fields},
@@ -395,14 +399,14 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     }
 
 
-def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8) -> None:  # type: ignore[type-arg]
+def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8):  # type: ignore[no-untyped-def, type-arg]
     """A study of the q2s GEMV's two launches together (`--sweep-joint`): the tuner picks
     gate_up, then down, then options one at a time, but a launch's registers and programs decide
     how many of the other's programs share an SM with it (a timeline, bench/timeline.py: at
     1-2 tokens down programs that found no room before gate_up ended ran as a second wave).
     Every gate_up candidate is timed against three downs, then the `keep` best against every
-    down candidate; then prefetch_l2 toggled on the best five. One JSON line per pair, time
-    over the dispatcher's in the same run (`of_dispatcher`)."""
+    down candidate; then prefetch_l2 toggled on the best five (`joint_search`). One JSON line
+    per pair, time over the dispatcher's in the same run (`of_dispatcher`). -> the best pair."""
     hidden, inter, _, top_k = SHAPES[shape]
     pairs = tokens * top_k
     base = replace(moe_dispatch.Q2S_GEMV, int8_act=True)
@@ -431,39 +435,58 @@ def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8) 
     ref = time_config(case, tokens, *disp)
     emit({**info, "case": "sweep-joint", "shape": shape, "tokens": tokens, "which": "dispatcher",
           "ms": round(ref, 5), "gu": asdict(disp[0]), "dn": asdict(disp[1])})  # fmt: skip
-    timed: dict[tuple[KernelChoice, KernelChoice], float] = {}
 
     def run(c_gu: KernelChoice, c_dn: KernelChoice, which: str) -> float:
-        if (c_gu, c_dn) not in timed:
-            ms = time_config(case, tokens, c_gu, c_dn)
-            timed[(c_gu, c_dn)] = ms
-            emit({**info, "case": "sweep-joint", "shape": shape, "tokens": tokens,
-                  "which": which, "ms": round(ms, 5), "of_dispatcher": round(ms / ref, 3),
-                  "gu": _short(c_gu), "dn": _short(c_dn)})  # fmt: skip
-        return timed[(c_gu, c_dn)]
+        ms = time_config(case, tokens, c_gu, c_dn)
+        emit({**info, "case": "sweep-joint", "shape": shape, "tokens": tokens,
+              "which": which, "ms": round(ms, 5), "of_dispatcher": round(ms / ref, 3),
+              "gu": _short(c_gu), "dn": _short(c_dn)})  # fmt: skip
+        return ms
 
     probes = [
         disp[1],
         replace(disp[1], row_tiles=2),
         replace(base, block_n=128, block_k=512, num_warps=8),
     ]
-    score = {c: min(run(c, d, "gu") for d in probes) for c in gu_cands}
-    best_gu = sorted(gu_cands, key=lambda c: score[c])[:keep]
-    for c in best_gu:
-        for d in dn_cands:
-            run(c, d, "pair")
-    top = sorted(timed, key=lambda k: timed[k])[:5]
-    for c, d in top:
-        for launch in ("gu", "dn"):
-            cc = replace(c, prefetch_l2=not c.prefetch_l2) if launch == "gu" else c
-            dd = replace(d, prefetch_l2=not d.prefetch_l2) if launch == "dn" else d
-            run(cc, dd, f"prefetch-{launch}")
-    (c, d), ms = min(timed.items(), key=lambda kv: kv[1])
+    (c, d), timed = joint_search(gu_cands, dn_cands, probes, run, keep)
+    ms = timed[(c, d)]
     again = time_config(case, tokens, c, d)  # the winner and the dispatcher once more
     ref2 = time_config(case, tokens, *disp)
     emit({**info, "case": "sweep-joint", "shape": shape, "tokens": tokens, "which": "best",
           "ms": round(ms, 5), "of_dispatcher": round(ms / ref, 3), "again_ms": round(again, 5),
           "dispatcher_again_ms": round(ref2, 5), "gu": asdict(c), "dn": asdict(d)})  # fmt: skip
+    return c, d
+
+
+def joint_search(
+    gu_cands: list[KernelChoice],
+    dn_cands: list[KernelChoice],
+    probes: list[KernelChoice],
+    run,  # type: ignore[no-untyped-def]
+    keep: int = 8,
+    top: int = 5,
+) -> tuple[tuple[KernelChoice, KernelChoice], dict[tuple[KernelChoice, KernelChoice], float]]:
+    """`sweep_joint`'s search, over `run(gate_up, down, stage) -> ms` (each pair run once):
+    every gate_up against the `probes` downs (its best of them), the `keep` best gate_ups
+    against every down, then prefetch_l2 toggled on each Triton launch of the `top` best
+    pairs (the Gluon kernel has no such option). -> (the best pair, every pair's time)."""
+    timed: dict[tuple[KernelChoice, KernelChoice], float] = {}
+
+    def once(c_gu: KernelChoice, c_dn: KernelChoice, stage: str) -> float:
+        if (c_gu, c_dn) not in timed:
+            timed[(c_gu, c_dn)] = run(c_gu, c_dn, stage)
+        return timed[(c_gu, c_dn)]
+
+    score = {c: min(once(c, d, "gu") for d in probes) for c in gu_cands}
+    for c in sorted(gu_cands, key=lambda c: score[c])[:keep]:
+        for d in dn_cands:
+            once(c, d, "pair")
+    for c, d in sorted(timed, key=lambda k: timed[k])[:top]:
+        if not c.gluon:
+            once(replace(c, prefetch_l2=not c.prefetch_l2), d, "prefetch-gu")
+        if not d.gluon:
+            once(c, replace(d, prefetch_l2=not d.prefetch_l2), "prefetch-dn")
+    return min(timed, key=lambda k: timed[k]), timed
 
 
 def _short(c: KernelChoice) -> dict[str, object]:
@@ -568,6 +591,12 @@ def main() -> None:
         help="tokens at which to time gate_up and down configs together (a study: one line "
         "per pair, `sweep_joint`); nothing else is timed or written",
     )
+    parser.add_argument(
+        "--sweep-write",
+        action="store_true",
+        help="with --sweep-joint: write each size's best pair into kernels/configs/<gpu>.json "
+        "as its q2s-gemv:NxK:p<pairs> entries",
+    )
     parser.add_argument("--configs-out", type=Path, help="where --tune writes the tuned JSON")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument(
@@ -624,10 +653,20 @@ def main() -> None:
     if args.routing != "random":
         info["routing"] = args.routing
     if args.sweep_joint:
+        tuned_now: dict[str, dict] = dict(moe_dispatch.tuned_configs(moe_dispatch._device_name()))  # type: ignore[type-arg]
         for shape in args.shapes.split(","):
             case = make_case("q2s", shape)
+            hidden, inter, _, top_k = SHAPES[shape]
             for tokens in (int(t) for t in args.sweep_joint.split(",")):
-                sweep_joint(case, shape, tokens, info)
+                c_gu, c_dn = sweep_joint(case, shape, tokens, info)
+                for (n, k), c in (((2 * inter, hidden), c_gu), ((hidden, inter), c_dn)):
+                    tuned_now[f"q2s-gemv:{n}x{k}:p{tokens * top_k}"] = {
+                        f: asdict(c)[f] for f in GEMV_FIELDS
+                    }
+        if args.sweep_write:  # each size's winners as its `:p<pairs>` entries
+            path = moe_dispatch.CONFIG_DIR / f"{moe_dispatch._device_name()}.json"
+            path.write_text(json.dumps(tuned_now, indent=1, sort_keys=True) + "\n")
+            moe_dispatch.tuned_configs.cache_clear()
         return
     copy_bw = copy_bandwidth()
     emit({**info, "case": "copy", "GB/s": round(copy_bw / 1e9, 1)})

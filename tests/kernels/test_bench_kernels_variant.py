@@ -46,3 +46,31 @@ def test_variant_on_one_launch(kb, launch):
 def test_variant_errors_say_what_is_wrong(kb, bad):
     with pytest.raises(SystemExit, match="--variant"):
         kb.parse_variant(bad)
+
+
+def test_joint_search_finds_the_pair_one_launch_at_a_time_misses(kb):
+    """`joint_search` (`--sweep-joint`): against the probe down, gate_up A looks best, but B
+    with down Y is the fastest pair (say Y fits beside B's programs only); it is found, each
+    pair runs once, and prefetch_l2 is toggled only on Triton launches (the Gluon kernel has no
+    such option)."""
+    from dataclasses import replace
+
+    from moetier.kernels.moe_dispatch import KernelChoice
+
+    a, b, c = (KernelChoice(block_n=n, int8_act=True) for n in (32, 64, 128))
+    x, y = KernelChoice(block_n=32, group_acc=True), KernelChoice(block_n=64, gluon=True)
+    cost = {(a, x): 5.0, (a, y): 4.0, (b, x): 6.0, (b, y): 2.0, (c, x): 7.0, (c, y): 8.0}
+    runs = []
+
+    def run(gu, dn, stage):
+        runs.append((gu, dn))
+        plain = cost[(replace(gu, prefetch_l2=False), replace(dn, prefetch_l2=False))]
+        return plain - (0.5 if dn.prefetch_l2 else 0.0)  # a Triton down's prefetch helps
+
+    (best_gu, best_dn), timed = kb.joint_search([a, b, c], [x, y], [x], run, keep=2, top=3)
+    assert (best_gu, best_dn) == (b, y)
+    assert len(runs) == len(set(runs)) == len(timed)  # every pair once
+    assert (c, y) not in timed  # c was not among the 2 best gate_ups against the probe
+    assert (a, replace(x, prefetch_l2=True)) in timed  # (a, x) is third: both toggles
+    assert (replace(a, prefetch_l2=True), x) in timed
+    assert not any(d.gluon and d.prefetch_l2 for _, d in timed)
