@@ -588,8 +588,8 @@ def main() -> None:
     parser.add_argument(
         "--sweep-joint",
         default="",
-        help="tokens at which to time gate_up and down configs together (a study: one line "
-        "per pair, `sweep_joint`); nothing else is timed or written",
+        help="tokens at which to time gate_up and down configs together (one line per pair, "
+        "`sweep_joint`); nothing else is timed, and only --sweep-write writes configs",
     )
     parser.add_argument(
         "--sweep-write",
