@@ -404,9 +404,11 @@ def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8):
     gate_up, then down, then options one at a time, but a launch's registers and programs decide
     how many of the other's programs share an SM with it (a timeline, bench/timeline.py: at
     1-2 tokens down programs that found no room before gate_up ended ran as a second wave).
-    Every gate_up candidate (68, Gluon's with a cp.async ring of words too, added after the
-    sweeps in docs/benchmarks.md) is timed against three downs, then the `keep` best against
-    every down candidate (36); then prefetch_l2 toggled on the best five (`joint_search`).
+    Every gate_up candidate (58) is timed against three downs, then the `keep` best against
+    every down candidate (28); then prefetch_l2 toggled on the best five (`joint_search`).
+    (Gluon launches streaming their words through a cp.async ring, pipe 2-4, measured
+    1.01-1.29x the time as variants of the H200's 1-2 token configs, docs/benchmarks.md: not
+    candidates.)
     One JSON line per pair, time over the dispatcher's in the same run (`of_dispatcher`).
     -> the best pair."""
     hidden, inter, _, top_k = SHAPES[shape]
@@ -422,9 +424,7 @@ def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8):
         replace(base, block_n=bn, block_k=bk, num_warps=w, quant_in=qi, quant_pdl=not qi,
                 gluon=True, pipe=pipe)
         for bn, bk, w in [(32, 512, 4), (32, 1024, 4), (64, 512, 4), (64, 512, 8), (128, 512, 8)]
-        # the words through a cp.async ring (pipe 2, 3: more bytes in flight without registers;
-        # a timeline found 1-token gate_up programs waiting on one K tile ahead) rounding x
-        for qi, pipe in ((True, 0), (False, 0), (True, 2), (True, 3))
+        for qi, pipe in ((True, 0), (False, 0))
     ]  # fmt: skip
     dn_cands = [
         replace(base, block_n=bn, block_k=bk, num_warps=w, group_acc=ga, row_tiles=rt)
@@ -432,9 +432,8 @@ def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8):
                           (128, 512, 8), (32, 1024, 4)]
         for ga in (False, True) for rt in (1, 2)
     ] + [
-        replace(base, block_n=bn, block_k=bk, num_warps=w, gluon=True, pipe=pipe)
+        replace(base, block_n=bn, block_k=bk, num_warps=w, gluon=True)
         for bn, bk, w in [(32, 512, 4), (64, 512, 4), (64, 512, 8), (128, 512, 8)]
-        for pipe in (0, 2, 3)
     ]  # fmt: skip
     disp = variant_choices(hidden, inter, pairs, {}, "both")
     ref = time_config(case, tokens, *disp)
