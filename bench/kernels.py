@@ -422,9 +422,9 @@ def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8):
         for qi in (True, False) for px in (False, True) for rt in (1, 2)
     ] + [
         replace(base, block_n=bn, block_k=bk, num_warps=w, quant_in=qi, quant_pdl=not qi,
-                gluon=True, pipe=pipe)
+                gluon=True)
         for bn, bk, w in [(32, 512, 4), (32, 1024, 4), (64, 512, 4), (64, 512, 8), (128, 512, 8)]
-        for qi, pipe in ((True, 0), (False, 0))
+        for qi in (True, False)
     ]  # fmt: skip
     dn_cands = [
         replace(base, block_n=bn, block_k=bk, num_warps=w, group_acc=ga, row_tiles=rt)
