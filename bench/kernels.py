@@ -406,9 +406,9 @@ def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8):
     1-2 tokens down programs that found no room before gate_up ended ran as a second wave).
     Every gate_up candidate (58) is timed against three downs, then the `keep` best against
     every down candidate (28); then prefetch_l2 toggled on the best five (`joint_search`).
-    (Gluon launches streaming their words through a cp.async ring, pipe 2-4, measured
-    1.01-1.29x the time as variants of the H200's 1-2 token configs, docs/benchmarks.md: not
-    candidates.)
+    (Gluon launches streaming their words through a cp.async ring, pipe 2-3, measured
+    1.01-1.19x the time as variants of the H200's 1-2 token configs, and 1.01-1.29x with the
+    ring carrying their group scales too, docs/benchmarks.md: not candidates.)
     One JSON line per pair, time over the dispatcher's in the same run (`of_dispatcher`).
     -> the best pair."""
     hidden, inter, _, top_k = SHAPES[shape]
