@@ -533,7 +533,13 @@ def tune_q2s_mma(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[ty
 
 def parse_variant(spec: str) -> tuple[str, dict[str, int | bool], str]:
     """`--variant depth=2,prefetch_l2=1` -> (the spec, {"depth": 2, "prefetch_l2": True},
-    "both"); a `gu:` or `dn:` prefix forces the fields on that launch only."""
+    "both"); a `gu:` or `dn:` prefix forces the fields on that launch only; `gu:...+dn:...`
+    forces each launch's own (-> (the spec, {"gu": {...}, "dn": {...}}, "each"))."""
+    if "+" in spec:
+        parts = [parse_variant(part) for part in spec.split("+")]
+        if sorted(launch for _, _, launch in parts) != ["dn", "gu"]:
+            raise SystemExit(f"--variant {spec!r}: joined by +, one gu: part and one dn: part")
+        return spec, {launch: fields for _, fields, launch in parts}, "each"  # type: ignore[misc]
     types = {f.name: f.type for f in dataclass_fields(KernelChoice)}
     launch, _, body = spec.rpartition(":")
     if launch not in ("", "gu", "dn"):
@@ -554,6 +560,9 @@ def variant_choices(
     `fields` forced on `launch` (gu, dn or both)."""
     c_gu = moe_dispatch.choose_q2s_gemv(2 * inter, hidden, pairs=pairs)
     c_dn = moe_dispatch.choose_q2s_gemv(hidden, inter, pairs=pairs)
+    if launch == "each":  # {"gu": fields, "dn": fields}
+        gu, dn = fields["gu"], fields["dn"]
+        return replace(c_gu, **gu), replace(c_dn, **dn)  # type: ignore[arg-type]
     if launch in ("gu", "both"):
         c_gu = replace(c_gu, **fields)  # type: ignore[arg-type]
     if launch in ("dn", "both"):

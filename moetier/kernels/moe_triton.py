@@ -1002,6 +1002,13 @@ def _q2s_gemv_kernel(
                         _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
                         _prefetch_l2(bptr + scales + (first + INTER) * row_groups,
                                      count * row_groups)  # fmt: skip
+            # what the epilogue multiplies by, loaded now: loaded after the K loop, its latency
+            # ended every program (H200: 1.00-1.07x the time a call, docs/benchmarks.md)
+            rf0 = _row_factor(bptr, 3, row_scale, 0, rows0, m0)
+            rf1 = _row_factor(bptr, 3, row_scale, 0, rows1, m1)
+            rf2 = _row_factor(bptr, 3, row_scale, 0, rows2, m2)
+            rf3 = _row_factor(bptr, 3, row_scale, 0, rows3, m3)
+            weight0 = tl.load(topk_w + pair).to(tl.float32)  # (down's)
             if TRACE:
                 t_pre = _globaltimer()
             if PDL:  # the activations are the previous launch's output
@@ -1186,10 +1193,8 @@ def _q2s_gemv_kernel(
                     # (tl.where: `mask & scalar` is no bool mask to Triton 3.9's interpreter)
                     m0, m1 = tl.where(has_b, m0, False), tl.where(has_b, m1, False)
                     m2, m3 = tl.where(has_b, m2, False), tl.where(has_b, m3, False)
-                y0 = y0 * _row_factor(bptr, 3, row_scale, 0, rows0, m0)
-                y1 = y1 * _row_factor(bptr, 3, row_scale, 0, rows1, m1)
-                y2 = y2 * _row_factor(bptr, 3, row_scale, 0, rows2, m2)
-                y3 = y3 * _row_factor(bptr, 3, row_scale, 0, rows3, m3)
+                # (the same rows for both pairs of PAIRS 2)
+                y0, y1, y2, y3 = y0 * rf0, y1 * rf1, y2 * rf2, y3 * rf3
                 if FP4_INT8:
                     d0 = 0.5 * tl.sum(dv0, axis=1)
                     d1 = 0.5 * tl.sum(dv1, axis=1)
@@ -1219,7 +1224,10 @@ def _q2s_gemv_kernel(
                     y2 += _bias(bptr, BIAS, bias_at, rows2, m2)
                     y3 += _bias(bptr, BIAS, bias_at, rows3, m3)
                 if IS_DOWN:
-                    weight = tl.load(topk_w + pair).to(tl.float32)
+                    if member == 0:
+                        weight = weight0
+                    else:
+                        weight = tl.load(topk_w + pair).to(tl.float32)
                     tl.store(out + pair * N + rows0, y0 * weight, mask=m0)
                     tl.store(out + pair * N + rows1, y1 * weight, mask=m1)
                     tl.store(out + pair * N + rows2, y2 * weight, mask=m2)

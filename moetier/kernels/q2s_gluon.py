@@ -179,6 +179,12 @@ def _q2s_gemv_gluon_kernel(
         a = gl.load((bptr + aux).to(gl.pointer_type(gl.float32)))
         b = gl.load((bptr + aux + 4).to(gl.pointer_type(gl.float32)))
         corr = gl.where(b == 3 * a, 0.0, b - 3 * a)
+        # what the epilogue multiplies by, loaded now: loaded after the K loop, its latency
+        # ended every program (H200: 1.00-1.07x the time a call, docs/benchmarks.md)
+        rs = (bptr + row_scale).to(gl.pointer_type(gl.float32))
+        rs_a = gl.load(rs + rows_a)
+        rs_b = gl.load(rs + rows_b)
+        weight = gl.load(topk_w + pair).to(gl.float32)  # (down's)
         if TRACE:
             t_pre = _globaltimer()
         if PDL:
@@ -268,11 +274,9 @@ def _q2s_gemv_gluon_kernel(
                 hb = _tile_sum(hb, wb, sb, xqm, xsm, t, NTP, WPG, True, L3)
             ya += gl.sum(ha, axis=1) * gamma
             yb += gl.sum(hb, axis=1) * gamma
-        rs = (bptr + row_scale).to(gl.pointer_type(gl.float32))
-        ya = ya * gl.load(rs + rows_a)
-        yb = yb * gl.load(rs + rows_b)
+        ya = ya * rs_a
+        yb = yb * rs_b
         if IS_DOWN:
-            weight = gl.load(topk_w + pair).to(gl.float32)
             gl.store(out + pair * N + rows_a, ya * weight)
             gl.store(out + pair * N + rows_b, yb * weight)
         else:
