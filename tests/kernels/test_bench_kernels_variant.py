@@ -1,11 +1,12 @@
 """bench/kernels.py's `--variant` specs: KernelChoice fields forced on both launches of the
-q2s GEMV, or with a `gu:` / `dn:` prefix on one (the same-run A/Bs and Nsight Compute
-targets in docs/benchmarks.md)."""
+q2s GEMV, with a `gu:` / `dn:` prefix on one, or `gu:...+dn:...` each on its own (the
+same-run A/Bs and Nsight Compute targets in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,18 @@ def test_variant_on_one_launch(kb, launch):
     assert (gu if launch == "dn" else dn) == (plain_gu if launch == "dn" else plain_dn)
 
 
-@pytest.mark.parametrize("bad", ["up:split_k=2", "splitk=2", "depth"])
+def test_variant_with_fields_of_its_own_on_each_launch(kb):
+    spec, fields, launch = kb.parse_variant("gu:maxnreg=64+dn:block_n=128,num_warps=8")
+    assert launch == "each"
+    assert fields == {"gu": {"maxnreg": 64}, "dn": {"block_n": 128, "num_warps": 8}}
+    gu, dn = kb.variant_choices(4096, 2048, 6, fields, launch)
+    plain_gu, plain_dn = kb.variant_choices(4096, 2048, 6, {}, "both")
+    assert gu == replace(plain_gu, maxnreg=64)
+    assert dn == replace(plain_dn, block_n=128, num_warps=8)
+
+
+@pytest.mark.parametrize("bad", ["up:split_k=2", "splitk=2", "depth", "gu:depth=2+gu:pipe=2",
+                                 "depth=2+dn:pipe=2"])  # fmt: skip
 def test_variant_errors_say_what_is_wrong(kb, bad):
     with pytest.raises(SystemExit, match="--variant"):
         kb.parse_variant(bad)
@@ -53,8 +65,6 @@ def test_joint_search_finds_the_pair_one_launch_at_a_time_misses(kb):
     with down Y is the fastest pair (say Y fits beside B's programs only); it is found, each
     pair runs once, and prefetch_l2 is toggled only on Triton launches (the Gluon kernel has no
     such option)."""
-    from dataclasses import replace
-
     from moetier.kernels.moe_dispatch import KernelChoice
 
     a, b, c = (KernelChoice(block_n=n, int8_act=True) for n in (32, 64, 128))
