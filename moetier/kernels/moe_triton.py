@@ -1008,7 +1008,8 @@ def _q2s_gemv_kernel(
             rf1 = _row_factor(bptr, 3, row_scale, 0, rows1, m1)
             rf2 = _row_factor(bptr, 3, row_scale, 0, rows2, m2)
             rf3 = _row_factor(bptr, 3, row_scale, 0, rows3, m3)
-            weight0 = tl.load(topk_w + pair).to(tl.float32)  # (down's)
+            if IS_DOWN:
+                weight0 = tl.load(topk_w + pair).to(tl.float32)
             if TRACE:
                 t_pre = _globaltimer()
             if PDL:  # the activations are the previous launch's output

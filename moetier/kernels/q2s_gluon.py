@@ -184,7 +184,8 @@ def _q2s_gemv_gluon_kernel(
         rs = (bptr + row_scale).to(gl.pointer_type(gl.float32))
         rs_a = gl.load(rs + rows_a)
         rs_b = gl.load(rs + rows_b)
-        weight = gl.load(topk_w + pair).to(gl.float32)  # (down's)
+        if IS_DOWN:
+            weight = gl.load(topk_w + pair).to(gl.float32)
         if TRACE:
             t_pre = _globaltimer()
         if PDL:
