@@ -1,12 +1,16 @@
 """The Gluon q2s GEMV kernel (`moetier/kernels/q2s_gluon.py`) compiled here for sm_90 (no GPU:
 Triton's bundled ptxas, through `sass_count.compile_sm90`): one JSON line with its registers,
 stack, shared memory and the SASS counts of its words' loads (LDG, or LDGSTS: cp.async),
-shared-memory loads and IDP4A. Run without TRITON_INTERPRET."""
+shared-memory loads and IDP4A, and where in its K loop the next tile's global loads are
+issued (`k_loop`: the loop's instructions and the index of each LDG in it; ptxas may place
+them well after the loop's top, which shortens how far ahead they are asked for). Run without
+TRITON_INTERPRET."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import triton
 from sass_count import compile_sm90
@@ -20,6 +24,23 @@ POINTERS = {"x_ptr": "*bf16", "xq": "*i32", "xs": "*fp32", "xsum": "*i32", "topk
             "trace": "*i64"}  # fmt: skip
 NOT_DIVISIBLE = {"limit", "alpha", "stride_xk", "topk_ids", "topk_w", "slot_table",
                  "slot_offsets", "N", "INTER"}  # fmt: skip
+
+
+def k_loop(sass: str) -> dict[str, object]:
+    """The first loop (a backward branch) holding IDP4A: its instruction count and the index of
+    each global load (LDG) in it."""
+    lines = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)
+             or re.match(r"\s*\.L_x_\d+:", line)]  # fmt: skip
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\s*\.(L_x_\d+):", line))}  # fmt: skip
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA.*\.(L_x_\d+)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = [x for x in lines[labels[m.group(1)] : i + 1] if "/*" in x]
+            if any("IDP" in x for x in body):
+                ldg = [j for j, x in enumerate(body) if "LDG" in x]
+                return {"instructions": len(body), "ldg_at": ldg}
+    return {}
 
 
 def main() -> None:
@@ -62,6 +83,7 @@ def main() -> None:
         "ldg128": sass.count("LDG.E.128"), "lds128": sass.count("LDS.128"),
         "ldgsts": sass.count("LDGSTS"),
         "idp4a": sass.count("IDP.4A"), "tile": {"R": r, "W": w, "RPT": rpt, "TR": tr},
+        "k_loop": k_loop(sass),
     }))  # fmt: skip
 
 

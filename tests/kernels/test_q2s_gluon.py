@@ -67,3 +67,27 @@ def test_tile_refuses_what_it_cannot_run():
         q2s_gluon.tile(16 * 40, 16, gu)  # 40 words: no tile of 16-128 words divides it
     with pytest.raises(ValueError, match="block_n"):
         q2s_gluon.tile(2048, 16, replace(gu, block_n=48, num_warps=4))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        "--k 4096 --block-n 64 --warps 8 --pdl 1 --quant-in 1 --quant-out 1".split(),
+        "--down --k 2048 --block-n 64 --warps 8 --pdl 1".split(),
+    ],
+    ids=["gate_up", "down"],
+)
+def test_register_cap_asks_for_the_next_tile_at_the_loops_top(args):
+    """DeepSeek-V4-Flash's 1-2 token launches (H200 configs `:p6`, `:p12`): with the register
+    cap of 80 their configs set, ptxas issues the next K tile's loads in the first quarter of
+    the K loop (uncapped it issued them near its middle: a shorter look-ahead; H200, 1-2
+    tokens: 0.95-0.98x the time a call, docs/benchmarks.md), and three programs of 8 warps
+    still fit an SM."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(BENCH / "gluon_sass.py"), "--block-k", "512", "--maxnreg", "80"]
+    out = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads(out.stdout.splitlines()[-1])
+    loop = rec["k_loop"]
+    assert rec["stack_bytes"] == 0 and rec["registers"] <= 80, rec
+    assert len(loop["ldg_at"]) == 4 and max(loop["ldg_at"]) < loop["instructions"] // 4, rec
