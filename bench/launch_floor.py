@@ -44,6 +44,25 @@ GROUP = 32  # q2s columns per group scale (one byte)
 
 
 @triton.jit
+def _walk(cb, sb, w, s, ROWS: tl.constexpr, CW: tl.constexpr, NT: tl.constexpr):
+    """The K tiles of ROWS rows from pointers cb (codes, CW words a tile) and sb (scales, CW / 2
+    bytes a tile), tile 0 (w, s) already loaded, the next one asked for before each is used;
+    -> the XOR of all the codes' words and of all the scales' bytes."""
+    SC: tl.constexpr = CW // 2
+    acc = tl.zeros((ROWS, CW), tl.int32)
+    sacc = tl.zeros((ROWS, SC), tl.int32)
+    for t in range(NT):
+        tn = tl.minimum(t + 1, NT - 1)
+        nw = tl.load(cb + tn * CW)
+        ns = tl.load(sb + tn * SC)
+        acc ^= w
+        sacc ^= s.to(tl.int32)
+        w, s = nw, ns
+    codes = tl.xor_sum(tl.reshape(acc, (ROWS * CW,)), axis=0)
+    return codes, tl.xor_sum(tl.reshape(sacc, (ROWS * SC,)), axis=0)
+
+
+@triton.jit
 def _rows_read(codes, scales, act, out, ROWS: tl.constexpr, RW: tl.constexpr,
                CW: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One program: ROWS rows of RW int32 words of codes (and RW / 2 bytes of group scales a
@@ -64,19 +83,8 @@ def _rows_read(codes, scales, act, out, ROWS: tl.constexpr, RW: tl.constexpr,
     if PDL:
         gdc_wait()
     a = tl.xor_sum(tl.load(act + tl.arange(0, ACT)), axis=0)
-    NT: tl.constexpr = RW // CW
-    acc = tl.zeros((ROWS, CW), tl.int32)
-    sacc = tl.zeros((ROWS, SC), tl.int32)
-    for t in range(NT):
-        tn = tl.minimum(t + 1, NT - 1)
-        nw = tl.load(cb + tn * CW)
-        ns = tl.load(sb + tn * SC)
-        acc ^= w
-        sacc ^= s.to(tl.int32)
-        w, s = nw, ns
-    total = tl.xor_sum(tl.reshape(acc, (ROWS * CW,)), axis=0)
-    total ^= tl.xor_sum(tl.reshape(sacc, (ROWS * SC,)), axis=0)
-    tl.store(out + p, total ^ a)
+    xc, xs = _walk(cb, sb, w, s, ROWS, CW, RW // CW)
+    tl.store(out + p, xc ^ xs ^ a)
 
 
 @triton.jit
@@ -94,20 +102,8 @@ def _slab_read(gu_codes, gu_scales, act, p, S: tl.constexpr, H: tl.constexpr,
     cs = tl.arange(0, SC)[None, :]
     cb = gu_codes + p.to(tl.int64) * 2 * S * RW + r * RW + c
     sb = gu_scales + p.to(tl.int64) * 2 * S * SB + r * SB + cs
-    w = tl.load(cb)
-    s = tl.load(sb)
-    NT: tl.constexpr = RW // CW
-    acc = tl.zeros((2 * S, CW), tl.int32)
-    sacc = tl.zeros((2 * S, SC), tl.int32)
-    for t in range(NT):
-        tn = tl.minimum(t + 1, NT - 1)
-        nw = tl.load(cb + tn * CW)
-        ns = tl.load(sb + tn * SC)
-        acc ^= w
-        sacc ^= s.to(tl.int32)
-        w, s = nw, ns
-    h = (tl.xor_sum(tl.reshape(acc, (2 * S * CW,)), axis=0) ^ a).to(tl.float32) * 1e-9
-    return h + tl.xor_sum(tl.reshape(sacc, (2 * S * SC,)), axis=0).to(tl.float32) * 1e-9
+    xc, xs = _walk(cb, sb, tl.load(cb), tl.load(sb), 2 * S, CW, RW // CW)
+    return (xc ^ a).to(tl.float32) * 1e-9 + xs.to(tl.float32) * 1e-9
 
 
 @triton.jit

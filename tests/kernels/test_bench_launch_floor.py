@@ -33,6 +33,18 @@ def _xor(t: torch.Tensor) -> int:
     return functools.reduce(operator.xor, t.to(torch.int64).flatten().tolist(), 0)
 
 
+def _one_launch_buffers(lf, pairs, hidden, inter, s):  # type: ignore[no-untyped-def]
+    """Random gate_up codes and scales, down codes and scales, activations and a zero
+    accumulator for a one-launch call."""
+    sizes = lf.one_launch_bytes(hidden, inter, pairs, s)
+    return (torch.randint(0, 2**10, (sizes[0] // 4,), dtype=torch.int32),
+            torch.randint(0, 255, (sizes[1],), dtype=torch.uint8),
+            torch.randint(0, 2**10, (sizes[2] // 4,), dtype=torch.int32),
+            torch.randint(0, 255, (sizes[3],), dtype=torch.uint8),
+            torch.randint(0, 2**10, (hidden // 2,), dtype=torch.int32),
+            torch.zeros(pairs * hidden))  # fmt: skip
+
+
 def test_rows_read_reads_each_programs_rows_and_scales(lf):
     rows, rw, cw, programs, act = 8, 32, 8, 3, 16
     codes = torch.randint(0, 2**20, (programs * rows * rw,), dtype=torch.int32)
@@ -49,13 +61,7 @@ def test_slice_read_adds_each_slices_down_block(lf):
     """Program (pair, j): its 2S gate_up rows, then down block j ([H, S / 16] words) and its
     group's scale bytes [H], added into acc[pair] row by row."""
     pairs, hidden, inter, s, cw, chunk = 2, 64, 128, 16, 2, 16
-    sizes = lf.one_launch_bytes(hidden, inter, pairs, s)
-    gu = torch.randint(0, 2**10, (sizes[0] // 4,), dtype=torch.int32)
-    gs = torch.randint(0, 255, (sizes[1],), dtype=torch.uint8)
-    dn = torch.randint(0, 2**10, (sizes[2] // 4,), dtype=torch.int32)
-    ds = torch.randint(0, 255, (sizes[3],), dtype=torch.uint8)
-    act = torch.randint(0, 2**10, (hidden // 2,), dtype=torch.int32)
-    acc = torch.zeros(pairs * hidden)
+    gu, gs, dn, ds, act, acc = _one_launch_buffers(lf, pairs, hidden, inter, s)
     slices = inter // s
     lf._slice_read[(pairs * slices,)](gu, gs, dn, ds, act, acc, s, hidden, slices, cw, chunk,
                                       hidden // 2)  # fmt: skip
@@ -85,13 +91,7 @@ def test_shared_read_adds_its_share_of_its_blocks_rows(lf):
     """Program (pair, j): its 2S gate_up rows, then of row-major down the 128-column block
     j // (128 / S) (8 words and 4 scale bytes a row) for rows share j % (128 / S)."""
     pairs, hidden, inter, s, cw, chunk = 2, 64, 256, 32, 2, 8
-    sizes = lf.one_launch_bytes(hidden, inter, pairs, s)
-    gu = torch.randint(0, 2**10, (sizes[0] // 4,), dtype=torch.int32)
-    gs = torch.randint(0, 255, (sizes[1],), dtype=torch.uint8)
-    dn = torch.randint(0, 2**10, (sizes[2] // 4,), dtype=torch.int32)
-    ds = torch.randint(0, 255, (sizes[3],), dtype=torch.uint8)
-    act = torch.randint(0, 2**10, (hidden // 2,), dtype=torch.int32)
-    acc = torch.zeros(pairs * hidden)
+    gu, gs, dn, ds, act, acc = _one_launch_buffers(lf, pairs, hidden, inter, s)
     slices, q = inter // s, 128 // s
     lf._shared_read[(pairs * slices,)](gu, gs, dn, ds, act, acc, s, hidden, inter, cw, chunk,
                                        hidden // 2)  # fmt: skip
