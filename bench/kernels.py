@@ -304,10 +304,9 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
     best_dn = min(dn_cands, key=lambda c: timed(best_gu, c))
     fields = ("grouped", "use_dot", "block_m", "block_n", "block_k", "split_k", "num_warps",
               "num_stages")  # fmt: skip
-    pick = lambda c: {f: asdict(c)[f] for f in fields}  # noqa: E731
     return {
-        config_key(pairs, case.experts, gu.n, gu.k): pick(best_gu),
-        config_key(pairs, case.experts, dn.n, dn.k): pick(best_dn),
+        config_key(pairs, case.experts, gu.n, gu.k): config_entry(best_gu, fields),
+        config_key(pairs, case.experts, dn.n, dn.k): config_entry(best_dn, fields),
     }
 
 
@@ -315,6 +314,11 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
 GEMV_FIELDS = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
                "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs",
                "row_tiles", "maxnreg", "next_l2", "unroll", "gluon")  # fmt: skip
+
+
+def config_entry(c: KernelChoice, fields: tuple[str, ...]) -> dict[str, object]:
+    """A tuned table entry: these fields of c."""
+    return {f: getattr(c, f) for f in fields}
 
 
 def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, dict]:  # type: ignore[type-arg]
@@ -391,11 +395,10 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
         got = score(c_gu, c_dn)
         if got < best:
             best_gu, best_dn, best = c_gu, c_dn, got
-    fields = GEMV_FIELDS
     key = "q2s-gemv-zc" if zero_copy else "q2s-gemv-delta" if delta else "q2s-gemv"
     return {
-        f"{key}:{gu.n}x{gu.k}{suffix}": {f: asdict(best_gu)[f] for f in fields},
-        f"{key}:{dn.n}x{dn.k}{suffix}": {f: asdict(best_dn)[f] for f in fields},
+        f"{key}:{gu.n}x{gu.k}{suffix}": config_entry(best_gu, GEMV_FIELDS),
+        f"{key}:{dn.n}x{dn.k}{suffix}": config_entry(best_dn, GEMV_FIELDS),
     }
 
 
@@ -526,8 +529,8 @@ def tune_q2s_mma(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[ty
     )
     fields = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     return {
-        f"q2s-mma:{gu.n}x{gu.k}:m{rows}": {f: asdict(best_gu)[f] for f in fields},
-        f"q2s-mma:{dn.n}x{dn.k}:m{rows}": {f: asdict(best_dn)[f] for f in fields},
+        f"q2s-mma:{gu.n}x{gu.k}:m{rows}": config_entry(best_gu, fields),
+        f"q2s-mma:{dn.n}x{dn.k}:m{rows}": config_entry(best_dn, fields),
     }
 
 
@@ -673,9 +676,7 @@ def main() -> None:
             for tokens in (int(t) for t in args.sweep_joint.split(",")):
                 c_gu, c_dn = sweep_joint(case, shape, tokens, info)
                 for (n, k), c in (((2 * inter, hidden), c_gu), ((hidden, inter), c_dn)):
-                    tuned_now[f"q2s-gemv:{n}x{k}:p{tokens * top_k}"] = {
-                        f: asdict(c)[f] for f in GEMV_FIELDS
-                    }
+                    tuned_now[f"q2s-gemv:{n}x{k}:p{tokens * top_k}"] = config_entry(c, GEMV_FIELDS)
         if args.sweep_write:  # each size's winners as its `:p<pairs>` entries
             path = moe_dispatch.CONFIG_DIR / f"{moe_dispatch._device_name()}.json"
             path.write_text(json.dumps(tuned_now, indent=1, sort_keys=True) + "\n")

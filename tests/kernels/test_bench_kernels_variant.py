@@ -84,3 +84,12 @@ def test_joint_search_finds_the_pair_one_launch_at_a_time_misses(kb):
     assert (a, replace(x, prefetch_l2=True)) in timed  # (a, x) is third: both toggles
     assert (replace(a, prefetch_l2=True), x) in timed
     assert not any(d.gluon and d.prefetch_l2 for _, d in timed)
+
+
+def test_config_entries_hold_the_tuned_fields(kb):
+    """What --tune, --tune-mma and --sweep-write store for a config: exactly these fields of
+    it, each a KernelChoice field (the dispatcher rebuilds the config from them)."""
+    c = replace(kb.moe_dispatch.Q2S_GEMV, maxnreg=80, gluon=True)
+    entry = kb.config_entry(c, kb.GEMV_FIELDS)
+    assert list(entry) == list(kb.GEMV_FIELDS)
+    assert replace(kb.moe_dispatch.Q2S_GEMV, **entry) == c
