@@ -65,9 +65,9 @@ def main() -> None:
     wpg = args.group // 16
     fn = q2s_gluon._q2s_gemv_gluon_kernel
     const = dict(ACT=0, IS_DOWN=int(args.down), TOPK=8, R=r, W=w, NT=nt,
-                 NTP=triton.next_power_of_2(nt), WPG=wpg, SMASK=-1 if wpg == 1 else 0xFFFF,
+                 NTP=triton.next_power_of_2(nt), WPG=wpg,
                  RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl, STAGES=args.stages,
-                 QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out,
+                 QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out, NEXT_L2=0, NEXT_AT=0,
                  TRACE=args.trace)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn,

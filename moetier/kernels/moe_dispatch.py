@@ -80,6 +80,10 @@ class KernelChoice:
     # q2s GEMV gate_up on sm_90: its programs, when done, ask L2 for their pair's down weights
     # (down's reads start while gate_up's last programs run; blobs in the GPU pool)
     next_l2: bool = False
+    # the Gluon gate_up with next_l2: asked for when that many K tiles of its loop are left (0:
+    # after the loop). H200: 1-2 at Qwen3-30B-A3B's 1-2 tokens (0.93x the time a call), next_l2
+    # off at the DeepSeek shapes (1.08-1.13x there), docs/benchmarks.md
+    next_l2_at: int = 0
     # q2s GEMV: the K loop unrolled this many times (1: not)
     unroll: int = 1
     # q2s GEMV int8 on sm_90, no delta plane or bias: the launch runs the Gluon kernel

@@ -1675,11 +1675,13 @@ def _q2s_gemv(
         if gl_dn if is_down else gl_gu:
             from moetier.kernels import q2s_gluon
 
+            next_l2 = (dn_lo, dn_hi - dn_lo) if c.next_l2 and not is_down else None
+
             q2s_gluon.launch(bool(is_down), x, None if xq is x else (xq, xs, xsum, xqn),
                              topk_ids, topk_w, pool, slot_table, slot_offsets, dst,
                              None if is_down else hq, spec, inter, top_k,
-                             ACTIVATIONS[act.kind], act.limit, act.alpha, c, pdl,
-                             trace)  # fmt: skip
+                             ACTIVATIONS[act.kind], act.limit, act.alpha, c, pdl, trace,
+                             next_l2)  # fmt: skip
             continue
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,

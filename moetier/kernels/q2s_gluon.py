@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moetier.kernels.moe_dispatch import KernelChoice
-from moetier.kernels.moe_triton import _globaltimer, _q2s_word_dots, _trace_store
+from moetier.kernels.moe_triton import _globaltimer, _prefetch_share, _q2s_word_dots, _trace_store
 
 # Gluon is experimental and its names move: Triton 3.6 (the H200 image) has
 # `gl.thread_barrier`, `shared_memory_descriptor._reinterpret` and
@@ -61,26 +61,59 @@ def _scale_words(raw, WPG: gl.constexpr, L3: gl.constexpr):
 
 
 @gluon.jit
-def _tile_sum(acc, w, raw, xqm, xsm, t, NTP: gl.constexpr, WPG: gl.constexpr,
+def _e4m3_pair(raw):
+    """The two E4M3 bytes in raw's low 16 bits (int32) as float32 (byte 0, byte 1): one
+    conversion of the pair (`cvt.rn.f16x2.e4m3x2`), where converting each byte took a mask and
+    shift to pack it first (sm_90)."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .b16 lo, h0, h1; .reg .b32 h2;
+        cvt.u16.u32 lo, $2; cvt.rn.f16x2.e4m3x2 h2, lo; mov.b32 {h0, h1}, h2;
+        cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; }""",
+        "=r,=r,r", [raw], dtype=(gl.float32, gl.float32), is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _tile_sum(acc, w, raw, xqm, xsm, xcm, t, NTP: gl.constexpr, WPG: gl.constexpr,
               HIGH: gl.constexpr, L3: gl.constexpr):  # fmt: skip
     """acc [R, W/4] + one K tile's products of words w [R, W/4, 4] with the staged activations
-    of tile t (xqm: the four planes of int8 bytes, xsm: the scales' bits and Σq): r · (group
-    scale · x scale) per word (r: `moe_triton._q2s_word_dots`, called from here), summed over
-    a thread's four words."""
+    of tile t (xqm: the four planes of int8 bytes, xsm: the scales' bits, Σq and the words'
+    offsets c = x scale · -96 Σq): (x scale · r + c) · group scale per word (r:
+    `moe_triton._q2s_word_dots` without its offset, called from here), a group's words summed
+    before their scale (one float product a group), summed over a thread's four words. HIGH
+    (the fitted grid's second pass): r · (group scale · x scale) per word, as the Triton
+    kernel."""
     XL: gl.constexpr = gl.SliceLayout(0, L3)
     q0 = gl.expand_dims(xqm.index(t).load(XL), 0)
     q1 = gl.expand_dims(xqm.index(NTP + t).load(XL), 0)
     q2 = gl.expand_dims(xqm.index(2 * NTP + t).load(XL), 0)
     q3 = gl.expand_dims(xqm.index(3 * NTP + t).load(XL), 0)
     xsc = gl.expand_dims(xsm.index(t).load(XL), 0).to(gl.float32, bitcast=True)
-    qs = gl.expand_dims(xsm.index(NTP + t).load(XL), 0)
     if HIGH:
-        init = qs * -64
+        qs = gl.expand_dims(xsm.index(NTP + t).load(XL), 0)
+        r = _q2s_word_dots(w, q0, q1, q2, q3, qs * -64, True, True)
+        # a thread's four words of a row summed before they meet its sum: [R, W/4] accumulators
+        return acc + gl.sum(r.to(gl.float32) * (_scale_words(raw, WPG, L3) * xsc), axis=2)
     else:
-        init = qs * -96
-    r = _q2s_word_dots(w, q0, q1, q2, q3, init, HIGH, True)
-    # a thread's four words of a row summed before they meet its sum: [R, W/4] accumulators
-    return acc + gl.sum(r.to(gl.float32) * (_scale_words(raw, WPG, L3) * xsc), axis=2)
+        cw = gl.expand_dims(xcm.index(t).load(XL), 0).to(gl.float32, bitcast=True)
+        r = _q2s_word_dots(w, q0, q1, q2, q3, 0, False, True)
+        p = r.to(gl.float32) * xsc + cw  # x scale · 32 Σ(2c - 3)q, a word
+        if WPG == 2:  # two groups a thread: their words' sums, then one product each
+            pa, pb = gl.split(gl.reshape(p, [p.shape[0], p.shape[1], 2, 2]))
+            s0, s1 = gl.split(pa + pb)  # (the same registers in [R, W/4] layouts of their own)
+            s0 = gl.convert_layout(s0, acc.type.layout)
+            s1 = gl.convert_layout(s1, acc.type.layout)
+            g0, g1 = _e4m3_pair(raw)
+            return acc + g0 * s0 + g1 * s1
+        else:
+            return acc + gl.sum(p * _scale_words(raw, WPG, L3), axis=2)
+
+
+@gluon.jit
+def _offset_bits(xsc, qsum):
+    """A word's offset x scale · -96 Σq (what maps codes 0-3 to the grid's -3, -1, 1, 3 in
+    `_tile_sum`), as int32 bits for the shared int32 planes."""
+    return (xsc * (qsum * -96).to(gl.float32)).to(gl.int32, bitcast=True)
 
 
 @gluon.jit
@@ -107,12 +140,13 @@ def _q2s_gemv_gluon_kernel(
     N, INTER, row_words, row_groups, codes, scales, row_scale, aux,
     ACT: gl.constexpr, limit, alpha, IS_DOWN: gl.constexpr, TOPK: gl.constexpr,
     R: gl.constexpr, W: gl.constexpr, NT: gl.constexpr, NTP: gl.constexpr, WPG: gl.constexpr,
-    SMASK: gl.constexpr, RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr,
+    RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr,
     PDL: gl.constexpr, STAGES: gl.constexpr, QUANT_IN: gl.constexpr, QUANT_OUT: gl.constexpr,
+    NEXT_L2: gl.constexpr, NEXT_AT: gl.constexpr, next_lo, next_bytes, pool_bytes,
     trace, TRACE: gl.constexpr,
 ):  # fmt: skip
     """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP:
-    the next power of two), SMASK the bits of a thread's group scale bytes. STAGES 1: the words
+    the next power of two). STAGES 1: the words
     of tile i + 1 are loaded into registers before tile i is decoded; 2+: they stream through a
     ring of STAGES tiles in shared memory (cp.async, STAGES - 1 tiles ahead; each thread reads
     back only what it copied, so no barrier). QUANT_IN (gate_up): the program rounds its
@@ -174,8 +208,8 @@ def _q2s_gemv_gluon_kernel(
         else:
             wa = gl.load(w_at_a)
             wb = gl.load(w_at_b)
-        sa = gl.load(s_at_a).to(gl.int32) & SMASK
-        sb = gl.load(s_at_b).to(gl.int32) & SMASK
+        sa = gl.load(s_at_a).to(gl.int32)
+        sb = gl.load(s_at_b).to(gl.int32)
         a = gl.load((bptr + aux).to(gl.pointer_type(gl.float32)))
         b = gl.load((bptr + aux + 4).to(gl.pointer_type(gl.float32)))
         corr = gl.where(b == 3 * a, 0.0, b - 3 * a)
@@ -193,19 +227,21 @@ def _q2s_gemv_gluon_kernel(
         if TRACE:
             t_post = _globaltimer()
         # the token's activations into shared memory: 4 planes of int8 bytes (xqm), the scales'
-        # bits and Σq (xsm), each NTP tiles x [W/4, 4] words
+        # bits, Σq and the offsets x scale · -96 Σq (xsm), each NTP tiles x [W/4, 4] words
         x_idx = pair if IS_DOWN else pair // TOPK
         # (plain row-major layouts, so the [tiles, W] views that fill them and the [tiles,
         # W/4, 4] views the K loop indexes are the same bytes)
         SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         xq2 = gl.allocate_shared_memory(gl.int32, [4 * NTP, W], layout=SL)
         xs2 = gl.allocate_shared_memory(gl.int32, [2 * NTP, W], layout=SL)
+        xc2 = gl.allocate_shared_memory(gl.int32, [NTP, W], layout=SL)
         if QUANT_IN:  # one word of x a thread at a time, rounded as `_quant_words_kernel` does
             LQ: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
             SL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
             CH: gl.constexpr = min(32 * NW, NTP * W)  # words a chunk
             xq1 = _view(xq2, gl.int32, [4, NTP * W], SL1)
             xs1 = _view(xs2, gl.int32, [2, NTP * W], SL1)
+            xc1 = _view(xc2, gl.int32, [NTP * W], SL1)
             cq = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
             for c in gl.static_range(NTP * W // CH):
                 wq = c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, LQ))
@@ -218,6 +254,7 @@ def _q2s_gemv_gluon_kernel(
                 xq1.index(3).slice(c * CH, CH).store(p3)
                 xs1.index(0).slice(c * CH, CH).store(xsc.to(gl.int32, bitcast=True))
                 xs1.index(1).slice(c * CH, CH).store(qsum)
+                xc1.slice(c * CH, CH).store(_offset_bits(xsc, qsum))
         else:
             LF: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
             tf = gl.arange(0, NTP, layout=gl.SliceLayout(1, LF))
@@ -229,11 +266,15 @@ def _q2s_gemv_gluon_kernel(
                 xq2.slice(p * NTP, NTP).store(gl.load(xq_row + p * row_words + word, mask=fmask,
                                                       other=0))  # fmt: skip
             xs_row = (xs + x_idx * row_words).to(gl.pointer_type(gl.int32))
-            xs2.slice(0, NTP).store(gl.load(xs_row + word, mask=fmask, other=0))
-            xs2.slice(NTP, NTP).store(gl.load(xsum + x_idx * row_words + word, mask=fmask,
-                                              other=0))  # fmt: skip
+            xsc_bits = gl.load(xs_row + word, mask=fmask, other=0)
+            qsum = gl.load(xsum + x_idx * row_words + word, mask=fmask, other=0)
+            xs2.slice(0, NTP).store(xsc_bits)
+            xs2.slice(NTP, NTP).store(qsum)
+            xc2.store(_offset_bits(xsc_bits.to(gl.float32, bitcast=True),
+                                                       qsum))  # fmt: skip
         xqm = _view(xq2, gl.int32, [4 * NTP, W4, 4], SL)
         xsm = _view(xs2, gl.int32, [2 * NTP, W4, 4], SL)
+        xcm = _view(xc2, gl.int32, [NTP, W4, 4], SL)
         _barrier()
         acc_a = gl.zeros([R, W4], gl.float32, layout=LR)
         acc_b = gl.zeros([R, W4], gl.float32, layout=LR)
@@ -253,10 +294,15 @@ def _q2s_gemv_gluon_kernel(
                 nb = gl.load(w_at_b + tn * W)
             nsa = gl.load(s_at_a + tn * W4)
             nsb = gl.load(s_at_b + tn * W4)
-            acc_a = _tile_sum(acc_a, wa, sa, xqm, xsm, t, NTP, WPG, False, L3)
-            acc_b = _tile_sum(acc_b, wb, sb, xqm, xsm, t, NTP, WPG, False, L3)
+            if NEXT_L2 and NEXT_AT > 0:
+                if t == NT - NEXT_AT:
+                    _prefetch_share(pool, slot_offsets, slot, pool_bytes, next_lo, next_bytes)
+            acc_a = _tile_sum(acc_a, wa, sa, xqm, xsm, xcm, t, NTP, WPG, False, L3)
+            acc_b = _tile_sum(acc_b, wb, sb, xqm, xsm, xcm, t, NTP, WPG, False, L3)
             wa, wb = na, nb
-            sa, sb = nsa.to(gl.int32) & SMASK, nsb.to(gl.int32) & SMASK
+            sa, sb = nsa.to(gl.int32), nsb.to(gl.int32)
+        if NEXT_L2 and NEXT_AT == 0:
+            _prefetch_share(pool, slot_offsets, slot, pool_bytes, next_lo, next_bytes)
         if STAGES > 1:  # the look-ahead's last reloads land before any shared memory is reused
             cp.wait_group(0)
         beta = gl.where(corr != 0, 0.5 * (b - a), a) / 32
@@ -269,10 +315,10 @@ def _q2s_gemv_gluon_kernel(
             for t in range(NT):
                 wa = gl.load(w_at_a + t * W)
                 wb = gl.load(w_at_b + t * W)
-                sa = gl.load(s_at_a + t * W4).to(gl.int32) & SMASK
-                sb = gl.load(s_at_b + t * W4).to(gl.int32) & SMASK
-                ha = _tile_sum(ha, wa, sa, xqm, xsm, t, NTP, WPG, True, L3)
-                hb = _tile_sum(hb, wb, sb, xqm, xsm, t, NTP, WPG, True, L3)
+                sa = gl.load(s_at_a + t * W4).to(gl.int32)
+                sb = gl.load(s_at_b + t * W4).to(gl.int32)
+                ha = _tile_sum(ha, wa, sa, xqm, xsm, xcm, t, NTP, WPG, True, L3)
+                hb = _tile_sum(hb, wb, sb, xqm, xsm, xcm, t, NTP, WPG, True, L3)
             ya += gl.sum(ha, axis=1) * gamma
             yb += gl.sum(hb, axis=1) * gamma
         ya = ya * rs_a
@@ -357,6 +403,7 @@ def launch(
     choice: KernelChoice,
     pdl: bool,
     trace: torch.Tensor | None = None,
+    next_l2: tuple[int, int] | None = None,
 ) -> None:
     """One launch: gate_up (h into out [P, I] float, or as int8 words into hwords (q, scale, Σq)
     when given) or down (out [P, N]). x: the launch's float input, rounded here (gate_up only)
@@ -372,7 +419,6 @@ def launch(
         raise ValueError(f"q2s gluon GEMV: rows of {r} are not whole words of h to round")
     nt = spec.k // 16 // w
     wpg = spec.group // 16
-    smask = -1 if wpg == 1 else (1 << (8 * (4 // wpg))) - 1
     xq, xs, xsum = xwords[:3] if xwords is not None else (out, out, out)  # (unread placeholders)
     oq, osc, osum = hwords[:3] if hwords is not None else (out, out, out)
     _q2s_gemv_gluon_kernel[(pairs, rows // per)](
@@ -380,8 +426,9 @@ def launch(
         slot_offsets, out, oq, osc, osum,
         spec.n, inter, spec.k // 16, spec.k // spec.group, spec.codes, spec.scales,
         spec.row_scale, spec.aux, act, limit, alpha, int(is_down), top_k,
-        r, w, nt, triton.next_power_of_2(nt), wpg, smask, rpt, tr, choice.num_warps, pdl,
+        r, w, nt, triton.next_power_of_2(nt), wpg, rpt, tr, choice.num_warps, pdl,
         max(1, choice.pipe), xwords is None, hwords is not None,
+        next_l2 is not None, choice.next_l2_at, *(next_l2 or (0, 0)), pool.numel(),
         trace if trace is not None else topk_ids, trace is not None,
         num_warps=choice.num_warps, launch_pdl=pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),

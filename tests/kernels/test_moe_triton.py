@@ -653,6 +653,19 @@ def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps, pipe, quant_in):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_gpu_gluon_next_l2_matches_twin(at):
+    """The Gluon gate_up asking L2 for down's weights (next_l2) after its K loop or 1-2 tiles
+    before its end: a hint, so the results stay the twin's, host slots (which it skips)
+    included; one K tile (K 256) and eight (K 2048)."""
+    g = moe_dispatch.KernelChoice(block_n=64, block_k=256, num_warps=4, int8_act=True,
+                                  pdl=True, gluon=True, quant_in=True, next_l2=True,
+                                  next_l2_at=at)  # fmt: skip
+    for tokens, hidden in ((1, 256), (7, 2048)):
+        run_case("q2s", tokens, 4, 16, hidden, 256, host_slots=10, seed=tokens, force=(g, g))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("hidden", "inter", "top_k", "tokens"),
     [(2048, 768, 8, 1), (4096, 2048, 6, 1), (4096, 2048, 6, 2), (7168, 2048, 8, 1)],
