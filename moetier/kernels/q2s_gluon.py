@@ -3,18 +3,25 @@ gate_up or down, in place of `moe_triton._q2s_gemv_kernel` where a config sets
 `KernelChoice.gluon` (H200 configs: where it measured faster, docs/benchmarks.md).
 
 Every program copies its token's activation row into shared memory once (int8 planes, scales,
-Σq: 24 bytes a word of 16 columns), after its weights' first tile is asked for, and each K tile
-reads it from there. gate_up can round x to int8 words itself while copying it (QUANT_IN: once
-a program, so no rounding launch) and rounds h into int8 words for down (QUANT_OUT), so a call
-is two launches. The words and group scales of tile i + 1 are loaded into registers before tile
-i is decoded (or the words stream through a cp.async ring, STAGES >= 2: slower on the H200).
+Σq and the offsets x scale · -96 Σq: 28 bytes a word of 16 columns), after its weights' first
+tile is asked for, and each K tile reads it from there. gate_up can round x to int8 words
+itself while copying it (QUANT_IN: once a program, so no rounding launch) and rounds h into
+int8 words for down (QUANT_OUT), so a call is two launches. The words and group scales of tile
+i + 1 are loaded into registers before tile i is decoded (or the words stream through a
+cp.async ring, STAGES >= 2: slower on the H200).
 
-Same arithmetic as the Triton kernel's int8 path (`_q2s_word_dots`, the same IDP4A sums, one
-float product a word: r · (group scale · x scale)) and the same rounding, so the twin is the
-same: `moe_ref.moe_slots_ref(..., act_int8=True)`. What it takes (`tile` and `launch` raise
-otherwise): q2s matrices whose K tiles and row tiles are whole (no masks), groups of 16 or 32
-columns; `moe_triton` sends it no call with a delta plane or a bias. A fitted grid (b != 3a)
-takes a second pass over the words for its high bits, as the Triton kernel does.
+The Triton kernel's int8 path's IDP4A sums (`_q2s_word_dots`) and rounding, so the twin is the
+same: `moe_ref.moe_slots_ref(..., act_int8=True)`; its floats in another order: a word's sum
+times its x scale plus its staged offset, a group's words added, then one product with the
+group scale (groups of 32: two words; sm_90, DeepSeek-V4-Flash's tiles: 145 instructions a K
+tile where a product a word took 167, `bench/gluon_sass.py`). NEXT_L2 (gate_up,
+`KernelChoice.next_l2`): the programs ask L2 for their pair's down weights
+(`moe_triton._prefetch_share`) when `next_l2_at` K tiles are left, or after the loop.
+
+What it takes (`tile` and `launch` raise otherwise): q2s matrices whose K tiles and row tiles
+are whole (no masks), groups of 16 or 32 columns; `moe_triton` sends it no call with a delta
+plane or a bias. A fitted grid (b != 3a) takes a second pass over the words for its high bits,
+as the Triton kernel does.
 
 A program computes two row tiles of R rows (gate_up: R gate rows and their R up rows; down: 2R
 consecutive rows), each held as [R, W/4, 4] int32 words (four consecutive words a thread: one
