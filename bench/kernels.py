@@ -313,7 +313,8 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
 # the q2s GEMV config fields a tuned table entry holds
 GEMV_FIELDS = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
                "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs",
-               "row_tiles", "maxnreg", "next_l2", "next_l2_at", "unroll", "gluon")  # fmt: skip
+               "row_tiles", "maxnreg", "next_l2", "next_l2_at", "unroll", "gluon",
+               "prime")  # fmt: skip
 
 
 def config_entry(c: KernelChoice, fields: tuple[str, ...]) -> dict[str, object]:
@@ -374,7 +375,8 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     # expert per program (pairs 2: its rows read once for both); two row tiles a program
     # (row_tiles 2: its blob found once for both), with registers capped at 128 (maxnreg);
     # gate_up asking L2 for down's weights when done (next_l2), or in the Gluon kernel 1-2 K tiles
-    # before its loop's end (next_l2_at); gate_up's K loop unrolled twice;
+    # before its loop's end (next_l2_at); gate_up's K loop unrolled twice; the Gluon kernel's
+    # second K tile asked for before its wait (prime); sums per q2s group (group_acc);
     # the Gluon kernel (gluon)
     best = score(best_gu, best_dn)
     ahead = ({"pipe_x": True},) if delta else ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
@@ -385,7 +387,10 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     options += [] if delta else [("gu", {"quant_in": True}), ("gu", {"quant_pdl": True})]
     options += [(launch, {"row_tiles": 2, "maxnreg": 128}) for launch in ("gu", "dn")]
     options += [("gu", {"next_l2": True, "next_l2_at": at}) for at in (0, 1, 2)]
-    options += [("gu", {"unroll": 2})]
+    options += [("gu", {"unroll": 2})] + [(launch, {"prime": True}) for launch in ("gu", "dn")]
+    # sums per q2s group on the winning tiles (H200: the delta configs at Qwen3-30B-A3B,
+    # 0.88-0.91x the time a call, where the tile sweep had only tried it on other tiles)
+    options += [(launch, {"group_acc": True}) for launch in ("gu", "dn")]
     # the Gluon kernel on a launch (no delta plane; gate_up rounding x and h itself, or reading
     # the rounding launch's words: at 1 token a lone launch rounding x once won): a tile it
     # cannot run raises, which scores inf

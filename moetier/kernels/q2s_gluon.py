@@ -8,7 +8,8 @@ tile is asked for, and each K tile reads it from there. gate_up can round x to i
 itself while copying it (QUANT_IN: once a program, so no rounding launch) and rounds h into
 int8 words for down (QUANT_OUT), so a call is two launches. The words and group scales of tile
 i + 1 are loaded into registers before tile i is decoded (or the words stream through a
-cp.async ring, STAGES >= 2: slower on the H200).
+cp.async ring, STAGES >= 2: slower on the H200). PRIME (`KernelChoice.prime`): tile 1's are
+asked for with tile 0's, before the wait for the launch before and the staging of x.
 
 The Triton kernel's int8 path's IDP4A sums (`_q2s_word_dots`) and rounding, so the twin is the
 same: `moe_ref.moe_slots_ref(..., act_int8=True)`; its floats in another order: a word's sum
@@ -150,6 +151,7 @@ def _q2s_gemv_gluon_kernel(
     RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr,
     PDL: gl.constexpr, STAGES: gl.constexpr, QUANT_IN: gl.constexpr, QUANT_OUT: gl.constexpr,
     NEXT_L2: gl.constexpr, NEXT_AT: gl.constexpr, next_lo, next_bytes, pool_bytes,
+    PRIME: gl.constexpr,
     trace, TRACE: gl.constexpr,
 ):  # fmt: skip
     """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP:
@@ -217,6 +219,12 @@ def _q2s_gemv_gluon_kernel(
             wb = gl.load(w_at_b)
         sa = gl.load(s_at_a).to(gl.int32)
         sb = gl.load(s_at_b).to(gl.int32)
+        if PRIME:  # tile 1 asked for now too, before the wait and the staging of x
+            t1: gl.constexpr = min(1, NT - 1)
+            pa = gl.load(w_at_a + t1 * W)
+            pb = gl.load(w_at_b + t1 * W)
+            psa = gl.load(s_at_a + t1 * W4).to(gl.int32)
+            psb = gl.load(s_at_b + t1 * W4).to(gl.int32)
         a = gl.load((bptr + aux).to(gl.pointer_type(gl.float32)))
         b = gl.load((bptr + aux + 4).to(gl.pointer_type(gl.float32)))
         corr = gl.where(b == 3 * a, 0.0, b - 3 * a)
@@ -285,7 +293,12 @@ def _q2s_gemv_gluon_kernel(
         _barrier()
         acc_a = gl.zeros([R, W4], gl.float32, layout=LR)
         acc_b = gl.zeros([R, W4], gl.float32, layout=LR)
-        for t in range(NT):
+        T0: gl.constexpr = 1 if PRIME else 0
+        if PRIME:  # tile 0 decoded while tile 1 lands; the loop goes on from tile 1
+            acc_a = _tile_sum(acc_a, wa, sa, xqm, xsm, xcm, 0, NTP, WPG, False, L3)
+            acc_b = _tile_sum(acc_b, wb, sb, xqm, xsm, xcm, 0, NTP, WPG, False, L3)
+            wa, wb, sa, sb = pa, pb, psa, psb
+        for t in range(T0, NT):
             tn = gl.minimum(t + 1, NT - 1)  # the last tile's look-ahead reloads it (no masks)
             if STAGES > 1:
                 ta = gl.minimum(t + STAGES - 1, NT - 1)
@@ -436,6 +449,7 @@ def launch(
         r, w, nt, triton.next_power_of_2(nt), wpg, rpt, tr, choice.num_warps, pdl,
         max(1, choice.pipe), xwords is None, hwords is not None,
         next_l2 is not None, choice.next_l2_at, *(next_l2 or (0, 0)), pool.numel(),
+        choice.prime and choice.pipe < 2,
         trace if trace is not None else topk_ids, trace is not None,
         num_warps=choice.num_warps, launch_pdl=pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),

@@ -653,6 +653,17 @@ def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps, pipe, quant_in):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quant_in", [False, True])
+def test_gpu_gluon_prime_matches_twin(quant_in):
+    """Both Gluon launches asking for their second K tile before their wait: one K tile (K 256,
+    whose second is its first again) and eight (K 2048), host slots too, against the twin."""
+    g = moe_dispatch.KernelChoice(block_n=64, block_k=256, num_warps=4, int8_act=True,
+                                  pdl=True, gluon=True, quant_in=quant_in, prime=True)  # fmt: skip
+    for tokens, hidden in ((1, 256), (7, 2048)):
+        run_case("q2s", tokens, 4, 16, hidden, 256, host_slots=10, seed=tokens, force=(g, g))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("at", [0, 1, 2])
 def test_gpu_gluon_next_l2_matches_twin(at):
     """The Gluon gate_up asking L2 for down's weights (next_l2) after its K loop or 1-2 tiles

@@ -74,15 +74,16 @@ def test_tile_refuses_what_it_cannot_run():
     [
         "--k 4096 --block-n 64 --warps 8 --pdl 1 --quant-in 1 --quant-out 1".split(),
         "--down --k 2048 --block-n 64 --warps 8 --pdl 1".split(),
+        "--down --k 2048 --block-n 64 --warps 8 --pdl 1 --prime 1".split(),
     ],
-    ids=["gate_up", "down"],
+    ids=["gate_up", "down", "down_primed"],
 )
 def test_register_cap_asks_for_the_next_tile_at_the_loops_top(args):
     """DeepSeek-V4-Flash's 1-2 token launches (H200 configs `:p6`, `:p12`): with the register
     cap of 80 their configs set, ptxas issues the next K tile's loads in the first quarter of
     the K loop (uncapped it issued them near its middle: a shorter look-ahead; H200, 1-2
     tokens: 0.95-1.00x the time a call, docs/benchmarks.md), and three programs of 8 warps
-    still fit an SM."""
+    still fit an SM, down's too with its second K tile asked for before its wait (`prime`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(BENCH / "gluon_sass.py"), "--block-k", "512", "--maxnreg", "80"]
     out = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env)
