@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--pdl", type=int, default=1)
     parser.add_argument("--stages", type=int, default=1, help="STAGES (KernelChoice.pipe)")
     parser.add_argument("--prime", type=int, default=0, help="PRIME (KernelChoice.prime)")
+    parser.add_argument("--next-l2-at", type=int, default=-1,
+                        help="NEXT_L2 with NEXT_AT (KernelChoice.next_l2_at); -1: off")  # fmt: skip
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--quant-in", type=int, default=0, help="QUANT_IN (gate_up rounds x)")
     parser.add_argument("--trace", type=int, default=0, help="TRACE (timer stamps)")
@@ -68,9 +70,9 @@ def main() -> None:
     const = dict(ACT=0, IS_DOWN=int(args.down), TOPK=8, R=r, W=w, NT=nt,
                  NTP=triton.next_power_of_2(nt), WPG=wpg,
                  RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl, STAGES=args.stages,
-                 QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out, NEXT_L2=0, NEXT_AT=0,
-                 PRIME=args.prime,
-                 TRACE=args.trace)  # fmt: skip
+                 QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out,
+                 NEXT_L2=int(args.next_l2_at >= 0), NEXT_AT=max(0, args.next_l2_at),
+                 PRIME=args.prime, TRACE=args.trace)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn,
         const,

@@ -85,8 +85,8 @@ def _e4m3_pair(raw):
 def _tile_sum(acc, w, raw, xqm, xsm, xcm, t, NTP: gl.constexpr, WPG: gl.constexpr,
               HIGH: gl.constexpr, L3: gl.constexpr):  # fmt: skip
     """acc [R, W/4] + one K tile's products of words w [R, W/4, 4] with the staged activations
-    of tile t (xqm: the four planes of int8 bytes, xsm: the scales' bits, Σq and the words'
-    offsets c = x scale · -96 Σq): (x scale · r + c) · group scale per word (r:
+    of tile t (xqm: the four planes of int8 bytes, xsm: the scales' bits and Σq, xcm: the
+    words' offsets c = x scale · -96 Σq): (x scale · r + c) · group scale per word (r:
     `moe_triton._q2s_word_dots` without its offset, called from here), a group's words summed
     before their scale (one float product a group), summed over a thread's four words. HIGH
     (the fitted grid's second pass): r · (group scale · x scale) per word, as the Triton
@@ -154,16 +154,16 @@ def _q2s_gemv_gluon_kernel(
     PRIME: gl.constexpr,
     trace, TRACE: gl.constexpr,
 ):  # fmt: skip
-    """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP:
-    the next power of two). STAGES 1: the words
-    of tile i + 1 are loaded into registers before tile i is decoded; 2+: they stream through a
-    ring of STAGES tiles in shared memory (cp.async, STAGES - 1 tiles ahead; each thread reads
-    back only what it copied, so no barrier). QUANT_IN (gate_up): the program rounds its
-    token's row of x (x_ptr, float) to int8 words itself while staging it, so no launch rounds
-    x; else it copies `_quant_words_kernel`'s words (xq, xs, xsum). QUANT_OUT (gate_up): h is
-    written as int8 words (oq, osc, osum; the column-order plane, which only a delta reads, is
-    not), so no launch rounds it for down; else as float (out). TRACE (a study,
-    bench/timeline.py): timer stamps and SM to trace[program], as the Triton kernel writes them."""
+    """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP: the
+    next power of two). STAGES 1: the words of tile i + 1 are loaded into registers before tile
+    i is decoded; 2+: they stream through a ring of STAGES tiles in shared memory (cp.async,
+    STAGES - 1 tiles ahead; each thread reads back only what it copied, so no barrier). QUANT_IN
+    (gate_up): the program rounds its token's row of x (x_ptr, float) to int8 words itself while
+    staging it, so no launch rounds x; else it copies `_quant_words_kernel`'s words (xq, xs,
+    xsum). QUANT_OUT (gate_up): h is written as int8 words (oq, osc, osum; the column-order
+    plane, which only a delta reads, is not), so no launch rounds it for down; else as float
+    (out). TRACE (a study, bench/timeline.py): timer stamps and SM to trace[program], as the
+    Triton kernel writes them."""
     if TRACE:
         t_start = _globaltimer()
         t_pre = t_start
@@ -242,7 +242,7 @@ def _q2s_gemv_gluon_kernel(
         if TRACE:
             t_post = _globaltimer()
         # the token's activations into shared memory: 4 planes of int8 bytes (xqm), the scales'
-        # bits, Σq and the offsets x scale · -96 Σq (xsm), each NTP tiles x [W/4, 4] words
+        # bits and Σq (xsm), the offsets x scale · -96 Σq (xcm), each NTP tiles x [W/4, 4] words
         x_idx = pair if IS_DOWN else pair // TOPK
         # (plain row-major layouts, so the [tiles, W] views that fill them and the [tiles,
         # W/4, 4] views the K loop indexes are the same bytes)
@@ -285,8 +285,7 @@ def _q2s_gemv_gluon_kernel(
             qsum = gl.load(xsum + x_idx * row_words + word, mask=fmask, other=0)
             xs2.slice(0, NTP).store(xsc_bits)
             xs2.slice(NTP, NTP).store(qsum)
-            xc2.store(_offset_bits(xsc_bits.to(gl.float32, bitcast=True),
-                                                       qsum))  # fmt: skip
+            xc2.store(_offset_bits(xsc_bits.to(gl.float32, bitcast=True), qsum))
         xqm = _view(xq2, gl.int32, [4 * NTP, W4, 4], SL)
         xsm = _view(xs2, gl.int32, [2 * NTP, W4, 4], SL)
         xcm = _view(xc2, gl.int32, [NTP, W4, 4], SL)
@@ -314,8 +313,8 @@ def _q2s_gemv_gluon_kernel(
                 nb = gl.load(w_at_b + tn * W)
             nsa = gl.load(s_at_a + tn * W4)
             nsb = gl.load(s_at_b + tn * W4)
-            if NEXT_L2 and NEXT_AT > 0:
-                if t == NT - NEXT_AT:
+            if NEXT_L2 and NEXT_AT > 0:  # (at the loop's first tile if it has fewer left)
+                if t == max(NT - NEXT_AT, T0):
                     _prefetch_share(pool, slot_offsets, slot, pool_bytes, next_lo, next_bytes)
             acc_a = _tile_sum(acc_a, wa, sa, xqm, xsm, xcm, t, NTP, WPG, False, L3)
             acc_b = _tile_sum(acc_b, wb, sb, xqm, xsm, xcm, t, NTP, WPG, False, L3)

@@ -42,8 +42,11 @@ BENCH = Path(__file__).parents[2] / "bench"
         ["--down", "--k", "2048", "--group", "16", "--block-n", "64", "--warps", "4"],  # its down
         # gate_up with the timer stamps of a study (bench/timeline.py)
         "--k 7168 --block-n 128 --warps 8 --pdl 1 --quant-in 1 --quant-out 1 --trace 1".split(),
+        # Qwen3-30B-A3B's 1-token gate_up (H200 `:p8`): down's weights asked of L2 in its loop
+        "--k 2048 --block-n 32 --block-k 1024 --warps 4 --quant-in 1 --quant-out 1 "
+        "--next-l2-at 2".split(),
     ],
-    ids=["gate_up", "gate_up_rounding_ring", "down", "gate_up_traced"],
+    ids=["gate_up", "gate_up_rounding_ring", "down", "gate_up_traced", "gate_up_next_l2"],
 )
 def test_compiles_for_sm90_with_vector_loads(args):
     """DeepSeek-V3's tiles: no spills, at most 128 registers (two 8-warp or four 4-warp
