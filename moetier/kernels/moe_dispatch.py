@@ -84,7 +84,8 @@ class KernelChoice:
     # after the loop). H200: 1-2 at Qwen3-30B-A3B's 1-2 tokens (0.93x the time a call), next_l2
     # off at the DeepSeek shapes (1.08-1.13x there), docs/benchmarks.md
     next_l2_at: int = 0
-    # q2s GEMV in Gluon: the second K tile's words and scales asked for with the first, before
+    # q2s GEMV in Gluon, words in registers (pipe < 2; the Triton kernel and a cp.async ring
+    # ignore it): the second K tile's words and scales asked for with the first, before
     # the wait for the launch before and the staging of x (H200: DeepSeek-V4-Flash's 1-2 token
     # downs, 0.96-0.99x the time a call; on its gate_ups no gain, on Qwen3-30B-A3B's 1-token
     # gate_up 1.11x; docs/benchmarks.md)
