@@ -314,7 +314,7 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
 GEMV_FIELDS = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
                "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs",
                "row_tiles", "maxnreg", "next_l2", "next_l2_at", "unroll", "gluon",
-               "prime")  # fmt: skip
+               "prime", "delta_ahead")  # fmt: skip
 
 
 def config_entry(c: KernelChoice, fields: tuple[str, ...]) -> dict[str, object]:
@@ -377,7 +377,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     # gate_up asking L2 for down's weights when done (next_l2), or in the Gluon kernel 1-2 K tiles
     # before its loop's end (next_l2_at); gate_up's K loop unrolled twice; the Gluon kernel's
     # second K tile asked for before its wait (prime); sums per q2s group (group_acc);
-    # the Gluon kernel (gluon)
+    # the Gluon kernel (gluon); with a delta, the delta's next K tile loaded ahead (delta_ahead)
     best = score(best_gu, best_dn)
     ahead = ({"pipe_x": True},) if delta else ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
     options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
@@ -391,6 +391,8 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     # sums per q2s group on the winning tiles (H200: the delta configs at Qwen3-30B-A3B,
     # 0.88-0.91x the time a call, where the tile sweep had only tried it on other tiles)
     options += [(launch, {"group_acc": True}) for launch in ("gu", "dn")]
+    if delta:
+        options += [(launch, {"delta_ahead": True}) for launch in ("gu", "dn")]
     # the Gluon kernel on a launch (no delta plane; gate_up rounding x and h itself, or reading
     # the rounding launch's words: at 1 token a lone launch rounding x once won): a tile it
     # cannot run raises, which scores inf
@@ -564,12 +566,13 @@ def parse_variant(spec: str) -> tuple[str, dict[str, int | bool], str]:
 
 
 def variant_choices(
-    hidden: int, inter: int, pairs: int, fields: dict[str, int | bool], launch: str
+    hidden: int, inter: int, pairs: int, fields: dict[str, int | bool], launch: str, delta=False
 ) -> tuple[KernelChoice, KernelChoice]:
-    """The dispatcher's q2s GEMV (gate_up, down) configs for a call of `pairs` pairs, with
-    `fields` forced on `launch` (gu, dn or both)."""
-    c_gu = moe_dispatch.choose_q2s_gemv(2 * inter, hidden, pairs=pairs)
-    c_dn = moe_dispatch.choose_q2s_gemv(hidden, inter, pairs=pairs)
+    """The dispatcher's q2s GEMV (gate_up, down) configs for a call of `pairs` pairs (with a
+    delta plane: its `q2s-gemv-delta:` ones), with `fields` forced on `launch` (gu, dn or
+    both)."""
+    c_gu = moe_dispatch.choose_q2s_gemv(2 * inter, hidden, delta=delta, pairs=pairs)
+    c_dn = moe_dispatch.choose_q2s_gemv(hidden, inter, delta=delta, pairs=pairs)
     if launch == "each":  # {"gu": fields, "dn": fields}
         gu, dn = fields["gu"], fields["dn"]
         return replace(c_gu, **gu), replace(c_dn, **dn)  # type: ignore[arg-type]
@@ -648,7 +651,8 @@ def main() -> None:
         default=[],
         help="also time the q2s GEMV (decode sizes) with these KernelChoice fields forced on "
         "both launches' dispatcher configs, e.g. depth=2 or prefetch_l2=1,depth=2, or on one "
-        "launch, e.g. dn:split_k=2; repeatable (a same-run A/B without retuning)",
+        "launch, e.g. dn:split_k=2 (q2s+nvfp4: on its q2s-gemv-delta configs); repeatable (a "
+        "same-run A/B without retuning)",
     )
     parser.add_argument(
         "--eager",
@@ -771,10 +775,11 @@ def main() -> None:
                 elif name == "q2s+nvfp4" and base_bw:
                     rec["vs_predicted"] = round(ms / ((nbytes + dbytes) / base_bw), 3)
                 emit(rec)
-                if name not in ("q2s", "q2s-hot") or split != 0:
+                if name not in ("q2s", "q2s-hot", "q2s+nvfp4") or split != 0:
                     continue
                 for label, fields, launch in variants:  # the same case with forced fields
-                    choice = variant_choices(hidden, inter, pairs, fields, launch)
+                    choice = variant_choices(hidden, inter, pairs, fields, launch,
+                                             case.delta is not None)  # fmt: skip
                     try:
                         ms_v = time_case(case, tokens, choice)[0]
                     except (ValueError, RuntimeError) as exc:  # a config this shape cannot run
@@ -782,6 +787,8 @@ def main() -> None:
                         continue
                     gbs_v = (nbytes + dbytes) / ms_v / 1e6
                     rec.pop("vs_q2s", None)
+                    if "vs_predicted" in rec and base_bw:
+                        rec["vs_predicted"] = round(ms_v / ((nbytes + dbytes) / base_bw), 3)
                     emit({**rec, "format": f"{name}[{label}]", "ms": round(ms_v, 5),
                           "GB/s": round(gbs_v, 1), "of_copy": round(gbs_v * 1e9 / copy_bw, 3),
                           "vs_dispatcher": round(ms_v / ms, 3)})  # fmt: skip

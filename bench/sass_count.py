@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1, help="PAIRS constexpr (pairs a program)")
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--trace", type=int, default=0, help="TRACE constexpr (timer stamps)")
+    parser.add_argument("--delta-ahead", type=int, default=0, help="DELTA_AHEAD constexpr")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
@@ -109,7 +110,7 @@ def main() -> None:
                  SPLIT=args.split, PAIRS=args.pairs, PAIRS_P2=64,
                  ROW_TILES=args.row_tiles, NEXT_L2=args.next_l2,
                  UNROLL=args.unroll if args.unroll > 1 else None,
-                 TRACE=args.trace)  # fmt: skip
+                 DELTA_AHEAD=args.delta_ahead, TRACE=args.trace)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn, const, POINTERS, NOT_DIVISIBLE, {"num_warps": args.warps, "maxnreg": args.maxnreg}
     )

@@ -92,6 +92,10 @@ class KernelChoice:
     prime: bool = False
     # q2s GEMV: the K loop unrolled this many times (1: not)
     unroll: int = 1
+    # q2s GEMV (Triton kernel) with an NVFP4 delta plane: the delta's codes, block scales and
+    # activations of K tile i + 1 loaded before tile i's are multiplied (else each tile's where
+    # it is used)
+    delta_ahead: bool = False
     # q2s GEMV int8 on sm_90, no delta plane or bias: the launch runs the Gluon kernel
     # (`q2s_gluon.py`: activations staged in shared memory once a program, gate_up rounding x
     # and h itself) instead; elsewhere the Triton kernel with the same fields. H200: on where

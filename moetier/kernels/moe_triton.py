@@ -357,34 +357,34 @@ def _fp4_word_dot(d_lo, d_hi, x0, x1, x2, x3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _fp4_delta_words(dptr, d_codes, d_scales, rows, rmask, k0, wd, wmask, row_words, xn0, xn1,
-                     xn2, xn3, xsc, EVEN: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """One K tile of an NVFP4 delta times int8 activations: [SUB, W] per-word partial sums
-    (2·Σ e2m1·q times block and activation scales; the tensor scale comes after the loop). Each
-    word's 16 codes are one int64, loaded in the base words' [SUB, W] layout and split in
-    registers (a [SUB, 2W] int32 load split by a reshape made Triton move it through shared
-    memory every K step)."""
+def _fp4_delta_load(dptr, d_codes, d_scales, rows, rmask, wd, wmask, row_words,
+                    EVEN: tl.constexpr):  # fmt: skip
+    """Words wd of an NVFP4 delta's rows `rows`: (codes [SUB, W] int64, one word's 16 codes
+    each, loaded in the base words' [SUB, W] layout and split in registers by
+    `_fp4_delta_dot`: a [SUB, 2W] int32 load split by a reshape made Triton move it through
+    shared memory every K step; block scale bytes [SUB, W])."""
     dwords = (dptr + d_codes).to(tl.pointer_type(tl.int64)) + rows[:, None] * row_words
     dsc_at = dptr + d_scales + rows[:, None] * row_words + wd[None, :]
     if EVEN:
-        d = tl.load(dwords + wd[None, :])
-        dsc = _e4m3(tl.load(dsc_at))
-    else:
-        m = rmask[:, None] & wmask[None, :]
-        d = tl.load(dwords + wd[None, :], mask=m, other=0)
-        dsc = _e4m3(tl.load(dsc_at, mask=m, other=0))
-    d_lo = d.to(tl.int32)  # columns 0-7 of the word
-    d_hi = (d >> 32).to(tl.int32)  # columns 8-15
-    dot = _fp4_word_dot(d_lo, d_hi, xn0, xn1, xn2, xn3, ASM)
-    return dot.to(tl.float32) * (dsc * xsc)
+        return tl.load(dwords + wd[None, :]), tl.load(dsc_at)
+    m = rmask[:, None] & wmask[None, :]
+    return tl.load(dwords + wd[None, :], mask=m, other=0), tl.load(dsc_at, mask=m, other=0)
 
 
 @triton.jit
-def _fp4_delta_tile(dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, k0, wd,
-                    wmask, row_words, xqn_row, xsc, EVEN: tl.constexpr,
-                    ASM: tl.constexpr):  # fmt: skip
-    """One K tile of an NVFP4 delta for the four sub-tiles' rows (`_fp4_delta_words` each),
-    against the tile's int8 activations in column order (xqn, loaded once for the four)."""
+def _fp4_delta_dot(d, dsc, xn0, xn1, xn2, xn3, xsc, ASM: tl.constexpr):
+    """One K tile of an NVFP4 delta (`_fp4_delta_load`'s d, dsc) times int8 activations (xn:
+    column order): [SUB, W] per-word partial sums (2·Σ e2m1·q times block and activation
+    scales; the tensor scale comes after the loop)."""
+    d_lo = d.to(tl.int32)  # columns 0-7 of the word
+    d_hi = (d >> 32).to(tl.int32)  # columns 8-15
+    dot = _fp4_word_dot(d_lo, d_hi, xn0, xn1, xn2, xn3, ASM)
+    return dot.to(tl.float32) * (_e4m3(dsc) * xsc)
+
+
+@triton.jit
+def _fp4_delta_x(xqn_row, wd, wmask, row_words, EVEN: tl.constexpr):
+    """Words wd of a row's int8 activations in column order (the four planes, [1, W] each)."""
     xw = xqn_row + wd
     if EVEN:
         xn0 = tl.load(xw)[None, :]
@@ -396,16 +396,36 @@ def _fp4_delta_tile(dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1,
         xn1 = tl.load(xw + row_words, mask=wmask, other=0)[None, :]
         xn2 = tl.load(xw + 2 * row_words, mask=wmask, other=0)[None, :]
         xn3 = tl.load(xw + 3 * row_words, mask=wmask, other=0)[None, :]
+    return xn0, xn1, xn2, xn3
+
+
+@triton.jit
+def _fp4_delta_loads4(dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, wd,
+                      wmask, row_words, EVEN: tl.constexpr):  # fmt: skip
+    """Words wd of the four sub-tiles' delta rows (`_fp4_delta_load` each): 8 tensors."""
+    d0, s0 = _fp4_delta_load(dptr, d_codes, d_scales, rows0, m0, wd, wmask, row_words, EVEN)
+    d1, s1 = _fp4_delta_load(dptr, d_codes, d_scales, rows1, m1, wd, wmask, row_words, EVEN)
+    d2, s2 = _fp4_delta_load(dptr, d_codes, d_scales, rows2, m2, wd, wmask, row_words, EVEN)
+    d3, s3 = _fp4_delta_load(dptr, d_codes, d_scales, rows3, m3, wd, wmask, row_words, EVEN)
+    return d0, s0, d1, s1, d2, s2, d3, s3
+
+
+@triton.jit
+def _fp4_delta_tile(dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, wd,
+                    wmask, row_words, xqn_row, xsc, EVEN: tl.constexpr,
+                    ASM: tl.constexpr):  # fmt: skip
+    """One K tile of an NVFP4 delta for the four sub-tiles' rows, loaded and multiplied here,
+    against the tile's int8 activations in column order (xqn, loaded once for the four)."""
+    xn0, xn1, xn2, xn3 = _fp4_delta_x(xqn_row, wd, wmask, row_words, EVEN)
+    d0, s0, d1, s1, d2, s2, d3, s3 = _fp4_delta_loads4(
+        dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, wd, wmask,
+        row_words, EVEN)  # fmt: skip
     return (
-        _fp4_delta_words(dptr, d_codes, d_scales, rows0, m0, k0, wd, wmask, row_words, xn0, xn1,
-                         xn2, xn3, xsc, EVEN, ASM),
-        _fp4_delta_words(dptr, d_codes, d_scales, rows1, m1, k0, wd, wmask, row_words, xn0, xn1,
-                         xn2, xn3, xsc, EVEN, ASM),
-        _fp4_delta_words(dptr, d_codes, d_scales, rows2, m2, k0, wd, wmask, row_words, xn0, xn1,
-                         xn2, xn3, xsc, EVEN, ASM),
-        _fp4_delta_words(dptr, d_codes, d_scales, rows3, m3, k0, wd, wmask, row_words, xn0, xn1,
-                         xn2, xn3, xsc, EVEN, ASM),
-    )  # fmt: skip
+        _fp4_delta_dot(d0, s0, xn0, xn1, xn2, xn3, xsc, ASM),
+        _fp4_delta_dot(d1, s1, xn0, xn1, xn2, xn3, xsc, ASM),
+        _fp4_delta_dot(d2, s2, xn0, xn1, xn2, xn3, xsc, ASM),
+        _fp4_delta_dot(d3, s3, xn0, xn1, xn2, xn3, xsc, ASM),
+    )
 
 
 @triton.jit
@@ -765,7 +785,7 @@ def _q2s_gemv_kernel(
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
     ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes, UNROLL: tl.constexpr,
-    trace, TRACE: tl.constexpr,
+    DELTA_AHEAD: tl.constexpr, trace, TRACE: tl.constexpr,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -842,6 +862,10 @@ def _q2s_gemv_kernel(
         K loop instead, they measured 1.01-1.44x the time: they compete with gate_up's own.)
     UNROLL (`KernelChoice.unroll`): the K loop unrolled this many times (Triton's
         loop_unroll_factor), so the hand-made prefetch's tiles are renamed rather than moved.
+    DELTA_AHEAD (NVFP4 delta, int8; `KernelChoice.delta_ahead`): the delta's codes, block
+        scales and column-order activations of K tile i + 1 are loaded before tile i's are
+        multiplied (as the base words are), in pairs whose mask is on; else each tile's are
+        loaded where they are used.
     TRACE (sm_90, a study: `TRACE_BUFFERS`, bench/timeline.py): each program writes the global
         timer at its start, before and after its wait for the launch before, and at its end,
         and its SM, to trace[program]: where a chained call's time goes."""
@@ -985,6 +1009,20 @@ def _q2s_gemv_kernel(
                 wmask1 = wd1 < row_words
                 v0, v1, v2, v3 = _q2s_words4(wbase, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
                                              wd1, wmask1, row_words, EVEN)  # fmt: skip
+            # DELTA_AHEAD: the delta's first tile, asked for with the base words' (the
+            # activations' after the wait below: the launch before may write them)
+            FP4_AHEAD: tl.constexpr = DELTA_AHEAD and FP4_INT8 and DKIND >= 0
+            da0 = tl.zeros((SUB, W), tl.int64)
+            da1, da2, da3 = da0, da0, da0
+            sa0 = tl.zeros((SUB, W), tl.uint8)
+            sa1, sa2, sa3 = sa0, sa0, sa0
+            xa0 = tl.zeros((1, W), tl.int32)
+            xa1, xa2, xa3 = xa0, xa0, xa0
+            if FP4_AHEAD:
+                if use_delta:
+                    da0, sa0, da1, sa1, da2, sa2, da3, sa3 = _fp4_delta_loads4(
+                        dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3, wd,
+                        wmask, row_words, EVEN)  # fmt: skip
             if PREFETCH_L2:
                 slot_off = tl.load(slot_offsets + slot)
                 if (slot_off >= 0) & (slot_off < pool_bytes):
@@ -1016,6 +1054,9 @@ def _q2s_gemv_kernel(
                 gdc_wait()
             if TRACE:
                 t_post = _globaltimer()
+            if FP4_AHEAD:
+                if use_delta:
+                    xa0, xa1, xa2, xa3 = _fp4_delta_x(xqn_row, wd, wmask, row_words, EVEN)
             for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=LOOP_STAGES,
                                loop_unroll_factor=UNROLL):  # fmt: skip
                 if PIPE > 0:  # this tile's words, here (the pipeliner loads them stages ahead)
@@ -1107,11 +1148,28 @@ def _q2s_gemv_kernel(
                         av1 += o1 * sc1
                         av2 += o2 * sc2
                         av3 += o3 * sc3
-                if DKIND >= 0:
+                if FP4_AHEAD:
+                    if use_delta:  # the next tile's delta asked for, then this one's used
+                        nwd, nwmask = wd_next, wmask_next  # (past the last tile: all masked)
+                        if EVEN:  # the last tile's look-ahead reloads it (no masks)
+                            nwd = tl.multiple_of(tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K) // 16,
+                                                 W) + tl.arange(0, W)  # fmt: skip
+                        nd0, ns0, nd1, ns1, nd2, ns2, nd3, ns3 = _fp4_delta_loads4(
+                            dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
+                            nwd, nwmask, row_words, EVEN)  # fmt: skip
+                        nx0, nx1, nx2, nx3 = _fp4_delta_x(xqn_row, nwd, nwmask, row_words, EVEN)
+                        dv0 += _fp4_delta_dot(da0, sa0, xa0, xa1, xa2, xa3, xsc, ASM)
+                        dv1 += _fp4_delta_dot(da1, sa1, xa0, xa1, xa2, xa3, xsc, ASM)
+                        dv2 += _fp4_delta_dot(da2, sa2, xa0, xa1, xa2, xa3, xsc, ASM)
+                        dv3 += _fp4_delta_dot(da3, sa3, xa0, xa1, xa2, xa3, xsc, ASM)
+                        da0, sa0, da1, sa1 = nd0, ns0, nd1, ns1
+                        da2, sa2, da3, sa3 = nd2, ns2, nd3, ns3
+                        xa0, xa1, xa2, xa3 = nx0, nx1, nx2, nx3
+                elif DKIND >= 0:
                     if use_delta and FP4_INT8:  # NVFP4 delta, integer products per word
                         t0, t1, t2, t3 = _fp4_delta_tile(
                             dptr, d_codes, d_scales, rows0, rows1, rows2, rows3, m0, m1, m2, m3,
-                            k0, wd, wmask, row_words, xqn_row, xsc, EVEN, ASM)  # fmt: skip
+                            wd, wmask, row_words, xqn_row, xsc, EVEN, ASM)  # fmt: skip
                         dv0 += t0
                         dv1 += t1
                         dv2 += t2
@@ -1700,7 +1758,7 @@ def _q2s_gemv(
             scratch, counters, split, 2 if two else 1,
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
             c.row_tiles, c.next_l2 and hopper and not is_down, dn_lo, dn_hi - dn_lo,
-            c.unroll if c.unroll > 1 else None,
+            c.unroll if c.unroll > 1 else None, c.delta_ahead,
             trace if trace is not None else topk_ids, trace is not None,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),

@@ -268,6 +268,20 @@ def test_q2s_gemv_look_ahead(depth, pipe):
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("mask", ["on", "random"])
+def test_q2s_gemv_delta_ahead(mask):
+    """The NVFP4 delta's next K tile loaded before this one is used (`KernelChoice.delta_ahead`)
+    against the twin: four K tiles in gate_up and two in down (the last tile's look-ahead
+    reloading it), ragged tiles (masked look-aheads past the end), K split in two ranges (each
+    range's own first tile), with group sums and pipe_x; pairs with the mask off skip it."""
+    ahead = moe_dispatch.KernelChoice(block_n=64, block_k=32, int8_act=True, delta_ahead=True)
+    run_case("q2s+nvfp4", 2, 2, 4, 128, 64, mask=mask, force=(ahead, ahead), seed=26)
+    ragged = replace(ahead, block_k=64, group_acc=True)
+    run_case("q2s+nvfp4", 2, 2, 5, 96, 96, mask=mask, force=(ragged, ragged), seed=27)
+    split = replace(ahead, split_k=2, pipe_x=True)
+    run_case("q2s+nvfp4", 1, 2, 4, 160, 64, mask=mask, force=(split, split), seed=28)
+
+
 def test_q2s_gemv_split_k():
     """K split in two ranges of whole tiles (`KernelChoice.split_k` 2), the last program of each
     (pair, row tile) finishing the sums and the epilogue: the twin's figures with an even and an
