@@ -655,6 +655,11 @@ def main() -> None:
         "same-run A/B without retuning)",
     )
     parser.add_argument(
+        "--variant-formats",
+        default="q2s,q2s-hot,q2s+nvfp4",
+        help="the formats (of --formats) whose cases are timed with each --variant too",
+    )
+    parser.add_argument(
         "--eager",
         metavar="SHAPE:TOKENS",
         help="only run that q2s case's call 12 times, eagerly, 6 routings twice, with the first "
@@ -775,7 +780,7 @@ def main() -> None:
                 elif name == "q2s+nvfp4" and base_bw:
                     rec["vs_predicted"] = round(ms / ((nbytes + dbytes) / base_bw), 3)
                 emit(rec)
-                if name not in ("q2s", "q2s-hot", "q2s+nvfp4") or split != 0:
+                if name not in args.variant_formats.split(",") or split != 0:
                     continue
                 for label, fields, launch in variants:  # the same case with forced fields
                     choice = variant_choices(hidden, inter, pairs, fields, launch,

@@ -908,6 +908,7 @@ def _q2s_gemv_kernel(
         DELTA_K: tl.constexpr = 64 if BLOCK_K > 64 else BLOCK_K
         # NVFP4 delta with int8 activations: PRMT + IDP4A per word (`_fp4_delta_words`)
         FP4_INT8: tl.constexpr = INT8 and DKIND == 4 and DGROUP == 16
+        FP4_AHEAD: tl.constexpr = DELTA_AHEAD and FP4_INT8
         # GROUP_ACC (int8, groups of 2+ words): the int8 path's sums are kept per group, each
         # word's product with its x scale summed over the group before the group scale
         WPG: tl.constexpr = GROUP // 16
@@ -1011,7 +1012,6 @@ def _q2s_gemv_kernel(
                                              wd1, wmask1, row_words, EVEN)  # fmt: skip
             # DELTA_AHEAD: the delta's first tile, asked for with the base words' (the
             # activations' after the wait below: the launch before may write them)
-            FP4_AHEAD: tl.constexpr = DELTA_AHEAD and FP4_INT8 and DKIND >= 0
             da0 = tl.zeros((SUB, W), tl.int64)
             da1, da2, da3 = da0, da0, da0
             sa0 = tl.zeros((SUB, W), tl.uint8)

@@ -618,6 +618,23 @@ def test_gpu_q2s_gemv_look_ahead(depth, pipe, pipe_x, block_n, split, pairs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
+    ("pipe_x", "split", "block_n", "group_acc"),
+    [(False, 1, 64, True), (True, 1, 32, False), (False, 2, 64, True)],
+)
+def test_gpu_q2s_gemv_delta_ahead(pipe_x, split, block_n, group_acc):
+    """The NVFP4 delta's next K tile loaded ahead (`delta_ahead`), compiled for real with PDL,
+    against the twin: slots in GPU and pinned host memory, the delta on random pairs and on
+    all, whole and ragged tiles, K in two ranges."""
+    c = moe_dispatch.KernelChoice(block_n=block_n, block_k=64, int8_act=True, pdl=True,
+                                  pipe_x=pipe_x, split_k=split, group_acc=group_acc,
+                                  delta_ahead=True)  # fmt: skip
+    _gpu_q2s_cases(c)
+    run_case("q2s+nvfp4", 3, 4, 16, 256, 128, mask="on", host_slots=6, seed=9, force=(c, c))
+    run_case("q2s+nvfp4", 2, 2, 5, 96, 96, mask="random", force=(c, c), seed=17)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
     ("row_tiles", "maxnreg", "depth", "block_n"), [(2, 0, 1, 64), (3, 128, 2, 64), (4, 128, 1, 32)]
 )
 def test_gpu_q2s_gemv_row_tiles(row_tiles, maxnreg, depth, block_n):
@@ -700,6 +717,18 @@ def test_gpu_q2s_dispatcher_configs_at_model_shapes(hidden, inter, top_k, tokens
     (Qwen3-30B-A3B, DeepSeek-V4-Flash, DeepSeek-V3; on the H200 its tuned `:p` entries, Gluon
     and Triton launches mixed) against the twin."""
     run_case("q2s", tokens, top_k, 16, hidden, inter, seed=tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("hidden", "inter", "top_k", "tokens"),
+    [(2048, 768, 8, 1), (2048, 768, 8, 16), (4096, 2048, 6, 1), (4096, 2048, 6, 2)],
+)
+def test_gpu_q2s_delta_configs_at_model_shapes(hidden, inter, top_k, tokens):
+    """The dispatcher's configs for calls with an NVFP4 delta plane (on the H200 its tuned
+    `q2s-gemv-delta:` entries) at Qwen3-30B-A3B's and DeepSeek-V4-Flash's shapes, the delta
+    on random pairs, against the twin."""
+    run_case("q2s+nvfp4", tokens, top_k, 16, hidden, inter, mask="random", seed=tokens)
 
 
 @pytest.mark.gpu
