@@ -94,7 +94,8 @@ class KernelChoice:
     unroll: int = 1
     # q2s GEMV (Triton kernel) with an NVFP4 delta plane: the delta's codes, block scales and
     # activations of K tile i + 1 loaded before tile i's are multiplied (else each tile's where
-    # it is used)
+    # it is used). H200: on every shape's delta down and DeepSeek-V4-Flash's delta gate_up
+    # (0.88-0.98x a call with a delta), off on the other gate_ups (1.01-1.16x there)
     delta_ahead: bool = False
     # q2s GEMV int8 on sm_90, no delta plane or bias: the launch runs the Gluon kernel
     # (`q2s_gluon.py`: activations staged in shared memory once a program, gate_up rounding x
