@@ -906,7 +906,7 @@ def _q2s_gemv_kernel(
         corr = tl.where(b == 3 * a, 0.0, b - 3 * a)
         W: tl.constexpr = BLOCK_K // 16
         DELTA_K: tl.constexpr = 64 if BLOCK_K > 64 else BLOCK_K
-        # NVFP4 delta with int8 activations: PRMT + IDP4A per word (`_fp4_delta_words`)
+        # NVFP4 delta with int8 activations: PRMT + IDP4A per word (`_fp4_delta_dot`)
         FP4_INT8: tl.constexpr = INT8 and DKIND == 4 and DGROUP == 16
         FP4_AHEAD: tl.constexpr = DELTA_AHEAD and FP4_INT8
         # GROUP_ACC (int8, groups of 2+ words): the int8 path's sums are kept per group, each
