@@ -86,9 +86,10 @@ class KernelChoice:
     next_l2_at: int = 0
     # q2s GEMV in Gluon, words in registers (pipe < 2; the Triton kernel and a cp.async ring
     # ignore it): the second K tile's words and scales asked for with the first, before
-    # the wait for the launch before and the staging of x (H200: DeepSeek-V4-Flash's 1-2 token
-    # downs, 0.96-0.99x the time a call; on its gate_ups no gain, on Qwen3-30B-A3B's 1-token
-    # gate_up 1.11x; docs/benchmarks.md)
+    # the wait for the launch before and the staging of x (H200: on DeepSeek-V4-Flash's 1-2
+    # token downs, 0.96-0.99x the time a call, and both its launches at 4-16 tokens, 0.96-0.98x;
+    # on Qwen3-30B-A3B's gate_up at 4-16 tokens, 0.92-0.97x, where at 1 token it took 1.08x;
+    # no gain at DeepSeek-V3; docs/benchmarks.md)
     prime: bool = False
     # q2s GEMV: the K loop unrolled this many times (1: not)
     unroll: int = 1

@@ -687,11 +687,14 @@ def test_gpu_gluon_matches_twin(pdl, block_n, block_k, warps, pipe, quant_in):
 @pytest.mark.parametrize("quant_in", [False, True])
 def test_gpu_gluon_prime_matches_twin(quant_in):
     """Both Gluon launches asking for their second K tile before their wait: one K tile (K 256,
-    whose second is its first again) and eight (K 2048), host slots too, against the twin."""
+    whose second is its first again), two (K 512, gate_up's next_l2 too) and eight (K 2048),
+    host slots too, against the twin."""
     g = moe_dispatch.KernelChoice(block_n=64, block_k=256, num_warps=4, int8_act=True,
                                   pdl=True, gluon=True, quant_in=quant_in, prime=True)  # fmt: skip
-    for tokens, hidden in ((1, 256), (7, 2048)):
+    for tokens, hidden in ((1, 256), (3, 512), (7, 2048)):
         run_case("q2s", tokens, 4, 16, hidden, 256, host_slots=10, seed=tokens, force=(g, g))
+    nl2 = replace(g, next_l2=True, next_l2_at=2)
+    run_case("q2s", 2, 4, 16, 512, 512, host_slots=10, seed=9, force=(nl2, g))
 
 
 @pytest.mark.gpu
