@@ -53,9 +53,9 @@ def emit(record: dict[str, Any], sink: list[dict[str, Any]] | None = None) -> No
 
 def copy_bandwidth(nbytes: int = 2**30, reps: int = 20, samples: int = 5) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written: the
-    best of `samples` medians of `reps` copies. (One median read 4031-4213 GB/s on the H200
-    within one process, warmed up or not, and every "of copy" ratio moved with it; the best
-    of six read 4186-4213: docs/benchmarks.md.)"""
+    best of `samples` medians of `reps` copies. (One median read 4032-4214 GB/s on the H200
+    within one process, warmed up or not, and every "of copy" ratio moved with it:
+    docs/benchmarks.md.)"""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     for _ in range(3):
