@@ -87,9 +87,9 @@ class KernelChoice:
     # q2s GEMV in Gluon, words in registers (pipe < 2; the Triton kernel and a cp.async ring
     # ignore it): the second K tile's words and scales asked for with the first, before
     # the wait for the launch before and the staging of x (H200: on DeepSeek-V4-Flash's 1-2
-    # token downs, 0.96-0.99x the time a call, and both its launches at 4-16 tokens, 0.96-0.98x;
-    # on Qwen3-30B-A3B's gate_up at 4-16 tokens, 0.92-0.97x, where at 1 token it took 1.08x;
-    # no gain at DeepSeek-V3; docs/benchmarks.md)
+    # token downs, 0.96-0.99x the time a call, its 1-token gate_up, 0.98x, and both its launches
+    # at 4-16 tokens, 0.96-0.98x; on Qwen3-30B-A3B's gate_up at 4-16 tokens, 0.92-0.97x, where
+    # at 1 token it took 1.08x; no gain at DeepSeek-V3; docs/benchmarks.md)
     prime: bool = False
     # q2s GEMV: the K loop unrolled this many times (1: not)
     unroll: int = 1
