@@ -142,6 +142,97 @@ def _round_words(v):
 
 
 @gluon.jit
+def _stage_x_rounded(x_row, stride_xk, xq2, xs2, xc2, NT: gl.constexpr, NTP: gl.constexpr,
+                     W: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """The NT·W words of x_row (float) rounded as `_quant_words_kernel` does, one word a thread
+    at a time, into the staging buffers (xq2 [4·NTP, W]: the four planes of int8 bytes; xs2
+    [2·NTP, W]: the scales' bits, then Σq; xc2 [NTP, W]: the offsets x scale · -96 Σq)."""
+    LQ: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
+    SL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    CH: gl.constexpr = min(32 * NW, NTP * W)  # words a chunk
+    xq1 = _view(xq2, gl.int32, [4, NTP * W], SL1)
+    xs1 = _view(xs2, gl.int32, [2, NTP * W], SL1)
+    xc1 = _view(xc2, gl.int32, [NTP * W], SL1)
+    cq = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
+    for c in gl.static_range(NTP * W // CH):
+        wq = c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, LQ))
+        v = gl.load(x_row + (wq[:, None] * 16 + cq[None, :]) * stride_xk,
+                    mask=(wq < NT * W)[:, None], other=0.0).to(gl.float32)  # fmt: skip
+        p0, p1, p2, p3, xsc, qsum = _round_words(v)
+        xq1.index(0).slice(c * CH, CH).store(p0)
+        xq1.index(1).slice(c * CH, CH).store(p1)
+        xq1.index(2).slice(c * CH, CH).store(p2)
+        xq1.index(3).slice(c * CH, CH).store(p3)
+        xs1.index(0).slice(c * CH, CH).store(xsc.to(gl.int32, bitcast=True))
+        xs1.index(1).slice(c * CH, CH).store(qsum)
+        xc1.slice(c * CH, CH).store(_offset_bits(xsc, qsum))
+
+
+@gluon.jit
+def _stage_x_words(xq, xs, xsum, x_idx, row_words, xq2, xs2, xc2, NT: gl.constexpr,
+                   NTP: gl.constexpr, W: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+    """Row x_idx of int8 words already rounded (`_quant_words_kernel`'s, or h's from
+    `_store_h_words`: q, scale, Σq, row_words words a row) into the staging buffers, as
+    `_stage_x_rounded` fills them."""
+    LF: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+    tf = gl.arange(0, NTP, layout=gl.SliceLayout(1, LF))
+    wf = gl.arange(0, W, layout=gl.SliceLayout(0, LF))
+    word = gl.expand_dims(tf * W, 1) + gl.expand_dims(wf, 0)  # [NTP, W]
+    fmask = word < NT * W
+    xq_row = xq + x_idx * (4 * row_words)
+    for p in gl.static_range(4):
+        xq2.slice(p * NTP, NTP).store(gl.load(xq_row + p * row_words + word, mask=fmask,
+                                              other=0))  # fmt: skip
+    xs_row = (xs + x_idx * row_words).to(gl.pointer_type(gl.int32))
+    xsc_bits = gl.load(xs_row + word, mask=fmask, other=0)
+    qsum = gl.load(xsum + x_idx * row_words + word, mask=fmask, other=0)
+    xs2.slice(0, NTP).store(xsc_bits)
+    xs2.slice(NTP, NTP).store(qsum)
+    xc2.store(_offset_bits(xsc_bits.to(gl.float32, bitcast=True), qsum))
+
+
+@gluon.jit
+def _activation(ya, yb, ACT: gl.constexpr, limit, alpha):
+    """h from a row's gate (ya) and up (yb) sums: SiLU(gate)·up (ACT 0), the same clamped (1),
+    gpt-oss's clamped and biased (2), as `moe_triton._activation`."""
+    if ACT == 0:
+        h = ya / (1 + gl.exp(-ya)) * yb
+    elif ACT == 1:
+        ya = gl.minimum(ya, limit)
+        yb = gl.minimum(gl.maximum(yb, -limit), limit)
+        h = ya / (1 + gl.exp(-ya)) * yb
+    else:
+        ya = gl.minimum(ya, limit)
+        yb = gl.minimum(gl.maximum(yb, -limit), limit)
+        h = (yb + 1) * (ya / (1 + gl.exp(-ya * alpha)))
+    return h
+
+
+@gluon.jit
+def _store_h_words(h, oq, osc, osum, pair, INTER, word0, R: gl.constexpr, NW: gl.constexpr):
+    """h [R] (R / 16 words of a pair's h, from word word0) rounded to int8 words as
+    `_round_words` does and stored for down (oq: the four planes, osc: scales, osum: Σq, INTER
+    / 16 words a row), through shared memory so that a thread holds a word."""
+    SL1H: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    SL2H: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    hsm = gl.allocate_shared_memory(gl.float32, [R], layout=SL1H)
+    hsm.store(h)
+    _barrier()
+    LH: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
+    hv = _view(hsm, gl.float32, [R // 16, 16], SL2H).load(LH)
+    p0, p1, p2, p3, hsc, hsum = _round_words(hv)
+    hrow = INTER // 16
+    wd = word0 + gl.arange(0, R // 16, layout=gl.SliceLayout(1, LH))
+    hq_row = oq + pair * (INTER // 4)
+    gl.store(hq_row + wd, p0)
+    gl.store(hq_row + hrow + wd, p1)
+    gl.store(hq_row + 2 * hrow + wd, p2)
+    gl.store(hq_row + 3 * hrow + wd, p3)
+    gl.store(osc + pair * hrow + wd, hsc)
+    gl.store(osum + pair * hrow + wd, hsum)
+
+
+@gluon.jit
 def _q2s_gemv_gluon_kernel(
     x_ptr, stride_x, stride_xk, xq, xs, xsum, topk_ids, topk_w, pool, slot_table, slot_offsets,
     out, oq, osc, osum,
@@ -170,8 +261,6 @@ def _q2s_gemv_gluon_kernel(
         t_post = t_start
     W4: gl.constexpr = W // 4
     L3: gl.constexpr = gl.BlockedLayout([RPT, 1, 4], [TR, W4, 1], [NW, 1, 1], [2, 1, 0])
-    SL1H: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    SL2H: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     LR: gl.constexpr = gl.SliceLayout(2, L3)  # [R, W/4]
     LROW: gl.constexpr = gl.SliceLayout(1, LR)  # [R]
     pair = gl.program_id(0)
@@ -250,42 +339,10 @@ def _q2s_gemv_gluon_kernel(
         xq2 = gl.allocate_shared_memory(gl.int32, [4 * NTP, W], layout=SL)
         xs2 = gl.allocate_shared_memory(gl.int32, [2 * NTP, W], layout=SL)
         xc2 = gl.allocate_shared_memory(gl.int32, [NTP, W], layout=SL)
-        if QUANT_IN:  # one word of x a thread at a time, rounded as `_quant_words_kernel` does
-            LQ: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
-            SL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-            CH: gl.constexpr = min(32 * NW, NTP * W)  # words a chunk
-            xq1 = _view(xq2, gl.int32, [4, NTP * W], SL1)
-            xs1 = _view(xs2, gl.int32, [2, NTP * W], SL1)
-            xc1 = _view(xc2, gl.int32, [NTP * W], SL1)
-            cq = gl.arange(0, 16, layout=gl.SliceLayout(0, LQ))
-            for c in gl.static_range(NTP * W // CH):
-                wq = c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, LQ))
-                v = gl.load(x_ptr + x_idx * stride_x + (wq[:, None] * 16 + cq[None, :]) * stride_xk,
-                            mask=(wq < NT * W)[:, None], other=0.0).to(gl.float32)  # fmt: skip
-                p0, p1, p2, p3, xsc, qsum = _round_words(v)
-                xq1.index(0).slice(c * CH, CH).store(p0)
-                xq1.index(1).slice(c * CH, CH).store(p1)
-                xq1.index(2).slice(c * CH, CH).store(p2)
-                xq1.index(3).slice(c * CH, CH).store(p3)
-                xs1.index(0).slice(c * CH, CH).store(xsc.to(gl.int32, bitcast=True))
-                xs1.index(1).slice(c * CH, CH).store(qsum)
-                xc1.slice(c * CH, CH).store(_offset_bits(xsc, qsum))
+        if QUANT_IN:
+            _stage_x_rounded(x_ptr + x_idx * stride_x, stride_xk, xq2, xs2, xc2, NT, NTP, W, NW)
         else:
-            LF: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-            tf = gl.arange(0, NTP, layout=gl.SliceLayout(1, LF))
-            wf = gl.arange(0, W, layout=gl.SliceLayout(0, LF))
-            word = gl.expand_dims(tf * W, 1) + gl.expand_dims(wf, 0)  # [NTP, W]
-            fmask = word < NT * W
-            xq_row = xq + x_idx * (4 * row_words)
-            for p in gl.static_range(4):
-                xq2.slice(p * NTP, NTP).store(gl.load(xq_row + p * row_words + word, mask=fmask,
-                                                      other=0))  # fmt: skip
-            xs_row = (xs + x_idx * row_words).to(gl.pointer_type(gl.int32))
-            xsc_bits = gl.load(xs_row + word, mask=fmask, other=0)
-            qsum = gl.load(xsum + x_idx * row_words + word, mask=fmask, other=0)
-            xs2.slice(0, NTP).store(xsc_bits)
-            xs2.slice(NTP, NTP).store(qsum)
-            xc2.store(_offset_bits(xsc_bits.to(gl.float32, bitcast=True), qsum))
+            _stage_x_words(xq, xs, xsum, x_idx, row_words, xq2, xs2, xc2, NT, NTP, W, NW)
         xqm = _view(xq2, gl.int32, [4 * NTP, W4, 4], SL)
         xsm = _view(xs2, gl.int32, [2 * NTP, W4, 4], SL)
         xcm = _view(xc2, gl.int32, [NTP, W4, 4], SL)
@@ -346,32 +403,9 @@ def _q2s_gemv_gluon_kernel(
             gl.store(out + pair * N + rows_a, ya * weight)
             gl.store(out + pair * N + rows_b, yb * weight)
         else:
-            if ACT == 0:
-                h = ya / (1 + gl.exp(-ya)) * yb
-            elif ACT == 1:
-                ya = gl.minimum(ya, limit)
-                yb = gl.minimum(gl.maximum(yb, -limit), limit)
-                h = ya / (1 + gl.exp(-ya)) * yb
-            else:
-                ya = gl.minimum(ya, limit)
-                yb = gl.minimum(gl.maximum(yb, -limit), limit)
-                h = (yb + 1) * (ya / (1 + gl.exp(-ya * alpha)))
-            if QUANT_OUT:  # through shared memory, so that a thread holds a word of h
-                hsm = gl.allocate_shared_memory(gl.float32, [R], layout=SL1H)
-                hsm.store(h)
-                _barrier()
-                LH: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [NW, 1], [1, 0])
-                hv = _view(hsm, gl.float32, [R // 16, 16], SL2H).load(LH)
-                p0, p1, p2, p3, hsc, hsum = _round_words(hv)
-                hrow = INTER // 16
-                wd = pid_n * (R // 16) + gl.arange(0, R // 16, layout=gl.SliceLayout(1, LH))
-                hq_row = oq + pair * (INTER // 4)
-                gl.store(hq_row + wd, p0)
-                gl.store(hq_row + hrow + wd, p1)
-                gl.store(hq_row + 2 * hrow + wd, p2)
-                gl.store(hq_row + 3 * hrow + wd, p3)
-                gl.store(osc + pair * hrow + wd, hsc)
-                gl.store(osum + pair * hrow + wd, hsum)
+            h = _activation(ya, yb, ACT, limit, alpha)
+            if QUANT_OUT:
+                _store_h_words(h, oq, osc, osum, pair, INTER, pid_n * (R // 16), R, NW)
             else:
                 gl.store(out + pair * INTER + rows_a, h)
     if TRACE:
