@@ -8,6 +8,11 @@ Bytes counted per call: each distinct expert's blob read once (codes, scales, ro
 delta blob too for experts with a delta pair), the hidden states read, the gate_up partials
 written and read back once, the per-pair outputs written. Every call in a timed graph uses a
 different routing, and the sets together exceed L2, so expert weights come from HBM.
+
+The calls' routings are fixed, written by no launch in the graph, so by default each call's
+first launch starts while the call before ends (`moe_slots_triton`'s first_pdl: the kernels'
+throughput back to back). `--first-launch after` times them as the op runs in a model, whose
+routing the kernels just before write: that launch starts once the kernel before has ended.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Case:
     decodes an expert once per pair, so duplicates cost it about as much as distinct ones)."""
 
     routing = "random"
+    first_pdl = True  # `--first-launch` (the module's docstring)
 
     def __init__(
         self,
@@ -141,7 +147,7 @@ class Case:
             r["x"], r["ids"], r["w"], self.slot_table, self.pool, self.fmt, ExpertActivation(),
             r["out"], delta_mask=r["mask"] if self.delta else None,
             delta_table=self.delta_table, delta_fmt=self.delta, slot_offsets=self.offsets,
-            choice=choice,
+            choice=choice, first_pdl=self.first_pdl,
         )  # fmt: skip
 
 
@@ -172,6 +178,7 @@ class ZeroCopyCase(Case):
         moe_slots_triton(
             r["x"], r["ids"], r["w"], self.slot_table, self.pool, self.fmt, ExpertActivation(),
             r["out"], slot_offsets=self.offsets, choice=choice, zero_copy=True,
+            first_pdl=self.first_pdl,
         )  # fmt: skip
 
 
@@ -612,6 +619,13 @@ def main() -> None:
         "of what duplicate experts cost the q2s GEMV",
     )
     parser.add_argument(
+        "--first-launch",
+        choices=("pdl", "after"),
+        default="pdl",
+        help="pdl: each call's first launch starts while the call before ends (fixed routing: "
+        "the kernels back to back); after: once it has ended, as in a model (the op's way)",
+    )
+    parser.add_argument(
         "--sweep-joint",
         default="",
         help="tokens at which to time gate_up and down configs together (one line per pair, "
@@ -668,6 +682,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     variants = [parse_variant(v) for v in args.variant]
+    Case.first_pdl = args.first_launch == "pdl"
     if args.eager:
         shape, tokens = args.eager.split(":")
         case = Case(shape, q2s_format(shape), None)
@@ -684,6 +699,7 @@ def main() -> None:
     info = run_info()
     if args.routing != "random":
         info["routing"] = args.routing
+    info["first_launch"] = args.first_launch
     if args.sweep_joint:
         tuned_now: dict[str, dict] = dict(moe_dispatch.tuned_configs(moe_dispatch._device_name()))  # type: ignore[type-arg]
         for shape in args.shapes.split(","):

@@ -1517,6 +1517,7 @@ def moe_slots_triton(
     slot_offsets: torch.Tensor | None = None,
     choice: tuple[KernelChoice, KernelChoice] | None = None,
     zero_copy: bool = False,
+    first_pdl: bool = False,
 ) -> tuple[KernelChoice, KernelChoice]:
     """Same contract as `moe_ref.moe_slots_ref`, plus:
 
@@ -1525,6 +1526,14 @@ def moe_slots_triton(
     choice:       (gate_up, down) kernel configs; default `moe_dispatch.choose`
     zero_copy:    slots may be pinned host rows (zero-copy decode): the q2s GEMV takes the
                   configs tuned for reads over PCIe where there are some
+    first_pdl:    (sm_90, the q2s GEMV) the call's first launch starts while the kernel before
+                  it ends (programmatic dependent launch) and reads the routing (topk_ids,
+                  topk_weights, delta_mask) and tables before it waits for that kernel
+                  (`_q2s_gemv_kernel`'s PDL): only where that kernel wrote none of them, e.g.
+                  bench/kernels.py's chained calls (fixed routing). Off (the op: its routing
+                  comes from the kernels just before), a GEMV launch first in the call starts
+                  once the kernel before has ended; a rounding launch first keeps PDL (it lets
+                  the GEMV start only after its own wait), as do the launches after the first.
     Returns the configs it ran (int8_act: the twin is moe_slots_ref(..., act_int8=True)).
     """
     tokens, top_k = topk_ids.shape
@@ -1574,7 +1583,7 @@ def moe_slots_triton(
     if not c_gu.grouped and q2s_gemv_supports(gu, dn, dgu, ddn):
         _q2s_gemv(hidden, topk_ids.contiguous(), topk_weights.contiguous(), slot_table, pool,
                   slot_offsets, fmt, act, out, gu, dn, dgu, ddn, c_gu, c_dn, delta_mask,
-                  delta_table if use_delta else None)  # fmt: skip
+                  delta_table if use_delta else None, first_pdl)  # fmt: skip
         return c_gu, c_dn
     c_gu, c_dn = replace(c_gu, int8_act=False), replace(c_dn, int8_act=False)
     if c_gu.grouped != c_dn.grouped or (c_gu.grouped and c_gu.block_m != c_dn.block_m):
@@ -1659,8 +1668,10 @@ def _q2s_gemv(
     c_dn: KernelChoice,
     delta_mask: torch.Tensor | None,
     delta_table: torch.Tensor | None,
+    first_pdl: bool = False,
 ) -> None:
-    """Two launches of `_q2s_gemv_kernel`: gate_up (+ activation) into h [P, I], then down."""
+    """Two launches of `_q2s_gemv_kernel`: gate_up (+ activation) into h [P, I], then down
+    (and a launch rounding x in front where gate_up does not; first_pdl: `moe_slots_triton`)."""
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     inter = gu.n // 2
@@ -1723,11 +1734,15 @@ def _q2s_gemv(
         even = spec.k % block_k == 0 and rows % tile_rows == 0
         dspec = dspec if has_delta else None
         xq = xs = xsum = xqn = x  # placeholders, unused without int8 activations
-        if int8 and not (quant_in and not is_down):
+        if x_launched:
             xq, xs, xsum, xqn = (
                 hq if is_down and hq is not None
                 else quant_words(x, pdl, pdl and c_gu.quant_pdl)
             )  # fmt: skip
+        # launched with PDL: down, and gate_up behind its rounding launch (which lets it start
+        # only after its own wait: the routing the GEMV reads before its wait is then
+        # visible); gate_up first in the call only with first_pdl (`moe_slots_triton`)
+        launch_pdl = pdl and (bool(is_down) or x_launched or first_pdl)
         oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
         trace = TRACE_BUFFERS[is_down] if TRACE_BUFFERS and hopper else None
         if gl_dn if is_down else gl_gu:
@@ -1739,7 +1754,7 @@ def _q2s_gemv(
                              topk_ids, topk_w, pool, slot_table, slot_offsets, dst,
                              None if is_down else hq, spec, inter, top_k,
                              ACTIVATIONS[act.kind], act.limit, act.alpha, c, pdl, trace,
-                             next_l2)  # fmt: skip
+                             next_l2, launch_pdl)  # fmt: skip
             continue
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,
@@ -1761,7 +1776,7 @@ def _q2s_gemv(
             c.unroll if c.unroll > 1 else None, c.delta_ahead,
             trace if trace is not None else topk_ids, trace is not None,
             num_warps=c.num_warps, num_stages=c.num_stages,
-            launch_pdl=pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
+            launch_pdl=launch_pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip
 
 

@@ -457,10 +457,14 @@ def launch(
     pdl: bool,
     trace: torch.Tensor | None = None,
     next_l2: tuple[int, int] | None = None,
+    launch_pdl: bool | None = None,
 ) -> None:
     """One launch: gate_up (h into out [P, I] float, or as int8 words into hwords (q, scale, Σq)
     when given) or down (out [P, N]). x: the launch's float input, rounded here (gate_up only)
-    when xwords (`quant_words`' q, scale, Σq) is None."""
+    when xwords (`quant_words`' q, scale, Σq) is None. pdl: the program lets the next launch
+    start and waits for the one before (`_q2s_gemv_gluon_kernel`'s PDL); launch_pdl (default
+    pdl): the launch itself starts while the one before ends (False: the call's first launch,
+    unless `moe_triton.moe_slots_triton`'s first_pdl; its wait then returns at once)."""
     pairs = topk_ids.numel()
     r, w, rpt, tr = tile(spec.k, spec.group, choice)
     rows, per = (spec.n, 2 * r) if is_down else (inter, r)
@@ -484,6 +488,6 @@ def launch(
         next_l2 is not None, choice.next_l2_at, *(next_l2 or (0, 0)), pool.numel(),
         choice.prime and choice.pipe < 2,
         trace if trace is not None else topk_ids, trace is not None,
-        num_warps=choice.num_warps, launch_pdl=pdl,
+        num_warps=choice.num_warps, launch_pdl=pdl if launch_pdl is None else launch_pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip

@@ -26,6 +26,9 @@ from moetier.kernels.moe_ref import moe_slots_ref
 from moetier.quant.synthetic import random_blob
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
+
 from moetier.kernels import moe_dispatch, moe_triton  # noqa: E402
 from moetier.kernels.moe_triton import moe_slots_triton  # noqa: E402
 
@@ -783,6 +786,86 @@ def test_gpu_q2s_gemv_pdl_in_a_cuda_graph(quant_pdl, split):
         torch.cuda.synchronize()
         for got, want in zip(outs, eager, strict=True):
             assert torch.equal(got, want)
+
+
+@triton.jit
+def _late_routing_writer(src, dst, n, delay_ns, BLOCK: tl.constexpr):
+    """A kernel that lets the launch after it start at once (as a PDL-aware router could),
+    then spins delay_ns before it writes the routing: dst[:n] = src[:n]."""
+    gdc_launch_dependents()
+    start = moe_triton._globaltimer()
+    while moe_triton._globaltimer() - start < delay_ns:
+        pass
+    at = tl.arange(0, BLOCK)
+    tl.store(dst + at, tl.load(src + at, mask=at < n), mask=at < n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["model-shape", "rounding-launch-first"])
+def test_gpu_q2s_routing_written_by_the_kernel_before(case):
+    """The q2s GEMV's launches read the routing and tables before their PDL wait (to find
+    their weights early), but only the wait makes the kernel before's writes visible. A CUDA
+    graph of a kernel (launched with PDL) that lets the next launch start at once and writes
+    the routing 5 ms later, then the call: the op's way (first_pdl off: the call's first
+    launch starts once that kernel has ended) computes the new routing's experts, as the
+    twin does. With first_pdl (the bench's chained calls, whose routing is fixed) a GEMV
+    first in the call starts early and computes with the stale routing (what first_pdl's
+    default guards against), while a rounding launch first lets gate_up start only after its
+    own wait. model-shape: the dispatcher's configs at Qwen3-30B-A3B's shape, 1 token (on
+    the H200 a Gluon gate_up that rounds x itself, first); rounding-launch-first: the Triton
+    kernel behind a rounding launch with PDL (quant_pdl). (H200: queued eagerly rather than
+    in a graph, the call started only after that kernel had ended in either mode.)"""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm_90")
+    gen = torch.Generator().manual_seed(5)
+    model = case == "model-shape"
+    hidden, inter, experts, top_k = (2048, 768, 16, 8) if model else (256, 128, 16, 4)
+    fmt = formats(hidden, inter)["q2s"][0]
+    pool = Pool(fmt, None, experts, torch.ones(experts, dtype=torch.bool), gen, 0)
+    dev_pool, offsets, table, _ = pool.device_args()
+    force = None
+    if case == "rounding-launch-first":
+        c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True,
+                                      quant_pdl=True)  # fmt: skip
+        force = (c, c)
+    perm = torch.randperm(experts, generator=gen)
+    old, new = perm[:top_k][None], perm[top_k : 2 * top_k][None]  # no expert in both
+    x = torch.randn(1, hidden, generator=gen).cuda()
+    w = torch.rand(1, top_k, generator=gen).cuda()
+    act = ExpertActivation()
+    want = torch.zeros(1, top_k, hidden, device="cuda")
+    used = moe_slots_triton(x, new.cuda(), w, table, dev_pool, fmt, act, want,
+                            slot_offsets=offsets, choice=force)  # fmt: skip
+    ref = torch.zeros(1, top_k, hidden)
+    moe_slots_ref(x.cpu(), new, w.cpu(), pool.slot_table, pool.pool, fmt, act, ref,
+                  act_int8=used[0].int8_act)  # fmt: skip
+    err = (want.cpu() - ref).norm() / ref.norm()
+    assert err < 1e-3, f"relative error {err:.2e} against the twin"
+    results = {}
+    src, ids = new.cuda(), old.cuda()
+    for first_pdl in (False, True):
+        got = torch.zeros(1, top_k, hidden, device="cuda")
+
+        def step(got=got, first_pdl=first_pdl) -> None:
+            _late_routing_writer[(1,)](src, ids, top_k, 5_000_000, BLOCK=16, launch_pdl=True)
+            moe_slots_triton(x, ids, w, table, dev_pool, fmt, act, got, slot_offsets=offsets,
+                             choice=force, first_pdl=first_pdl)  # fmt: skip
+
+        step()  # (compiles)
+        graph = torch.cuda.CUDAGraph()  # the launches queued together, as a decode step's are
+        with torch.cuda.graph(graph):
+            step()
+        ids.copy_(old.cuda())
+        got.zero_()
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        results[first_pdl] = got
+    assert torch.equal(results[False], want), "the op's call read a stale routing"
+    if not (used[0].int8_act and not used[0].quant_in):  # no rounding launch: the GEMV first
+        assert not torch.equal(results[True], want), "the test no longer sees a stale read"
+    else:  # a rounding launch first, which lets gate_up start only once it has waited
+        assert torch.equal(results[True], want)
 
 
 Q2S_MMA = moe_dispatch.KernelChoice(
