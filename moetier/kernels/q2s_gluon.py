@@ -457,12 +457,12 @@ def launch(
     pdl: bool,
     trace: torch.Tensor | None = None,
     next_l2: tuple[int, int] | None = None,
-    launch_pdl: bool | None = None,
+    launch_pdl: bool = True,
 ) -> None:
     """One launch: gate_up (h into out [P, I] float, or as int8 words into hwords (q, scale, Σq)
     when given) or down (out [P, N]). x: the launch's float input, rounded here (gate_up only)
     when xwords (`quant_words`' q, scale, Σq) is None. pdl: the program lets the next launch
-    start and waits for the one before (`_q2s_gemv_gluon_kernel`'s PDL); launch_pdl (default
+    start and waits for the one before (`_q2s_gemv_gluon_kernel`'s PDL); launch_pdl (with
     pdl): the launch itself starts while the one before ends (False: the call's first launch,
     unless `moe_triton.moe_slots_triton`'s first_pdl; its wait then returns at once)."""
     pairs = topk_ids.numel()
@@ -488,6 +488,6 @@ def launch(
         next_l2 is not None, choice.next_l2_at, *(next_l2 or (0, 0)), pool.numel(),
         choice.prime and choice.pipe < 2,
         trace if trace is not None else topk_ids, trace is not None,
-        num_warps=choice.num_warps, launch_pdl=pdl if launch_pdl is None else launch_pdl,
+        num_warps=choice.num_warps, launch_pdl=pdl and launch_pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip
