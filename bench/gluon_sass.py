@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--quant-in", type=int, default=0, help="QUANT_IN (gate_up rounds x)")
     parser.add_argument("--trace", type=int, default=0, help="TRACE (timer stamps)")
     parser.add_argument("--quant-out", type=int, default=0, help="QUANT_OUT (gate_up rounds h)")
+    parser.add_argument("--wait-first", type=int, default=0, help="WAIT_FIRST (with --pdl 1)")
     args = parser.parse_args()
     choice = moe_dispatch.KernelChoice(block_n=args.block_n, block_k=args.block_k,
                                        num_warps=args.warps, int8_act=True, gluon=True)  # fmt: skip
@@ -72,7 +73,8 @@ def main() -> None:
                  RPT=rpt, TR=tr, NW=args.warps, PDL=args.pdl, STAGES=args.stages,
                  QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out,
                  NEXT_L2=int(args.next_l2_at >= 0), NEXT_AT=max(0, args.next_l2_at),
-                 PRIME=args.prime, TRACE=args.trace)  # fmt: skip
+                 PRIME=args.prime, TRACE=args.trace,
+                 WAIT_FIRST=args.wait_first)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn,
         const,

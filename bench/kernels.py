@@ -321,7 +321,7 @@ def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
 GEMV_FIELDS = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
                "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs",
                "row_tiles", "maxnreg", "next_l2", "next_l2_at", "unroll", "gluon",
-               "prime", "delta_ahead")  # fmt: skip
+               "prime", "delta_ahead", "wait_first")  # fmt: skip
 
 
 def config_entry(c: KernelChoice, fields: tuple[str, ...]) -> dict[str, object]:
@@ -395,6 +395,9 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
     options += [(launch, {"row_tiles": 2, "maxnreg": 128}) for launch in ("gu", "dn")]
     options += [("gu", {"next_l2": True, "next_l2_at": at}) for at in (0, 1, 2)]
     options += [("gu", {"unroll": 2})] + [(launch, {"prime": True}) for launch in ("gu", "dn")]
+    # gate_up first in the call waiting before it reads anything (a no-op back to back: tune
+    # with --first-launch after)
+    options += [("gu", {"wait_first": True})]
     # sums per q2s group on the winning tiles (H200: the delta configs at Qwen3-30B-A3B,
     # 0.88-0.91x the time a call, where the tile sweep had only tried it on other tiles)
     options += [(launch, {"group_acc": True}) for launch in ("gu", "dn")]

@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, help="register cap per thread (ptxas maxnreg)")
     parser.add_argument("--trace", type=int, default=0, help="TRACE constexpr (timer stamps)")
     parser.add_argument("--delta-ahead", type=int, default=0, help="DELTA_AHEAD constexpr")
+    parser.add_argument("--wait-first", type=int, default=0, help="WAIT_FIRST (with --pdl 1)")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
     fn = moe_triton._q2s_gemv_kernel
@@ -110,7 +111,8 @@ def main() -> None:
                  SPLIT=args.split, PAIRS=args.pairs, PAIRS_P2=64,
                  ROW_TILES=args.row_tiles, NEXT_L2=args.next_l2,
                  UNROLL=args.unroll if args.unroll > 1 else None,
-                 DELTA_AHEAD=args.delta_ahead, TRACE=args.trace)  # fmt: skip
+                 DELTA_AHEAD=args.delta_ahead, TRACE=args.trace,
+                 WAIT_FIRST=args.wait_first)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn, const, POINTERS, NOT_DIVISIBLE, {"num_warps": args.warps, "maxnreg": args.maxnreg}
     )

@@ -25,7 +25,7 @@ for k, group, bn, bk, w, down, qi, qo, prime, mx, nat in cases:
     nt = k // 16 // ww
     const = dict(ACT=0, IS_DOWN=down, TOPK=8, R=r, W=ww, NT=nt, NTP=triton.next_power_of_2(nt), WPG=group//16,
                  RPT=rpt, TR=tr, NW=w, PDL=1, STAGES=1, QUANT_IN=qi, QUANT_OUT=qo,
-                 NEXT_L2=int(nat >= 0), NEXT_AT=max(0, nat), PRIME=prime, TRACE=0)
+                 NEXT_L2=int(nat >= 0), NEXT_AT=max(0, nat), PRIME=prime, TRACE=0, WAIT_FIRST=0)
     kern, sass, regs, stack = compile_sm90(q2s_gluon._q2s_gemv_gluon_kernel, const, POINTERS, NOT_DIVISIBLE,
                                           {"num_warps": w, "maxnreg": mx}, GluonASTSource)
     body = "\n".join(l.split("*/", 1)[-1] for l in sass.splitlines() if "/*0" in l)

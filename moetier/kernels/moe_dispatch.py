@@ -87,9 +87,10 @@ class KernelChoice:
     # q2s GEMV in Gluon, words in registers (pipe < 2; the Triton kernel and a cp.async ring
     # ignore it): the second K tile's words and scales asked for with the first, before
     # the wait for the launch before and the staging of x (H200: on DeepSeek-V4-Flash's 1-2
-    # token downs, 0.96-0.99x the time a call, its 1-token gate_up, 0.98x, and both its launches
-    # at 4-16 tokens, 0.96-0.98x; on Qwen3-30B-A3B's gate_up at 4-16 tokens, 0.92-0.97x, where
-    # at 1 token it took 1.08x; no gain at DeepSeek-V3; docs/benchmarks.md)
+    # token downs, 0.96-0.99x the time a call, its 1-token gate_up, 0.98x, its 2-token gate_up
+    # with wait_first (then asked for with tile 0's, after the wait), 0.99x, and both its
+    # launches at 4-16 tokens, 0.96-0.98x; on Qwen3-30B-A3B's gate_up at 4-16 tokens,
+    # 0.92-0.97x, where at 1 token it took 1.08x; no gain at DeepSeek-V3; docs/benchmarks.md)
     prime: bool = False
     # q2s GEMV: the K loop unrolled this many times (1: not)
     unroll: int = 1
@@ -104,6 +105,14 @@ class KernelChoice:
     # it measured faster (1-2 tokens at DeepSeek-V3, every size at DeepSeek-V4-Flash, gate_up
     # and from 4 tokens down at Qwen3-30B-A3B; docs/benchmarks.md)
     gluon: bool = False
+    # q2s GEMV gate_up on sm_90, a call's first launch (no rounding launch, `moe_slots_triton`
+    # without first_pdl): launched with PDL all the same, its programs waiting for the kernel
+    # before before they read anything (the routing may be its output) and letting down start
+    # after that wait. Its launch overlaps the kernel before's end where that kernel lets the
+    # next start early (`gdc_launch_dependents`). H200, the op's way: on at 1-2 tokens, 0.96-0.99x
+    # the time a call (DeepSeek-V3: 1 token; at 2, 0.98-1.00x); at Qwen3-30B-A3B's 4-8 tokens
+    # 1.03-1.07x, off; docs/benchmarks.md
+    wait_first: bool = False
 
 
 GEMV = KernelChoice()

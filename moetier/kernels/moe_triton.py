@@ -785,7 +785,7 @@ def _q2s_gemv_kernel(
     QUANT_IN: tl.constexpr, DEPTH: tl.constexpr, PIPE: tl.constexpr, LOOP_STAGES: tl.constexpr,
     scratch, counters, SPLIT: tl.constexpr, PAIRS: tl.constexpr, PAIRS_P2: tl.constexpr,
     ROW_TILES: tl.constexpr, NEXT_L2: tl.constexpr, next_lo, next_bytes, UNROLL: tl.constexpr,
-    DELTA_AHEAD: tl.constexpr, trace, TRACE: tl.constexpr,
+    DELTA_AHEAD: tl.constexpr, trace, TRACE: tl.constexpr, WAIT_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """q2s GEMV, one (pair, row tiles) per program, four row sub-tiles of SUB rows sharing every
     load of x and Σx. K walks int32 words of 16 codes; code j of all words of a sub-tile is one
@@ -868,13 +868,19 @@ def _q2s_gemv_kernel(
         loaded where they are used.
     TRACE (sm_90, a study: `TRACE_BUFFERS`, bench/timeline.py): each program writes the global
         timer at its start, before and after its wait for the launch before, and at its end,
-        and its SM, to trace[program]: where a chained call's time goes."""
+        and its SM, to trace[program]: where a chained call's time goes.
+    WAIT_FIRST (with PDL; `KernelChoice.wait_first`, a call's first launch in the op's way):
+        the program waits for the launch before first, then lets the next launch start, then
+        reads the routing and everything else: the launch overlaps the kernel before's end
+        (when that kernel lets it start early), its reads do not."""
     if TRACE:
         t_start = _globaltimer()
         t_pre = t_start
         t_post = t_start
     pair = tl.program_id(0)
     if PDL:
+        if WAIT_FIRST:  # the routing may be the previous launch's output: wait, then let go
+            gdc_wait()
         gdc_launch_dependents()
     pid_n0 = tl.program_id(1)
     expert = tl.load(topk_ids + pair).to(tl.int32)
@@ -1050,7 +1056,7 @@ def _q2s_gemv_kernel(
                 weight0 = tl.load(topk_w + pair).to(tl.float32)
             if TRACE:
                 t_pre = _globaltimer()
-            if PDL:  # the activations are the previous launch's output
+            if PDL and not WAIT_FIRST:  # the activations are the previous launch's output
                 gdc_wait()
             if TRACE:
                 t_post = _globaltimer()
@@ -1532,8 +1538,10 @@ def moe_slots_triton(
                   (`_q2s_gemv_kernel`'s PDL): only where that kernel wrote none of them, e.g.
                   bench/kernels.py's chained calls (fixed routing). Off (the op: its routing
                   comes from the kernels just before), a GEMV launch first in the call starts
-                  once the kernel before has ended; a rounding launch first keeps PDL (it lets
-                  the GEMV start only after its own wait), as do the launches after the first.
+                  once the kernel before has ended, or where its config sets `wait_first`,
+                  while it ends (PDL) with programs that wait for it before they read anything
+                  and then let down start; a rounding launch first keeps PDL (it lets the
+                  GEMV start only after its own wait), as do the launches after the first.
     Returns the configs it ran (int8_act: the twin is moe_slots_ref(..., act_int8=True)).
     """
     tokens, top_k = topk_ids.shape
@@ -1743,6 +1751,10 @@ def _q2s_gemv(
         # only after its own wait: the routing the GEMV reads before its wait is then
         # visible); gate_up first in the call only with first_pdl (`moe_slots_triton`)
         launch_pdl = pdl and (bool(is_down) or x_launched or first_pdl)
+        # or, first and with wait_first, launched with PDL all the same, its programs reading
+        # nothing before their wait (and letting down start only after it)
+        wait_first = pdl and c.wait_first and not launch_pdl
+        launch_pdl = launch_pdl or wait_first
         oq, os_, osum, oqn = hq if not is_down and hq is not None else (x, x, x, x)
         trace = TRACE_BUFFERS[is_down] if TRACE_BUFFERS and hopper else None
         if gl_dn if is_down else gl_gu:
@@ -1754,7 +1766,7 @@ def _q2s_gemv(
                              topk_ids, topk_w, pool, slot_table, slot_offsets, dst,
                              None if is_down else hq, spec, inter, top_k,
                              ACTIVATIONS[act.kind], act.limit, act.alpha, c, pdl, trace,
-                             next_l2, launch_pdl)  # fmt: skip
+                             next_l2, launch_pdl, wait_first)  # fmt: skip
             continue
         _q2s_gemv_kernel[grid](
             x, x.stride(0), x.stride(1), topk_ids, topk_w, dmask,
@@ -1774,7 +1786,7 @@ def _q2s_gemv(
             triton.next_power_of_2(pairs) if two else 1,  # (one compile for all pair counts)
             c.row_tiles, c.next_l2 and hopper and not is_down, dn_lo, dn_hi - dn_lo,
             c.unroll if c.unroll > 1 else None, c.delta_ahead,
-            trace if trace is not None else topk_ids, trace is not None,
+            trace if trace is not None else topk_ids, trace is not None, wait_first,
             num_warps=c.num_warps, num_stages=c.num_stages,
             launch_pdl=launch_pdl, **({"maxnreg": c.maxnreg} if c.maxnreg else {}),
         )  # fmt: skip

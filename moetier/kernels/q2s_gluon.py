@@ -10,6 +10,8 @@ int8 words for down (QUANT_OUT), so a call is two launches. The words and group 
 i + 1 are loaded into registers before tile i is decoded (or the words stream through a
 cp.async ring, STAGES >= 2: slower on the H200). PRIME (`KernelChoice.prime`): tile 1's are
 asked for with tile 0's, before the wait for the launch before and the staging of x.
+WAIT_FIRST (`KernelChoice.wait_first`, a call's first launch): the program waits for the
+launch before, then lets the next start, before it reads anything (as the Triton kernel's).
 
 The Triton kernel's int8 path's IDP4A sums (`_q2s_word_dots`) and rounding, so the twin is the
 same: `moe_ref.moe_slots_ref(..., act_int8=True)`; its floats in another order: a word's sum
@@ -243,7 +245,7 @@ def _q2s_gemv_gluon_kernel(
     PDL: gl.constexpr, STAGES: gl.constexpr, QUANT_IN: gl.constexpr, QUANT_OUT: gl.constexpr,
     NEXT_L2: gl.constexpr, NEXT_AT: gl.constexpr, next_lo, next_bytes, pool_bytes,
     PRIME: gl.constexpr,
-    trace, TRACE: gl.constexpr,
+    trace, TRACE: gl.constexpr, WAIT_FIRST: gl.constexpr = False,
 ):  # fmt: skip
     """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP: the
     next power of two). STAGES 1: the words of tile i + 1 are loaded into registers before tile
@@ -265,6 +267,8 @@ def _q2s_gemv_gluon_kernel(
     LROW: gl.constexpr = gl.SliceLayout(1, LR)  # [R]
     pair = gl.program_id(0)
     if PDL:
+        if WAIT_FIRST:  # the routing may be the previous launch's output: wait, then let go
+            gdc_wait()
         gdc_launch_dependents()
     pid_n = gl.program_id(1)
     expert = gl.load(topk_ids + pair).to(gl.int32)
@@ -326,7 +330,7 @@ def _q2s_gemv_gluon_kernel(
             weight = gl.load(topk_w + pair).to(gl.float32)
         if TRACE:
             t_pre = _globaltimer()
-        if PDL:
+        if PDL and not WAIT_FIRST:
             gdc_wait()
         if TRACE:
             t_post = _globaltimer()
@@ -458,13 +462,15 @@ def launch(
     trace: torch.Tensor | None = None,
     next_l2: tuple[int, int] | None = None,
     launch_pdl: bool = True,
+    wait_first: bool = False,
 ) -> None:
     """One launch: gate_up (h into out [P, I] float, or as int8 words into hwords (q, scale, Σq)
     when given) or down (out [P, N]). x: the launch's float input, rounded here (gate_up only)
     when xwords (`quant_words`' q, scale, Σq) is None. pdl: the program lets the next launch
     start and waits for the one before (`_q2s_gemv_gluon_kernel`'s PDL); launch_pdl (with
     pdl): the launch itself starts while the one before ends (False: the call's first launch,
-    unless `moe_triton.moe_slots_triton`'s first_pdl; its wait then returns at once)."""
+    unless `moe_triton.moe_slots_triton`'s first_pdl; its wait then returns at once);
+    wait_first (with pdl): the programs wait before they read anything (WAIT_FIRST)."""
     pairs = topk_ids.numel()
     r, w, rpt, tr = tile(spec.k, spec.group, choice)
     rows, per = (spec.n, 2 * r) if is_down else (inter, r)
@@ -487,7 +493,7 @@ def launch(
         max(1, choice.pipe), xwords is None, hwords is not None,
         next_l2 is not None, choice.next_l2_at, *(next_l2 or (0, 0)), pool.numel(),
         choice.prime and choice.pipe < 2,
-        trace if trace is not None else topk_ids, trace is not None,
+        trace if trace is not None else topk_ids, trace is not None, pdl and wait_first,
         num_warps=choice.num_warps, launch_pdl=pdl and launch_pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip

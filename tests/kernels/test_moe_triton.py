@@ -801,7 +801,10 @@ def _late_routing_writer(src, dst, n, delay_ns, BLOCK: tl.constexpr):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["model-shape", "rounding-launch-first"])
+@pytest.mark.parametrize(
+    "case",
+    ["model-shape", "model-shape-no-wait-first", "triton-wait-first", "rounding-launch-first"],
+)
 def test_gpu_q2s_routing_written_by_the_kernel_before(case):
     """The q2s GEMV's launches read the routing and tables before their PDL wait (to find
     their weights early), but only the wait makes the kernel before's writes visible. A CUDA
@@ -812,13 +815,16 @@ def test_gpu_q2s_routing_written_by_the_kernel_before(case):
     first in the call starts early and computes with the stale routing (what first_pdl's
     default guards against), while a rounding launch first lets gate_up start only after its
     own wait. model-shape: the dispatcher's configs at Qwen3-30B-A3B's shape, 1 token (on
-    the H200 a Gluon gate_up that rounds x itself, first); rounding-launch-first: the Triton
+    the H200 a Gluon gate_up that rounds x itself, first, with wait_first: launched with PDL,
+    its programs wait before they read anything); -no-wait-first: those configs with
+    wait_first off (the first launch without PDL); triton-wait-first: the Triton kernel's
+    gate_up rounding x itself, first, with wait_first; rounding-launch-first: the Triton
     kernel behind a rounding launch with PDL (quant_pdl). (H200: queued eagerly rather than
     in a graph, the call started only after that kernel had ended in either mode.)"""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90")
     gen = torch.Generator().manual_seed(5)
-    model = case == "model-shape"
+    model = case.startswith("model-shape")
     hidden, inter, experts, top_k = (2048, 768, 16, 8) if model else (256, 128, 16, 4)
     fmt = formats(hidden, inter)["q2s"][0]
     pool = Pool(fmt, None, experts, torch.ones(experts, dtype=torch.bool), gen, 0)
@@ -828,6 +834,15 @@ def test_gpu_q2s_routing_written_by_the_kernel_before(case):
         c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True,
                                       quant_pdl=True)  # fmt: skip
         force = (c, c)
+    elif case == "triton-wait-first":
+        c = moe_dispatch.KernelChoice(block_n=64, block_k=64, int8_act=True, pdl=True)
+        force = (replace(c, quant_in=True, wait_first=True), c)
+    elif case == "model-shape-no-wait-first":
+        pairs = top_k
+        force = (
+            replace(moe_dispatch.choose_q2s_gemv(2 * inter, hidden, pairs=pairs), wait_first=False),
+            moe_dispatch.choose_q2s_gemv(hidden, inter, pairs=pairs),
+        )
     perm = torch.randperm(experts, generator=gen)
     old, new = perm[:top_k][None], perm[top_k : 2 * top_k][None]  # no expert in both
     x = torch.randn(1, hidden, generator=gen).cuda()

@@ -35,6 +35,8 @@ VARIANTS = [
     ["--unroll", "2", "--depth", "2", "--even", "0"],
     # the timer stamps of a study (bench/timeline.py)
     ["--trace", "1", "--pdl", "1", "--quant-in", "1", "--sub", "8", "--block-k", "1024"],
+    # a call's first launch waiting before it reads anything (wait_first)
+    ["--wait-first", "1", "--pdl", "1", "--quant-in", "1", "--group-acc", "1"],
 ]
 
 

@@ -45,8 +45,18 @@ BENCH = Path(__file__).parents[2] / "bench"
         # Qwen3-30B-A3B's 1-token gate_up (H200 `:p8`): down's weights asked of L2 in its loop
         "--k 2048 --block-n 32 --block-k 1024 --warps 4 --quant-in 1 --quant-out 1 "
         "--next-l2-at 2".split(),
+        # DeepSeek-V3's 1-token gate_up (`:p8`): waits before it reads anything (wait_first)
+        "--k 7168 --block-n 128 --warps 8 --pdl 1 --quant-in 1 --quant-out 1 "
+        "--wait-first 1".split(),
     ],
-    ids=["gate_up", "gate_up_rounding_ring", "down", "gate_up_traced", "gate_up_next_l2"],
+    ids=[
+        "gate_up",
+        "gate_up_rounding_ring",
+        "down",
+        "gate_up_traced",
+        "gate_up_next_l2",
+        "gate_up_wait_first",
+    ],
 )
 def test_compiles_for_sm90_with_vector_loads(args):
     """DeepSeek-V3's tiles: no spills, at most 128 registers (two 8-warp or four 4-warp
