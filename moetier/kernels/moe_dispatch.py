@@ -113,6 +113,12 @@ class KernelChoice:
     # the time a call (DeepSeek-V3: 1 token; at 2, 0.98-1.00x); at Qwen3-30B-A3B's 4-8 tokens
     # 1.03-1.07x, off; docs/benchmarks.md
     wait_first: bool = False
+    # q2s GEMV down in Gluon (`q2s_gluon._q2s_down_items_kernel`): 0 or 1, one (pair, row tile)
+    # a program; 2+: that many a program, every one's words and group scales asked for in
+    # shared memory before the program waits for gate_up, so that a grid of about one program
+    # an SM fits beside gate_up's programs (which must leave it registers: their `maxnreg`) and
+    # reads down's weights while gate_up runs
+    items: int = 0
 
 
 GEMV = KernelChoice()
