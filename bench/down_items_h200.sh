@@ -22,13 +22,14 @@ OUT=${OUT:-/tmp/down-items}
 mkdir -p "$OUT"
 
 timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_moe_triton.py \
-  -k "down_items or dispatcher_configs" 2>&1 | tail -30 >"$OUT/down-items-tests.txt"
+  -k "down_items or carveout or dispatcher_configs" 2>&1 | tail -30 >"$OUT/down-items-tests.txt"
 tail -3 "$OUT/down-items-tests.txt"
 
 CAP="gu:maxnreg=64+dn:maxnreg=64"
 V4=(--variant dn:unroll=1 --variant gu:maxnreg=64 --variant dn:items=3,maxnreg=64
     --variant "$CAP,items=3" --variant "$CAP,items=2" --variant "$CAP,items=4"
-    --variant "gu:maxnreg=64+dn:items=3,num_warps=4,maxnreg=96")
+    --variant "gu:maxnreg=64+dn:items=3,num_warps=4,maxnreg=96"
+    --variant "gu:maxnreg=64,carveout=100+dn:maxnreg=64,items=3")
 GD="gluon=1,block_n=64,block_k=256,num_warps=4"
 QWEN=(--variant dn:unroll=1 --variant "dn:$GD" --variant "dn:$GD,items=2"
       --variant "dn:$GD,items=4" --variant "gu:next_l2=0+dn:$GD,items=2"
@@ -45,7 +46,9 @@ ab
 # where the time goes (bench/timeline.py): do down's programs start beside gate_up's (dn_late
 # 0, dn_per_sm_max 1), and how long does one take after its wait (dn_after_wait)?
 timeout 60 python3 bench/timeline.py --shapes deepseek-v4-flash --tokens 1 \
-  --variant gu:maxnreg=64 --variant "$CAP,items=3" >>"$OUT/down-items-timeline.jsonl" \
+  --variant gu:maxnreg=64 --variant "$CAP,items=3" \
+  --variant "gu:maxnreg=64,carveout=100+dn:maxnreg=64,items=3" \
+  >>"$OUT/down-items-timeline.jsonl" \
   2>>"$OUT/down-items.log"
 timeout 60 python3 bench/timeline.py --shapes qwen3-30b-a3b --tokens 1 --variant "dn:$GD" \
   --variant "dn:$GD,items=2" >>"$OUT/down-items-timeline.jsonl" 2>>"$OUT/down-items.log"

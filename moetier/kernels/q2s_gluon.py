@@ -579,6 +579,27 @@ def _q2s_down_items_kernel(
         _trace_store(trace, gl.program_id(0), t_start, t_pre, t_post)
 
 
+_CARVED: dict[int, int] = {}  # function handle -> the carveout asked for it
+
+
+def _prefer_carveout(kernel, percent: int) -> None:  # type: ignore[no-untyped-def]
+    """Ask the driver for `percent` of the SM's unified L1 and shared memory as shared memory
+    (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) on the launched `kernel` (Triton's
+    compiled kernel, its `function` handle set by the launch): once a function, from its
+    first launch on."""
+    fn = getattr(kernel, "function", None)
+    if not percent or fn is None or _CARVED.get(fn) == percent:
+        return
+    import ctypes
+
+    attribute = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT (cuda.h)
+    err = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(
+        ctypes.c_void_p(fn), ctypes.c_int(attribute), ctypes.c_int(percent))  # fmt: skip
+    if err:
+        raise RuntimeError(f"cuFuncSetAttribute(carveout {percent}%) failed: CUresult {err}")
+    _CARVED[fn] = percent
+
+
 # shared memory a down program with items may take (of the H200's 227 KB; gate_up's programs
 # beside it stage x in theirs)
 ITEMS_SMEM_MAX = 176 * 1024
@@ -680,7 +701,7 @@ def launch(
         return
     xq, xs, xsum = xwords[:3] if xwords is not None else (out, out, out)  # (unread placeholders)
     oq, osc, osum = hwords[:3] if hwords is not None else (out, out, out)
-    _q2s_gemv_gluon_kernel[(pairs, rows // per)](
+    kernel = _q2s_gemv_gluon_kernel[(pairs, rows // per)](
         x, x.stride(0), x.stride(1), xq, xs, xsum, topk_ids, topk_w, pool, slot_table,
         slot_offsets, out, oq, osc, osum,
         spec.n, inter, spec.k // 16, spec.k // spec.group, spec.codes, spec.scales,
@@ -693,3 +714,4 @@ def launch(
         num_warps=choice.num_warps, launch_pdl=pdl and launch_pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip
+    _prefer_carveout(kernel, choice.carveout)

@@ -727,7 +727,28 @@ def test_gpu_gluon_down_items_matches_twin(pdl, items, block_n, block_k, warps):
     # across two pairs, a last program with a spare item
     v4 = replace(d, block_n=64, block_k=512, num_warps=8, items=3, maxnreg=64)
     run_case("q2s", 1, 4, 16, 512, 2048, host_slots=10, seed=7,
-             force=(replace(g, maxnreg=64), v4))  # fmt: skip
+             force=(replace(g, maxnreg=64, carveout=100 if pdl else 0), v4))  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_carveout_reaches_the_driver():
+    """`KernelChoice.carveout` on a Gluon launch sets its function's preferred shared-memory
+    carveout (read back from the driver), and the results stay the twin's."""
+    import ctypes
+
+    from moetier.kernels import q2s_gluon
+
+    g = moe_dispatch.KernelChoice(block_n=64, block_k=256, num_warps=4, int8_act=True,
+                                  pdl=True, gluon=True, quant_in=True, carveout=100)  # fmt: skip
+    q2s_gluon._CARVED.clear()  # (what earlier tests asked for: asked again)
+    run_case("q2s", 2, 4, 16, 512, 256, seed=3, force=(g, replace(g, quant_in=False)))
+    new = [fn for fn, pct in q2s_gluon._CARVED.items() if pct == 100]
+    assert len(new) == 2, f"{len(new)} Gluon functions asked for a carveout, not 2"
+    value = ctypes.c_int(-1)
+    for fn in new:  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+        err = ctypes.CDLL("libcuda.so.1").cuFuncGetAttribute(ctypes.byref(value), 9,
+                                                             ctypes.c_void_p(fn))  # fmt: skip
+        assert err == 0 and value.value == 100, (err, value.value)
 
 
 @pytest.mark.gpu
