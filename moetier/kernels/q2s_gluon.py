@@ -423,17 +423,24 @@ def _q2s_gemv_gluon_kernel(
 
 
 @gluon.jit
+def _item_blob(item, tiles, topk_ids, pool, slot_table, slot_offsets):
+    """(pair, row tile, slot, blob) of an item of `_q2s_down_items_kernel`; without a slot the
+    blob is slot 0's (never read for the item, but a valid address)."""
+    pair = item // tiles
+    expert = gl.load(topk_ids + pair).to(gl.int32)
+    slot = gl.load(slot_table + expert)
+    bptr = pool + gl.multiple_of(gl.load(slot_offsets + gl.maximum(slot, 0)), 256)
+    return pair, item % tiles, slot, bptr
+
+
+@gluon.jit
 def _item_epilogue_inputs(item, tiles, topk_ids, topk_w, pool, slot_table, slot_offsets,
                           row_scale, aux, r, R: gl.constexpr):  # fmt: skip
     """What an item of `_q2s_down_items_kernel` needs besides its words: (pair, its first R
     rows, slot, the blob's grid floats a and b, its rows' scales (two [R]), the routing
-    weight). Without a slot they are read from slot 0's blob (never used, but a valid
-    address)."""
-    pair = item // tiles
-    pid_n = item % tiles
-    expert = gl.load(topk_ids + pair).to(gl.int32)
-    slot = gl.load(slot_table + expert)
-    bptr = pool + gl.multiple_of(gl.load(slot_offsets + gl.maximum(slot, 0)), 256)
+    weight). Its lookups repeat those of the copies before the wait (L1 hits: values cannot
+    be carried from one unrolled loop to the other)."""
+    pair, pid_n, slot, bptr = _item_blob(item, tiles, topk_ids, pool, slot_table, slot_offsets)
     a = gl.load((bptr + aux).to(gl.pointer_type(gl.float32)))
     b = gl.load((bptr + aux + 4).to(gl.pointer_type(gl.float32)))
     rows_a = pid_n * 2 * R + r
@@ -512,11 +519,8 @@ def _q2s_down_items_kernel(
     first = gl.program_id(0) * ITEMS
     for i in gl.static_range(ITEMS):
         item = gl.minimum(first + i, items_total - 1)  # (a last program's spare items: skipped)
-        pid_n = item % tiles
-        expert = gl.load(topk_ids + item // tiles).to(gl.int32)
-        slot = gl.load(slot_table + expert)
+        _, pid_n, slot, bptr = _item_blob(item, tiles, topk_ids, pool, slot_table, slot_offsets)
         if (slot >= 0) & (first + i < items_total):
-            bptr = pool + gl.multiple_of(gl.load(slot_offsets + slot), 256)
             wbase = (bptr + codes).to(gl.pointer_type(gl.int32))
             rows_a = pid_n * 2 * R + r
             w_at_a = wbase + gl.expand_dims(gl.expand_dims(rows_a * row_words, 1), 2) + col
@@ -587,8 +591,10 @@ def _prefer_carveout(kernel, percent: int) -> None:  # type: ignore[no-untyped-d
     (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) on the launched `kernel` (Triton's
     compiled kernel, its `function` handle set by the launch): once a function, from its
     first launch on."""
+    if not percent:
+        return
     fn = getattr(kernel, "function", None)
-    if not percent or fn is None or _CARVED.get(fn) == percent:
+    if fn is None or _CARVED.get(fn) == percent:
         return
     import ctypes
 
