@@ -61,12 +61,9 @@ def main() -> None:
     parser.add_argument("--trace", type=int, default=0, help="TRACE (timer stamps)")
     parser.add_argument("--quant-out", type=int, default=0, help="QUANT_OUT (gate_up rounds h)")
     parser.add_argument("--wait-first", type=int, default=0, help="WAIT_FIRST (with --pdl 1)")
-    parser.add_argument("--items", type=int, default=0,
-                        help="down's items a program (KernelChoice.items >= 2)")  # fmt: skip
     args = parser.parse_args()
     choice = moe_dispatch.KernelChoice(block_n=args.block_n, block_k=args.block_k,
-                                       num_warps=args.warps, int8_act=True, gluon=True,
-                                       items=args.items)  # fmt: skip
+                                       num_warps=args.warps, int8_act=True, gluon=True)  # fmt: skip
     r, w, rpt, tr = q2s_gluon.tile(args.k, args.group, choice)
     nt = args.k // 16 // w
     wpg = args.group // 16
@@ -78,11 +75,6 @@ def main() -> None:
                  NEXT_L2=int(args.next_l2_at >= 0), NEXT_AT=max(0, args.next_l2_at),
                  PRIME=args.prime, TRACE=args.trace,
                  WAIT_FIRST=args.wait_first)  # fmt: skip
-    if args.items > 1:
-        fn = q2s_gluon._q2s_down_items_kernel
-        const = dict(R=r, W=w, NT=nt, NTP=triton.next_power_of_2(nt), WPG=wpg, RPT=rpt,
-                     TR=tr, NW=args.warps, ITEMS=args.items, PDL=args.pdl,
-                     TRACE=args.trace)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn,
         const,

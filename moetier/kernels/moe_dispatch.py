@@ -113,18 +113,6 @@ class KernelChoice:
     # the time a call (DeepSeek-V3: 1 token; at 2, 0.98-1.00x); at Qwen3-30B-A3B's 4-8 tokens
     # 1.03-1.07x, off; docs/benchmarks.md
     wait_first: bool = False
-    # q2s GEMV down in Gluon (`q2s_gluon._q2s_down_items_kernel`): 0 or 1, one (pair, row tile)
-    # a program; 2+: that many a program, every one's words and group scales asked for in
-    # shared memory before the program waits for gate_up, so that a grid of about one program
-    # an SM fits beside gate_up's programs (which must leave it registers: their `maxnreg`) and
-    # reads down's weights while gate_up runs (the Triton kernel ignores it; not yet measured,
-    # so no config sets it: bench/down_items_h200.sh)
-    items: int = 0
-    # q2s GEMV in Gluon: the launch's preferred shared-memory carveout, in percent of an SM's
-    # unified L1 and shared memory (a hint to the driver, `cuFuncSetAttribute`; 0: its choice),
-    # e.g. 100 on a gate_up so that the SMs running it have room for a down with items beside
-    # it (whether the driver's own choice leaves that room is not known; not yet measured)
-    carveout: int = 0
 
 
 GEMV = KernelChoice()

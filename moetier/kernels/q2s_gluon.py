@@ -26,11 +26,6 @@ are whole (no masks), groups of 16 or 32 columns; `moe_triton` sends it no call 
 plane or a bias. A fitted grid (b != 3a) takes a second pass over the words for its high bits,
 as the Triton kernel does.
 
-ITEMS (`KernelChoice.items` >= 2, down only): `_q2s_down_items_kernel` instead, several (pair,
-row tile) items a program with all their words and group scales in shared memory before its
-wait, so a grid of about one program an SM beside gate_up's reads down's weights while gate_up
-runs (not yet run on a GPU: `bench/down_items_h200.sh`).
-
 A program computes two row tiles of R rows (gate_up: R gate rows and their R up rows; down: 2R
 consecutive rows), each held as [R, W/4, 4] int32 words (four consecutive words a thread: one
 16-byte load) in the kernel's blocked layout L3.
@@ -422,205 +417,6 @@ def _q2s_gemv_gluon_kernel(
         _trace_store(trace, program, t_start, t_pre, t_post)
 
 
-@gluon.jit
-def _item_blob(item, tiles, topk_ids, pool, slot_table, slot_offsets):
-    """(pair, row tile, slot, blob) of an item of `_q2s_down_items_kernel`; without a slot the
-    blob is slot 0's (never read for the item, but a valid address)."""
-    pair = item // tiles
-    expert = gl.load(topk_ids + pair).to(gl.int32)
-    slot = gl.load(slot_table + expert)
-    bptr = pool + gl.multiple_of(gl.load(slot_offsets + gl.maximum(slot, 0)), 256)
-    return pair, item % tiles, slot, bptr
-
-
-@gluon.jit
-def _item_epilogue_inputs(item, tiles, topk_ids, topk_w, pool, slot_table, slot_offsets,
-                          row_scale, aux, r, R: gl.constexpr):  # fmt: skip
-    """What an item of `_q2s_down_items_kernel` needs besides its words: (pair, its first R
-    rows, slot, the blob's grid floats a and b, its rows' scales (two [R]), the routing
-    weight). Its lookups repeat those of the copies before the wait (L1 hits: values cannot
-    be carried from one unrolled loop to the other)."""
-    pair, pid_n, slot, bptr = _item_blob(item, tiles, topk_ids, pool, slot_table, slot_offsets)
-    a = gl.load((bptr + aux).to(gl.pointer_type(gl.float32)))
-    b = gl.load((bptr + aux + 4).to(gl.pointer_type(gl.float32)))
-    rows_a = pid_n * 2 * R + r
-    rs = (bptr + row_scale).to(gl.pointer_type(gl.float32))
-    rs_a = gl.load(rs + rows_a)
-    rs_b = gl.load(rs + rows_a + R)
-    weight = gl.load(topk_w + pair).to(gl.float32)
-    return pair, rows_a, slot, a, b, rs_a, rs_b, weight
-
-
-@gluon.jit
-def _item_sums(wsm, sv, i: gl.constexpr, xqm, xsm, xcm, R: gl.constexpr, W4: gl.constexpr,
-               NT: gl.constexpr, NTP: gl.constexpr, WPG: gl.constexpr, HIGH: gl.constexpr,
-               L3: gl.constexpr):  # fmt: skip
-    """An item's two [R] row sums (first R rows, next R) over its NT K tiles of words and
-    group scales in shared memory (`_q2s_down_items_kernel`'s buffers, item i), `_tile_sum`'s
-    (HIGH: the fitted grid's second pass)."""
-    LR: gl.constexpr = gl.SliceLayout(2, L3)
-    acc_a = gl.zeros([R, W4], gl.float32, layout=LR)
-    acc_b = gl.zeros([R, W4], gl.float32, layout=LR)
-    for t in range(NT):
-        k = (i * NT + t) * 2
-        wa = wsm.index(k).load(L3)
-        wb = wsm.index(k + 1).load(L3)
-        sa = sv.index(k).load(LR).to(gl.int32)
-        sb = sv.index(k + 1).load(LR).to(gl.int32)
-        acc_a = _tile_sum(acc_a, wa, sa, xqm, xsm, xcm, t, NTP, WPG, HIGH, L3)
-        acc_b = _tile_sum(acc_b, wb, sb, xqm, xsm, xcm, t, NTP, WPG, HIGH, L3)
-    return gl.sum(acc_a, axis=1), gl.sum(acc_b, axis=1)
-
-
-@gluon.jit
-def _q2s_down_items_kernel(
-    xq, xs, xsum, topk_ids, topk_w, pool, slot_table, slot_offsets, out,
-    N, row_words, row_groups, codes, scales, row_scale, aux, items_total, tiles,
-    R: gl.constexpr, W: gl.constexpr, NT: gl.constexpr, NTP: gl.constexpr, WPG: gl.constexpr,
-    RPT: gl.constexpr, TR: gl.constexpr, NW: gl.constexpr, ITEMS: gl.constexpr,
-    PDL: gl.constexpr, trace, TRACE: gl.constexpr = False,
-):  # fmt: skip
-    """down, ITEMS items a program (`KernelChoice.items`): items p * ITEMS ... of the call's
-    (pair, 2R-row tile) items, pair-major. Before its wait for gate_up a program asks for every
-    item's words and group scales in shared memory (cp.async, one commit group an item) and
-    for its first item's row scales, grid floats and routing weight, so a grid of about one
-    program an SM that fits beside gate_up's programs reads down's weights while gate_up still
-    runs. After the wait, item by item: the next item's epilogue inputs asked for, the pair's h
-    words staged (once for consecutive items of one pair), the item decoded from shared memory
-    (`_tile_sum`, as `_q2s_gemv_gluon_kernel`'s down). TRACE: the program's timer stamps, as
-    that kernel's (bench/timeline.py)."""
-    if TRACE:
-        t_start = _globaltimer()
-    W4: gl.constexpr = W // 4
-    L3: gl.constexpr = gl.BlockedLayout([RPT, 1, 4], [TR, W4, 1], [NW, 1, 1], [2, 1, 0])
-    LR: gl.constexpr = gl.SliceLayout(2, L3)  # [R, W/4]
-    LROW: gl.constexpr = gl.SliceLayout(1, LR)  # [R]
-    SB: gl.constexpr = W // (4 * WPG)  # int32 words of group-scale bytes a row a K tile
-    TS: gl.constexpr = min(SB, 32)
-    LS: gl.constexpr = gl.BlockedLayout([1, 1], [32 // TS, TS], [NW, 1], [1, 0])
-    # (a buffer's layout is that of its `index`ed tiles, as in `_q2s_gemv_gluon_kernel`)
-    SW: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-    SW3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    SDT: gl.constexpr = gl.int32 if WPG == 1 else gl.int16
-    if PDL:
-        gdc_launch_dependents()
-    # item i, tile t: words of its first R rows at [2 (i NT + t)], of its next R at + 1 (the
-    # buffers' first dimension a power of two, as Gluon's shapes must be)
-    NS: gl.constexpr = triton.next_power_of_2(ITEMS * NT * 2)
-    wsm = gl.allocate_shared_memory(gl.int32, [NS, R, W4, 4], layout=SW)
-    ssm = gl.allocate_shared_memory(gl.int32, [NS, R, SB], layout=SW3)
-    r = gl.arange(0, R, layout=LROW)
-    g = gl.arange(0, W4, layout=gl.SliceLayout(0, LR))
-    j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    col = gl.expand_dims(gl.expand_dims(g * 4, 0), 2) + gl.expand_dims(gl.expand_dims(j, 0), 1)
-    rs_ = gl.arange(0, R, layout=gl.SliceLayout(1, LS))
-    js = gl.expand_dims(gl.arange(0, SB, layout=gl.SliceLayout(0, LS)), 0)
-    first = gl.program_id(0) * ITEMS
-    for i in gl.static_range(ITEMS):
-        item = gl.minimum(first + i, items_total - 1)  # (a last program's spare items: skipped)
-        _, pid_n, slot, bptr = _item_blob(item, tiles, topk_ids, pool, slot_table, slot_offsets)
-        if (slot >= 0) & (first + i < items_total):
-            wbase = (bptr + codes).to(gl.pointer_type(gl.int32))
-            rows_a = pid_n * 2 * R + r
-            w_at_a = wbase + gl.expand_dims(gl.expand_dims(rows_a * row_words, 1), 2) + col
-            w_at_b = w_at_a + R * row_words
-            srows = pid_n * 2 * R + rs_
-            s_a = (bptr + scales + gl.expand_dims(srows * row_groups, 1)).to(
-                gl.pointer_type(gl.int32))  # fmt: skip
-            s_b = (bptr + scales + gl.expand_dims((srows + R) * row_groups, 1)).to(
-                gl.pointer_type(gl.int32))  # fmt: skip
-            for t in gl.static_range(NT):
-                _async_load(wsm.index((i * NT + t) * 2), w_at_a + t * W)
-                _async_load(wsm.index((i * NT + t) * 2 + 1), w_at_b + t * W)
-                _async_load(ssm.index((i * NT + t) * 2), s_a + (t * SB + js))
-                _async_load(ssm.index((i * NT + t) * 2 + 1), s_b + (t * SB + js))
-        cp.commit_group()
-    # the first item's epilogue inputs (row scales and grid floats come from HBM: asked for
-    # after the wait, their latency would start every program's decoding late)
-    nxt = _item_epilogue_inputs(gl.minimum(first, items_total - 1), tiles, topk_ids, topk_w,
-                                pool, slot_table, slot_offsets, row_scale, aux, r, R)  # fmt: skip
-    if TRACE:
-        t_pre = _globaltimer()
-    if PDL:
-        gdc_wait()
-    if TRACE:
-        t_post = _globaltimer()
-    xq2 = gl.allocate_shared_memory(gl.int32, [4 * NTP, W], layout=SL)
-    xs2 = gl.allocate_shared_memory(gl.int32, [2 * NTP, W], layout=SL)
-    xc2 = gl.allocate_shared_memory(gl.int32, [NTP, W], layout=SL)
-    xqm = _view(xq2, gl.int32, [4 * NTP, W4, 4], SL)
-    xsm = _view(xs2, gl.int32, [2 * NTP, W4, 4], SL)
-    xcm = _view(xc2, gl.int32, [NTP, W4, 4], SL)
-    sv = _view(ssm, SDT, [NS, R, W4], SW3)
-    staged = -1  # the pair whose h the staging buffers hold
-    for i in gl.static_range(ITEMS):
-        pair, rows_a, slot, a, b, rs_a, rs_b, weight = nxt
-        if i + 1 < ITEMS:  # the next item's, asked for while this one is decoded
-            nxt = _item_epilogue_inputs(gl.minimum(first + i + 1, items_total - 1), tiles,
-                                        topk_ids, topk_w, pool, slot_table, slot_offsets,
-                                        row_scale, aux, r, R)  # fmt: skip
-        cp.wait_group(ITEMS - 1 - i)  # this item's copies landed (the later ones may not)
-        _barrier()  # ... for every thread to read; the last item's readers of h are done
-        if pair != staged:
-            _stage_x_words(xq, xs, xsum, pair, row_words, xq2, xs2, xc2, NT, NTP, W, NW)
-            _barrier()
-        staged = pair
-        if (slot >= 0) & (first + i < items_total):
-            corr = gl.where(b == 3 * a, 0.0, b - 3 * a)
-            beta = gl.where(corr != 0, 0.5 * (b - a), a) / 32
-            ya, yb = _item_sums(wsm, sv, i, xqm, xsm, xcm, R, W4, NT, NTP, WPG, False, L3)
-            ya = ya * beta
-            yb = yb * beta
-            if corr != 0:  # a fitted grid: the high bits' sums, a second pass over the tiles
-                gamma = -corr / 128
-                ha, hb = _item_sums(wsm, sv, i, xqm, xsm, xcm, R, W4, NT, NTP, WPG, True, L3)
-                ya += ha * gamma
-                yb += hb * gamma
-            gl.store(out + pair * N + rows_a, ya * rs_a * weight)
-            gl.store(out + pair * N + rows_a + R, yb * rs_b * weight)
-    if TRACE:
-        _trace_store(trace, gl.program_id(0), t_start, t_pre, t_post)
-
-
-_CARVED: dict[int, int] = {}  # function handle -> the carveout asked for it
-
-
-def _prefer_carveout(kernel, percent: int) -> None:  # type: ignore[no-untyped-def]
-    """Ask the driver for `percent` of the SM's unified L1 and shared memory as shared memory
-    (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT) on the launched `kernel` (Triton's
-    compiled kernel, its `function` handle set by the launch): once a function, from its
-    first launch on."""
-    if not percent:
-        return
-    fn = getattr(kernel, "function", None)
-    if fn is None or _CARVED.get(fn) == percent:
-        return
-    import ctypes
-
-    attribute = 9  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT (cuda.h)
-    err = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(
-        ctypes.c_void_p(fn), ctypes.c_int(attribute), ctypes.c_int(percent))  # fmt: skip
-    if err:
-        raise RuntimeError(f"cuFuncSetAttribute(carveout {percent}%) failed: CUresult {err}")
-    _CARVED[fn] = percent
-
-
-# shared memory a down program with items may take (of the H200's 227 KB; gate_up's programs
-# beside it stage x in theirs)
-ITEMS_SMEM_MAX = 176 * 1024
-
-
-def items_smem(spec_k: int, group: int, choice: KernelChoice) -> int:
-    """Bytes of shared memory a down program with `choice.items` items takes (words and group
-    scales as int32, their tiles rounded up to a power of two; h's staging)."""
-    r, w, _, _ = tile(spec_k, group, choice)
-    nt = spec_k // 16 // w
-    per_tile = r * (w * 4 + w // (group // 16))
-    staging = 7 * triton.next_power_of_2(nt) * w * 4
-    return triton.next_power_of_2(choice.items * nt * 2) * per_tile + staging
-
-
 def tile(spec_k: int, group: int, choice: KernelChoice) -> tuple[int, int, int, int]:
     """(R, W, RPT, TR) of a launch whose matrix has K = spec_k, or ValueError when this kernel
     cannot run it: R = block_n / 2 rows a row tile, W = the words of the largest K tile <=
@@ -686,28 +482,9 @@ def launch(
         raise ValueError(f"q2s gluon GEMV: rows of {r} are not whole words of h to round")
     nt = spec.k // 16 // w
     wpg = spec.group // 16
-    if choice.items > 1:
-        if not is_down:
-            raise ValueError("q2s gluon GEMV: items is down's")
-        if items_smem(spec.k, spec.group, choice) > ITEMS_SMEM_MAX:
-            raise ValueError(f"q2s gluon GEMV: {choice.items} items of {2 * r} rows x {spec.k} "
-                             f"do not fit {ITEMS_SMEM_MAX} bytes of shared memory")  # fmt: skip
-        assert xwords is not None
-        tiles = rows // per
-        total = pairs * tiles
-        _q2s_down_items_kernel[(triton.cdiv(total, choice.items),)](
-            *xwords[:3], topk_ids, topk_w, pool, slot_table, slot_offsets, out,
-            spec.n, spec.k // 16, spec.k // spec.group, spec.codes, spec.scales,
-            spec.row_scale, spec.aux, total, tiles,
-            r, w, nt, triton.next_power_of_2(nt), wpg, rpt, tr, choice.num_warps,
-            choice.items, pdl, trace if trace is not None else topk_ids, trace is not None,
-            num_warps=choice.num_warps, launch_pdl=pdl and launch_pdl,
-            **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
-        )  # fmt: skip
-        return
     xq, xs, xsum = xwords[:3] if xwords is not None else (out, out, out)  # (unread placeholders)
     oq, osc, osum = hwords[:3] if hwords is not None else (out, out, out)
-    kernel = _q2s_gemv_gluon_kernel[(pairs, rows // per)](
+    _q2s_gemv_gluon_kernel[(pairs, rows // per)](
         x, x.stride(0), x.stride(1), xq, xs, xsum, topk_ids, topk_w, pool, slot_table,
         slot_offsets, out, oq, osc, osum,
         spec.n, inter, spec.k // 16, spec.k // spec.group, spec.codes, spec.scales,
@@ -720,4 +497,3 @@ def launch(
         num_warps=choice.num_warps, launch_pdl=pdl and launch_pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip
-    _prefer_carveout(kernel, choice.carveout)

@@ -36,11 +36,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def formats(
-    hidden: int, inter: int, bias: bool = False, down_group: int = 16
+    hidden: int, inter: int, bias: bool = False
 ) -> dict[str, tuple[BlobFormat, BlobFormat | None]]:
     nested_base, nested_delta = nested_expert_formats(hidden, inter, bias)
     nvfp4 = fp4_expert_format("nvfp4", hidden, inter, False)
     group = 32 if hidden % 32 == 0 else 16
+    down_group = 16
     return {
         "q2s": (q2s_expert_format(hidden, inter, bias, group, down_group), None),
         "q2s+nvfp4": (q2s_expert_format(hidden, inter, bias, group, down_group), nvfp4),
@@ -103,13 +104,13 @@ class Pool:
 def run_case(
     fmt_name, tokens, top_k, experts, hidden, inter, *, dtype=torch.float32, mask="random",
     act="silu", bias=False, present_frac=1.0, one_expert=False, host_slots=0, seed=0,
-    non_contiguous=False, force=None, down_group=16,
+    non_contiguous=False, force=None,
 ):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     if fmt_name in ("bfloat16", "float32"):
         fmt, delta_fmt = raw_expert_format(fmt_name, hidden, inter, bias), None
     else:
-        fmt, delta_fmt = formats(hidden, inter, bias, down_group)[fmt_name]
+        fmt, delta_fmt = formats(hidden, inter, bias)[fmt_name]
     present = torch.rand(experts, generator=gen) < present_frac
     present[0] = True
     pool = Pool(fmt, delta_fmt, experts, present, gen, host_slots)
@@ -697,58 +698,6 @@ def test_gpu_gluon_prime_matches_twin(quant_in):
         run_case("q2s", tokens, 4, 16, hidden, 256, host_slots=10, seed=tokens, force=(g, g))
     nl2 = replace(g, next_l2=True, next_l2_at=2)
     run_case("q2s", 2, 4, 16, 512, 512, host_slots=10, seed=9, force=(nl2, g))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize(
-    ("items", "block_n", "block_k", "warps"), [(2, 64, 256, 4), (3, 128, 512, 8), (4, 64, 256, 4)]
-)
-def test_gpu_gluon_down_items_matches_twin(pdl, items, block_n, block_k, warps):
-    """Down in Gluon with several (pair, row tile) items a program, all their words and scales
-    in shared memory before its wait (`KernelChoice.items`), against the twin: one K tile (K
-    256) and three (K 768), a call whose items do not fill its last program, b = 3a and fitted
-    grids, slots in GPU and pinned host memory, experts without a slot, one expert in many
-    pairs; behind gate_up capped at 64 registers (so a down program fits beside its own) or
-    not."""
-    g = moe_dispatch.KernelChoice(block_n=64, block_k=256, num_warps=4, int8_act=True,
-                                  pdl=pdl, gluon=True, quant_in=True)  # fmt: skip
-    d = replace(g, quant_in=False, block_n=block_n, block_k=block_k, num_warps=warps,
-                items=items)  # fmt: skip
-    for tokens, hidden, inter in ((1, 512, 256), (3, 512, 768), (7, 1024, 256)):
-        run_case("q2s", tokens, 4, 16, hidden, inter, host_slots=10, seed=tokens,
-                 force=(g, d))  # fmt: skip
-    run_case("q2s", 5, 4, 16, 512, 256, seed=4, present_frac=0.6, force=(g, d))
-    run_case("q2s", 6, 4, 16, 512, 256, seed=5, one_expert=True, force=(replace(g, maxnreg=64), d))
-    # down's groups of 32 columns (two words a scale byte)
-    run_case("q2s", 2, 4, 16, 512, 512, host_slots=10, seed=6, down_group=32, force=(g, d))
-    # DeepSeek-V4-Flash's 1-token tiles (64 rows, 8 warps, four K tiles of 32 words, capped at
-    # 64 registers beside a gate_up capped at 64); 8 row tiles a pair: programs of 3 items
-    # across two pairs, a last program with a spare item
-    v4 = replace(d, block_n=64, block_k=512, num_warps=8, items=3, maxnreg=64)
-    run_case("q2s", 1, 4, 16, 512, 2048, host_slots=10, seed=7,
-             force=(replace(g, maxnreg=64, carveout=100 if pdl else 0), v4))  # fmt: skip
-
-
-@pytest.mark.gpu
-def test_gpu_gluon_carveout_reaches_the_driver():
-    """`KernelChoice.carveout` on a Gluon launch sets its function's preferred shared-memory
-    carveout (read back from the driver), and the results stay the twin's."""
-    import ctypes
-
-    from moetier.kernels import q2s_gluon
-
-    g = moe_dispatch.KernelChoice(block_n=64, block_k=256, num_warps=4, int8_act=True,
-                                  pdl=True, gluon=True, quant_in=True, carveout=100)  # fmt: skip
-    q2s_gluon._CARVED.clear()  # (what earlier tests asked for: asked again)
-    run_case("q2s", 2, 4, 16, 512, 256, seed=3, force=(g, replace(g, quant_in=False)))
-    new = [fn for fn, pct in q2s_gluon._CARVED.items() if pct == 100]
-    assert len(new) == 2, f"{len(new)} Gluon functions asked for a carveout, not 2"
-    value = ctypes.c_int(-1)
-    for fn in new:  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
-        err = ctypes.CDLL("libcuda.so.1").cuFuncGetAttribute(ctypes.byref(value), 9,
-                                                             ctypes.c_void_p(fn))  # fmt: skip
-        assert err == 0 and value.value == 100, (err, value.value)
 
 
 @pytest.mark.gpu

@@ -105,26 +105,3 @@ def test_register_cap_asks_for_the_next_tile_at_the_loops_top(args):
     loop = rec["k_loop"]
     assert rec["stack_bytes"] == 0 and rec["registers"] <= 80, rec
     assert len(loop["ldg_at"]) == 4 and max(loop["ldg_at"]) < loop["instructions"] // 4, rec
-
-
-@pytest.mark.parametrize(
-    ("k", "block_k", "warps", "items", "cap"), [(2048, 512, 8, 3, 64), (768, 256, 4, 2, 0)]
-)
-def test_down_items_fit_beside_gate_up(k, block_k, warps, items, cap):
-    """Down with items (`KernelChoice.items`) at DeepSeek-V4-Flash's (capped at 64 registers:
-    92 uncapped) and Qwen3-30B-A3B's 1-token shapes: every word and group scale through
-    cp.async (four copies a K tile an item), no spills, at most 64 registers (beside three
-    gate_up programs of 8 warps capped at 64, or of 4 warps at 128, the register file has room
-    for one such program) and the shared memory `items_smem` says."""
-    env = {key: v for key, v in os.environ.items() if key != "TRITON_INTERPRET"}
-    args = f"--down --k {k} --group 16 --block-n 64 --block-k {block_k} --warps {warps}"
-    cmd = [sys.executable, str(BENCH / "gluon_sass.py"), *args.split(), "--items", str(items)]
-    cmd += ["--maxnreg", str(cap)] if cap else []
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rec = json.loads(out.stdout.splitlines()[-1])
-    choice = moe_dispatch.KernelChoice(block_n=64, block_k=block_k, num_warps=warps, items=items)
-    r, w, _, _ = q2s_gluon.tile(k, 16, choice)
-    assert rec["ldgsts"] == items * (k // 16 // w) * 4, rec
-    assert rec["stack_bytes"] == 0 and rec["registers"] <= 64, rec
-    assert rec["shared_bytes"] == q2s_gluon.items_smem(k, 16, choice), rec
