@@ -75,7 +75,8 @@ class KernelChoice:
     # choice), e.g. 128 keeps four programs of 4 warps an SM where row_tiles added a few; a
     # cap just above what the kernel takes moves where ptxas issues the next K tile's loads
     # (H200: DeepSeek-V4-Flash's 1-2 token Gluon launches at 80, from the loop's middle to
-    # its top; DeepSeek-V3's 1-token gate_up at 128, 0.98x a call; docs/benchmarks.md)
+    # its top; DeepSeek-V3's 1-token gate_up at 128, with its down in Gluon 0.97-0.99x a call;
+    # docs/benchmarks.md)
     maxnreg: int = 0
     # q2s GEMV gate_up on sm_90: its programs, when done, ask L2 for their pair's down weights
     # (down's reads start while gate_up's last programs run; blobs in the GPU pool)
