@@ -9,6 +9,12 @@ in the same run.
   dispatcher's programs (rows a program, K tile), reading each program's rows' codes and group
   scales one K tile ahead, chained with PDL as the kernels are (a program asks for its first
   tile, waits for the launch before, then reads its activations and the rest);
+- `two-launch-op`: the same launches as the op runs them in a model: each program finds its
+  rows through the routing and the residency tables (three dependent loads, as the kernels'
+  programs do), and gate_up, whose routing the kernel before writes, waits for that kernel
+  before it looks anything up (the H200 configs' `wait_first` at 1-2 tokens; what
+  `bench/kernels.py --first-launch after` times); `two-launch-op-2` and `-1` (tables the
+  kernels do not have): the offsets by expert (two loads) or by pair (one);
 - `one-launch-block` (a design the kernels do not have): each program reads the gate_up rows
   of S outputs of a pair (2S rows), then the S matching columns of down for all its rows,
   stored column-block-major (a layout the q2s blob does not have: its rows are whole),
@@ -81,6 +87,47 @@ def _rows_read(codes, scales, act, out, ROWS: tl.constexpr, RW: tl.constexpr,
     w = tl.load(cb)
     s = tl.load(sb)
     if PDL:
+        gdc_wait()
+    a = tl.xor_sum(tl.load(act + tl.arange(0, ACT)), axis=0)
+    xc, xs = _walk(cb, sb, w, s, ROWS, CW, RW // CW)
+    tl.store(out + p, xc ^ xs ^ a)
+
+
+@triton.jit
+def _rows_read_op(codes, scales, act, out, ids, table, offs, ROWS: tl.constexpr,
+                  RW: tl.constexpr, CW: tl.constexpr, ACT: tl.constexpr, PPP: tl.constexpr,
+                  PDL: tl.constexpr, WAIT_FIRST: tl.constexpr,
+                  LOOKUPS: tl.constexpr = 3):  # fmt: skip
+    """`_rows_read` as the op runs its launches in a model (`two-launch-op`): program p's pair
+    is p // PPP, and its rows are found as the kernels find theirs, through three dependent
+    loads (ids[pair] -> table[expert] -> offs[slot], the word offset of the pair's PPP
+    programs' rows; their scale bytes at half of it). WAIT_FIRST (gate_up at 1-2 tokens, the
+    H200 configs' `wait_first`): the program waits for the launch before first, then looks up
+    and reads everything (the routing is that launch's output); else the lookups and tile 0
+    come before the wait, as down's do. LOOKUPS 2 or 1 (designs the kernels do not have): offs
+    is indexed by the expert (ids -> offs) or by the pair (offs alone), table unused."""
+    p = tl.program_id(0)
+    if PDL:
+        if WAIT_FIRST:
+            gdc_wait()
+        gdc_launch_dependents()
+    SB: tl.constexpr = RW // 2
+    SC: tl.constexpr = CW // 2
+    if LOOKUPS == 3:
+        at = tl.load(table + tl.load(ids + p // PPP))
+    elif LOOKUPS == 2:
+        at = tl.load(ids + p // PPP)
+    else:
+        at = p // PPP
+    off = tl.load(offs + at) + (p % PPP).to(tl.int64) * ROWS * RW
+    r = tl.arange(0, ROWS)[:, None]
+    c = tl.arange(0, CW)[None, :]
+    cs = tl.arange(0, SC)[None, :]
+    cb = codes + off + r * RW + c
+    sb = scales + off // 2 + r * SB + cs
+    w = tl.load(cb)
+    s = tl.load(sb)
+    if PDL and not WAIT_FIRST:
         gdc_wait()
     a = tl.xor_sum(tl.load(act + tl.arange(0, ACT)), axis=0)
     xc, xs = _walk(cb, sb, w, s, ROWS, CW, RW // CW)
@@ -228,6 +275,57 @@ def two_launch_calls(launches: list[tuple[int, ...]], device: str, count: int,
     return calls
 
 
+def lookup_tables(pairs: int, region_words: int, experts: int,
+                  device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A routing and residency tables for `_rows_read_op`: ids [pairs] int32 (distinct
+    experts), table [experts] int32 (expert -> slot, -1 for experts without one), offs
+    [2 pairs] int64 (slot -> word offset of its pair's rows, region_words a pair, the pairs'
+    regions in a shuffled order)."""
+    if pairs > experts:
+        raise ValueError(f"{pairs} distinct experts asked of {experts}")
+    expert = torch.randperm(experts)[:pairs]
+    slots = torch.randperm(2 * pairs)[:pairs]
+    table = torch.full((experts,), -1, dtype=torch.int32)
+    table[expert] = slots.to(torch.int32)
+    offs = torch.zeros(2 * pairs, dtype=torch.int64)
+    offs[slots] = torch.randperm(pairs) * region_words
+    return expert.to(torch.int32).to(device), table.to(device), offs.to(device)
+
+
+def two_launch_op_calls(launches: list[tuple[int, ...]], pairs: int, experts: int, device: str,
+                        count: int, lookups: int = 3) -> list:  # type: ignore[type-arg]  # fmt: skip
+    """`count` calls of the kernels' design as the op runs in a model (`_rows_read_op`): each
+    launch's programs find their rows through `lookups` dependent loads, gate_up waiting
+    first."""
+    out = torch.empty(max(lc[3] for lc in launches), dtype=torch.int32, device=device)
+    act_buf = _words(4 * max(lc[6] for lc in launches), device)
+    calls = []
+    for _ in range(count):
+        bufs = []
+        for lc in launches:
+            rows, rw, _, programs = lc[:4]
+            ids, table, offs = lookup_tables(pairs, programs // pairs * rows * rw, experts, device)
+            if lookups == 2:  # offs by expert
+                by_expert = torch.zeros(experts, dtype=torch.int64, device=device)
+                by_expert[table >= 0] = offs[table[table >= 0].long()]
+                offs = by_expert
+            elif lookups == 1:  # offs by pair
+                offs = offs[table[ids.long()].long()]
+            tables = (ids, table, offs)
+            bufs.append((_words(lc[4], device), _bytes(lc[5], device), tables))
+
+        def call(bufs=bufs) -> None:  # type: ignore[no-untyped-def]
+            for i, (lc, (codes, scales, tables)) in enumerate(zip(launches, bufs, strict=True)):
+                rows, rw, cw, programs, _, _, act = lc
+                _rows_read_op[(programs,)](codes, scales, act_buf, out, *tables, rows, rw, cw,
+                                           act, programs // pairs, True, i == 0, lookups,
+                                           num_warps=8 if rows * cw >= 2048 else 4,
+                                           launch_pdl=True)  # fmt: skip
+
+        calls.append(call)
+    return calls
+
+
 def one_launch_bytes(hidden: int, inter: int, pairs: int, s: int) -> tuple[int, int, int, int]:
     """(gate_up code, gate_up scale, down code, down scale) bytes of one call of a one-launch
     design with slices of s outputs (16 or 32)."""
@@ -278,12 +376,15 @@ def main() -> None:
     copy = copy_bandwidth()
     emit({**info, "case": "copy", "GB/s": round(copy / 1e9, 1)})
     for shape in args.shapes.split(","):
-        hidden, inter, _, top_k = SHAPES[shape]
+        hidden, inter, experts, top_k = SHAPES[shape]
         for tokens in (int(t) for t in args.tokens.split(",")):
             pairs = tokens * top_k
-            designs = [("two-launch", None)] + [
-                (design, int(s)) for design in ("block", "shared") for s in args.slices.split(",")
-            ]
+            designs = [
+                ("two-launch", None),
+                ("two-launch-op", None),
+                ("two-launch-op-2", None),
+                ("two-launch-op-1", None),
+            ] + [(design, int(s)) for design in ("block", "shared") for s in args.slices.split(",")]
             for design, s in designs:
                 if s is None:
                     launches = two_launch_geometry(hidden, inter, pairs)
@@ -291,7 +392,10 @@ def main() -> None:
                 else:
                     nbytes = sum(one_launch_bytes(hidden, inter, pairs, s))
                 count = max(2, -(-4 * L2_BYTES // nbytes) + 1)
-                if s is None:
+                if design.startswith("two-launch-op"):
+                    lookups = int(design[-1]) if design[-1].isdigit() else 3
+                    calls = two_launch_op_calls(launches, pairs, experts, "cuda", count, lookups)
+                elif s is None:
                     calls = two_launch_calls(launches, "cuda", count)
                 else:
                     calls = one_launch_calls(design, hidden, inter, pairs, s, "cuda", count)[0]

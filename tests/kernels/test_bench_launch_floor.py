@@ -108,3 +108,36 @@ def test_shared_read_adds_its_share_of_its_blocks_rows(lf):
         want[pair, rows] += (codes[pair, rows, 8 * g : 8 * g + 8].sum(-1) * h
                              + scales[pair, rows, 4 * g : 4 * g + 4].sum(-1))  # fmt: skip
     torch.testing.assert_close(acc.view(pairs, hidden).double(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("lookups", [3, 2, 1])
+def test_rows_read_op_finds_each_pairs_rows_through_the_tables(lf, lookups):
+    """Program p reads the rows of its pair p // PPP found through ids -> table -> offs (the
+    pairs' regions shuffled; or offsets by expert, or by pair), its share p % PPP of them, and
+    its scale bytes at half the codes' word offset."""
+    pairs, ppp, rows, rw, cw, act, experts = 3, 2, 4, 16, 4, 8, 10
+    region = ppp * rows * rw
+    codes = torch.randint(0, 2**20, (pairs * region,), dtype=torch.int32)
+    scales = torch.randint(0, 255, (pairs * region // 2,), dtype=torch.uint8)
+    act_buf = torch.randint(0, 2**20, (act,), dtype=torch.int32)
+    ids, table, offs = lf.lookup_tables(pairs, region, experts, "cpu")
+    assert len(set(ids.tolist())) == pairs and int((table >= 0).sum()) == pairs
+    out = torch.zeros(pairs * ppp, dtype=torch.int32)
+    starts = [int(offs[int(table[int(ids[p // ppp])])]) + (p % ppp) * rows * rw
+              for p in range(pairs * ppp)]  # fmt: skip
+    if lookups == 2:
+        by_expert = torch.zeros(experts, dtype=torch.int64)
+        by_expert[table >= 0] = offs[table[table >= 0].long()]
+        offs = by_expert
+    elif lookups == 1:
+        offs = offs[table[ids.long()].long()]
+    lf._rows_read_op[(pairs * ppp,)](codes, scales, act_buf, out, ids, table, offs, rows, rw,
+                                     cw, act, ppp, False, False, lookups)  # fmt: skip
+    seen = set()
+    for p in range(pairs * ppp):
+        start = starts[p]
+        seen.add(start)
+        want = _xor(codes[start : start + rows * rw])
+        want ^= _xor(scales[start // 2 : (start + rows * rw) // 2])
+        assert int(out[p]) == want ^ _xor(act_buf)
+    assert len(seen) == pairs * ppp  # every program its own rows
