@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--trace", type=int, default=0, help="TRACE (timer stamps)")
     parser.add_argument("--quant-out", type=int, default=0, help="QUANT_OUT (gate_up rounds h)")
     parser.add_argument("--wait-first", type=int, default=0, help="WAIT_FIRST (with --pdl 1)")
+    parser.add_argument("--prefetch-l2", type=int, default=0, help="PREFETCH_L2")
     args = parser.parse_args()
     choice = moe_dispatch.KernelChoice(block_n=args.block_n, block_k=args.block_k,
                                        num_warps=args.warps, int8_act=True, gluon=True)  # fmt: skip
@@ -74,7 +75,7 @@ def main() -> None:
                  QUANT_IN=args.quant_in, QUANT_OUT=args.quant_out,
                  NEXT_L2=int(args.next_l2_at >= 0), NEXT_AT=max(0, args.next_l2_at),
                  PRIME=args.prime, TRACE=args.trace,
-                 WAIT_FIRST=args.wait_first)  # fmt: skip
+                 WAIT_FIRST=args.wait_first, PREFETCH_L2=args.prefetch_l2)  # fmt: skip
     kernel, sass, regs, stack = compile_sm90(
         fn,
         const,
@@ -88,7 +89,8 @@ def main() -> None:
         "shared_bytes": kernel.metadata.shared,
         "ldg128": sass.count("LDG.E.128"), "lds128": sass.count("LDS.128"),
         "ldgsts": sass.count("LDGSTS"),
-        "idp4a": sass.count("IDP.4A"), "tile": {"R": r, "W": w, "RPT": rpt, "TR": tr},
+        "idp4a": sass.count("IDP.4A"), "l2_prefetch": sass.count("UBLKPF"),
+        "tile": {"R": r, "W": w, "RPT": rpt, "TR": tr},
         "k_loop": k_loop(sass),
     }))  # fmt: skip
 

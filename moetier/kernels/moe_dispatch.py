@@ -42,9 +42,11 @@ class KernelChoice:
     group_acc: bool = False  # q2s GEMV int8 only: sums kept per q2s group (fewer FMUL, registers)
     q2s_mma: bool = False  # q2s grouped GEMM on tensor cores (`q2s_mma.py`), prefill
     # q2s GEMV on sm_90: prefetch_l2: each program first asks for its rows in L2 (blobs in the
-    # GPU pool; for host rows it measured no gain); pdl: launched with programmatic dependent
-    # launch (weights read while the kernel before still runs). Both launches of a call must
-    # agree on pdl.
+    # GPU pool; for host rows it measured no gain). H200, the op's way: on Qwen3-30B-A3B's
+    # 1-token Gluon gate_up (with wait_first: asked for once its routing is known), 0.96-0.97x
+    # the time a call; 1.02-1.19x at its 2 tokens and the DeepSeek shapes (docs/benchmarks.md).
+    # pdl: launched with programmatic dependent launch (weights read while the kernel before
+    # still runs). Both launches of a call must agree on pdl.
     prefetch_l2: bool = False
     pdl: bool = False
     # q2s GEMV int8 on sm_90, gate_up's choice: the launches rounding activations to int8 are

@@ -12,6 +12,9 @@ cp.async ring, STAGES >= 2: slower on the H200). PRIME (`KernelChoice.prime`): t
 asked for with tile 0's, before the wait for the launch before and the staging of x.
 WAIT_FIRST (`KernelChoice.wait_first`, a call's first launch): the program waits for the
 launch before, then lets the next start, before it reads anything (as the Triton kernel's).
+PREFETCH_L2 (`KernelChoice.prefetch_l2`): once its blob is found, and before its first tile's
+loads, each program whose blob is in the GPU pool asks L2 for all its rows' words and group
+scales (`moe_triton._prefetch_l2`, as the Triton kernel does).
 
 The Triton kernel's int8 path's IDP4A sums (`_q2s_word_dots`) and rounding, so the twin is the
 same: `moe_ref.moe_slots_ref(..., act_int8=True)`; its floats in another order: a word's sum
@@ -41,7 +44,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moetier.kernels.moe_dispatch import KernelChoice
-from moetier.kernels.moe_triton import _globaltimer, _prefetch_share, _q2s_word_dots, _trace_store
+from moetier.kernels.moe_triton import (
+    _globaltimer,
+    _prefetch_l2,
+    _prefetch_share,
+    _q2s_word_dots,
+    _trace_store,
+)
 
 # Gluon is experimental and its names move: Triton 3.6 (the H200 image) has
 # `gl.thread_barrier`, `shared_memory_descriptor._reinterpret` and
@@ -246,6 +255,7 @@ def _q2s_gemv_gluon_kernel(
     NEXT_L2: gl.constexpr, NEXT_AT: gl.constexpr, next_lo, next_bytes, pool_bytes,
     PRIME: gl.constexpr,
     trace, TRACE: gl.constexpr, WAIT_FIRST: gl.constexpr = False,
+    PREFETCH_L2: gl.constexpr = False,
 ):  # fmt: skip
     """One (pair, 2R rows) per program; see the module docstring. NT K tiles of W words (NTP: the
     next power of two). STAGES 1: the words of tile i + 1 are loaded into registers before tile
@@ -274,9 +284,20 @@ def _q2s_gemv_gluon_kernel(
     expert = gl.load(topk_ids + pair).to(gl.int32)
     slot = gl.load(slot_table + expert)
     if slot >= 0:
-        bptr = pool + gl.multiple_of(gl.load(slot_offsets + slot), 256)
+        slot_off = gl.load(slot_offsets + slot)
+        bptr = pool + gl.multiple_of(slot_off, 256)
         wbase = (bptr + codes).to(gl.pointer_type(gl.int32))
         sbase = bptr + scales
+        if PREFETCH_L2:  # this program's rows, gate_up's up rows too (blobs in the GPU pool)
+            if (slot_off >= 0) & (slot_off < pool_bytes):
+                first = pid_n * 2 * R if IS_DOWN else pid_n * R
+                count: gl.constexpr = 2 * R if IS_DOWN else R
+                _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
+                _prefetch_l2(sbase + first * row_groups, count * row_groups)
+                if not IS_DOWN:
+                    up = first + INTER
+                    _prefetch_l2(bptr + codes + up * row_words * 4, count * row_words * 4)
+                    _prefetch_l2(sbase + up * row_groups, count * row_groups)
         r = gl.arange(0, R, layout=LROW)
         if IS_DOWN:
             rows_a = pid_n * 2 * R + r
@@ -494,6 +515,6 @@ def launch(
         next_l2 is not None, choice.next_l2_at, *(next_l2 or (0, 0)), pool.numel(),
         choice.prime and choice.pipe < 2,
         trace if trace is not None else topk_ids, trace is not None, pdl and wait_first,
-        num_warps=choice.num_warps, launch_pdl=pdl and launch_pdl,
+        choice.prefetch_l2, num_warps=choice.num_warps, launch_pdl=pdl and launch_pdl,
         **({"maxnreg": choice.maxnreg} if choice.maxnreg else {}),
     )  # fmt: skip

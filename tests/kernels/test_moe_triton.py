@@ -663,6 +663,20 @@ def test_gpu_q2s_gemv_next_l2_unroll(next_l2, unroll, depth):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("quant_in", "wait_first", "prime"), [(False, False, False),
+                                                              (True, True, True)])  # fmt: skip
+def test_gpu_gluon_prefetch_l2_matches_twin(quant_in, wait_first, prime):
+    """Gluon launches asking L2 for all their rows first (prefetch_l2) on both launches: slots
+    in GPU memory (asked for) and in pinned host memory (not asked for) give the twin's
+    results, gate_up waiting first (the op's way at 1-2 tokens) and priming or not."""
+    g = moe_dispatch.KernelChoice(block_n=64, block_k=256, num_warps=4, int8_act=True, pdl=True,
+                                  gluon=True, prefetch_l2=True, prime=prime)  # fmt: skip
+    gu = replace(g, quant_in=quant_in, wait_first=wait_first)
+    for tokens in (1, 7):
+        run_case("q2s", tokens, 4, 16, 512, 256, host_slots=10, seed=tokens, force=(gu, g))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize(
     ("block_n", "block_k", "warps", "pipe", "quant_in"),
