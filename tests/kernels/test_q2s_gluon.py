@@ -105,3 +105,29 @@ def test_register_cap_asks_for_the_next_tile_at_the_loops_top(args):
     loop = rec["k_loop"]
     assert rec["stack_bytes"] == 0 and rec["registers"] <= 80, rec
     assert len(loop["ldg_at"]) == 4 and max(loop["ldg_at"]) < loop["instructions"] // 4, rec
+
+
+@pytest.mark.parametrize(
+    ("args", "prefetches"),
+    [
+        # Qwen3-30B-A3B's 1-token gate_up (H200 `:p8`): its gate rows and up rows, words and
+        # scales each (next_l2's one prefetch of down's share comes on top)
+        ("--k 2048 --block-n 32 --block-k 1024 --warps 4 --quant-in 1 --quant-out 1 "
+         "--wait-first 1 --next-l2-at 2 --prefetch-l2 1", 5),
+        ("--k 2048 --block-n 32 --block-k 1024 --warps 4 --quant-in 1 --quant-out 1 "
+         "--wait-first 1 --next-l2-at 2", 1),
+        ("--down --k 768 --group 16 --block-n 64 --block-k 256 --warps 4 --prefetch-l2 1", 2),
+    ],
+    ids=["gate_up", "gate_up_without", "down"],
+)  # fmt: skip
+def test_prefetch_l2_asks_for_each_row_span_once(args, prefetches):
+    """prefetch_l2 compiles to one bulk L2 prefetch a contiguous span of the program's rows
+    (gate_up: gate and up rows, their words and scales; down: its rows' words and scales), at
+    no cost in registers."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(BENCH / "gluon_sass.py"), *args.split()],
+                         capture_output=True, text=True, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rec = json.loads(out.stdout.splitlines()[-1])
+    assert rec["l2_prefetch"] == prefetches and rec["stack_bytes"] == 0, rec
+    assert rec["registers"] <= 128, rec
