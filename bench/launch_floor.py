@@ -14,7 +14,8 @@ in the same run.
   programs do), and gate_up, whose routing the kernel before writes, waits for that kernel
   before it looks anything up (the H200 configs' `wait_first` at 1-2 tokens; what
   `bench/kernels.py --first-launch after` times); `two-launch-op-2` and `-1` (tables the
-  kernels do not have): the offsets by expert (two loads) or by pair (one);
+  kernels do not have): the offsets by expert (two loads) or by pair (one); `two-launch-op-pf`:
+  each program also asks L2 for all its rows once they are found (`prefetch_l2`);
 - `one-launch-block` (a design the kernels do not have): each program reads the gate_up rows
   of S outputs of a pair (2S rows), then the S matching columns of down for all its rows,
   stored column-block-major (a layout the q2s blob does not have: its rows are whole),
@@ -45,6 +46,7 @@ from common import copy_bandwidth, emit, graph_ms, run_info  # noqa: E402
 from kernels import L2_BYTES, SHAPES  # noqa: E402
 
 from moetier.kernels import moe_dispatch  # noqa: E402
+from moetier.kernels.moe_triton import _prefetch_l2  # noqa: E402
 
 GROUP = 32  # q2s columns per group scale (one byte)
 
@@ -97,7 +99,7 @@ def _rows_read(codes, scales, act, out, ROWS: tl.constexpr, RW: tl.constexpr,
 def _rows_read_op(codes, scales, act, out, ids, table, offs, ROWS: tl.constexpr,
                   RW: tl.constexpr, CW: tl.constexpr, ACT: tl.constexpr, PPP: tl.constexpr,
                   PDL: tl.constexpr, WAIT_FIRST: tl.constexpr,
-                  LOOKUPS: tl.constexpr = 3):  # fmt: skip
+                  LOOKUPS: tl.constexpr = 3, PREFETCH: tl.constexpr = False):  # fmt: skip
     """`_rows_read` as the op runs its launches in a model (`two-launch-op`): program p's pair
     is p // PPP, and its rows are found as the kernels find theirs, through three dependent
     loads (ids[pair] -> table[expert] -> offs[slot], the word offset of the pair's PPP
@@ -105,7 +107,9 @@ def _rows_read_op(codes, scales, act, out, ids, table, offs, ROWS: tl.constexpr,
     H200 configs' `wait_first`): the program waits for the launch before first, then looks up
     and reads everything (the routing is that launch's output); else the lookups and tile 0
     come before the wait, as down's do. LOOKUPS 2 or 1 (designs the kernels do not have): offs
-    is indexed by the expert (ids -> offs) or by the pair (offs alone), table unused."""
+    is indexed by the expert (ids -> offs) or by the pair (offs alone), table unused.
+    PREFETCH (sm_90): once its rows are found, the program asks L2 for all of them (its codes
+    and its scale bytes, one bulk prefetch each), as `KernelChoice.prefetch_l2` does."""
     p = tl.program_id(0)
     if PDL:
         if WAIT_FIRST:
@@ -125,6 +129,9 @@ def _rows_read_op(codes, scales, act, out, ids, table, offs, ROWS: tl.constexpr,
     cs = tl.arange(0, SC)[None, :]
     cb = codes + off + r * RW + c
     sb = scales + off // 2 + r * SB + cs
+    if PREFETCH:
+        _prefetch_l2(codes + off, ROWS * RW * 4)
+        _prefetch_l2(scales + off // 2, ROWS * SB)
     w = tl.load(cb)
     s = tl.load(sb)
     if PDL and not WAIT_FIRST:
@@ -292,11 +299,26 @@ def lookup_tables(pairs: int, region_words: int, experts: int,
     return expert.to(torch.int32).to(device), table.to(device), offs.to(device)
 
 
+def op_tables(pairs: int, region_words: int, experts: int, device: str,
+              lookups: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`lookup_tables`, with offs by expert (lookups 2: [experts], 0 where no slot) or by pair
+    (lookups 1: [pairs]) for `_rows_read_op`'s LOOKUPS."""
+    ids, table, offs = lookup_tables(pairs, region_words, experts, device)
+    if lookups == 2:
+        by_expert = torch.zeros(experts, dtype=torch.int64, device=device)
+        by_expert[table >= 0] = offs[table[table >= 0].long()]
+        offs = by_expert
+    elif lookups == 1:
+        offs = offs[table[ids.long()].long()]
+    return ids, table, offs
+
+
 def two_launch_op_calls(launches: list[tuple[int, ...]], pairs: int, experts: int, device: str,
-                        count: int, lookups: int = 3) -> list:  # type: ignore[type-arg]  # fmt: skip
+                        count: int, lookups: int = 3,
+                        prefetch: bool = False) -> list:  # type: ignore[type-arg]  # fmt: skip
     """`count` calls of the kernels' design as the op runs in a model (`_rows_read_op`): each
     launch's programs find their rows through `lookups` dependent loads, gate_up waiting
-    first."""
+    first; prefetch: each program asks L2 for all its rows once they are found."""
     out = torch.empty(max(lc[3] for lc in launches), dtype=torch.int32, device=device)
     act_buf = _words(4 * max(lc[6] for lc in launches), device)
     calls = []
@@ -304,14 +326,7 @@ def two_launch_op_calls(launches: list[tuple[int, ...]], pairs: int, experts: in
         bufs = []
         for lc in launches:
             rows, rw, _, programs = lc[:4]
-            ids, table, offs = lookup_tables(pairs, programs // pairs * rows * rw, experts, device)
-            if lookups == 2:  # offs by expert
-                by_expert = torch.zeros(experts, dtype=torch.int64, device=device)
-                by_expert[table >= 0] = offs[table[table >= 0].long()]
-                offs = by_expert
-            elif lookups == 1:  # offs by pair
-                offs = offs[table[ids.long()].long()]
-            tables = (ids, table, offs)
+            tables = op_tables(pairs, programs // pairs * rows * rw, experts, device, lookups)
             bufs.append((_words(lc[4], device), _bytes(lc[5], device), tables))
 
         def call(bufs=bufs) -> None:  # type: ignore[no-untyped-def]
@@ -319,7 +334,7 @@ def two_launch_op_calls(launches: list[tuple[int, ...]], pairs: int, experts: in
                 rows, rw, cw, programs, _, _, act = lc
                 _rows_read_op[(programs,)](codes, scales, act_buf, out, *tables, rows, rw, cw,
                                            act, programs // pairs, True, i == 0, lookups,
-                                           num_warps=8 if rows * cw >= 2048 else 4,
+                                           prefetch, num_warps=8 if rows * cw >= 2048 else 4,
                                            launch_pdl=True)  # fmt: skip
 
         calls.append(call)
@@ -384,6 +399,7 @@ def main() -> None:
                 ("two-launch-op", None),
                 ("two-launch-op-2", None),
                 ("two-launch-op-1", None),
+                ("two-launch-op-pf", None),
             ] + [(design, int(s)) for design in ("block", "shared") for s in args.slices.split(",")]
             for design, s in designs:
                 if s is None:
@@ -394,7 +410,8 @@ def main() -> None:
                 count = max(2, -(-4 * L2_BYTES // nbytes) + 1)
                 if design.startswith("two-launch-op"):
                     lookups = int(design[-1]) if design[-1].isdigit() else 3
-                    calls = two_launch_op_calls(launches, pairs, experts, "cuda", count, lookups)
+                    calls = two_launch_op_calls(launches, pairs, experts, "cuda", count, lookups,
+                                                design.endswith("-pf"))  # fmt: skip
                 elif s is None:
                     calls = two_launch_calls(launches, "cuda", count)
                 else:

@@ -115,29 +115,38 @@ def test_rows_read_op_finds_each_pairs_rows_through_the_tables(lf, lookups):
     """Program p reads the rows of its pair p // PPP found through ids -> table -> offs (the
     pairs' regions shuffled; or offsets by expert, or by pair), its share p % PPP of them, and
     its scale bytes at half the codes' word offset."""
+    torch.manual_seed(3)
     pairs, ppp, rows, rw, cw, act, experts = 3, 2, 4, 16, 4, 8, 10
     region = ppp * rows * rw
     codes = torch.randint(0, 2**20, (pairs * region,), dtype=torch.int32)
     scales = torch.randint(0, 255, (pairs * region // 2,), dtype=torch.uint8)
     act_buf = torch.randint(0, 2**20, (act,), dtype=torch.int32)
-    ids, table, offs = lf.lookup_tables(pairs, region, experts, "cpu")
+    ids, table, offs = lf.op_tables(pairs, region, experts, "cpu", lookups)
     assert len(set(ids.tolist())) == pairs and int((table >= 0).sum()) == pairs
     out = torch.zeros(pairs * ppp, dtype=torch.int32)
-    starts = [int(offs[int(table[int(ids[p // ppp])])]) + (p % ppp) * rows * rw
-              for p in range(pairs * ppp)]  # fmt: skip
-    if lookups == 2:
-        by_expert = torch.zeros(experts, dtype=torch.int64)
-        by_expert[table >= 0] = offs[table[table >= 0].long()]
-        offs = by_expert
-    elif lookups == 1:
-        offs = offs[table[ids.long()].long()]
     lf._rows_read_op[(pairs * ppp,)](codes, scales, act_buf, out, ids, table, offs, rows, rw,
                                      cw, act, ppp, False, False, lookups)  # fmt: skip
-    seen = set()
+    starts = []  # where each program's rows are, by what the tables mean
     for p in range(pairs * ppp):
-        start = starts[p]
-        seen.add(start)
+        pair = p // ppp
+        at = {3: int(table[int(ids[pair])]), 2: int(ids[pair]), 1: pair}[lookups]
+        starts.append(int(offs[at]) + (p % ppp) * rows * rw)
+    for p, start in enumerate(starts):
         want = _xor(codes[start : start + rows * rw])
         want ^= _xor(scales[start // 2 : (start + rows * rw) // 2])
         assert int(out[p]) == want ^ _xor(act_buf)
-    assert len(seen) == pairs * ppp  # every program its own rows
+    assert sorted(starts) == [i * rows * rw for i in range(pairs * ppp)]  # every row once
+    assert [s // region for s in starts[::ppp]] != list(range(pairs))  # the regions shuffled
+
+
+def test_op_tables_send_each_pair_to_the_same_region(lf):
+    """Offsets by slot, by expert or by pair: the same draw sends every pair to the same one
+    of the pairs' regions."""
+    regions = {}
+    for lookups in (3, 2, 1):
+        torch.manual_seed(4)
+        ids, table, offs = lf.op_tables(3, 100, 10, "cpu", lookups)
+        at = {3: table[ids.long()].long(), 2: ids.long(), 1: torch.arange(3)}[lookups]
+        regions[lookups] = offs[at].tolist()
+    assert regions[3] == regions[2] == regions[1]
+    assert sorted(regions[3]) == [0, 100, 200]
