@@ -122,8 +122,8 @@ def test_register_cap_asks_for_the_next_tile_at_the_loops_top(args):
 )  # fmt: skip
 def test_prefetch_l2_asks_for_each_row_span_once(args, prefetches):
     """prefetch_l2 compiles to one bulk L2 prefetch a contiguous span of the program's rows
-    (gate_up: gate and up rows, their words and scales; down: its rows' words and scales), at
-    no cost in registers."""
+    (gate_up: gate and up rows, their words and scales; down: its rows' words and scales),
+    with no spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, str(BENCH / "gluon_sass.py"), *args.split()],
                          capture_output=True, text=True, env=env)  # fmt: skip
