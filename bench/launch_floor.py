@@ -12,8 +12,9 @@ in the same run.
 - `two-launch-op`: the same launches as the op runs them in a model: each program finds its
   rows through the routing and the residency tables (three dependent loads, as the kernels'
   programs do), and gate_up, whose routing the kernel before writes, waits for that kernel
-  before it looks anything up (the H200 configs' `wait_first` at 1-2 tokens; what
-  `bench/kernels.py --first-launch after` times); `two-launch-op-2` and `-1` (tables the
+  before it looks anything up (as a call's first launch does the op's way, what
+  `bench/kernels.py --first-launch after` times: `wait_first` in the H200 configs at 1-2
+  tokens); `two-launch-op-2` and `-1` (tables the
   kernels do not have): the offsets by expert (two loads) or by pair (one); `two-launch-op-pf`:
   each program also asks L2 for all its rows once they are found (`prefetch_l2`);
 - `one-launch-block` (a design the kernels do not have): each program reads the gate_up rows
@@ -103,11 +104,12 @@ def _rows_read_op(codes, scales, act, out, ids, table, offs, ROWS: tl.constexpr,
     """`_rows_read` as the op runs its launches in a model (`two-launch-op`): program p's pair
     is p // PPP, and its rows are found as the kernels find theirs, through three dependent
     loads (ids[pair] -> table[expert] -> offs[slot], the word offset of the pair's PPP
-    programs' rows; their scale bytes at half of it). WAIT_FIRST (gate_up at 1-2 tokens, the
-    H200 configs' `wait_first`): the program waits for the launch before first, then looks up
-    and reads everything (the routing is that launch's output); else the lookups and tile 0
-    come before the wait, as down's do. LOOKUPS 2 or 1 (designs the kernels do not have): offs
-    is indexed by the expert (ids -> offs) or by the pair (offs alone), table unused.
+    programs' rows; their scale bytes at half of it). WAIT_FIRST (a call's first launch the
+    op's way, as `KernelChoice.wait_first`): the program waits for the launch before first,
+    then looks up and reads everything (the routing is that launch's output); else the
+    lookups and tile 0 come before the wait, as down's do. LOOKUPS 2 or 1 (designs the
+    kernels do not have): offs is indexed by the expert (ids -> offs) or by the pair (offs
+    alone), table unused.
     PREFETCH (sm_90): once its rows are found, the program asks L2 for all of them (its codes
     and its scale bytes, one bulk prefetch each), as `KernelChoice.prefetch_l2` does."""
     p = tl.program_id(0)
