@@ -50,6 +50,9 @@ from moetier.kernels import moe_dispatch  # noqa: E402
 from moetier.kernels.moe_triton import _prefetch_l2  # noqa: E402
 
 GROUP = 32  # q2s columns per group scale (one byte)
+# the `two-launch-op` designs: (lookups, prefetch) of `two_launch_op_calls`
+OP_DESIGNS = {"two-launch-op": (3, False), "two-launch-op-2": (2, False),
+              "two-launch-op-1": (1, False), "two-launch-op-pf": (3, True)}  # fmt: skip
 
 
 @triton.jit
@@ -72,28 +75,44 @@ def _walk(cb, sb, w, s, ROWS: tl.constexpr, CW: tl.constexpr, NT: tl.constexpr):
 
 
 @triton.jit
-def _rows_read(codes, scales, act, out, ROWS: tl.constexpr, RW: tl.constexpr,
-               CW: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """One program: ROWS rows of RW int32 words of codes (and RW / 2 bytes of group scales a
-    row) in K tiles of CW words, one tile ahead; ACT words of activations read after the wait.
-    Writes the XOR of all it read (so nothing is optimised away)."""
-    p = tl.program_id(0)
-    if PDL:
-        gdc_launch_dependents()
+def _rows_at(codes, scales, act, out, p, off, ROWS: tl.constexpr, RW: tl.constexpr,
+             CW: tl.constexpr, ACT: tl.constexpr, WAIT: tl.constexpr,
+             PREFETCH: tl.constexpr):  # fmt: skip
+    """Program p's ROWS rows of RW int32 words of codes from word `off` (and RW / 2 bytes of
+    group scales a row, from byte off / 2) in K tiles of CW words, one tile ahead: tile 0
+    asked for (PREFETCH, sm_90: all its rows asked of L2 first, one bulk prefetch for the
+    codes and one for the scales, as `KernelChoice.prefetch_l2` does), then the wait for the
+    launch before (WAIT), then ACT words of activations and the rest. Writes the XOR of all it
+    read (so nothing is optimised away)."""
     SB: tl.constexpr = RW // 2
     SC: tl.constexpr = CW // 2
     r = tl.arange(0, ROWS)[:, None]
     c = tl.arange(0, CW)[None, :]
     cs = tl.arange(0, SC)[None, :]
-    cb = codes + p.to(tl.int64) * ROWS * RW + r * RW + c
-    sb = scales + p.to(tl.int64) * ROWS * SB + r * SB + cs
+    cb = codes + off + r * RW + c
+    sb = scales + off // 2 + r * SB + cs
+    if PREFETCH:
+        _prefetch_l2(codes + off, ROWS * RW * 4)
+        _prefetch_l2(scales + off // 2, ROWS * SB)
     w = tl.load(cb)
     s = tl.load(sb)
-    if PDL:
+    if WAIT:
         gdc_wait()
     a = tl.xor_sum(tl.load(act + tl.arange(0, ACT)), axis=0)
     xc, xs = _walk(cb, sb, w, s, ROWS, CW, RW // CW)
     tl.store(out + p, xc ^ xs ^ a)
+
+
+@triton.jit
+def _rows_read(codes, scales, act, out, ROWS: tl.constexpr, RW: tl.constexpr,
+               CW: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """One program: its ROWS rows, program after program (`_rows_at`), tile 0 before the wait
+    for the launch before."""
+    p = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    _rows_at(codes, scales, act, out, p, p.to(tl.int64) * ROWS * RW, ROWS, RW, CW, ACT, PDL,
+             False)  # fmt: skip
 
 
 @triton.jit
@@ -109,16 +128,12 @@ def _rows_read_op(codes, scales, act, out, ids, table, offs, ROWS: tl.constexpr,
     then looks up and reads everything (the routing is that launch's output); else the
     lookups and tile 0 come before the wait, as down's do. LOOKUPS 2 or 1 (designs the
     kernels do not have): offs is indexed by the expert (ids -> offs) or by the pair (offs
-    alone), table unused.
-    PREFETCH (sm_90): once its rows are found, the program asks L2 for all of them (its codes
-    and its scale bytes, one bulk prefetch each), as `KernelChoice.prefetch_l2` does."""
+    alone), table unused. PREFETCH: see `_rows_at`."""
     p = tl.program_id(0)
     if PDL:
         if WAIT_FIRST:
             gdc_wait()
         gdc_launch_dependents()
-    SB: tl.constexpr = RW // 2
-    SC: tl.constexpr = CW // 2
     if LOOKUPS == 3:
         at = tl.load(table + tl.load(ids + p // PPP))
     elif LOOKUPS == 2:
@@ -126,21 +141,8 @@ def _rows_read_op(codes, scales, act, out, ids, table, offs, ROWS: tl.constexpr,
     else:
         at = p // PPP
     off = tl.load(offs + at) + (p % PPP).to(tl.int64) * ROWS * RW
-    r = tl.arange(0, ROWS)[:, None]
-    c = tl.arange(0, CW)[None, :]
-    cs = tl.arange(0, SC)[None, :]
-    cb = codes + off + r * RW + c
-    sb = scales + off // 2 + r * SB + cs
-    if PREFETCH:
-        _prefetch_l2(codes + off, ROWS * RW * 4)
-        _prefetch_l2(scales + off // 2, ROWS * SB)
-    w = tl.load(cb)
-    s = tl.load(sb)
-    if PDL and not WAIT_FIRST:
-        gdc_wait()
-    a = tl.xor_sum(tl.load(act + tl.arange(0, ACT)), axis=0)
-    xc, xs = _walk(cb, sb, w, s, ROWS, CW, RW // CW)
-    tl.store(out + p, xc ^ xs ^ a)
+    _rows_at(codes, scales, act, out, p, off, ROWS, RW, CW, ACT, PDL and not WAIT_FIRST,
+             PREFETCH)  # fmt: skip
 
 
 @triton.jit
@@ -284,12 +286,13 @@ def two_launch_calls(launches: list[tuple[int, ...]], device: str, count: int,
     return calls
 
 
-def lookup_tables(pairs: int, region_words: int, experts: int,
-                  device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def op_tables(pairs: int, region_words: int, experts: int, device: str,
+              lookups: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A routing and residency tables for `_rows_read_op`: ids [pairs] int32 (distinct
-    experts), table [experts] int32 (expert -> slot, -1 for experts without one), offs
-    [2 pairs] int64 (slot -> word offset of its pair's rows, region_words a pair, the pairs'
-    regions in a shuffled order)."""
+    experts), table [experts] int32 (expert -> slot, -1 for experts without one), and offs,
+    the word offset of each pair's rows (region_words a pair, the pairs' regions in a shuffled
+    order) by slot (lookups 3: [2 pairs]), by expert (2: [experts], 0 where no slot) or by pair
+    (1: [pairs])."""
     if pairs > experts:
         raise ValueError(f"{pairs} distinct experts asked of {experts}")
     expert = torch.randperm(experts)[:pairs]
@@ -298,21 +301,13 @@ def lookup_tables(pairs: int, region_words: int, experts: int,
     table[expert] = slots.to(torch.int32)
     offs = torch.zeros(2 * pairs, dtype=torch.int64)
     offs[slots] = torch.randperm(pairs) * region_words
-    return expert.to(torch.int32).to(device), table.to(device), offs.to(device)
-
-
-def op_tables(pairs: int, region_words: int, experts: int, device: str,
-              lookups: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`lookup_tables`, with offs by expert (lookups 2: [experts], 0 where no slot) or by pair
-    (lookups 1: [pairs]) for `_rows_read_op`'s LOOKUPS."""
-    ids, table, offs = lookup_tables(pairs, region_words, experts, device)
     if lookups == 2:
-        by_expert = torch.zeros(experts, dtype=torch.int64, device=device)
-        by_expert[table >= 0] = offs[table[table >= 0].long()]
+        by_expert = torch.zeros(experts, dtype=torch.int64)
+        by_expert[expert] = offs[slots]
         offs = by_expert
     elif lookups == 1:
-        offs = offs[table[ids.long()].long()]
-    return ids, table, offs
+        offs = offs[slots]
+    return expert.to(torch.int32).to(device), table.to(device), offs.to(device)
 
 
 def two_launch_op_calls(launches: list[tuple[int, ...]], pairs: int, experts: int, device: str,
@@ -396,13 +391,9 @@ def main() -> None:
         hidden, inter, experts, top_k = SHAPES[shape]
         for tokens in (int(t) for t in args.tokens.split(",")):
             pairs = tokens * top_k
-            designs = [
-                ("two-launch", None),
-                ("two-launch-op", None),
-                ("two-launch-op-2", None),
-                ("two-launch-op-1", None),
-                ("two-launch-op-pf", None),
-            ] + [(design, int(s)) for design in ("block", "shared") for s in args.slices.split(",")]
+            designs = [("two-launch", None), *((name, None) for name in OP_DESIGNS)] + [
+                (design, int(s)) for design in ("block", "shared") for s in args.slices.split(",")
+            ]
             for design, s in designs:
                 if s is None:
                     launches = two_launch_geometry(hidden, inter, pairs)
@@ -410,10 +401,9 @@ def main() -> None:
                 else:
                     nbytes = sum(one_launch_bytes(hidden, inter, pairs, s))
                 count = max(2, -(-4 * L2_BYTES // nbytes) + 1)
-                if design.startswith("two-launch-op"):
-                    lookups = int(design[-1]) if design[-1].isdigit() else 3
-                    calls = two_launch_op_calls(launches, pairs, experts, "cuda", count, lookups,
-                                                design.endswith("-pf"))  # fmt: skip
+                if design in OP_DESIGNS:
+                    calls = two_launch_op_calls(launches, pairs, experts, "cuda", count,
+                                                *OP_DESIGNS[design])  # fmt: skip
                 elif s is None:
                     calls = two_launch_calls(launches, "cuda", count)
                 else:

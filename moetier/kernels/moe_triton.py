@@ -743,6 +743,15 @@ def _prefetch_l2(ptr, nbytes):
 
 
 @triton.jit
+def _prefetch_rows(bptr, codes, scales, first, count, row_words, row_groups):
+    """Ask L2 (`_prefetch_l2`) for rows [first, first + count) of the matrix whose words and
+    group scale bytes start at byte offsets codes and scales of the blob at bptr: the rows'
+    words, then their scale bytes (each a contiguous span)."""
+    _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
+    _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
+
+
+@triton.jit
 def _prefetch_share(pool, slot_offsets, slot, pool_bytes, lo, nbytes):
     """Ask L2 (`_prefetch_l2`) for this program's share of bytes [lo, lo + nbytes) of the blob
     in `slot`, when that blob is in the GPU pool: the range split in 256-byte multiples over
@@ -1035,17 +1044,13 @@ def _q2s_gemv_kernel(
                     if IS_DOWN:
                         first = pid_n * 4 * SUB
                         count = tl.minimum(4 * SUB, N - first)
-                        _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
-                        _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
-                    else:
+                        _prefetch_rows(bptr, codes, scales, first, count, row_words, row_groups)
+                    else:  # the gate rows, then the matching up rows
                         first = pid_n * 2 * SUB
                         count = tl.minimum(2 * SUB, INTER - first)
-                        _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
-                        _prefetch_l2(bptr + codes + (first + INTER) * row_words * 4,
-                                     count * row_words * 4)  # fmt: skip
-                        _prefetch_l2(bptr + scales + first * row_groups, count * row_groups)
-                        _prefetch_l2(bptr + scales + (first + INTER) * row_groups,
-                                     count * row_groups)  # fmt: skip
+                        _prefetch_rows(bptr, codes, scales, first, count, row_words, row_groups)
+                        _prefetch_rows(bptr, codes, scales, first + INTER, count, row_words,
+                                       row_groups)  # fmt: skip
             # what the epilogue multiplies by, loaded now: loaded after the K loop, its latency
             # ended every program (H200: 1.00-1.07x the time a call, docs/benchmarks.md)
             rf0 = _row_factor(bptr, 3, row_scale, 0, rows0, m0)

@@ -14,7 +14,7 @@ WAIT_FIRST (`KernelChoice.wait_first`, a call's first launch): the program waits
 launch before, then lets the next start, before it reads anything (as the Triton kernel's).
 PREFETCH_L2 (`KernelChoice.prefetch_l2`): once its blob is found, and before its first tile's
 loads, each program whose blob is in the GPU pool asks L2 for all its rows' words and group
-scales (`moe_triton._prefetch_l2`, as the Triton kernel does).
+scales (`moe_triton._prefetch_rows`, as the Triton kernel does).
 
 The Triton kernel's int8 path's IDP4A sums (`_q2s_word_dots`) and rounding, so the twin is the
 same: `moe_ref.moe_slots_ref(..., act_int8=True)`; its floats in another order: a word's sum
@@ -46,7 +46,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moetier.kernels.moe_dispatch import KernelChoice
 from moetier.kernels.moe_triton import (
     _globaltimer,
-    _prefetch_l2,
+    _prefetch_rows,
     _prefetch_share,
     _q2s_word_dots,
     _trace_store,
@@ -292,12 +292,10 @@ def _q2s_gemv_gluon_kernel(
             if (slot_off >= 0) & (slot_off < pool_bytes):
                 first = pid_n * 2 * R if IS_DOWN else pid_n * R
                 count: gl.constexpr = 2 * R if IS_DOWN else R
-                _prefetch_l2(bptr + codes + first * row_words * 4, count * row_words * 4)
-                _prefetch_l2(sbase + first * row_groups, count * row_groups)
+                _prefetch_rows(bptr, codes, scales, first, count, row_words, row_groups)
                 if not IS_DOWN:
-                    up = first + INTER
-                    _prefetch_l2(bptr + codes + up * row_words * 4, count * row_words * 4)
-                    _prefetch_l2(sbase + up * row_groups, count * row_groups)
+                    _prefetch_rows(bptr, codes, scales, first + INTER, count, row_words,
+                                   row_groups)  # fmt: skip
         r = gl.arange(0, R, layout=LROW)
         if IS_DOWN:
             rows_a = pid_n * 2 * R + r
