@@ -424,7 +424,7 @@ def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, 
 def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8):  # type: ignore[no-untyped-def, type-arg]
     """A study of the q2s GEMV's two launches together (`--sweep-joint`): the tuner picks
     gate_up, then down, then options one at a time, but a launch's registers and programs decide
-    how many of the other's programs share an SM with it (a timeline, bench/timeline.py: at
+    how many of the other's programs share an SM with it (a timeline, bench/studies/timeline.py: at
     1-2 tokens down programs that found no room before gate_up ended ran as a second wave).
     Every gate_up candidate (58) is timed against three downs, then the `keep` best against
     every down candidate (28); then prefetch_l2 toggled on the best five (`joint_search`).

@@ -1,4 +1,4 @@
-"""bench/launch_floor.py's pure-read kernels (on CPU under Triton's interpreter, set in
+"""bench/studies/launch_floor.py's pure-read kernels (on CPU under Triton's interpreter, set in
 conftest): each reads exactly the bytes its design says, every one once (checked against the
 same reductions in torch), so the floors it times are of the right bytes."""
 
@@ -20,7 +20,7 @@ BENCH = Path(__file__).parents[2] / "bench"
 def lf():
     sys.path.insert(0, str(BENCH))  # its `common` and `kernels` modules
     try:
-        path = BENCH / "launch_floor.py"
+        path = BENCH / "studies" / "launch_floor.py"
         spec = importlib.util.spec_from_file_location("bench_launch_floor", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

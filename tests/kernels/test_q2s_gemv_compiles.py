@@ -1,4 +1,4 @@
-"""The q2s GEMV kernel compiles for sm_90 (here, without a GPU: `bench/sass_count.py` runs
+"""The q2s GEMV kernel compiles for sm_90 (here, without a GPU: `bench/studies/sass_count.py` runs
 Triton's compiler and its bundled ptxas) in each of its constexpr paths, without spilling.
 Triton's interpreter, which the CPU tests run the kernel in, does not check what the compiler
 checks (a loop-carried variable keeping its type, for one: the float path once re-used a
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[2] / "bench"
+ROOT = Path(__file__).parents[2]
+STUDIES = ROOT / "bench" / "studies"
 
 VARIANTS = [
     ["--float"],
@@ -33,7 +34,7 @@ VARIANTS = [
     # gate_up asking L2 for down's weights when done; the K loop unrolled
     ["--next-l2", "1", "--unroll", "2", "--pdl", "1", "--group-acc", "1", "--sub", "32"],
     ["--unroll", "2", "--depth", "2", "--even", "0"],
-    # the timer stamps of a study (bench/timeline.py)
+    # the timer stamps of a study (bench/studies/timeline.py)
     ["--trace", "1", "--pdl", "1", "--quant-in", "1", "--sub", "8", "--block-k", "1024"],
     # a call's first launch waiting before it reads anything (wait_first)
     ["--wait-first", "1", "--pdl", "1", "--quant-in", "1", "--group-acc", "1"],
@@ -43,7 +44,7 @@ VARIANTS = [
 @pytest.mark.parametrize("args", VARIANTS, ids=lambda a: "".join(a).replace("--", "_"))
 def test_q2s_gemv_compiles_for_sm90(args):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU tests set it
-    out = subprocess.run([sys.executable, str(BENCH / "sass_count.py"), *args],
+    out = subprocess.run([sys.executable, str(STUDIES / "sass_count.py"), *args],
                          capture_output=True, text=True, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads(out.stdout.splitlines()[-1])
@@ -74,6 +75,6 @@ print(ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_depend
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env=env, cwd=BENCH.parent)  # fmt: skip
+                         env=env, cwd=ROOT)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-1] == "True"

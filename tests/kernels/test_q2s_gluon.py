@@ -1,6 +1,7 @@
 """The Gluon q2s GEMV study kernel (`moetier/kernels/q2s_gluon.py`) compiles for sm_90 here
-(`bench/gluon_sass.py`: Triton's bundled ptxas, no GPU; outside the interpreter the CPU tests
-run in). Its GPU test against the twin is `test_moe_triton.test_gpu_gluon_matches_twin`."""
+(`bench/studies/gluon_sass.py`: Triton's bundled ptxas, no GPU; outside the interpreter the
+CPU tests run in). Its GPU test against the twin is
+`test_moe_triton.test_gpu_gluon_matches_twin`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 pytest.importorskip("triton.experimental.gluon")
 from moetier.kernels import moe_dispatch, q2s_gluon  # noqa: E402
 
-BENCH = Path(__file__).parents[2] / "bench"
+STUDIES = Path(__file__).parents[2] / "bench" / "studies"
 
 
 @pytest.mark.parametrize(
@@ -40,7 +41,7 @@ BENCH = Path(__file__).parents[2] / "bench"
             "2",
         ],  # x and h rounded in the kernel, a cp.async ring
         ["--down", "--k", "2048", "--group", "16", "--block-n", "64", "--warps", "4"],  # its down
-        # gate_up with the timer stamps of a study (bench/timeline.py)
+        # gate_up with the timer stamps of a study (bench/studies/timeline.py)
         "--k 7168 --block-n 128 --warps 8 --pdl 1 --quant-in 1 --quant-out 1 --trace 1".split(),
         # Qwen3-30B-A3B's 1-token gate_up (H200 `:p8`): down's weights asked of L2 in its loop
         "--k 2048 --block-n 32 --block-k 1024 --warps 4 --quant-in 1 --quant-out 1 "
@@ -63,7 +64,7 @@ def test_compiles_for_sm90_with_vector_loads(args):
     programs an SM), words in 16-byte loads, activations from shared memory, four IDP4A a
     word (16 words a thread a K tile, and the fitted grid's pass)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the CPU tests set it
-    out = subprocess.run([sys.executable, str(BENCH / "gluon_sass.py"), *args],
+    out = subprocess.run([sys.executable, str(STUDIES / "gluon_sass.py"), *args],
                          capture_output=True, text=True, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads(out.stdout.splitlines()[-1])
@@ -98,7 +99,7 @@ def test_register_cap_asks_for_the_next_tile_at_the_loops_top(args):
     tokens: 0.95-1.00x the time a call, docs/benchmarks.md), and three programs of 8 warps
     still fit an SM, down's too with its second K tile asked for before its wait (`prime`)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(BENCH / "gluon_sass.py"), "--block-k", "512", "--maxnreg", "80"]
+    cmd = [sys.executable, str(STUDIES / "gluon_sass.py"), "--block-k", "512", "--maxnreg", "80"]
     out = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads(out.stdout.splitlines()[-1])
@@ -125,7 +126,7 @@ def test_prefetch_l2_asks_for_each_row_span_once(args, prefetches):
     (gate_up: gate and up rows, their words and scales; down: its rows' words and scales),
     with no spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(BENCH / "gluon_sass.py"), *args.split()],
+    out = subprocess.run([sys.executable, str(STUDIES / "gluon_sass.py"), *args.split()],
                          capture_output=True, text=True, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rec = json.loads(out.stdout.splitlines()[-1])

@@ -1,4 +1,4 @@
-"""bench/timeline.py's figures from stamps whose answers are known: a chained call of one
+"""bench/studies/timeline.py's figures from stamps whose answers are known: a chained call of one
 gate_up launch (three programs placed before the release, one after it) and one down launch,
 every call 10 µs after the one before."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench" / "studies"))
 timeline = pytest.importorskip("timeline")
 
 

@@ -15,7 +15,7 @@ line per (shape, tokens, variant) with the medians over the graph's middle calls
   second wave: no SM had room for them earlier);
 - `gu_end_spread`: last end minus the median end (the tail).
 
-  python3 bench/timeline.py --shapes qwen3-30b-a3b,deepseek-v4-flash --tokens 1,2 \
+  python3 bench/studies/timeline.py --shapes qwen3-30b-a3b,deepseek-v4-flash --tokens 1,2 \
       --variant gu:quant_in=0
 
 The int8 rounding launch (configs without quant_in) writes no stamps; it sits inside
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, kernels
 from common import emit, graph_ms, run_info  # noqa: E402
 from kernels import SHAPES, make_case, parse_variant, variant_choices  # noqa: E402
 

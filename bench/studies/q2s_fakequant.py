@@ -2,7 +2,7 @@
 the transformers model ("fake quant"), and measure KL divergence against the original
 (llama-perplexity protocol, `moetier.engine.quality`). One JSON line per variant.
 
-    python bench/q2s_fakequant.py --model ../shared/models/eval-moe-70m \
+    python bench/studies/q2s_fakequant.py --model ../shared/models/eval-moe-70m \
         --text ../shared/models/eval-moe-70m/kld_text.txt \
         --calibration ../shared/data/gutenberg/train --variants rtn,imatrix,gptq
 

@@ -3,7 +3,7 @@ the call's geometry, timed as the calls are (a CUDA graph of calls, each on its 
 the buffers together over 4x L2), one JSON line per case next to the copy bandwidth measured
 in the same run.
 
-  python bench/launch_floor.py --shapes deepseek-v4-flash,qwen3-30b-a3b --tokens 1,2
+  python bench/studies/launch_floor.py --shapes deepseek-v4-flash,qwen3-30b-a3b --tokens 1,2
 
 - `two-launch` (the kernels' design): a gate_up launch then a down launch, each with the
   dispatcher's programs (rows a program, K tile), reading each program's rows' codes and group
@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common import copy_bandwidth, emit, graph_ms, run_info  # noqa: E402
 from kernels import L2_BYTES, SHAPES  # noqa: E402
 

@@ -1,9 +1,9 @@
 """SASS instruction counts of the q2s GEMV kernel's K loop, compiled here for sm_90 (no GPU
 needed: Triton's bundled ptxas and nvdisasm).
 
-  python bench/sass_count.py                   # int8 activations, b = 3a path, no delta
-  python bench/sass_count.py --float           # float activations
-  python bench/sass_count.py --delta nvfp4     # with the NVFP4 delta decoded in the loop
+  python bench/studies/sass_count.py                   # int8 activations, b = 3a path, no delta
+  python bench/studies/sass_count.py --float           # float activations
+  python bench/studies/sass_count.py --delta nvfp4     # with the NVFP4 delta decoded in the loop
 
 Prints one JSON line: registers, spilled bytes, memory fences in the whole kernel (MEMBAR:
 each waits for every memory access of its thread in flight), weights per thread per K step,
