@@ -16,7 +16,7 @@ import torch
 
 from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.static_decode import StaticDecoder
-from moetier.loader.load import LoadedModel
+from moetier.loader.loaded_model import LoadedModel
 from moetier.models.experts import ExpertsRuntime, router_weights
 from moetier.residency.zero_copy import staging_slots
 

@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from moetier.config import DecoderConfig, EngineConfig
-from moetier.loader.load import LoadedModel, device_and_dtype, experts_runtime, loaded_model
+from moetier.loader.loaded_model import (
+    LoadedModel,
+    device_and_dtype,
+    experts_runtime,
+    loaded_model,
+)
 from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 from moetier.models.layers import Attention, RotaryEmbedding
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock

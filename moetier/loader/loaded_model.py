@@ -1,0 +1,107 @@
+"""What a loaded model is (`LoadedModel`, as the engine takes it) and the parts both model paths
+(the transformers class in hf_model.py, a native model file in native.py) build it from: the
+device and dtype, the experts runtime over the slot pool, the store's tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moetier.config import EngineConfig, ModelConfig
+from moetier.core.layout import DTYPES
+from moetier.models.experts import ExpertsRuntime
+from moetier.quant.store import Store
+from moetier.residency.disk import DiskReader
+from moetier.residency.slot_pool import SlotPool, make_policy
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer
+    store: Store
+    runtime: ExpertsRuntime
+    model_config: ModelConfig
+    engine_config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    name: str
+
+
+def loaded_model(
+    model: Any,
+    store: Store,
+    runtime: ExpertsRuntime,
+    engine_config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LoadedModel:
+    """A built model with its store's tokenizer, as the engine takes it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(store.path)
+    return LoadedModel(
+        model,
+        tokenizer,
+        store,
+        runtime,
+        store.model_config,
+        engine_config,
+        device,
+        dtype,
+        store.path.name,
+    )
+
+
+def device_and_dtype(store: Store, engine_config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(engine_config.resolved_device())
+    dtype_name = engine_config.resolved_dtype(store.source_dtype)
+    if dtype_name not in DTYPES:
+        raise ValueError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)} or auto")
+    return device, DTYPES[dtype_name]
+
+
+def experts_runtime(
+    store: Store, engine_config: EngineConfig, device: torch.device
+) -> ExpertsRuntime:
+    """The slot pool (sized by the engine config's budget) and the experts runtime over it."""
+    budget = int(engine_config.expert_cache_mb * 2**20)
+    if engine_config.gpu_memory:
+        import sys
+
+        from moetier.residency.planner import parse_bytes, plan
+
+        host_budget = parse_bytes(engine_config.host_memory) if engine_config.host_memory else 0
+        placement = plan(store, parse_bytes(engine_config.gpu_memory), host_memory=host_budget)
+        print(placement.render(), file=sys.stderr)
+        budget = max(1, placement.gpu_expert_bytes)
+    host = None
+    if engine_config.host_memory:
+        from moetier.residency.host_tier import HostTier
+        from moetier.residency.planner import parse_bytes
+
+        host = HostTier.for_budget(store, parse_bytes(engine_config.host_memory))
+    residency = SlotPool.for_budget(
+        store,
+        device,
+        budget,
+        engine_config.expert_cache_slots,
+        make_policy(engine_config.cache_policy, len(store.moe_layers)),
+        DiskReader.for_store(store) if engine_config.expert_reads == "direct" else None,
+        host,
+    )
+    formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
+    delta_formats = (
+        {layer: store.blob_format(layer, "delta") for layer in store.moe_layers}
+        if store.has_plane("delta")
+        else {}
+    )
+    return ExpertsRuntime(
+        residency,
+        formats,
+        store.model_config.activation,
+        delta_formats,
+        engine_config.delta_threshold(),
+    )
