@@ -1,0 +1,302 @@
+"""Which tokens of which requests the next engine step computes (pure Python, no tensors).
+
+Requests wait in arrival order and run in admission order. Each step has a budget of
+`max_num_batched_tokens` positions: every running request first gets what it needs (one
+position to decode, or the next chunk of its prompt), then waiting requests are admitted while
+the budget, `max_num_seqs` and the free KV pages allow, each with its prompt's longest cached
+prefix taken from the page pool and its next chunk of prompt (chunked prefill: running streams
+keep decoding while a long prompt is read). When a running request needs a page and none is
+free, the newest running request is preempted: its pages are freed and it goes back to the
+front of the queue, to be recomputed from its prompt and the tokens it has already produced.
+
+The engine calls `schedule()`, computes the step, then `update(step, sampled)` with the token
+sampled for every item whose last position ends its known tokens. Requests finish at an
+end-of-sequence token, at `max_tokens`, or when the caller says so (`finish`: a stop string,
+a client gone); their pages are freed at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from moetier.engine.kv_pages import PagePool, page_hashes
+
+
+class ContextLengthError(ValueError):
+    """A request that can never run: longer than the model's context or the KV cache."""
+
+
+class State(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ARRIVALS = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence: its prompt, what it has produced, and its place in the KV cache."""
+
+    id: str
+    prompt: list[int]
+    max_tokens: int | None = None  # None: up to the context length (resolved by `add`)
+    params: Any = None  # sampling parameters: the engine's, opaque here
+    eos_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    output: list[int] = field(default_factory=list)
+    state: State = State.WAITING
+    finish_reason: str | None = None
+    computed: int = 0  # leading positions whose KV is in `pages`
+    pages: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    preemptions: int = 0
+    arrival: int = field(default_factory=lambda: next(_ARRIVALS))
+    _tokens: list[int] = field(default_factory=list, repr=False)
+    _hashes: list[bytes] = field(default_factory=list, repr=False)
+    _committed: int = 0  # pages keyed in the prefix cache
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("a request needs at least one prompt token")
+        self._tokens = [*self.prompt, *self.output]
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt then output: every token whose KV the request needs (read-only)."""
+        return self._tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
+
+    def _append(self, token: int) -> None:
+        self.output.append(token)
+        self._tokens.append(token)
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """Positions [start, start + count) of `request` computed in this step; `samples`: the last
+    of them is the request's last known token, so the step samples its next token."""
+
+    request: Request
+    start: int
+    count: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.count == len(self.request.tokens)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start < len(self.request.prompt) or self.count > 1
+
+
+@dataclass
+class Step:
+    items: list[Scheduled]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.count for item in self.items)
+
+
+class Scheduler:
+    """Waiting and running queues over a `PagePool`."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        max_model_len: int,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        self.pool = pool
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.preemptions = 0
+
+    # -- requests in and out -----------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request; ContextLengthError if it can never run, ValueError on a duplicate
+        id. `max_tokens` None becomes what the context and the KV cache leave."""
+        if request.id in self.requests:
+            raise ValueError(f"request id {request.id!r} is already queued or running")
+        prompt = len(request.prompt)
+        capacity = self.pool.num_pages * self.pool.page_size
+        limit = min(self.max_model_len, capacity)
+        if request.max_tokens is None:
+            request.max_tokens = limit - prompt
+        if request.max_tokens < 1:
+            raise ContextLengthError(_too_long(self.max_model_len, capacity, prompt, 1))
+        if prompt + request.max_tokens > limit:
+            raise ContextLengthError(
+                _too_long(self.max_model_len, capacity, prompt, request.max_tokens)
+            )
+        request.state = State.WAITING
+        self.requests[request.id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: str, reason: str = "abort") -> Request | None:
+        """End a request now (a stop string, a client gone): its pages are freed at once.
+        None if it is not here (already finished)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.state is State.RUNNING:
+            self.running.remove(request)
+        elif request.state is State.WAITING:
+            self.waiting.remove(request)
+        self._end(request, reason)
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> Step:
+        """The next step's items: running requests first (in admission order), then waiting
+        ones admitted while the token budget, `max_num_seqs` and free pages allow."""
+        budget = self.max_num_batched_tokens
+        items: list[Scheduled] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            count = min(len(request.tokens) - request.computed, budget)
+            while not self._grow(request, request.computed + count):
+                victim = self.running.pop()  # the newest; never one already scheduled
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.state is State.RUNNING:
+                items.append(Scheduled(request, request.computed, count))
+                budget -= count
+                i += 1
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not preempted  # pages are short: let the running ones finish first
+        ):
+            request = self.waiting[0]
+            self._take_cached_prefix(request)
+            count = min(len(request.tokens) - request.computed, budget)
+            if not self._grow(request, request.computed + count):
+                self._release(request)
+                break
+            self.waiting.popleft()
+            request.state = State.RUNNING
+            self.running.append(request)
+            items.append(Scheduled(request, request.computed, count))
+            budget -= count
+        return Step(items, preempted)
+
+    def update(self, step: Step, sampled: Mapping[str, int]) -> list[Request]:
+        """Record a computed step: positions advance, full pages enter the prefix cache, each
+        sampling item's token (`sampled[request.id]`) is appended; returns the requests that
+        finished (eos or max_tokens). Items of requests finished meanwhile are skipped."""
+        done = []
+        for item in step.items:
+            request = item.request
+            if request.state is not State.RUNNING:
+                continue
+            request.computed = item.start + item.count
+            self._commit_full_pages(request)
+            if not item.samples:
+                continue
+            token = sampled[request.id]
+            request._append(token)
+            reason = None
+            if token in request.eos_ids and not request.ignore_eos:
+                reason = "stop"
+            elif len(request.output) >= (request.max_tokens or 0):
+                reason = "length"
+            if reason is not None:
+                self.running.remove(request)
+                self._end(request, reason)
+                done.append(request)
+        return done
+
+    # -- pages -------------------------------------------------------------------------------
+
+    def _grow(self, request: Request, positions: int) -> bool:
+        need = self.pool.pages_for(positions) - len(request.pages)
+        if need <= 0:
+            return True
+        pages = self.pool.allocate(need)
+        if pages is None:
+            return False
+        request.pages.extend(pages)
+        return True
+
+    def _take_cached_prefix(self, request: Request) -> None:
+        """On admission: the longest cached run of the request's full pages, leaving at least
+        one position to compute (its logits give the next token)."""
+        if request.pages:
+            return
+        size = self.pool.page_size
+        request._hashes = page_hashes(request.tokens, size, request._hashes)
+        usable = (len(request.tokens) - 1) // size
+        pages = self.pool.cached_prefix(request._hashes[:usable])
+        self.pool.take(pages)
+        request.pages = list(pages)
+        request.computed = request._committed = len(pages) * size
+        if request.preemptions == 0:
+            request.cached_tokens = request.computed
+            self.pool.record_hits(len(request.prompt), request.computed)
+
+    def _commit_full_pages(self, request: Request) -> None:
+        full = request.computed // self.pool.page_size
+        if full <= request._committed // self.pool.page_size:
+            return
+        size = self.pool.page_size
+        request._hashes = page_hashes(request.tokens[: full * size], size, request._hashes)
+        first = request._committed // size
+        self.pool.commit(request.pages[first:full], request._hashes[first:full])
+        request._committed = full * size
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.pages)
+        request.pages = []
+        request.computed = request._committed = 0
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.state = State.WAITING
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _end(self, request: Request, reason: str) -> None:
+        self._release(request)
+        request.state = State.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.id]
+
+
+def _too_long(context: int, capacity: int, prompt: int, new: int) -> str:
+    limit = min(context, capacity)
+    what = "context length" if context <= capacity else "KV cache (raise --kv-memory)"
+    return (
+        f"this model's {what} holds {limit} tokens, but the request needs {prompt + new} "
+        f"({prompt} in the prompt, {new} to generate): shorten the prompt or lower max_tokens"
+    )
