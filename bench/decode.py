@@ -79,28 +79,27 @@ from moetier.config import DEFAULT_STORE, EngineConfig
 from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import load_model
 from moetier.quant.store import Store
-from moetier.quant.synthetic import QWEN3_30B_A3B, write_synthetic_store
+from moetier.quant.synthetic import QWEN3_30B_A3B, TINY_QWEN3_MOE, write_synthetic_store
 from moetier.residency.cost import (
     STRATEGIES,
     LinkSpeeds,
     TokenTraffic,
     choose,
+    distinct_experts,
     floor_seconds,
     miss_costs,
+)
+from moetier.residency.links import (
+    copy_bandwidth,
+    fastest,
+    link_gbps,
+    measure_links,
+    memory_links,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trace_routing  # noqa: E402
-from common import (  # noqa: E402
-    copy_bandwidth,
-    disk_bandwidth,
-    emit,
-    h2d_bandwidth,
-    h2d_blob_bandwidth,
-    memory_bandwidth,
-    run_info,
-    zero_copy_bandwidth,
-)
+from common import emit, h2d_blob_bandwidth, run_info  # noqa: E402
 
 PROMPT = 16
 
@@ -128,7 +127,7 @@ def active_bytes(store: Store, batch: int) -> int:
     cfg = store.model_config
     dense = dense_bytes(store, batch)
     expert = next(iter(store.blobs.values())).nbytes
-    distinct = cfg.num_experts * (1 - (1 - cfg.top_k / cfg.num_experts) ** batch)
+    distinct = distinct_experts(cfg.num_experts, cfg.top_k, batch)
     return int(dense + len(store.moe_layers) * distinct * expert)
 
 
@@ -302,51 +301,7 @@ def time_accelerate(
             "gpu_expert_fraction": gpu_experts / experts}  # fmt: skip
 
 
-TINY_SHAPE = dict(  # the CPU smoke-test shape: Qwen3-MoE layout, tiny sizes
-    QWEN3_30B_A3B,
-    hidden_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    moe_intermediate_size=64,
-    intermediate_size=256,
-    num_experts=32,  # eval-moe-70m's router_trace.npz maps onto it (CPU smoke)
-    num_experts_per_tok=4,
-    vocab_size=512,
-)
 WARMUP = 4  # eager decode steps before timing (compile, counts for the hot set)
-
-
-def measure_links(device: str, store: Store, disk_keys: list[Any]) -> LinkSpeeds:
-    """The floor's and the cost model's link speeds, measured now (bytes/s)."""
-    probe = disk_keys or sorted(store.blobs)[: min(64, len(store.blobs))]
-    return memory_links(device, disk_bandwidth(store, probe))
-
-
-def memory_links(device: str, disk: float) -> LinkSpeeds:
-    """HBM, H2D and zero-copy read rates measured now, beside a disk rate measured before
-    (measure_links; after each decode case the disk rate is kept: re-reading the store would
-    mostly hit the page cache)."""
-    big = device == "cuda"
-    return LinkSpeeds(
-        hbm=memory_bandwidth(device, 2**30 if big else 2**26),
-        h2d=h2d_bandwidth(device, 2**28 if big else 2**24),
-        zero_copy=zero_copy_bandwidth(device, 2**28 if big else 2**24),
-        disk=disk,
-    )
-
-
-def link_gbps(speeds: LinkSpeeds, names: tuple[str, ...]) -> dict[str, float]:
-    """{"<link>_GB/s": rate} to 4 significant digits (a tiny CPU smoke store's disk reads can
-    be well under 0.01 GB/s)."""
-    return {f"{name}_GB/s": float(f"{getattr(speeds, name) / 1e9:.4g}") for name in names}
-
-
-def fastest(a: LinkSpeeds, b: LinkSpeeds) -> LinkSpeeds:
-    """Each link at the faster of two measurements."""
-    return LinkSpeeds(
-        *(max(getattr(a, n), getattr(b, n)) for n in ("hbm", "h2d", "zero_copy", "disk"))
-    )
 
 
 @dataclass(frozen=True)
@@ -637,7 +592,7 @@ def failed(info: dict[str, Any], case: str, error: Exception, **what: Any) -> No
 
 def run_tiered(args: argparse.Namespace, info: dict[str, Any]) -> None:
     device = args.device
-    shape = dict(TINY_SHAPE if args.shape == "tiny" else QWEN3_30B_A3B,
+    shape = dict(TINY_QWEN3_MOE if args.shape == "tiny" else QWEN3_30B_A3B,
                  num_hidden_layers=args.layers)  # fmt: skip
     experts = args.experts.split(",")[0]
     path = write_synthetic_store(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from moetier.core.layout import DTYPES, BlobFormat
 
@@ -79,6 +80,74 @@ QWEN3_30B_A3B = dict(  # the issue's Qwen3-30B-A3B shape (vocab cut to 8192)
 )
 
 
+TINY_QWEN3_MOE = dict(  # the CPU smoke-test shape: Qwen3-MoE layout, tiny sizes
+    QWEN3_30B_A3B,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    moe_intermediate_size=64,
+    intermediate_size=256,
+    num_experts=32,  # eval-moe-70m's router_trace.npz maps onto it (bench/decode.py, CPU smoke)
+    num_experts_per_tok=4,
+    vocab_size=512,
+)
+
+# The shapes a synthetic store can be written at, by name (`moetier bench --shape NAME`).
+SHAPES: dict[str, dict[str, Any]] = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY_QWEN3_MOE}
+
+
+def shape(name: str, layers: int | None = None) -> dict[str, Any]:
+    """The HF config of shape `name` (SHAPES), with `layers` decoder layers where given;
+    ValueError naming the shapes for an unknown one."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}: the shapes are {', '.join(SHAPES)}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers {layers}: a model needs at least one layer")
+    config = dict(SHAPES[name])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    return config
+
+
+def _expert_format(hf_config: dict[str, Any], experts: str) -> BlobFormat:
+    """The blob format of a synthetic store's experts: "q2s" (g32, down g16) or "bfloat16"."""
+    from moetier.core.layout import q2s_expert_format, raw_expert_format
+
+    hidden, inter = hf_config["hidden_size"], hf_config["moe_intermediate_size"]
+    if experts == "q2s":
+        return q2s_expert_format(hidden, inter, False, 32, 16)
+    if experts == "bfloat16":
+        return raw_expert_format("bfloat16", hidden, inter, False)
+    raise ValueError(f"synthetic experts are q2s or bfloat16, not {experts!r}")
+
+
+def _meta_model(hf_config: dict[str, Any]) -> torch.nn.Module:
+    """The transformers model of `hf_config` on the meta device (names and shapes only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if hf_config.get("model_type") != "qwen3_moe":
+        raise ValueError("synthetic stores are written for qwen3_moe shapes only")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config))
+
+
+def synthetic_store_bytes(hf_config: dict[str, Any], experts: str = "q2s") -> int:
+    """Bytes `write_synthetic_store` writes for `hf_config`: bf16 dense tensors and one
+    aligned blob per (layer, expert)."""
+    from moetier.core.layout import align_up
+    from moetier.quant.store import BLOB_ALIGN
+
+    dense = sum(
+        t.numel() * 2
+        for name, t in _meta_model(hf_config).state_dict().items()
+        if ".mlp.experts." not in name
+    )
+    blobs = hf_config["num_hidden_layers"] * hf_config["num_experts"]
+    return dense + blobs * align_up(_expert_format(hf_config, experts).nbytes, BLOB_ALIGN)
+
+
 def write_synthetic_store(
     dst: Path,
     hf_config: dict[str, Any],
@@ -86,16 +155,16 @@ def write_synthetic_store(
     tokenizer_from: Path | None = None,
     seed: int = 0,
     distinct: int = 8,
+    progress: bool = False,
 ) -> Path:
     """A moetier store of a qwen3_moe-shaped model with random weights, written directly:
     dense tensors random bf16, experts in `experts` form ("q2s" g32/down g16, or "bfloat16"),
     `distinct` random blobs repeated over all (layer, expert) slots, never an unquantized
     expert. For benchmarks at shapes no checkpoint is at hand for; `tokenizer_from` (a store or
-    HF directory) lends its tokenizer files."""
+    HF directory) lends its tokenizer files; `progress`: a progress bar of the layers written."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from moetier.core.layout import align_up, q2s_expert_format, raw_expert_format
+    from moetier.core.layout import align_up
     from moetier.quant.store import (
         BLOB_ALIGN,
         DENSE_FILE,
@@ -105,8 +174,8 @@ def write_synthetic_store(
         blob_index_entry,
     )
 
-    if hf_config.get("model_type") != "qwen3_moe":
-        raise ValueError("synthetic stores are written for qwen3_moe shapes only")
+    model = _meta_model(hf_config)
+    fmt = _expert_format(hf_config, experts)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(hf_config, indent=1))
     if tokenizer_from is not None:
@@ -114,9 +183,6 @@ def write_synthetic_store(
             if (tokenizer_from / name).exists():
                 shutil.copyfile(tokenizer_from / name, dst / name)
     gen = torch.Generator().manual_seed(seed)
-    config = AutoConfig.for_model(**hf_config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
     dense = {}
     for name, tensor in model.state_dict().items():
         if ".mlp.experts." in name:
@@ -127,13 +193,6 @@ def write_synthetic_store(
             dense[name] = (torch.randn(tensor.shape, generator=gen) * 0.02).to(torch.bfloat16)
     save_file(dense, str(dst / DENSE_FILE))
     del dense
-    hidden, inter = hf_config["hidden_size"], hf_config["moe_intermediate_size"]
-    if experts == "q2s":
-        fmt = q2s_expert_format(hidden, inter, False, 32, 16)
-    elif experts == "bfloat16":
-        fmt = raw_expert_format("bfloat16", hidden, inter, False)
-    else:
-        raise ValueError(f"synthetic experts are q2s or bfloat16, not {experts!r}")
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
     blobs = []
     for _ in range(distinct):
@@ -143,11 +202,12 @@ def write_synthetic_store(
     layers, num_experts = hf_config["num_hidden_layers"], hf_config["num_experts"]
     index_blobs = []
     with open(dst / EXPERTS_FILE, "wb") as f:
-        for i in range(layers * num_experts):
-            blob = blobs[i % distinct]
-            f.write(blob.numpy().tobytes())
-            layer, expert = divmod(i, num_experts)
-            index_blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
+        for layer in tqdm(range(layers), desc="layers", unit="layer", disable=not progress):
+            for expert in range(num_experts):
+                i = layer * num_experts + expert
+                blob = blobs[i % distinct]
+                f.write(blob.numpy().tobytes())
+                index_blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
     index = {
         "version": STORE_VERSION,
         "model_type": "qwen3_moe",

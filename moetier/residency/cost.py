@@ -1,8 +1,8 @@
 """The miss cost model: predicted seconds per token of each way to serve GPU-cache misses.
 
 Owns the arithmetic that picks how decode reads experts that are not in GPU slots, from the
-bytes a token reads per tier and measured link speeds (bench/common.py measures each in the
-same run):
+bytes a token reads per tier and measured link speeds (residency/links.py measures each in
+the same run):
 
   blocking   copy every missed blob into a slot (H2D), then compute: copies and compute add up;
   prefetch   the predicted share (recall r) is copied on the copy stream while the previous
@@ -63,6 +63,12 @@ class TokenTraffic:
     @property
     def active(self) -> float:
         return self.dense + self.gpu + self.host + self.disk
+
+
+def distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts a layer reads for `tokens` tokens routed uniformly at random,
+    each to `top_k` of `num_experts`: E * (1 - (1 - k/E)^T)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
 def floor_seconds(traffic: TokenTraffic, speeds: LinkSpeeds) -> float:
