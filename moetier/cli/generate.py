@@ -1,4 +1,5 @@
-"""`moetier generate STORE --prompt TEXT | --chat TEXT`: stream a completion to stdout."""
+"""`moetier generate STORE --prompt TEXT | --chat TEXT`: stream a completion to stdout, then a
+line of speed figures to stderr."""
 
 from __future__ import annotations
 
@@ -28,4 +29,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(delta.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if generator.timing is not None:
+        print(f"moetier: {generator.timing.summary()}", file=sys.stderr)
     return 0

@@ -2,11 +2,14 @@
 
 One sequence at a time (continuous batching comes with the serving issue). Runs the transformers
 model with a DynamicCache, or a native model (`--native`) with its static KV cache. Stops at an
-end-of-sequence token, a stop string (never emitted), or `max_new_tokens`.
+end-of-sequence token, a stop string (never emitted), or `max_new_tokens`. `stream_rows` decodes
+several sequences together for a fixed number of tokens (what `moetier bench` times). Each
+stream times itself (`Generator.timing`, engine/timing.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,6 +19,7 @@ import torch
 
 from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.static_decode import StaticDecoder
+from moetier.engine.timing import GenerationTiming, TokenClock
 from moetier.loader.loaded_model import LoadedModel
 from moetier.models.experts import ExpertsRuntime, router_weights
 from moetier.residency.zero_copy import staging_slots
@@ -60,11 +64,14 @@ class Generator:
         self.chat_end_ids = self.eos_ids | self._vocab_ids(END_OF_TURN_TOKENS)
         self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         # CUDA-graph decode (native models on CUDA with every expert pinned): one StaticDecoder
-        # and graph per context-length bucket, kept for the next request
+        # and graph per (rows, context-length bucket), kept for the next request
         self.graphs = self._can_graph()
-        self._decoders: dict[int, tuple[StaticDecoder, Callable[[], torch.Tensor] | None]] = {}
+        self._decoders: dict[
+            tuple[int, int], tuple[StaticDecoder, Callable[[], torch.Tensor] | None]
+        ] = {}
         self._busy = False  # a graphed stream is running (its decoder's cache is in use)
         self._tokens = 0  # decoded by graphed streams (zero-copy rebalances every N)
+        self.timing: GenerationTiming | None = None  # of the last stream, filled as it runs
 
     def _can_graph(self) -> bool:
         engine = self.loaded.engine_config
@@ -177,14 +184,16 @@ class Generator:
             budget = min(
                 budget, self.max_context - len(prompt_ids)
             )  # stop when the context is full
+        clock = TokenClock(1, len(prompt_ids))
+        self.timing = clock.timing
         forward = self._forward_fn(len(prompt_ids) + budget)
         self._busy = self.graphs
         try:
             input_ids = prompt_ids
-            runtime = self.loaded.runtime
             for _ in range(budget):
-                token = int(sample(forward(input_ids), params, generator)[0])
-                runtime.count_pinned(len(input_ids))  # no-op unless every expert is pinned
+                token = int(sample(forward([input_ids]), params, generator)[0])
+                clock.tokens_out()
+                self._after_step(len(input_ids), len(input_ids))
                 if token in stop_ids:
                     finish = "stop"
                     break
@@ -196,51 +205,103 @@ class Generator:
                 if stopped:
                     finish = "stop"
                     break
-                zero_copy = runtime.zero_copy
-                if self.graphs and zero_copy is not None:
-                    # between replays, the hot set follows routing: after each prefill (its
-                    # many tokens' counts) and every ZERO_COPY_REBALANCE_TOKENS decoded tokens
-                    self._tokens += 1
-                    if len(input_ids) > 1 or self._tokens % ZERO_COPY_REBALANCE_TOKENS == 0:
-                        zero_copy.rebalance()
                 input_ids = [token]
             yield Delta("" if detok.stopped else detok.flush(), tuple(unsent), finish)
         finally:  # also when the consumer closes the stream early
             self._busy = False
 
-    def _forward_fn(self, max_len: int) -> Callable[[list[int]], torch.Tensor]:
-        """A function that takes the prompt, then one token per call -> logits [1, V] of the last:
-        the native model's static cache (models/layers.py) or a transformers DynamicCache."""
+    @torch.inference_mode()
+    def stream_rows(self, prompts: list[list[int]], new_tokens: int) -> Iterator[list[int]]:
+        """Greedy decode of `prompts` as one batch (one forward per step for all rows) for
+        exactly `new_tokens` tokens a row, end-of-sequence tokens included (a benchmark's fixed
+        length): yields each step's tokens, one per row; `timing` as `stream`'s. Prompts of
+        different lengths need a native model (right-padded prefill)."""
+        if not prompts or new_tokens < 1:
+            raise ValueError("stream_rows takes at least one prompt and one new token")
+        for prompt_ids in prompts:
+            self.check_prompt(prompt_ids)
+        longest = max(len(p) for p in prompts)
+        if self.max_context is not None and longest + new_tokens > self.max_context:
+            raise ValueError(
+                f"{longest} prompt tokens + {new_tokens} new tokens exceed this model's context "
+                f"of {self.max_context} tokens: ask for fewer"
+            )
+        greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0)
+        clock = TokenClock(len(prompts), sum(len(p) for p in prompts))
+        self.timing = clock.timing
+        forward = self._forward_fn(longest + new_tokens, len(prompts))
+        self._busy = self.graphs
+        try:
+            rows = prompts
+            for _ in range(new_tokens):
+                tokens = sample(forward(rows), greedy, None).tolist()
+                clock.tokens_out()
+                self._after_step(sum(len(r) for r in rows), longest if rows is prompts else 1)
+                yield tokens
+                rows = [[token] for token in tokens]
+        finally:
+            self._busy = False
+
+    def _after_step(self, tokens: int, tokens_per_row: int) -> None:
+        """Bookkeeping after a forward of `tokens` tokens in all: the pinned path's pairs
+        (its captured step counts nothing itself) and, in graphed zero-copy decode, the moves
+        of the hot set, which between replays follows routing: after each prefill (its many
+        tokens' counts) and every ZERO_COPY_REBALANCE_TOKENS decode steps."""
+        runtime = self.loaded.runtime
+        runtime.count_pinned(tokens)  # no-op unless every expert is pinned
+        zero_copy = runtime.zero_copy
+        if self.graphs and zero_copy is not None:
+            self._tokens += 1
+            if tokens_per_row > 1 or self._tokens % ZERO_COPY_REBALANCE_TOKENS == 0:
+                zero_copy.rebalance()
+
+    def _forward_fn(self, max_len: int, rows: int = 1) -> Callable[[list[list[int]]], torch.Tensor]:
+        """A function that takes each row's prompt, then one token per row per call -> logits
+        [rows, V] of each row's last token: the native model's static cache (models/layers.py)
+        or a transformers DynamicCache (prompts of one length)."""
         device = self.loaded.device
         if self.graphs:
-            return self._graphed_fn(max_len)
+            return self._graphed_fn(max_len, rows)
         if hasattr(self.model, "new_cache"):  # a native model file
-            decoder = StaticDecoder(self.model, 1, max_len, self.loaded.dtype, device)
+            decoder = StaticDecoder(self.model, rows, max_len, self.loaded.dtype, device)
 
-            def native(ids: list[int]) -> torch.Tensor:
+            def native(ids: list[list[int]]) -> torch.Tensor:
                 if decoder.cache_used:
-                    return decoder.step(torch.tensor(ids, device=device))
-                return decoder.prefill([ids])
+                    return decoder.step(torch.tensor(ids, device=device)[:, 0])
+                return decoder.prefill(ids)
 
             return native
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name
+        # warns on every call); earlier releases of the supported range take only the old one
+        cache_arg = (
+            "cache"
+            if "cache" in inspect.signature(self.model.forward).parameters
+            else ("past_key_values")
+        )
 
-        def hf(ids: list[int]) -> torch.Tensor:
+        def hf(ids: list[list[int]]) -> torch.Tensor:
+            if len({len(row) for row in ids}) > 1:
+                raise ValueError(
+                    "the transformers model class decodes rows together only from prompts of "
+                    "one length: use --native for prompts of different lengths"
+                )
             out = self.model(
-                input_ids=torch.tensor([ids], device=device),
-                past_key_values=cache,
+                input_ids=torch.tensor(ids, device=device),
                 use_cache=True,
                 logits_to_keep=1,
+                **{cache_arg: cache},
             )
             return out.logits[:, -1]
 
         return hf
 
-    def _graphed_fn(self, max_len: int) -> Callable[[list[int]], torch.Tensor]:
+    def _graphed_fn(self, max_len: int, rows: int = 1) -> Callable[[list[list[int]]], torch.Tensor]:
         """Like the native path of `_forward_fn`, each decode step replayed from the CUDA graph
-        of the smallest bucket (a power of two >= 256 positions) that holds `max_len`."""
+        of `rows` rows and the smallest bucket (a power of two >= 256 positions) that holds
+        `max_len`."""
         if self._busy:
             raise RuntimeError(
                 "another generation is still running on this Generator (its KV caches are "
@@ -249,28 +310,29 @@ class Generator:
         bucket = max(GRAPH_MIN_BUCKET, 1 << (max_len - 1).bit_length())
         if self.max_context is not None:
             bucket = max(max_len, min(bucket, self.max_context))  # no cache past the context
-        if bucket in self._decoders:
-            self._decoders[bucket] = self._decoders.pop(bucket)  # most recently used last
+        key = (rows, bucket)
+        if key in self._decoders:
+            self._decoders[key] = self._decoders.pop(key)  # most recently used last
         else:
             while len(self._decoders) >= GRAPH_BUCKETS_KEPT:  # free the least recently used
                 del self._decoders[next(iter(self._decoders))]
             decoder = StaticDecoder(
-                self.model, 1, bucket, self.loaded.dtype, self.loaded.device,
+                self.model, rows, bucket, self.loaded.dtype, self.loaded.device,
                 compile_step=self.loaded.engine_config.compile_decode,
             )  # fmt: skip
-            self._decoders[bucket] = (decoder, None)
-        decoder, replay = self._decoders[bucket]
+            self._decoders[key] = (decoder, None)
+        decoder, replay = self._decoders[key]
         decoder.cache_used = False  # a new request: prefill overwrites the cache from 0
         device = self.loaded.device
 
-        def graphed(ids: list[int]) -> torch.Tensor:
+        def graphed(ids: list[list[int]]) -> torch.Tensor:
             nonlocal replay
             if not decoder.cache_used:
-                return decoder.prefill([ids])
-            decoder.input_ids.copy_(torch.tensor(ids, device=device)[:, None])
+                return decoder.prefill(ids)
+            decoder.input_ids.copy_(torch.tensor(ids, device=device))  # [rows, 1]
             if replay is None:
                 replay = decoder.capture()
-                self._decoders[bucket] = (decoder, replay)
+                self._decoders[key] = (decoder, replay)
             return replay()
 
         return graphed

@@ -125,7 +125,7 @@ def test_graphed_path_on_cpu(tiny, generator, monkeypatch):
             native.generate(prompt_ids, params).token_ids
             == generator.generate(prompt_ids, params).token_ids
         )
-    assert list(native._decoders) == [32]
+    assert list(native._decoders) == [(1, 32)]  # (rows, bucket)
     first = native.stream(ids, SamplingParams(max_new_tokens=40, temperature=0, stop=()))
     next(first)
     with pytest.raises(RuntimeError, match="another generation is still running"):
@@ -206,12 +206,12 @@ def test_cuda_graph_decode_equals_eager(tiny, compile_decode, monkeypatch):
     for prompt_ids, params, bucket in cases:
         want = eager.generate(prompt_ids, params).token_ids
         assert graphed.generate(prompt_ids, params).token_ids == want
-        decoder, replay = graphed._decoders[bucket]
+        decoder, replay = graphed._decoders[(1, bucket)]
         assert replay is not None  # the decode steps ran from the graph
         if bucket == 32:
             first = first or (decoder, replay)
             assert (decoder, replay) == first  # reused, not captured again
-    assert sorted(graphed._decoders) == [32, 256]
+    assert sorted(graphed._decoders) == [(1, 32), (1, 256)]
 
 
 @pytest.mark.gpu
@@ -247,3 +247,36 @@ def test_pinned_pairs_are_counted_as_gpu_hits(tiny):
     assert loaded.runtime.pinned_pairs == forwarded * len(loaded.store.moe_layers) * cfg.top_k
     tel = loaded.runtime.telemetry()[loaded.runtime.residency.tier_name]  # "host" on CPU
     assert tel.hits == loaded.runtime.pinned_pairs + loaded.runtime.residency.stats.hits
+
+
+def test_stream_rows_decodes_rows_together_as_each_alone(tiny, generator):
+    """Rows decoded as one batch (one forward per step for all rows) give each row's tokens of
+    decoding it alone, on both paths, for exactly the tokens asked (eos does not stop a row);
+    the timing counts them. Prompts of different lengths: right-padded by the native path,
+    refused by the transformers one."""
+    native = Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True)))
+    text = generator.prompt_ids(TEXT)
+    prompts = [text[:9], text[20:29], text[40:49]]
+    for gen in (generator, native):
+        together = list(gen.stream_rows(prompts, 5))  # [step][row]
+        assert gen.timing is not None and gen.timing.rows == 3
+        assert (gen.timing.prompt_tokens, gen.timing.new_tokens) == (27, 15)
+        for row, prompt in enumerate(prompts):
+            alone = [step[0] for step in gen.stream_rows([prompt], 5)]
+            assert [step[row] for step in together] == alone
+    uneven = [text[:9], text[20:25]]
+    steps = list(native.stream_rows(uneven, 4))
+    assert [step[1] for step in steps] == [s[0] for s in native.stream_rows([text[20:25]], 4)]
+    with pytest.raises(ValueError, match="use --native for prompts of different lengths"):
+        list(generator.stream_rows(uneven, 4))
+    with pytest.raises(ValueError, match="exceed this model's context"):
+        list(generator.stream_rows([text[:9]], generator.max_context))
+
+
+def test_stream_times_itself(generator):
+    ids = generator.prompt_ids(TEXT[:40])
+    done = generator.generate(ids, SamplingParams(max_new_tokens=7, temperature=0, stop=()))
+    t = generator.timing
+    assert t is not None and t.prompt_tokens == len(ids) and t.rows == 1
+    assert t.new_tokens == len(done.token_ids) + (done.finish_reason == "stop")  # eos sampled
+    assert t.prefill_seconds > 0 and t.decode_seconds > 0
