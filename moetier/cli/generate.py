@@ -30,6 +30,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    if generator.timing is not None:
-        print(f"moetier: {generator.timing.summary()}", file=sys.stderr)
+    print(f"moetier: {generator.timing.summary()}", file=sys.stderr)
     return 0

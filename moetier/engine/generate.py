@@ -71,7 +71,7 @@ class Generator:
         ] = {}
         self._busy = False  # a graphed stream is running (its decoder's cache is in use)
         self._tokens = 0  # decoded by graphed streams (zero-copy rebalances every N)
-        self.timing: GenerationTiming | None = None  # of the last stream, filled as it runs
+        self.timing = GenerationTiming(rows=1, prompt_tokens=0)  # the last stream's, as it runs
 
     def _can_graph(self) -> bool:
         engine = self.loaded.engine_config

@@ -259,7 +259,7 @@ def test_stream_rows_decodes_rows_together_as_each_alone(tiny, generator):
     prompts = [text[:9], text[20:29], text[40:49]]
     for gen in (generator, native):
         together = list(gen.stream_rows(prompts, 5))  # [step][row]
-        assert gen.timing is not None and gen.timing.rows == 3
+        assert gen.timing.rows == 3
         assert (gen.timing.prompt_tokens, gen.timing.new_tokens) == (27, 15)
         for row, prompt in enumerate(prompts):
             alone = [step[0] for step in gen.stream_rows([prompt], 5)]
@@ -277,6 +277,6 @@ def test_stream_times_itself(generator):
     ids = generator.prompt_ids(TEXT[:40])
     done = generator.generate(ids, SamplingParams(max_new_tokens=7, temperature=0, stop=()))
     t = generator.timing
-    assert t is not None and t.prompt_tokens == len(ids) and t.rows == 1
+    assert t.prompt_tokens == len(ids) and t.rows == 1
     assert t.new_tokens == len(done.token_ids) + (done.finish_reason == "stop")  # eos sampled
     assert t.prefill_seconds > 0 and t.decode_seconds > 0
