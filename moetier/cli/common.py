@@ -10,7 +10,8 @@ from moetier.config import DEFAULT_STORE, EngineConfig
 from moetier.engine.sampler import SamplingParams
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, sampling: bool = True) -> None:
+    """The STORE argument and the engine flags; with `sampling`, the sampling flags too."""
     parser.add_argument(
         "store",
         nargs="?",
@@ -18,7 +19,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="a moetier store (output of `moetier convert`); default: the embedded demo model",
     )
     add_dataclass_arguments(parser, EngineConfig, "engine")
-    add_dataclass_arguments(parser, SamplingParams, "sampling")
+    if sampling:
+        add_dataclass_arguments(parser, SamplingParams, "sampling")
 
 
 def load(args: argparse.Namespace) -> tuple[Any, SamplingParams]:

@@ -9,10 +9,11 @@ import sys
 
 VERBS = {
     "convert": "convert a Hugging Face MoE checkpoint into a moetier store",
-    "generate": "generate text from a store, streamed to stdout",
+    "generate": "generate text from a store, streamed to stdout (its speed to stderr)",
     "serve": "serve a store over an OpenAI-compatible HTTP API",
     "quality": "KL divergence and perplexity of a store against its Hugging Face reference",
     "plan": "print where a store's weights, KV cache and experts go under memory budgets",
+    "bench": "measure prefill and decode speed on this machine, next to its floor",
 }
 
 

@@ -64,6 +64,19 @@ class ResidencyTelemetry:
             raise ValueError(f"unknown tier {tier!r}: the tiers are {', '.join(self.tiers)}")
         return self.tiers[tier]
 
+    def since(self, earlier: ResidencyTelemetry) -> ResidencyTelemetry:
+        """The counts added after `earlier` (a snapshot of the same counters) up to these."""
+        out = ResidencyTelemetry()
+        for tier, counters in self.tiers.items():
+            before = earlier.tiers.get(tier, TierCounters())
+            out.tiers[tier] = TierCounters(
+                **{
+                    name: getattr(counters, name) - getattr(before, name)
+                    for name in TierCounters.__dataclass_fields__
+                }
+            )
+        return out
+
 
 # (name, type, help, value of one tier); counters end in _total, units in the name.
 METRICS: tuple[tuple[str, str, str, Callable[[TierCounters], float]], ...] = (
@@ -158,3 +171,19 @@ def render_prometheus(
                 f'{full}{{tier="{_escape_label(tier)}"{extra}}} {_number(value(counters))}'
             )
     return "\n".join(lines) + "\n"
+
+
+def served_bytes(
+    telemetry: ResidencyTelemetry, cache_tier: str, blob_bytes: float
+) -> dict[str, float]:
+    """Expert bytes each tier served, from counters (deltas over a run, `since`): the cache
+    tier's hits at `blob_bytes` each (a mean blob), the bytes moved into the cache from the host
+    tier (moved in, less what came from the store's file) and the bytes read from the file."""
+    out = {tier: 0.0 for tier in TIERS}
+    cache = telemetry[cache_tier]
+    disk = float(telemetry["disk"].bytes)
+    out[cache_tier] += cache.hits * blob_bytes
+    if cache_tier != "host":
+        out["host"] += max(0.0, cache.bytes - disk)
+    out["disk"] += disk
+    return out

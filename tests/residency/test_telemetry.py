@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from moetier.residency.telemetry import TIERS, ResidencyTelemetry, render_prometheus
+from moetier.residency.telemetry import TIERS, ResidencyTelemetry, render_prometheus, served_bytes
 
 NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 LABEL = r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\\\|\\"|\\n)*)"'
@@ -106,3 +106,18 @@ def test_unknown_tier_is_refused():
 def test_the_parser_rejects_breaches(bad):
     with pytest.raises(AssertionError):
         parse(bad)
+
+
+def test_since_and_the_bytes_each_tier_served():
+    """Counter deltas over a run, and where the expert bytes came from: the cache tier's hits
+    (a mean blob each), the bytes moved into it from the host tier, the file's reads."""
+    before, after = ResidencyTelemetry(), ResidencyTelemetry()
+    before["gpu"].hits, before["gpu"].bytes, before["disk"].bytes = 5, 1000, 200
+    after["gpu"].hits, after["gpu"].misses, after["gpu"].bytes = 15, 4, 1700
+    after["disk"].bytes = 300
+    run = after.since(before)
+    assert (run["gpu"].hits, run["gpu"].misses, run["gpu"].bytes) == (10, 4, 700)
+    assert run["disk"].bytes == 100 and run["host"].hits == 0
+    assert served_bytes(run, "gpu", 50.0) == {"gpu": 500.0, "host": 600.0, "disk": 100.0}
+    # on CPU without a host tier the cache is the "host" tier; its misses came from the file
+    assert served_bytes(run, "host", 50.0) == {"gpu": 0.0, "host": 0.0, "disk": 100.0}

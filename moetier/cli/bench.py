@@ -1,0 +1,265 @@
+"""`moetier bench [STORE | --shape NAME [--layers N]] [--batch 1,8] [--prompt-tokens N]
+[--new-tokens N] [--json] [engine flags]`: prefill and decode speed of this machine, per batch
+size, next to the floor its measured link speeds allow (engine/benchmark.py says how)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from moetier.cli.common import add_model_arguments
+from moetier.config import DEFAULT_STORE, EngineConfig
+
+# (heading, JSON field, width, format) of the table's columns
+COLUMNS = (
+    ("batch", "batch", 5, "{}"),
+    ("prefill tok/s", "prefill_tok_s", 13, "{:.1f}"),
+    ("TTFT ms", "ttft_ms", 9, "{:.1f}"),
+    ("decode tok/s", "decode_tok_s", 12, "{:.1f}"),
+    ("ms/step", "ms_per_step", 9, "{:.2f}"),
+    ("hit rate", "hit_rate", 8, "{:.3f}"),
+    ("gpu MB/tok", "gpu", 10, "{:.3f}"),
+    ("host MB/tok", "host", 11, "{:.3f}"),
+    ("disk MB/tok", "disk", 11, "{:.3f}"),
+    ("floor ms", "floor_ms_per_step", 9, "{:.3f}"),
+    ("x floor", "ratio_to_floor", 8, "{:.1f}"),
+)
+
+# the links' names in the table's header: on CPU, host memcpys stand in for the GPU's links
+LINK_NAMES = {
+    True: {"hbm": "GPU copy", "h2d": "pinned H2D", "zero_copy": "zero-copy read", "disk": "disk"},
+    False: {"hbm": "memory copy", "h2d": "host copy", "disk": "disk"},
+}
+
+# (flag, default, help) of the counts
+INT_FLAGS = (
+    ("--prompt-tokens", 128, "prompt tokens per row"),
+    ("--new-tokens", 64, "tokens generated per row; the first comes from the prefill"),
+    (
+        "--warmup",
+        1,
+        "untimed runs of each case before the timed one: they compile kernels, capture CUDA "
+        "graphs and fill the expert cache",
+    ),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, sampling=False)
+    bench = parser.add_argument_group("bench")
+    from moetier.quant.synthetic import SHAPES
+
+    bench.add_argument(
+        "--shape",
+        help="measure a synthetic store of this shape (random q2s weights, written to a "
+        f"temporary folder first) instead of STORE: {' or '.join(SHAPES)}",
+    )
+    bench.add_argument(
+        "--layers", type=int, help="with --shape: this many decoder layers (default: the shape's)"
+    )
+    bench.add_argument(
+        "--batch",
+        default="1",
+        help="batch sizes, comma separated: one case each, its rows decoded together (default: 1)",
+    )
+    for flag, default, help_text in INT_FLAGS:
+        bench.add_argument(
+            flag, type=int, default=default, help=f"{help_text} (default: {default})"
+        )
+    bench.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON line per case on stdout (commit, device, versions, config, figures, "
+        "floor) instead of the table",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from moetier.cli.flags import dataclass_from_args
+    from moetier.core.provenance import run_info
+    from moetier.engine.benchmark import decode_path
+    from moetier.engine.generate import Generator
+    from moetier.loader.load import load_model
+
+    cases = _cases(args)
+    engine_config = dataclass_from_args(EngineConfig, args)
+    device = engine_config.resolved_device().split(":")[0]
+    with _store(args) as store_path:
+        speeds, links = _links(device, store_path)
+        _say(f"loading {store_path.name}")
+        generator = Generator(load_model(store_path, engine_config))
+        loaded = generator.loaded
+        info = run_info()
+        config = {
+            "store": loaded.name,
+            "shape": args.shape,
+            "model_type": loaded.model_config.model_type,
+            "moe_layers": len(loaded.store.moe_layers),
+            "experts_format": sorted(loaded.store.formats),
+            "device_kind": loaded.device.type,
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "path": decode_path(generator),
+            "engine": _changed(engine_config),
+            "sampling": "greedy",
+            "prompt": "random token ids",
+        }
+        if not args.json:
+            _header(info, config, links, args)
+        progress = sys.stderr.isatty()
+        for case in cases:
+            record = _timed(generator, case, speeds, args.warmup, progress)
+            if args.json:
+                print(json.dumps({**info, "case": "bench", **config, **record, **links}))
+            else:
+                print(_row(record))
+            sys.stdout.flush()
+    return 0
+
+
+def _links(device: str, store_path: Path) -> tuple[Any, dict[str, Any]]:
+    """The link speeds measured now (before the model takes the memory the measurements need)
+    and their JSON fields; (None, a note) where the measurement failed (e.g. out of GPU memory:
+    the figures still come, without a floor)."""
+    from moetier.quant.store import Store
+    from moetier.residency.links import fastest, link_gbps, measure_links, memory_links
+
+    _say(f"measuring this machine's links ({device})")
+    store = Store(store_path)
+    try:
+        speeds = measure_links(device, store)
+        speeds = fastest(speeds, memory_links(device, speeds.disk))
+    except RuntimeError as err:
+        return None, {"floor_note": f"no floor: measuring the links failed: {err}"}
+    finally:
+        store.close()
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()  # the measurements' buffers, back for the model
+    return speeds, link_gbps(speeds)
+
+
+def _timed(generator: Any, case: Any, speeds: Any, warmup: int, progress: bool) -> dict[str, Any]:
+    """run_case with a progress bar on stderr (a terminal only) over its steps."""
+    from tqdm import tqdm
+
+    from moetier.engine.benchmark import run_case
+
+    total = (warmup + 1) * case.new_tokens
+    with tqdm(total=total, desc=f"batch {case.rows}", unit="step", leave=False,
+              disable=not progress) as bar:  # fmt: skip
+        return run_case(generator, case, speeds, warmup, on_step=bar.update)
+
+
+def _cases(args: argparse.Namespace) -> list[Any]:
+    from moetier.engine.benchmark import BenchCase
+
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batch {args.batch!r}: batch sizes of 1 or more, e.g. 1,8,32")
+    if args.prompt_tokens < 1:
+        raise ValueError("--prompt-tokens must be at least 1")
+    if args.new_tokens < 2:
+        raise ValueError(
+            "--new-tokens must be at least 2: the first comes from the prefill, the decode "
+            "speed from the rest"
+        )
+    if args.warmup < 0:
+        raise ValueError("--warmup must be 0 or more")
+    if args.layers is not None and args.shape is None:
+        raise ValueError("--layers goes with --shape (a synthetic store's depth)")
+    if args.shape is not None and Path(args.store) != DEFAULT_STORE:
+        raise ValueError("give a STORE or --shape, not both")
+    return [BenchCase(b, args.prompt_tokens, args.new_tokens) for b in batches]
+
+
+@contextlib.contextmanager
+def _store(args: argparse.Namespace) -> Iterator[Path]:
+    """The store to measure: STORE, or with --shape a synthetic one in a temporary folder
+    (removed afterwards), after saying how big it is and checking there is room."""
+    if args.shape is None:
+        yield Path(args.store)
+        return
+    from moetier.quant.synthetic import shape, synthetic_store_bytes, write_synthetic_store
+
+    hf_config = shape(args.shape, args.layers)
+    size = synthetic_store_bytes(hf_config)
+    with tempfile.TemporaryDirectory(prefix="moetier-bench-") as tmp:
+        free = shutil.disk_usage(tmp).free
+        if size > free:
+            raise ValueError(
+                f"the {args.shape} store needs {size / 1e9:.2f} GB and {tmp} has "
+                f"{free / 1e9:.2f} GB free: point TMPDIR at a larger disk or give fewer --layers"
+            )
+        layers, experts = hf_config["num_hidden_layers"], hf_config["num_experts"]
+        _say(
+            f"writing a synthetic {args.shape} store ({layers} layers x {experts} experts, "
+            f"random q2s weights, {_size(size)}) to {tmp} (removed after the run)"
+        )
+        path = Path(tmp) / args.shape
+        write_synthetic_store(path, hf_config, "q2s", DEFAULT_STORE, progress=sys.stderr.isatty())
+        yield path
+
+
+def _changed(config: EngineConfig) -> dict[str, Any]:
+    """The engine settings that differ from their defaults (the flags given)."""
+    default = EngineConfig()
+    return {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != getattr(default, f.name)
+    }
+
+
+def _header(
+    info: dict[str, Any], config: dict[str, Any], links: dict[str, Any], args: argparse.Namespace
+) -> None:
+    formats = ", ".join(config["experts_format"])
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in config["engine"].items())
+    print(
+        f"{config['store']}: {config['model_type']}, {config['moe_layers']} MoE layers, "
+        f"{formats} experts; {config['device_kind']} {config['dtype']}, {config['path']}"
+        + (f" ({flags})" if flags else "")
+    )
+    versions = ", ".join(f"{k} {info[k]}" for k in ("torch", "triton", "transformers") if k in info)
+    print(f"device: {info['device']}; commit {info['commit']}; {versions}")
+    if "floor_note" in links:
+        print(links["floor_note"])
+    else:
+        names = LINK_NAMES[config["device_kind"] == "cuda"]
+        rates = ", ".join(f"{name} {links[k + '_GB/s']} GB/s" for k, name in names.items())
+        print(f"links measured now: {rates}")
+    runs = f"{args.warmup} untimed run" + ("" if args.warmup == 1 else "s")
+    print(
+        f"{args.prompt_tokens} prompt tokens and {args.new_tokens} new tokens a row, greedy; "
+        f"warm-up: {runs} of each case first (kernels, CUDA graphs, expert cache)"
+    )
+    print("  ".join(f"{title:>{width}}" for title, _, width, _ in COLUMNS))
+
+
+def _row(record: dict[str, Any]) -> str:
+    values = {**record, **{k: v / 1e6 for k, v in record["bytes_per_token"].items()}}
+    cells = []
+    for _, key, width, fmt in COLUMNS:
+        value = values.get(key)
+        cells.append(f"{'-' if value is None else fmt.format(value):>{width}}")
+    return "  ".join(cells)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _say(message: str) -> None:
+    print(f"moetier bench: {message}", file=sys.stderr, flush=True)

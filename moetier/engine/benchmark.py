@@ -1,0 +1,185 @@
+"""`moetier bench`'s measurement: one case per batch size, run through the Generator the way
+`moetier generate` runs (same engine config, same decode path), with the floor of the decode
+step from link speeds measured in the same run.
+
+A case: `warmup` untimed runs of the same shape on other prompts (they compile kernels,
+capture the CUDA graphs and fill the expert cache), then one timed run of `rows` random prompts
+of `prompt_tokens` tokens each, greedy, for exactly `new_tokens` tokens a row, all rows in one
+batch (`Generator.stream_rows`). Prefill and decode are timed by the Generator itself
+(engine/timing.py); the residency counters are read where the decode starts and where it ends.
+
+The floor of a decode step (residency/cost.py `floor_seconds`): the bytes it must read under
+uniform routing, at the measured link speeds: every dense weight (an untied embedding: one row
+per sequence) and each MoE layer's expected distinct experts, at memory-copy speed; of those
+experts, the share that this budget's expert cache cannot hold crosses from host RAM at the
+pinned-copy speed, or, beyond what the host tier holds, from the store's file at the disk
+speed. KV-cache reads are left out. On CPU the memory figures are host memcpys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from moetier.engine.generate import Generator
+from moetier.residency.cost import LinkSpeeds, TokenTraffic, distinct_experts, floor_seconds
+from moetier.residency.telemetry import served_bytes
+
+FLOOR_KIND = (
+    "uniform routing over this expert budget: active bytes at memory-copy speed + missed bytes "
+    "at pinned host-to-GPU copy speed (CPU: a host copy) + disk bytes at disk speed; KV cache "
+    "not counted"
+)
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    rows: int  # sequences decoded together
+    prompt_tokens: int  # per row
+    new_tokens: int  # per row; the first comes from the prefill
+
+
+def random_prompts(rows: int, tokens: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """`rows` prompts of `tokens` token ids drawn uniformly from the vocabulary (seeded)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (rows, tokens), generator=generator).tolist()
+
+
+def decode_path(generator: Generator) -> str:
+    """How the Generator decodes: the transformers model class, or the native model file
+    eagerly or replayed from CUDA graphs (experts pinned, or zero-copy from host RAM)."""
+    if not hasattr(generator.model, "new_cache"):
+        return "transformers"
+    if not generator.graphs:
+        return "native"
+    zero_copy = generator.loaded.runtime.zero_copy is not None
+    return "native, CUDA graphs, " + ("zero-copy" if zero_copy else "experts pinned")
+
+
+def dense_step_bytes(model: nn.Module, rows: int) -> int:
+    """Bytes of the non-expert weights one decode step of `rows` rows reads: every parameter
+    (tied ones once) at its stored size, but an embedding table that is not also the output head
+    gives one row per sequence."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    elsewhere = {
+        id(p)
+        for m in model.modules()
+        if not isinstance(m, nn.Embedding)
+        for p in m.parameters(recurse=False)
+    }
+    total = 0
+    for p in model.parameters():
+        if id(p) in embeddings and id(p) not in elsewhere:
+            total += rows * p.shape[-1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def decode_traffic(generator: Generator, rows: int) -> TokenTraffic:
+    """The bytes of one decode step of `rows` rows by tier, under uniform routing and the best
+    placement this budget allows (the floor's traffic; see the module docstring)."""
+    loaded = generator.loaded
+    runtime, store, cfg = loaded.runtime, loaded.store, loaded.model_config
+    planes = runtime.planes() if runtime.delta_threshold == 0 else ["base"]
+    keys = [k for k in store.blobs if k[2] in planes]
+    per_expert = sum(store.blobs[k].nbytes for k in keys) / (len(keys) / len(planes))
+    experts = len(store.moe_layers) * distinct_experts(cfg.num_experts, cfg.top_k, rows)
+    expert_bytes = experts * per_expert
+    pool = runtime.residency
+    held = 1.0 if runtime.pinned else min(1.0, pool.capacity / len(keys))
+    in_host = sum(1 for k in keys if k in pool.host) / len(keys) if pool.host is not None else 0.0
+    host = min(1.0 - held, in_host)
+    return TokenTraffic(
+        dense=dense_step_bytes(loaded.model, rows),
+        gpu=held * expert_bytes,
+        host=host * expert_bytes,
+        disk=(1.0 - held - host) * expert_bytes,
+    )
+
+
+def run_case(
+    generator: Generator,
+    case: BenchCase,
+    speeds: LinkSpeeds | None,
+    warmup: int = 1,
+    on_step: Callable[[], object] = lambda: None,
+) -> dict[str, Any]:
+    """Time one case (module docstring); the figures of its JSON line. `speeds`: the link
+    speeds for the floor (None: no floor). `on_step` is called after every step, warm-up
+    included (a progress bar)."""
+    loaded = generator.loaded
+    runtime = loaded.runtime
+    vocab = loaded.model_config.vocab_size
+    for i in range(warmup):
+        prompts = random_prompts(case.rows, case.prompt_tokens, vocab, seed=1000 + i)
+        for _ in generator.stream_rows(prompts, case.new_tokens):
+            on_step()
+    steps = generator.stream_rows(
+        random_prompts(case.rows, case.prompt_tokens, vocab, seed=0), case.new_tokens
+    )
+    next(steps)  # the prefill's tokens are out: the decode's counters start here
+    decode_start = runtime.telemetry()
+    on_step()
+    for _ in steps:
+        on_step()
+    counters = runtime.telemetry().since(decode_start)
+    timing = generator.timing
+    decode_steps = timing.steps - 1
+    cache = runtime.residency.tier_name
+    requests = counters[cache].hits + counters[cache].misses
+    blobs = [b.nbytes for k, b in loaded.store.blobs.items() if k[2] in runtime.planes()]
+    served = served_bytes(counters, cache, sum(blobs) / len(blobs))
+    tokens = max(1, timing.decode_tokens)
+    ms_per_step = timing.decode_seconds / decode_steps * 1e3 if decode_steps else None
+    record: dict[str, Any] = {
+        "batch": case.rows,
+        "prompt_tokens": case.prompt_tokens,
+        "new_tokens": case.new_tokens,
+        "warmup_runs": warmup,
+        "tokens_in": timing.prompt_tokens,
+        "tokens_out": timing.new_tokens,
+        "prefill_s": _sig(timing.prefill_seconds),
+        "ttft_ms": _sig(timing.prefill_seconds * 1e3),
+        "prefill_tok_s": _sig(timing.prefill_tok_s),
+        "decode_s": _sig(timing.decode_seconds),
+        "decode_tokens": timing.decode_tokens,
+        "decode_tok_s": _sig(timing.decode_tok_s) if decode_steps else None,
+        "ms_per_step": _sig(ms_per_step) if ms_per_step else None,
+        "cache_tier": cache,
+        "hit_rate": round(counters[cache].hits / requests, 4) if requests else None,
+        "bytes_per_token": {tier: round(n / tokens) for tier, n in served.items()},
+    }
+    record.update(floor_fields(generator, case.rows, speeds, ms_per_step))
+    return record
+
+
+def _sig(x: float, digits: int = 5) -> float:
+    """`x` to `digits` significant digits (figures from microseconds to minutes)."""
+    return float(f"{x:.{digits}g}")
+
+
+def floor_fields(
+    generator: Generator, rows: int, speeds: LinkSpeeds | None, ms_per_step: float | None
+) -> dict[str, Any]:
+    """The floor of a decode step of `rows` rows, its tok/s and the measured step's ratio to it
+    (None without link speeds)."""
+    if speeds is None:
+        return {"floor_ms_per_step": None, "floor_tok_s": None, "ratio_to_floor": None}
+    traffic = decode_traffic(generator, rows)
+    floor_ms = floor_seconds(traffic, speeds) * 1e3
+    return {
+        "floor_ms_per_step": _sig(floor_ms),
+        "floor_tok_s": _sig(rows * 1e3 / floor_ms),
+        "ratio_to_floor": _sig(ms_per_step / floor_ms, 4) if ms_per_step else None,
+        "floor_kind": FLOOR_KIND,
+        "floor_bytes_per_step": {
+            "active": round(traffic.active),
+            "missed": round(traffic.host + traffic.disk),
+            "disk": round(traffic.disk),
+        },
+    }
