@@ -89,10 +89,10 @@ def test_bench_table(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"{DEFAULT_STORE.name}: qwen3_moe, 5 MoE layers")
     assert "links measured now: memory copy" in out[2]
-    assert "warm-up: 0 untimed runs" in out[3]
-    heading = out[4].split()
+    assert "warm-up: 0 untimed runs" in out[4]
+    heading = out[5].split()
     assert heading[:3] == ["batch", "prefill", "tok/s"] and "floor" in heading
-    rows = [row.split() for row in out[5:]]
+    rows = [row.split() for row in out[6:]]
     assert [int(row[0]) for row in rows] == [1, 2] and all(len(row) == 11 for row in rows)
     assert all(float(cell) > 0 for row in rows for cell in row[1:5])
 
