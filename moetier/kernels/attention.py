@@ -1,5 +1,9 @@
-"""Decode attention (one query token per row) of grouped-query attention over the static KV
-cache: `torch.ops.moetier.decode_attention`.
+"""Decode attention (one query token per row) of grouped-query attention over a paged KV cache:
+`torch.ops.moetier.decode_attention`.
+
+The cache is pages [P, KVH, page_size, D]; row b's position p lives in page
+page_table[b, p // page_size] at offset p % page_size. A static cache [B, KVH, L, D] is the case
+of one page of L positions per row (page_table [[0], [1], ...]).
 
 SDPA over the whole cache, after the kv heads are repeated to the query heads, took ~7 µs per
 layer of a batch-1 decode step of Qwen3-30B-A3B on the H200 (plus ~2-3 µs of inductor prologue
@@ -8,8 +12,8 @@ bytes. Here one Triton launch does it (two for long caches):
 
 - one program per (batch row, kv head, split of the cache): the kv head's G = H / KVH query
   heads as one [G, D] tile (padded to 16 rows for `tl.dot`), keys and values in BLOCK_L chunks
-  up to the row's position only (nothing past position + 1 is read), online softmax in fp32
-  (exp2 domain), a [G, D] fp32 accumulator;
+  up to the row's position only (nothing past position + 1 is read; each key's page looked up in
+  the row's page table), online softmax in fp32 (exp2 domain), a [G, D] fp32 accumulator;
 - short caches (max_len <= SPLIT_THRESHOLD, the common decode case): one split, the program
   writes the output;
 - long caches (flash-decoding): the cache splits into ranges so that a few hundred programs
@@ -46,17 +50,35 @@ class DecodeConfig:
     num_stages: int
 
 
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """cache [P, KVH, page_size, D], page_table [B, W] -> each row's positions in order,
+    [B, KVH, W * page_size, D] (a copy)."""
+    batch, width = page_table.shape
+    pages = cache[page_table.long()]  # [B, W, KVH, PS, D]
+    kv_heads, size, dim = cache.shape[1:]
+    return pages.transpose(1, 2).reshape(batch, kv_heads, width * size, dim)
+
+
+def static_page_table(batch: int, device: torch.device | str) -> torch.Tensor:
+    """[[0], [1], ..., [batch - 1]] int32: the page table of a static cache [B, KVH, L, D]
+    (one page of L positions per row)."""
+    return torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+
+
 def decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    page_table: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, H, 1, D]; k_cache, v_cache [B, KVH, L, D] (any strides); positions [B] int64, the
-    query's cache position (keys at cache index <= position are visible); H a multiple of KVH,
-    query head h reads kv head h // (H / KVH) -> [B, H, 1, D] in q's dtype. Repeat kv + SDPA
-    with the position mask, as `Attention.forward` computes prefill."""
+    """q [B, H, 1, D]; k_cache, v_cache [P, KVH, page_size, D] (any strides); page_table [B, W]
+    int32 (row b's pages in order); positions [B] int64, the query's position (keys at
+    positions <= it are visible); H a multiple of KVH, query head h reads kv head h // (H / KVH)
+    -> [B, H, 1, D] in q's dtype. The pages gathered, repeat kv + SDPA with the position mask,
+    as `Attention.forward` computes prefill."""
+    k_cache, v_cache = gather_pages(k_cache, page_table), gather_pages(v_cache, page_table)
     batch, kv_heads, length, dim = k_cache.shape
     groups = q.shape[1] // kv_heads
     keys = k_cache[:, :, None].expand(batch, kv_heads, groups, length, dim)
@@ -100,13 +122,15 @@ try:
 
     @triton.jit
     def _decode_attention_kernel(
-        q, sqb, sqh, k, skb, skh, skl, v, svb, svh, svl, positions, sp, out, part_o, part_lse,
-        scale_log2, L, D, chunk,
+        q, sqb, sqh, k, skb, skh, skl, v, svb, svh, svl, page_table, spt, page_size, positions, sp,
+        out, part_o, part_lse, scale_log2, L, D, chunk,
         G: tl.constexpr, KVH: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
-        """One program per (row b, kv head, split s): query heads kvh * G + [0, G) over cache
-        positions [s * chunk, min((s + 1) * chunk, position + 1)). SPLITS == 1: writes out;
+        """One program per (row b, kv head, split s): query heads kvh * G + [0, G) over the row's
+        positions [s * chunk, min((s + 1) * chunk, position + 1)), position p read from page
+        page_table[b, p // page_size] (k and v: [pages, KVH, page_size, D] with strides skb /
+        svb per page, skl / svl per position). SPLITS == 1: writes out;
         else part_o [B, H, SPLITS, D] fp32 (normalised) and part_lse [B, H, SPLITS] fp32
         (log2-sum-exp2 of the scaled scores, -inf for an empty range)."""
         pid = tl.program_id(0)
@@ -125,8 +149,9 @@ try:
         position = tl.load(positions + b * sp).to(tl.int32)
         lo = split * chunk
         hi = tl.minimum(tl.minimum(lo + chunk, position + 1), L)
-        k_base = k + b * skb + kvh.to(tl.int64) * skh
-        v_base = v + b * svb + kvh.to(tl.int64) * svh
+        k_base = k + kvh.to(tl.int64) * skh
+        v_base = v + kvh.to(tl.int64) * svh
+        row_pages = page_table + b * spt
         m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
@@ -134,14 +159,20 @@ try:
             keys = start + tl.arange(0, BLOCK_L)
             k_ok = keys < hi
             kv_mask = k_ok[:, None] & d_ok[None, :]
-            k_tile = tl.load(k_base + keys[:, None] * skl + d[None, :], mask=kv_mask, other=0.0)
+            page = tl.load(row_pages + keys // page_size, mask=k_ok, other=0).to(tl.int64)
+            slot = keys % page_size
+            k_tile = tl.load(
+                k_base + (page * skb + slot * skl)[:, None] + d[None, :], mask=kv_mask, other=0.0
+            )
             s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * scale_log2
             s = tl.where(k_ok[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_L], log2 units
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: each chunk holds a key
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_tile = tl.load(v_base + keys[:, None] * svl + d[None, :], mask=kv_mask, other=0.0)
+            v_tile = tl.load(
+                v_base + (page * svb + slot * svl)[:, None] + d[None, :], mask=kv_mask, other=0.0
+            )
             acc = acc * alpha[:, None] + tl.dot(
                 p.to(v_tile.dtype), v_tile, input_precision=PRECISION
             )
@@ -197,17 +228,24 @@ def _runs_triton(q: torch.Tensor) -> bool:
 
 
 def _check(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    positions: torch.Tensor,
 ) -> None:
     if q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q must be [B, H, 1, D] (one decode token per row), got {q.shape}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
-            f"k_cache and v_cache must both be [B, KVH, L, D], got {k_cache.shape}, {v_cache.shape}"
+            "k_cache and v_cache must both be [pages, KVH, page_size, D], got "
+            f"{k_cache.shape}, {v_cache.shape}"
         )
     batch, heads, _, dim = q.shape
-    if k_cache.shape[0] != batch or k_cache.shape[3] != dim:
-        raise ValueError(f"cache {k_cache.shape} does not match q {q.shape} in batch or head_dim")
+    if k_cache.shape[3] != dim:
+        raise ValueError(f"cache {k_cache.shape} does not match q {q.shape} in head_dim")
+    if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table must be [B = {batch}, W] int32, got {page_table.shape}")
     if heads % k_cache.shape[1]:
         raise ValueError(f"{heads} query heads are not a multiple of {k_cache.shape[1]} kv heads")
     if positions.shape != (batch,) or positions.dtype != torch.int64:
@@ -220,15 +258,16 @@ def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    page_table: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
     splits: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernels (also on CPU under TRITON_INTERPRET=1, for the tests); same operands
     as `decode_attention_ref`, any batch / head / position strides, head_dim contiguous in the
-    cache. splits: ranges of the cache run as separate programs and combined (default from
+    cache. splits: ranges of the positions run as separate programs and combined (default from
     `choose_config`; the tests force it)."""
-    _check(q, k_cache, v_cache, positions)
+    _check(q, k_cache, v_cache, page_table, positions)
     if _interpreted() and q.dtype != torch.float32:
         raise ValueError("Triton's interpreter computes 16-bit tl.dot wrongly: test in fp32")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
@@ -236,7 +275,8 @@ def decode_attention_triton(
     if q.stride(3) != 1:
         q = q.contiguous()  # [B, H, 1, D]: a few KB
     batch, heads, _, dim = q.shape
-    kv_heads, length = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    length = page_table.shape[1] * page_size  # the most positions a row can hold
     config = choose_config(batch, kv_heads, length, q.dtype)
     if splits is not None:
         config = replace(config, splits=splits)
@@ -255,7 +295,8 @@ def decode_attention_triton(
     groups = heads // kv_heads
     _decode_attention_kernel[(batch * kv_heads, config.splits)](
         q, q.stride(0), q.stride(1), k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
-        positions, positions.stride(0), out, part_o, part_lse, scale * 1.4426950408889634,
+        page_table, page_table.stride(0), page_size, positions, positions.stride(0), out, part_o,
+        part_lse, scale * 1.4426950408889634,
         length, dim, chunk, G=groups, KVH=kv_heads, SPLITS=config.splits,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_L=config.block_l, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -274,19 +315,20 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    page_table: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of one query token per row over the static cache. q [B, H, 1, D]; k_cache,
-    v_cache [B, KVH, L, D] (this layer's views of the cache; any strides but a contiguous
-    head_dim); positions [B] int64 (keys at cache index <= position are visible); query head h
-    reads kv head h // (H / KVH) -> [B, H, 1, D] in q's dtype, contiguous. Triton on CUDA (no
-    host sync: CUDA-graph safe) and for fp32 under TRITON_INTERPRET=1; `decode_attention_ref`
-    otherwise."""
+    """Attention of one query token per row over a paged cache. q [B, H, 1, D]; k_cache,
+    v_cache [pages, KVH, page_size, D] (this layer's views of the cache; any strides but a
+    contiguous head_dim); page_table [B, W] int32 (row b's pages in order); positions [B] int64
+    (keys at positions <= it are visible); query head h reads kv head h // (H / KVH) ->
+    [B, H, 1, D] in q's dtype, contiguous. Triton on CUDA (no host sync: CUDA-graph safe) and
+    for fp32 under TRITON_INTERPRET=1; `decode_attention_ref` otherwise."""
     if not _runs_triton(q):
-        _check(q, k_cache, v_cache, positions)
-        return decode_attention_ref(q, k_cache, v_cache, positions, scale).contiguous()
-    return decode_attention_triton(q, k_cache, v_cache, positions, scale)
+        _check(q, k_cache, v_cache, page_table, positions)
+        return decode_attention_ref(q, k_cache, v_cache, page_table, positions, scale).contiguous()
+    return decode_attention_triton(q, k_cache, v_cache, page_table, positions, scale)
 
 
 @decode_attention.register_fake
@@ -294,6 +336,7 @@ def _(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    page_table: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from moetier.config import DecoderConfig
+from moetier.models.attention_batch import AttentionBatch
 from moetier.models.layers import (
     MLP,
     Experts,
@@ -28,8 +29,6 @@ from moetier.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SigmoidGroupTopKRouter,
-    causal_mask,
-    head_folded_mask,
     new_latent_cache,
 )
 
@@ -101,13 +100,18 @@ class DeepseekV3Model(nn.Module):
         self.rotary_emb = rotary
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        batch: AttentionBatch | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary_emb(positions, x.dtype)  # [B, T, rope_dim]
-        mask = head_folded_mask(causal_mask(positions, cache.shape[2]), self.num_heads)
+        batch = batch or AttentionBatch.static(positions, cache.shape[2])
+        folded = batch.head_folded(self.num_heads)  # one latent key for all heads
         for layer in self.layers:
-            x = layer(x, cos, sin, positions, mask, cache)
+            x = layer(x, cos, sin, folded, cache)
         return self.norm(x)
 
 
@@ -127,9 +131,10 @@ class DeepseekV3ForCausalLM(NativeCausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def new_cache(
-        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+        self, pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
-        """A zeroed static latent cache [layers, batch, max_len, kv_lora_rank + rope_dim]."""
+        """A zeroed latent cache [layers, pages, page_size, kv_lora_rank + rope_dim] (the
+        static cache: one page of max_len positions per row)."""
         c = self.config
         width = c.kv_lora_rank + c.qk_rope_head_dim
-        return new_latent_cache(c.num_layers, batch, max_len, width, dtype, device)
+        return new_latent_cache(c.num_layers, pages, page_size, width, dtype, device)

@@ -7,12 +7,14 @@ Parameter names are those of the HF checkpoints (`q_proj.weight`, `q_norm.weight
 static for a given (batch, tokens): no host syncs, no branching on tensor values, so one decode
 step captures into a CUDA graph.
 
-The KV cache is one tensor [layers, 2, batch, kv_heads, max_len, head_dim] (2 = key, value).
-Token t of row b is written at cache position positions[b, t] and attends to every cache position
+The KV cache is one tensor of pages [layers, 2, pages, kv_heads, page_size, head_dim] (2 = key,
+value); an `AttentionBatch` (attention_batch.py) says where each token's entry goes and which
+keys each token sees. The static cache of StaticDecoder is one page of max_len positions per row:
+token t of row b is written at position positions[b, t] of page b and attends to every position
 <= its own. Prefill and decode share that one code path. Rows of different lengths are right-
 padded: a pad token gets the positions after its row's last real token, so its (finite) keys land
 where that row's later decode tokens overwrite them before any query can see them.
-MLA's cache is one tensor [layers, batch, max_len, kv_lora_rank + rope_dim] with the same rules.
+MLA's cache is one tensor [layers, pages, page_size, kv_lora_rank + rope_dim] with the same rules.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from moetier.kernels.attention import decode_attention
 from moetier.kernels.router import router_topk
+from moetier.models.attention_batch import AttentionBatch
 
 
 class Experts(Protocol):
@@ -89,30 +92,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def new_kv_cache(
     num_layers: int,
-    batch: int,
+    pages: int,
     num_kv_heads: int,
-    max_len: int,
+    page_size: int,
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """[layers, 2, batch, kv_heads, max_len, head_dim], zeroed: masked positions must hold finite
-    values, since a masked score is still computed from them."""
+    """[layers, 2, pages, kv_heads, page_size, head_dim], zeroed: masked positions must hold
+    finite values, since a masked score is still computed from them. The static cache: one page
+    of max_len positions per row."""
     return torch.zeros(
-        num_layers, 2, batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device
+        num_layers, 2, pages, num_kv_heads, page_size, head_dim, dtype=dtype, device=device
     )
 
 
-def causal_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:
-    """positions [B, T] -> bool [B, 1, T, max_len]: True where cache position <= token position."""
-    cache_positions = torch.arange(max_len, device=positions.device)
-    return cache_positions[None, None, None, :] <= positions[:, None, :, None]
-
-
 class Attention(nn.Module):
-    """Grouped-query attention with per-head q/k RMSNorm (Qwen3) over the static KV cache.
+    """Grouped-query attention with per-head q/k RMSNorm (Qwen3) over the paged KV cache.
     Decode steps on CUDA attend with `moetier::decode_attention` (one Triton launch, reading
-    each row's keys up to its position); prefill and CPU with SDPA and the position mask."""
+    each row's keys up to its position through its page table); prefill and CPU with SDPA over
+    each row's keys and the batch's mask."""
 
     def __init__(
         self,
@@ -161,13 +160,12 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
+        batch: AttentionBatch,
         cache: torch.Tensor,
     ) -> torch.Tensor:
-        """x [B, T, H]; positions [B, T]; mask [B, 1, T, L]; cache [layers, 2, B, kvh, L, D]
-        (this layer's keys/values are written in place) -> [B, T, H]."""
-        batch, tokens, _ = x.shape
+        """x [B, T, H]; cache [layers, 2, pages, kvh, page_size, D] (this layer's keys/values
+        are written in place where `batch` says) -> [B, T, H]."""
+        rows, tokens, _ = x.shape
         if self.qkv_weight is not None:
             q_, k_, v_ = F.linear(x, self.qkv_weight, self.qkv_bias).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features],
@@ -175,25 +173,27 @@ class Attention(nn.Module):
             )
         else:
             q_, k_, v_ = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q_.reshape(batch, tokens, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k_.reshape(batch, tokens, -1, self.head_dim)).transpose(1, 2)
-        v = v_.reshape(batch, tokens, -1, self.head_dim).transpose(1, 2)
+        q = self.q_norm(q_.reshape(rows, tokens, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k_.reshape(rows, tokens, -1, self.head_dim)).transpose(1, 2)
+        v = v_.reshape(rows, tokens, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, h, T, D]
-        index = positions[:, None, :, None].expand(batch, self.num_kv_heads, tokens, self.head_dim)
-        cache[self.layer, 0].scatter_(2, index, k)
-        cache[self.layer, 1].scatter_(2, index, v)
-        if _decode_kernel_applies(x, tokens):
+        k_cache, v_cache = cache[self.layer, 0], cache[self.layer, 1]  # [P, kvh, PS, D]
+        batch.write(k_cache, k)
+        batch.write(v_cache, v)
+        if batch.page_table is not None and (
+            batch.mask is None or _decode_kernel_applies(x, tokens)
+        ):
             out = decode_attention(
-                q, cache[self.layer, 0], cache[self.layer, 1], positions[:, 0], self.head_dim**-0.5
+                q, k_cache, v_cache, batch.page_table, batch.positions[:, 0], self.head_dim**-0.5
             )  # [B, h, 1, D]
         else:
             groups = self.num_heads // self.num_kv_heads
-            keys = _repeat_kv(cache[self.layer, 0], groups)  # [B, h, L, D]
-            values = _repeat_kv(cache[self.layer, 1], groups)
+            keys = _repeat_kv(batch.keys(k_cache), groups)  # [B, h, Lk, D]
+            values = _repeat_kv(batch.keys(v_cache), groups)
             out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.head_dim**-0.5
+                q, keys, values, attn_mask=batch.mask, scale=self.head_dim**-0.5
             )  # [B, h, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, -1))
 
 
 def _decode_kernel_applies(x: torch.Tensor, tokens: int) -> bool:
@@ -231,11 +231,10 @@ class PreNormLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
+        batch: AttentionBatch,
         cache: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
         x = x + self.mlp(self.post_attention_layernorm(x))
         after = getattr(self.mlp, "after_residual", None)  # MoE blocks: ExpertsRuntime's
         if after is not None:  # look at the layer output (staging's guesses)
@@ -256,10 +255,12 @@ class NativeCausalLM(nn.Module):
         positions: torch.Tensor,
         cache: torch.Tensor,
         last_only: torch.Tensor | None = None,
+        batch: AttentionBatch | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [B, T] int64; cache written in place -> logits [B, T, V]; with
-        last_only [B] (index of each row's last real token) -> [B, V]."""
-        hidden = self.model(input_ids, positions, cache)  # [B, T, H]
+        last_only [B] (index of each row's last real token) -> [B, V]. batch: where the tokens'
+        KV goes in a paged cache (default: the static cache, row b is page b)."""
+        hidden = self.model(input_ids, positions, cache, batch)  # [B, T, H]
         if last_only is not None:
             index = last_only[:, None, None].expand(-1, 1, hidden.shape[-1])
             hidden = hidden.gather(1, index)[:, 0]  # [B, H]
@@ -308,28 +309,21 @@ def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def new_latent_cache(
     num_layers: int,
-    batch: int,
-    max_len: int,
+    pages: int,
+    page_size: int,
     width: int,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """The MLA cache [layers, batch, max_len, width], width = kv_lora_rank + qk_rope_head_dim:
+    """The MLA cache [layers, pages, page_size, width], width = kv_lora_rank + qk_rope_head_dim:
     per token the normalised KV latent and the rotated shared rope key. Zeroed (finite), as
-    new_kv_cache."""
-    return torch.zeros(num_layers, batch, max_len, width, dtype=dtype, device=device)
-
-
-def head_folded_mask(mask: torch.Tensor, heads: int) -> torch.Tensor:
-    """causal_mask's [B, 1, T, L] -> [B, 1, heads * T, L], row h * T + t = token t of head h:
-    the mask of MLAttention's queries, whose heads share one latent key (MQA-like)."""
-    batch, _, tokens, length = mask.shape
-    return mask[:, :, None].expand(batch, 1, heads, tokens, length).reshape(batch, 1, -1, length)
+    new_kv_cache. The static cache: one page of max_len positions per row."""
+    return torch.zeros(num_layers, pages, page_size, width, dtype=dtype, device=device)
 
 
 class MLAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3, transformers' DeepseekV3Attention) over the
-    static latent cache of `new_latent_cache`.
+    paged latent cache of `new_latent_cache`.
 
     The cache holds what transformers' cache holds (the normalised latent and the rotated rope
     key, kv_lora_rank + rope dims per token), never per-head keys and values. Attention runs in
@@ -374,39 +368,38 @@ class MLAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
+        batch: AttentionBatch,
         cache: torch.Tensor,
     ) -> torch.Tensor:
-        """x [B, T, H]; positions [B, T]; mask [B, 1, heads * T, L] (head_folded_mask); cache
-        [layers, B, L, kv_lora_rank + rope_dim] (this layer's entries written in place)
-        -> [B, T, H]."""
-        batch, tokens, _ = x.shape
+        """x [B, T, H]; batch with its mask head-folded (`AttentionBatch.head_folded`); cache
+        [layers, pages, page_size, kv_lora_rank + rope_dim] (this layer's entries written in
+        place) -> [B, T, H]."""
+        rows, tokens, _ = x.shape
         lora, nope, rope, v_dim = self.dims
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q = q.view(batch, tokens, self.num_heads, nope + rope).transpose(1, 2)  # [B, h, T, qk]
+        q = q.view(rows, tokens, self.num_heads, nope + rope).transpose(1, 2)  # [B, h, T, qk]
         q_nope, q_rot = q.split([nope, rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
         rotate = apply_rotary_interleaved if self.interleave else apply_rotary
         q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[:, None], cos, sin)[:, 0]
         entry = torch.cat((self.kv_a_layernorm(latent), k_rot), dim=-1)  # [B, T, lora + rope]
-        cache[self.layer].scatter_(1, positions[:, :, None].expand_as(entry), entry)
+        batch.write(cache[self.layer], entry)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, nope + v_dim, lora)
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]  # [h, nope, lora], [h, v, lora]
         query = torch.cat((q_nope @ w_k, q_rot), dim=-1)  # [B, h, T, lora + rope]
-        keys = cache[self.layer][:, None]  # [B, 1, L, lora + rope], one key for all heads
+        keys = batch.keys(cache[self.layer])[:, None]  # [B, 1, Lk, lora + rope]: all heads'
         out = F.scaled_dot_product_attention(
-            query.reshape(batch, 1, -1, lora + rope),  # [B, 1, h * T, lora + rope]
+            query.reshape(rows, 1, -1, lora + rope),  # [B, 1, h * T, lora + rope]
             keys,
             keys[..., :lora],  # the latent is the value
-            attn_mask=mask,
+            attn_mask=batch.mask,
             scale=self.scale,
         )  # [B, 1, h * T, lora]
-        out = out.view(batch, self.num_heads, tokens, lora) @ w_v.transpose(1, 2)  # [B, h, T, v]
-        return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+        out = out.view(rows, self.num_heads, tokens, lora) @ w_v.transpose(1, 2)  # [B, h, T, v]
+        return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, -1))
 
 
 class SigmoidGroupTopKRouter(nn.Module):

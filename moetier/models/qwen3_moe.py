@@ -1,9 +1,10 @@
 """Native Qwen3-MoE (HF model_type `qwen3_moe`): module names are the checkpoint's, so the dense
 tensors of a moetier store load by name; routed experts run through moetier's experts runtime.
 
-forward(input_ids [B, T], positions [B, T], cache) -> logits: the same code for prefill and
-decode, over the static KV cache of layers.py (no host syncs outside the experts runtime's
-residency step; see ExpertsRuntime.forward_resident for the capturable experts call).
+forward(input_ids [B, T], positions [B, T], cache[, batch]) -> logits: the same code for prefill
+and decode, over the paged KV cache of layers.py (default: the static cache, one page a row; no
+host syncs outside the experts runtime's residency step; see ExpertsRuntime.forward_resident for
+the capturable experts call).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from moetier.config import DecoderConfig
+from moetier.models.attention_batch import AttentionBatch
 from moetier.models.layers import (
     MLP,
     Attention,
@@ -23,7 +25,6 @@ from moetier.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SoftmaxTopKRouter,
-    causal_mask,
     new_kv_cache,
 )
 
@@ -79,13 +80,17 @@ class Qwen3MoeModel(nn.Module):
         self.rotary_emb = rotary
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        batch: AttentionBatch | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary_emb(positions, x.dtype)
-        mask = causal_mask(positions, cache.shape[4])  # [B, 1, T, L]
+        batch = batch or AttentionBatch.static(positions, cache.shape[4])
         for layer in self.layers:
-            x = layer(x, cos, sin, positions, mask, cache)
+            x = layer(x, cos, sin, batch, cache)
         return self.norm(x)
 
 
@@ -102,8 +107,11 @@ class Qwen3MoeForCausalLM(NativeCausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def new_cache(
-        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+        self, pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
-        """A zeroed static KV cache [layers, 2, batch, kv_heads, max_len, head_dim]."""
+        """A zeroed KV cache [layers, 2, pages, kv_heads, page_size, head_dim] (the static
+        cache: one page of max_len positions per row)."""
         c = self.config
-        return new_kv_cache(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, dtype, device)
+        return new_kv_cache(
+            c.num_layers, pages, c.num_kv_heads, page_size, c.head_dim, dtype, device
+        )

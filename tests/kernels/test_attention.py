@@ -20,6 +20,7 @@ from moetier.kernels.attention import (
     choose_config,
     decode_attention,
     decode_attention_ref,
+    static_page_table,
 )
 from moetier.loader.load import load_model
 from moetier.models import layers
@@ -28,6 +29,12 @@ pytest.importorskip("triton")
 from moetier.kernels.attention import decode_attention_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rows(q):
+    """The page table of a static cache [B, KVH, L, D]: one page of L positions per row."""
+    return static_page_table(q.shape[0], q.device)
+
 
 # (batch, heads, kv_heads, head_dim, max_len, positions, splits); splits None: choose_config's
 CASES = [
@@ -52,8 +59,8 @@ def make_inputs(batch, heads, kv_heads, dim, max_len, positions, dtype, device, 
 def check_case(case, dtype, device, atol, rtol):
     batch, heads, kv_heads, dim, max_len, positions, splits = case
     q, k, v, pos = make_inputs(batch, heads, kv_heads, dim, max_len, positions, dtype, device)
-    got = decode_attention_triton(q, k, v, pos, dim**-0.5, splits=splits)
-    want = decode_attention_ref(q, k, v, pos, dim**-0.5)
+    got = decode_attention_triton(q, k, v, rows(q), pos, dim**-0.5, splits=splits)
+    want = decode_attention_ref(q, k, v, rows(q), pos, dim**-0.5)
     assert got.dtype == dtype and got.shape == (batch, heads, 1, dim)
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
 
@@ -86,16 +93,16 @@ def test_strided_operands():
     cache = torch.randn(2, 2, batch, kv_heads, max_len, dim, generator=gen).to(DEVICE)
     q = torch.randn(batch, 1, heads, dim, generator=gen).to(DEVICE).transpose(1, 2)
     pos = torch.tensor([[5], [79], [0]], device=DEVICE)[:, 0]
-    got = decode_attention(q, cache[1, 0], cache[1, 1], pos, 0.125)
-    want = decode_attention_ref(q, cache[1, 0], cache[1, 1], pos, 0.125)
+    got = decode_attention(q, cache[1, 0], cache[1, 1], rows(q), pos, 0.125)
+    want = decode_attention_ref(q, cache[1, 0], cache[1, 1], rows(q), pos, 0.125)
     assert got.is_contiguous()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     wide = torch.randn(2 * batch, kv_heads, 2 * max_len, dim, generator=gen).to(DEVICE)
     k, v = wide[::2, :, ::2], wide[1::2, :, 1::2]  # [B, kvh, L, D], strided in B and L
     for splits in (1, 3):
-        got = decode_attention_triton(q, k, v, pos, 0.125, splits=splits)
+        got = decode_attention_triton(q, k, v, rows(q), pos, 0.125, splits=splits)
         torch.testing.assert_close(
-            got, decode_attention_ref(q, k, v, pos, 0.125), atol=2e-5, rtol=1e-5
+            got, decode_attention_ref(q, k, v, rows(q), pos, 0.125), atol=2e-5, rtol=1e-5
         )
 
 
@@ -108,11 +115,68 @@ def test_reads_nothing_past_the_position(splits):
     after = torch.arange(120, device=DEVICE)[None, :] > pos[:, None]  # [B, L]
     poisoned_k[after[:, None, :, None].expand_as(k)] = float("nan")
     poisoned_v[after[:, None, :, None].expand_as(v)] = float("inf")
-    got = decode_attention_triton(q, poisoned_k, poisoned_v, pos, 0.125, splits=splits)
+    got = decode_attention_triton(q, poisoned_k, poisoned_v, rows(q), pos, 0.125, splits=splits)
     clean = after[:, None, :, None].logical_not()
-    want = decode_attention_ref(q, k * clean, v * clean, pos, 0.125)
+    want = decode_attention_ref(q, k * clean, v * clean, rows(q), pos, 0.125)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def paged_inputs(page_size, lengths, kv_heads=2, heads=8, dim=64, spare=3, seed=5):
+    """Rows of `lengths` positions in shuffled pages of a pool with `spare` pages of no row (NaN:
+    a kernel reading them would turn NaN); -> q, k_pages, v_pages, table, positions, and the
+    rows' caches laid out contiguously [B, KVH, L, D] by a plain loop (the independent side)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // page_size) for n in lengths)
+    count = len(lengths) * width + spare
+    order = torch.randperm(count, generator=gen)
+    k_pages = torch.full((count, kv_heads, page_size, dim), float("nan"))
+    v_pages = torch.full_like(k_pages, float("nan"))
+    table = torch.zeros(len(lengths), width, dtype=torch.int32)
+    flat_k = torch.zeros(len(lengths), kv_heads, width * page_size, dim)
+    flat_v = torch.zeros_like(flat_k)
+    for b, n in enumerate(lengths):
+        for w in range(-(-n // page_size)):
+            page = int(order[b * width + w])
+            table[b, w] = page
+            k_pages[page] = torch.randn(kv_heads, page_size, dim, generator=gen)
+            v_pages[page] = torch.randn(kv_heads, page_size, dim, generator=gen)
+            flat_k[b, :, w * page_size : (w + 1) * page_size] = k_pages[page]
+            flat_v[b, :, w * page_size : (w + 1) * page_size] = v_pages[page]
+    q = torch.randn(len(lengths), heads, 1, dim, generator=gen)
+    positions = torch.tensor([n - 1 for n in lengths])
+    tensors = (q, k_pages, v_pages, table, positions, flat_k, flat_v)
+    return [t.to(DEVICE) for t in tensors]
+
+
+@pytest.mark.parametrize("page_size, splits", [(16, 1), (16, 3), (32, 1), (64, 2)])
+def test_paged_cache_matches_the_rows_laid_out(page_size, splits):
+    """Pages shuffled through the pool, rows of different lengths (a partial last page holds
+    NaN past the position), pages of no row poisoned: equal to the static cache of each row's
+    positions in order."""
+    lengths = [1, 37, 64, 100]
+    q, k, v, table, pos, flat_k, flat_v = paged_inputs(page_size, lengths)
+    got = decode_attention_triton(q, k, v, table, pos, 0.125, splits=splits)
+    flat_k, flat_v = flat_k.nan_to_num(), flat_v.nan_to_num()
+    want = decode_attention_ref(q, flat_k, flat_v, rows(q), pos, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    clean_k, clean_v = k.nan_to_num(), v.nan_to_num()
+    via_ref = decode_attention_ref(q, clean_k, clean_v, table, pos, 0.125)
+    torch.testing.assert_close(via_ref, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_cache_16bit_gpu(dtype):
+    lengths = [1, 300, 2048, 777, 16, 64, 65, 1000]
+    q, k, v, table, pos, flat_k, flat_v = paged_inputs(16, lengths, kv_heads=4, heads=32, dim=128)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    got = decode_attention(q, k, v, table, pos, 0.1)
+    flat_k, flat_v = flat_k.nan_to_num().to(dtype), flat_v.nan_to_num().to(dtype)
+    want = decode_attention_ref(q, flat_k, flat_v, rows(q), pos, 0.1)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 def test_choose_config_splits_from_shapes():
@@ -138,8 +202,9 @@ from moetier.kernels import attention
 
 config = attention.choose_config(1, 4, 4096, torch.bfloat16)
 pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "out": "*bf16", "positions": "*i64",
+            "page_table": "*i32",
             "part_o": "*fp32", "part_lse": "*fp32", "scale_log2": "fp32"}
-decode = dict(sp=1, G=8, KVH=4, BLOCK_G=16, BLOCK_L=config.block_l, BLOCK_D=128,
+decode = dict(sp=1, spt=1, G=8, KVH=4, BLOCK_G=16, BLOCK_L=config.block_l, BLOCK_D=128,
               PRECISION="tf32")
 kernels = [("single", attention._decode_attention_kernel, dict(decode, SPLITS=1)),
            ("split", attention._decode_attention_kernel, dict(decode, SPLITS=32)),
@@ -175,29 +240,32 @@ def test_op_and_opcheck():
     """The op (on CPU the interpreter runs the kernel: conftest sets TRITON_INTERPRET), its
     schema and fake against the real one."""
     q, k, v, pos = make_inputs(2, 8, 2, 64, 40, [39, 7], torch.float32, DEVICE)
-    got = decode_attention(q, k, v, pos, 0.125)
-    torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, 0.125), atol=2e-5, rtol=1e-5)
-    torch.library.opcheck(decode_attention, (q, k, v, pos, 0.125))
+    got = decode_attention(q, k, v, rows(q), pos, 0.125)
+    torch.testing.assert_close(
+        got, decode_attention_ref(q, k, v, rows(q), pos, 0.125), atol=2e-5, rtol=1e-5
+    )
+    torch.library.opcheck(decode_attention, (q, k, v, rows(q), pos, 0.125))
 
 
 def test_refuses_bad_operands():
     q, k, v, pos = make_inputs(2, 6, 4, 64, 40, [39, 7], torch.float32, "cpu")
     with pytest.raises(ValueError, match="not a multiple of 4 kv heads"):
-        decode_attention(q, k, v, pos, 0.125)
+        decode_attention(q, k, v, rows(q), pos, 0.125)
     q, k, v, pos = make_inputs(2, 8, 4, 64, 40, [39, 7], torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"q must be \[B, H, 1, D\]"):
-        decode_attention(q.expand(2, 8, 2, 64), k, v, pos, 0.125)
+        decode_attention(q.expand(2, 8, 2, 64), k, v, rows(q), pos, 0.125)
     with pytest.raises(ValueError, match="positions must be"):
-        decode_attention(q, k, v, pos[:1], 0.125)
+        decode_attention(q, k, v, rows(q), pos[:1], 0.125)
     half = [t.to(torch.bfloat16) for t in (q, k, v)]
     with pytest.raises(ValueError, match="differ in dtype"):
-        decode_attention(half[0], k, v, pos, 0.125)
+        decode_attention(half[0], k, v, rows(q), pos, 0.125)
     if os.environ.get("TRITON_INTERPRET") == "1":
         with pytest.raises(ValueError, match="interpreter computes 16-bit"):
-            decode_attention_triton(*half, pos, 0.125)
+            decode_attention_triton(*half, rows(q), pos, 0.125)
         # the op takes the twin instead
         torch.testing.assert_close(
-            decode_attention(*half, pos, 0.125), decode_attention_ref(*half, pos, 0.125)
+            decode_attention(*half, rows(q), pos, 0.125),
+            decode_attention_ref(*half, rows(q), pos, 0.125),
         )
 
 
@@ -206,18 +274,18 @@ def test_cuda_graph_replay():
     """Captured once (split path and not), replays for new positions and cache contents."""
     for max_len in (256, 2048):
         q, k, v, pos = make_inputs(2, 32, 4, 128, max_len, [9, 100], torch.bfloat16, "cuda")
-        decode_attention(q, k, v, pos, 0.1)  # compile outside the capture
+        decode_attention(q, k, v, rows(q), pos, 0.1)  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = decode_attention(q, k, v, pos, 0.1)
+            out = decode_attention(q, k, v, rows(q), pos, 0.1)
         for step in range(3):
             q.copy_(torch.randn_like(q))
             k[:, :, step].normal_()
             pos.copy_(torch.tensor([max_len - 1 - step, 17 * step], device="cuda"))
             graph.replay()
             torch.testing.assert_close(
-                out, decode_attention_ref(q, k, v, pos, 0.1), atol=2e-2, rtol=2e-2
+                out, decode_attention_ref(q, k, v, rows(q), pos, 0.1), atol=2e-2, rtol=2e-2
             )
 
 
@@ -243,7 +311,7 @@ def test_native_decode_through_the_kernel(tiny, monkeypatch):
     calls = []
 
     def counted(*args):
-        calls.append(args[3].clone())  # positions
+        calls.append(args[4].clone())  # positions
         return decode_attention(*args)
 
     monkeypatch.setattr(layers, "_decode_kernel_applies", lambda x, tokens: tokens == 1)

@@ -1,0 +1,133 @@
+"""Where a forward's tokens write their KV and which keys each of them sees (`AttentionBatch`),
+over a paged cache: pages of `page_size` positions ([layers, 2, pages, kv_heads, page_size, D]
+for GQA, [layers, pages, page_size, width] for MLA's latent cache).
+
+The model's tokens come as rows [B, T]. Three shapes of batch, built once per forward and
+shared by every layer:
+
+- `static`: the static cache of StaticDecoder, one page of L positions per row (row b is page
+  b); keys are the cache itself (a view), the mask the causal one of each row's positions.
+- `decode`: one token per row, each row a sequence with its own page table [B, W]; the CUDA
+  decode kernel reads the pages through the table, SDPA (CPU) gathers them.
+- `packed`: every scheduled token of a step in one row [1, N] (sequences one after another,
+  prefill chunks and decodes mixed); the keys are each sequence's positions gathered from its
+  pages, one after another, and the mask lets a token see only its own sequence's keys up to
+  its position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    positions: torch.Tensor  # [B, T] int64: each token's position in its sequence
+    write_page: torch.Tensor  # [B, T] int64: the page its KV goes to
+    write_offset: torch.Tensor  # [B, T] int64: the position in that page
+    mask: torch.Tensor | None  # [B, 1, T, Lk] bool: the keys each token sees (None: decode kernel)
+    key_page: torch.Tensor | None = None  # [B, Lk] int64: the keys' pages (None: page b = row b)
+    key_offset: torch.Tensor | None = None  # [B, Lk] int64
+    page_table: torch.Tensor | None = None  # [B, W] int32: decode rows' pages, for the kernel
+
+    def keys(self, cache: torch.Tensor) -> torch.Tensor:
+        """One layer's cache [pages, ..., page_size, ...] laid out per row: GQA's [P, KVH, PS, D]
+        -> [B, KVH, Lk, D]; MLA's [P, PS, W] -> [B, Lk, W]."""
+        if self.key_page is None:
+            return cache  # the static cache: page b is row b
+        if cache.dim() == 4:
+            return cache[self.key_page, :, self.key_offset].transpose(1, 2)
+        return cache[self.key_page, self.key_offset]
+
+    def write(self, cache: torch.Tensor, values: torch.Tensor) -> None:
+        """Store each token's entry: GQA values [B, KVH, T, D] into [P, KVH, PS, D], MLA values
+        [B, T, W] into [P, PS, W]."""
+        if cache.dim() == 4:
+            cache[self.write_page, :, self.write_offset] = values.transpose(1, 2)
+        else:
+            cache[self.write_page, self.write_offset] = values
+
+    @staticmethod
+    def static(positions: torch.Tensor, max_len: int) -> AttentionBatch:
+        """Row b is page b of max_len positions (StaticDecoder's cache)."""
+        batch, tokens = positions.shape
+        rows = torch.arange(batch, device=positions.device)[:, None].expand(batch, tokens)
+        visible = torch.arange(max_len, device=positions.device)
+        mask = visible[None, None, None, :] <= positions[:, None, :, None]
+        table = rows[:, :1].to(torch.int32)  # [[0], [1], ...]: for the decode kernel
+        return AttentionBatch(positions, rows, positions, mask, page_table=table)
+
+    @staticmethod
+    def decode(
+        positions: torch.Tensor, page_table: torch.Tensor, page_size: int, with_keys: bool
+    ) -> AttentionBatch:
+        """One token per row: positions [B, 1], page_table [B, W] int32. with_keys: also the
+        gathered keys and mask for SDPA (CPU); without, only the decode kernel can attend."""
+        device = positions.device
+        pos = positions[:, 0]
+        write_page = page_table.long().gather(1, (pos // page_size)[:, None])
+        batch = AttentionBatch(
+            positions, write_page, positions % page_size, None, page_table=page_table
+        )
+        if with_keys:
+            width = page_table.shape[1]
+            offsets = torch.arange(page_size, device=device).repeat(width)  # [W * PS]
+            batch.key_page = page_table.long().repeat_interleave(page_size, dim=1)
+            batch.key_offset = offsets[None].expand(page_table.shape[0], -1)
+            visible = torch.arange(width * page_size, device=device)[None, :] <= pos[:, None]
+            batch.mask = visible[:, None, None, :]
+        return batch
+
+    @staticmethod
+    def packed(
+        spans: Sequence[tuple[int, int, Sequence[int]]], page_size: int, device: torch.device | str
+    ) -> AttentionBatch:
+        """Sequences one after another in one row: spans (start, count, pages): positions
+        [start, start + count) of a sequence whose KV lives in `pages` (positions before start
+        already there). -> a batch of B = 1, T = sum of counts."""
+        positions, write_page, key_page, key_offset, query_seq, key_seq, key_pos = (
+            [] for _ in range(7)
+        )
+        for seq, (start, count, pages) in enumerate(spans):
+            end = start + count
+            if len(pages) * page_size < end:
+                raise ValueError(f"{len(pages)} pages cannot hold {end} positions")
+            span = range(start, end)
+            positions += span
+            write_page += [pages[p // page_size] for p in span]
+            query_seq += [seq] * count
+            key_page += [pages[p // page_size] for p in range(end)]
+            key_offset += [p % page_size for p in range(end)]
+            key_seq += [seq] * end
+            key_pos += range(end)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)[None]
+
+        pos = tensor(positions)
+        same = tensor(query_seq)[0][:, None] == tensor(key_seq)[0][None, :]
+        causal = tensor(key_pos)[0][None, :] <= pos[0][:, None]
+        mask = (same & causal)[None, None]  # [1, 1, N, Lk]
+        return AttentionBatch(
+            pos, tensor(write_page), pos % page_size, mask, tensor(key_page), tensor(key_offset)
+        )
+
+    def head_folded(self, heads: int) -> AttentionBatch:
+        """The batch of MLAttention, whose heads share one latent key: the mask [B, 1, T, Lk]
+        -> [B, 1, heads * T, Lk], row h * T + t = token t of head h."""
+        if self.mask is None:
+            return self
+        batch, _, tokens, length = self.mask.shape
+        folded = self.mask[:, :, None].expand(batch, 1, heads, tokens, length)
+        return AttentionBatch(
+            self.positions,
+            self.write_page,
+            self.write_offset,
+            folded.reshape(batch, 1, -1, length),
+            self.key_page,
+            self.key_offset,
+            self.page_table,
+        )
