@@ -88,9 +88,13 @@ class AttentionBatch:
         """Sequences one after another in one row: spans (start, count, pages): positions
         [start, start + count) of a sequence whose KV lives in `pages` (positions before start
         already there). -> a batch of B = 1, T = sum of counts."""
-        positions, write_page, key_page, key_offset, query_seq, key_seq, key_pos = (
-            [] for _ in range(7)
-        )
+        positions: list[int] = []
+        write_page: list[int] = []
+        key_page: list[int] = []
+        key_offset: list[int] = []
+        query_seq: list[int] = []
+        key_seq: list[int] = []
+        key_pos: list[int] = []
         for seq, (start, count, pages) in enumerate(spans):
             end = start + count
             if len(pages) * page_size < end:
