@@ -241,7 +241,9 @@ def _header(
         rates = ", ".join(f"{name} {links[k + '_GB/s']} GB/s" for k, name in names.items())
         print(f"links measured now: {rates}")
         if config["device_kind"] != "cuda":
-            print("(on CPU the experts run through torch reference kernels: far off the floor)")
+            print(
+                "(on CPU the experts run through the torch reference kernels, not tuned for speed)"
+            )
     runs = f"{args.warmup} untimed run" + ("" if args.warmup == 1 else "s")
     print(
         f"{args.prompt_tokens} prompt tokens and {args.new_tokens} new tokens a row, greedy; "
