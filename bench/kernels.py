@@ -35,8 +35,10 @@ from moetier.core.layout import (
     raw_expert_format,
 )
 from moetier.kernels import moe_dispatch
+from moetier.kernels.blob_decode import matrix_spec
 from moetier.kernels.moe_dispatch import KernelChoice, config_key
-from moetier.kernels.moe_triton import matrix_spec, moe_slots_triton, q2s_gemv_supports
+from moetier.kernels.moe_triton import moe_slots_triton
+from moetier.kernels.q2s_gemv import q2s_gemv_supports
 from moetier.quant.synthetic import random_blob
 
 sys.path.insert(0, str(Path(__file__).parent))

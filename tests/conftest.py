@@ -15,7 +15,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 EVAL_MODEL = Path(os.environ.get("MOETIER_EVAL_MODEL", SHARED / "models" / "eval-moe-70m"))
 
 # Without a GPU, Triton kernels run (slowly, on small shapes) in Triton's interpreter. Read when
-# a kernel is defined, so it must be set before moetier.kernels.moe_triton is imported.
+# a kernel is defined, so it must be set before moetier.kernels' Triton modules are imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -47,7 +47,7 @@ from common import copy_bandwidth, emit, graph_ms, run_info  # noqa: E402
 from kernels import L2_BYTES, SHAPES  # noqa: E402
 
 from moetier.kernels import moe_dispatch  # noqa: E402
-from moetier.kernels.moe_triton import _prefetch_l2  # noqa: E402
+from moetier.kernels.ptx import _prefetch_l2  # noqa: E402
 
 GROUP = 32  # q2s columns per group scale (one byte)
 # the `two-launch-op` designs: (lookups, prefetch) of `two_launch_op_calls`

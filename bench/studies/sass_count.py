@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moetier.kernels import moe_triton
+from moetier.kernels import blob_decode, q2s_gemv
 
 POINTERS = {
     "x_ptr": "*fp32", "topk_ids": "*i64", "topk_w": "*fp32", "delta_mask": "*u8", "pool": "*u8",
@@ -98,9 +98,9 @@ def main() -> None:
     parser.add_argument("--wait-first", type=int, default=0, help="WAIT_FIRST (with --pdl 1)")
     parser.add_argument("--dump", type=Path, help="write the K loop's SASS here")
     args = parser.parse_args()
-    fn = moe_triton._q2s_gemv_kernel
+    fn = q2s_gemv._q2s_gemv_kernel
     int8 = 0 if args.float else 1
-    dkind = moe_triton.NVFP4 if args.delta == "nvfp4" else -1
+    dkind = blob_decode.NVFP4 if args.delta == "nvfp4" else -1
     const = dict(GROUP=args.group, DKIND=dkind, DGROUP=16, BIAS=0, ACT=0,
                  IS_DOWN=int(args.down), TOPK=8, SUB=args.sub, BLOCK_K=args.block_k,
                  INT8=int8, ASM=1,

@@ -1,7 +1,7 @@
 """Where a chained q2s decode call's time goes (H200 study): every program of the q2s GEMV's
 launches (Triton or Gluon) writes the GPU's global timer at its start, before and after its
 wait for the launch before it (programmatic dependent launch), and at its end
-(`moe_triton.TRACE_BUFFERS`).
+(`q2s_gemv.TRACE_BUFFERS`).
 Calls are replayed as `bench/kernels.py` times them (one CUDA graph of chained calls); one JSON
 line per (shape, tokens, variant) with the medians over the graph's middle calls, in µs:
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, 
 from common import emit, graph_ms, run_info  # noqa: E402
 from kernels import SHAPES, make_case, parse_variant, variant_choices  # noqa: E402
 
-from moetier.kernels import moe_dispatch, moe_triton  # noqa: E402
+from moetier.kernels import moe_dispatch, q2s_gemv  # noqa: E402
 
 
 def _med(values: list[float]) -> float:
@@ -53,11 +53,11 @@ def timeline(shape: str, tokens: int, choice, calls: int) -> dict:  # type: igno
 
     def traced(i: int):  # type: ignore[no-untyped-def]
         def run() -> None:
-            moe_triton.TRACE_BUFFERS = bufs[i]
+            q2s_gemv.TRACE_BUFFERS = bufs[i]
             try:
                 fns[i]()
             finally:
-                moe_triton.TRACE_BUFFERS = None
+                q2s_gemv.TRACE_BUFFERS = None
 
         return run
 

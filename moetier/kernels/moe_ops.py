@@ -41,7 +41,7 @@ def triton_supports(fmt: BlobFormat, delta_fmt: BlobFormat | None) -> bool:
     capturable); otherwise it falls back to the reference path, which syncs."""
     if not _triton_available():
         return False
-    from moetier.kernels.moe_triton import supports
+    from moetier.kernels.blob_decode import supports
 
     return supports(fmt, delta_fmt)
 

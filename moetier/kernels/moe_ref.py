@@ -160,7 +160,7 @@ def expert_matrix_with_delta(
 def quant_words_ref(x: torch.Tensor) -> torch.Tensor:
     """x [R, K] -> x rounded to int8 per 16-column word (scale absmax / 127, round half up),
     returned dequantized in float32: the activations the int8 q2s GEMV kernel multiplies
-    (moe_triton.quant_words / `_quant_words_kernel`)."""
+    (int8_words.quant_words / `_quant_words_kernel`)."""
     rows, k = x.shape
     v = x.float().reshape(rows, k // 16, 16)
     amax = v.abs().amax(dim=2, keepdim=True)

@@ -1,5 +1,5 @@
 """q2s decode GEMV in Gluon (Triton's layout-explicit dialect), sm_90: one launch of a call's
-gate_up or down, in place of `moe_triton._q2s_gemv_kernel` where a config sets
+gate_up or down, in place of `q2s_gemv._q2s_gemv_kernel` where a config sets
 `KernelChoice.gluon` (H200 configs: where it measured faster, docs/benchmarks.md).
 
 Every program copies its token's activation row into shared memory once (int8 planes, scales,
@@ -14,18 +14,18 @@ WAIT_FIRST (`KernelChoice.wait_first`, a call's first launch): the program waits
 launch before, then lets the next start, before it reads anything (as the Triton kernel's).
 PREFETCH_L2 (`KernelChoice.prefetch_l2`): once its blob is found, and before its first tile's
 loads, each program whose blob is in the GPU pool asks L2 for all its rows' words and group
-scales (`moe_triton._prefetch_rows`, as the Triton kernel does).
+scales (`ptx._prefetch_rows`, as the Triton kernel does).
 
 The Triton kernel's int8 path's IDP4A sums (`_q2s_word_dots`) and rounding, so the twin is the
 same: `moe_ref.moe_slots_ref(..., act_int8=True)`; its floats in another order: a word's sum
 times its x scale plus its staged offset, a group's words added, then one product with the
 group scale (groups of 32: two words; sm_90, DeepSeek-V4-Flash's tiles: 145 instructions a K
-tile where a product a word took 167, `bench/gluon_sass.py`). NEXT_L2 (gate_up,
+tile where a product a word took 167, `bench/studies/gluon_sass.py`). NEXT_L2 (gate_up,
 `KernelChoice.next_l2`): the programs ask L2 for their pair's down weights
-(`moe_triton._prefetch_share`) when `next_l2_at` K tiles are left, or after the loop.
+(`ptx._prefetch_share`) when `next_l2_at` K tiles are left, or after the loop.
 
 What it takes (`tile` and `launch` raise otherwise): q2s matrices whose K tiles and row tiles
-are whole (no masks), groups of 16 or 32 columns; `moe_triton` sends it no call with a delta
+are whole (no masks), groups of 16 or 32 columns; `q2s_gemv` sends it no call with a delta
 plane or a bias. A fitted grid (b != 3a) takes a second pass over the words for its high bits,
 as the Triton kernel does.
 
@@ -43,14 +43,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moetier.kernels.blob_decode import MatrixSpec
+from moetier.kernels.int8_words import _q2s_word_dots
 from moetier.kernels.moe_dispatch import KernelChoice
-from moetier.kernels.moe_triton import (
-    _globaltimer,
-    _prefetch_rows,
-    _prefetch_share,
-    _q2s_word_dots,
-    _trace_store,
-)
+from moetier.kernels.ptx import _globaltimer, _prefetch_rows, _prefetch_share, _trace_store
 
 # Gluon is experimental and its names move: Triton 3.6 (the H200 image) has
 # `gl.thread_barrier`, `shared_memory_descriptor._reinterpret` and
@@ -470,7 +466,7 @@ def launch(
     slot_offsets: torch.Tensor,
     out: torch.Tensor,
     hwords: tuple[torch.Tensor, ...] | None,
-    spec,  # moe_triton.MatrixSpec (this module does not import moe_triton)
+    spec: MatrixSpec,
     inter: int,
     top_k: int,
     act: int,

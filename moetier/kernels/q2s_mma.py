@@ -1,6 +1,6 @@
 """q2s prefill on tensor cores: a grouped GEMM that decodes 2-bit codes into the dot's dtype.
 
-Pairs are grouped per (expert, delta flag) into blocks of BLOCK_M rows (`moe_triton._group_pairs`,
+Pairs are grouped per (expert, delta flag) into blocks of BLOCK_M rows (`pair_tables._group_pairs`,
 no host sync). Per K tile a program loads int32 words of 16 codes (one load per 16 weights, not
 one per weight as the generic `_moe_kernel` does) and its group scales once per word. On the GPU
 (bf16 / fp16 dots) each code's value is looked up with PRMT in a per-(row, word) table of the
@@ -13,7 +13,7 @@ the K loop. Two launches:
   gate_up: h[p, n] = act(g, u), g / u = rows n / I + n of W_gu[e_p] . x[t_p]   (h: x's dtype)
   down:    out[p, :] = w_p . (W_down[e_p] . h[p] + b)
 
-An additive delta (FP4 and q2s decoded by words, raw formats by `moe_triton._decode`) adds its
+An additive delta (FP4 and q2s decoded by words, raw formats by `blob_decode._decode`) adds its
 own product for the blocks whose flag is on; blocks with it off never read the delta blob.
 Same contract and twin as `moe_triton.moe_slots_triton` (`moe_ref.moe_slots_ref`, float
 activations): the gate_up activation is rounded to x's dtype before the down dot, exactly as
@@ -30,8 +30,7 @@ import triton.language as tl
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
-from moetier.kernels.moe_dispatch import KernelChoice
-from moetier.kernels.moe_triton import (
+from moetier.kernels.blob_decode import (
     _DOT_DTYPES,
     ACTIVATIONS,
     NESTED,
@@ -47,10 +46,11 @@ from moetier.kernels.moe_triton import (
     _e2m1,
     _e4m3,
     _f32_at,
-    _group_pairs,
     _row_factor,
-    _sm_at_least,
 )
+from moetier.kernels.moe_dispatch import KernelChoice
+from moetier.kernels.pair_tables import _group_pairs
+from moetier.kernels.ptx import _sm_at_least
 
 
 @functools.cache

@@ -29,7 +29,15 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents  # noqa: E402
 
-from moetier.kernels import moe_dispatch, moe_triton  # noqa: E402
+from moetier.kernels import (  # noqa: E402
+    blob_decode,
+    int8_words,
+    moe_dispatch,
+    moe_triton,
+    pair_tables,
+    ptx,
+    q2s_gemv,
+)
 from moetier.kernels.moe_triton import moe_slots_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -194,8 +202,8 @@ def test_q2s_gemv_default_config():
     """The q2s GEMV kernel with the dispatcher's own config (one K tile of up to 512, rows split
     in four sub-tiles), both grids (even experts fitted, odd b = 3a) and an additive delta."""
     gu = q2s_expert_format(64, 32, False, 32, 16)
-    assert moe_triton.q2s_gemv_supports(
-        moe_triton.matrix_spec(gu, "gate_up"), moe_triton.matrix_spec(gu, "down"), None, None
+    assert q2s_gemv.q2s_gemv_supports(
+        blob_decode.matrix_spec(gu, "gate_up"), blob_decode.matrix_spec(gu, "down"), None, None
     )
     run_case("q2s", 3, 2, 6, 64, 32, present_frac=0.7, seed=13)
     run_case("q2s+q2s", 3, 2, 6, 64, 32, mask="random", seed=14)
@@ -300,8 +308,8 @@ def test_q2s_gemv_split_k():
     run_case("q2s", 1, 2, 4, 128, 64, act="gpt_oss", bias=True, force=(deep, deep), seed=43)
     outs = _q2s_outputs([(two, two), (two, two)], seed=44, tokens=3, experts=6)
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0
-    assert moe_triton._SPLIT_BUFFERS
-    for partial, count in moe_triton._SPLIT_BUFFERS.values():
+    assert q2s_gemv._SPLIT_BUFFERS
+    for partial, count in q2s_gemv._SPLIT_BUFFERS.values():
         assert not partial.any() and not count.any()
     with pytest.raises(ValueError, match="1 or 2"):
         _q2s_outputs([(replace(two, split_k=4), two)], seed=45)
@@ -356,8 +364,8 @@ def test_q2s_gemv_eight_row_subtiles_round_h(monkeypatch):
     one sub-tile's)."""
     eight = moe_dispatch.KernelChoice(block_n=32, block_k=64, int8_act=True)
     rounded = []
-    real = moe_triton.quant_words
-    monkeypatch.setattr(moe_triton, "quant_words", lambda x, *a: rounded.append(x) or real(x, *a))
+    real = int8_words.quant_words
+    monkeypatch.setattr(q2s_gemv, "quant_words", lambda x, *a: rounded.append(x) or real(x, *a))
     run_case("q2s", 2, 2, 4, 128, 64, force=(eight, eight), seed=26)
     assert len(rounded) == 1 and rounded[0].shape[-1] == 128  # x only, not h
     outs = _q2s_outputs([(eight, eight), (replace(eight, block_n=64), eight)], seed=27)
@@ -379,7 +387,7 @@ def test_q2s_gemv_groups(group):
     group widens a 64-column K tile); other multiples of 16 fall back to the generic kernel."""
     fmt = q2s_expert_format(384, 64, False, group, 16)
     gu, dn = moetier_specs(fmt)
-    assert moe_triton.q2s_gemv_supports(gu, dn, None, None) == (group != 48)
+    assert q2s_gemv.q2s_gemv_supports(gu, dn, None, None) == (group != 48)
     gen = torch.Generator().manual_seed(group)
     experts, tokens, top_k = 4, 2, 2
     pool = Pool(fmt, None, experts, torch.ones(experts, dtype=torch.bool), gen)
@@ -400,13 +408,13 @@ def test_q2s_gemv_groups(group):
 
 
 def moetier_specs(fmt):
-    return moe_triton.matrix_spec(fmt, "gate_up"), moe_triton.matrix_spec(fmt, "down")
+    return blob_decode.matrix_spec(fmt, "gate_up"), blob_decode.matrix_spec(fmt, "down")
 
 
 def test_quant_words_matches_ref():
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(0)) * 3
     x[1, 16:32] = 0.0  # an all-zero word
-    xq, xs, xsum, xqn = moe_triton.quant_words(x.to(DEVICE))
+    xq, xs, xsum, xqn = int8_words.quant_words(x.to(DEVICE))
     # xq [R, 4 (s), W]: byte j of (s, w) holds column 16w + s + 4j
     q = torch.stack([(xq.cpu() >> (8 * j)).to(torch.int8) for j in range(4)], dim=-1)
     q = q.permute(0, 2, 3, 1).reshape(5, 96).float()  # [R, w, j, s] -> column 16w + 4j + s
@@ -441,8 +449,8 @@ def test_default_slot_offsets_made_once_and_masks_viewed(monkeypatch):
     first = moe_triton._plain_slot_offsets(pool)
     assert moe_triton._plain_slot_offsets(pool) is first
     assert first.tolist() == [s * stride for s in range(2 * experts)]
-    assert torch.equal(moe_triton._mask_bytes(mask), mask.to(torch.uint8))
-    assert moe_triton._mask_bytes(mask).data_ptr() == mask.data_ptr()  # a view, no launch
+    assert torch.equal(pair_tables._mask_bytes(mask), mask.to(torch.uint8))
+    assert pair_tables._mask_bytes(mask).data_ptr() == mask.data_ptr()  # a view, no launch
     made = []
     real_arange = torch.arange
     monkeypatch.setattr(torch, "arange", lambda *a, **k: made.append(a) or real_arange(*a, **k))
@@ -807,8 +815,8 @@ def _late_routing_writer(src, dst, n, delay_ns, BLOCK: tl.constexpr):
     """A kernel that lets the launch after it start at once (as a PDL-aware router could),
     then spins delay_ns before it writes the routing: dst[:n] = src[:n]."""
     gdc_launch_dependents()
-    start = moe_triton._globaltimer()
-    while moe_triton._globaltimer() - start < delay_ns:
+    start = ptx._globaltimer()
+    while ptx._globaltimer() - start < delay_ns:
         pass
     at = tl.arange(0, BLOCK)
     tl.store(dst + at, tl.load(src + at, mask=at < n), mask=at < n)

@@ -64,8 +64,8 @@ def test_quant_words_kernel_compiles_for_sm90_with_pdl_wait():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moetier.kernels import moe_triton
-fn = moe_triton._quant_words_kernel
+from moetier.kernels import int8_words
+fn = int8_words._quant_words_kernel
 const = {"BLOCK_W": 64, "PDL": 1, "WAIT": 1}
 sig = {n: "constexpr" if n in const else ("*fp32" if n == "x_ptr" else "*i32" if n in
        ("xq", "xsum", "xqn") else "*fp32" if n == "xs" else "i32") for n in fn.arg_names}
