@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from moetier.engine.detokenizer import StreamingDetokenizer, end_token_ids
 from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.static_decode import StaticDecoder
 from moetier.engine.timing import GenerationTiming, TokenClock
@@ -31,9 +32,6 @@ GRAPH_BUCKETS_KEPT = 2
 # Zero-copy decode: tokens between two moves of the GPU-resident hot set (a host read of the
 # device-side counts and copies of the promoted blobs, between graph replays).
 ZERO_COPY_REBALANCE_TOKENS = 64
-
-# Tokens that end an assistant turn in common chat templates, added to the stop ids in chat mode.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<|endoftext|>")
 
 
 @dataclass(frozen=True)
@@ -60,8 +58,7 @@ class Generator:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.eos_ids = self._eos_ids()
-        self.chat_end_ids = self.eos_ids | self._vocab_ids(END_OF_TURN_TOKENS)
+        self.eos_ids, self.chat_end_ids = end_token_ids(loaded)
         self.max_context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         # CUDA-graph decode (native models on CUDA with every expert pinned): one StaticDecoder
         # and graph per (rows, context-length bucket), kept for the next request
@@ -139,19 +136,6 @@ class Generator:
                 f"{self.max_context} tokens: shorten it"
             )
 
-    def _vocab_ids(self, tokens: tuple[str, ...]) -> set[int]:
-        vocab = self.tokenizer.get_vocab()
-        return {vocab[t] for t in tokens if t in vocab}
-
-    def _eos_ids(self) -> set[int]:
-        ids = set(self.loaded.model_config.eos_token_ids)
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if gen_eos is not None:
-            ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
-
     def chat_prompt_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
@@ -176,7 +160,7 @@ class Generator:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=device).manual_seed(params.seed)
-        detok = _StreamingDetokenizer(self.tokenizer, params.stop)
+        detok = StreamingDetokenizer(self.tokenizer, params.stop)
         unsent: list[int] = []  # tokens whose text is not out yet (partial UTF-8, held back)
         finish = "length"
         budget = params.max_new_tokens
@@ -348,47 +332,3 @@ class Generator:
             ids.extend(delta.token_ids)
             finish = delta.finish_reason or finish
         return Completion("".join(pieces), ids, finish, len(prompt_ids))
-
-
-class _StreamingDetokenizer:
-    """Tokens -> text deltas; holds back incomplete UTF-8 and possible stop-string starts."""
-
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = tuple(s for s in stop if s)
-        self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already handed out
-        self.stopped = False
-
-    def push(self, token: int) -> tuple[str, bool]:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return "", False  # a multi-byte character is not complete yet
-        pending = text[self.emitted :]
-        for s in self.stop:
-            at = text.find(s, max(0, self.emitted - len(s) + 1))
-            if at != -1:
-                self.stopped = True
-                out = text[self.emitted : at]
-                self.emitted = len(text)
-                return out, True
-        # Keep back a tail that could still grow into a stop string.
-        hold = max((_overlap(pending, s) for s in self.stop), default=0)
-        out = pending[: len(pending) - hold]
-        self.emitted += len(out)
-        return out, False
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        out = text[self.emitted :]
-        self.emitted = len(text)
-        return out
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if stop.startswith(text[-n:]):
-            return n
-    return 0

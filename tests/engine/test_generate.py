@@ -8,7 +8,8 @@ from tiny_models import TEXT, build_tokenizer
 
 from moetier.config import EngineConfig, replace
 from moetier.engine import generate as generate_module
-from moetier.engine.generate import Generator, _StreamingDetokenizer
+from moetier.engine.detokenizer import StreamingDetokenizer
+from moetier.engine.generate import Generator
 from moetier.engine.sampler import SamplingParams
 from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import load_model
@@ -23,9 +24,9 @@ def test_detokenizer_streams_exact_text_and_honours_stop():
     tok = build_tokenizer()
     text = "naïve café — the quick brown fox jumps"
     ids = tok.encode(text)
-    detok = _StreamingDetokenizer(tok, ())
+    detok = StreamingDetokenizer(tok, ())
     assert "".join(detok.push(t)[0] for t in ids) + detok.flush() == text
-    detok = _StreamingDetokenizer(tok, ("brown fox",))
+    detok = StreamingDetokenizer(tok, ("brown fox",))
     out, stopped = "", False
     for t in ids:
         piece, stopped = detok.push(t)

@@ -1,0 +1,74 @@
+"""Token ids -> streamed text, and the token ids that end a generation.
+
+`StreamingDetokenizer` hands out text as tokens arrive, holding back an incomplete UTF-8
+character and a tail that could still grow into a stop string (stop strings are never emitted).
+`end_token_ids` gives a model's end-of-sequence ids and, for chat, those plus the end-of-turn
+tokens of common chat templates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetier.loader.loaded_model import LoadedModel
+
+# Tokens that end an assistant turn in common chat templates, added to the stop ids in chat mode.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<|endoftext|>")
+
+
+def end_token_ids(loaded: LoadedModel) -> tuple[set[int], set[int]]:
+    """(end-of-sequence ids, chat end ids = those plus END_OF_TURN_TOKENS in the vocabulary):
+    the config's, the generation config's and the tokenizer's eos ids."""
+    ids = set(loaded.model_config.eos_token_ids)
+    generation = getattr(loaded.model, "generation_config", None)
+    gen_eos = getattr(generation, "eos_token_id", None)
+    if gen_eos is not None:
+        ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    vocab = loaded.tokenizer.get_vocab()
+    return ids, ids | {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+
+
+class StreamingDetokenizer:
+    """Tokens -> text deltas; holds back incomplete UTF-8 and possible stop-string starts."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the decoded text already handed out
+        self.stopped = False
+
+    def push(self, token: int) -> tuple[str, bool]:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return "", False  # a multi-byte character is not complete yet
+        pending = text[self.emitted :]
+        for s in self.stop:
+            at = text.find(s, max(0, self.emitted - len(s) + 1))
+            if at != -1:
+                self.stopped = True
+                out = text[self.emitted : at]
+                self.emitted = len(text)
+                return out, True
+        # Keep back a tail that could still grow into a stop string.
+        hold = max((_overlap(pending, s) for s in self.stop), default=0)
+        out = pending[: len(pending) - hold]
+        self.emitted += len(out)
+        return out, False
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        out = text[self.emitted :]
+        self.emitted = len(text)
+        return out
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-n:]):
+            return n
+    return 0

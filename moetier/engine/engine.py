@@ -1,0 +1,162 @@
+"""The serving engine: requests in, text deltas out, many requests per step.
+
+`Engine.add` queues a request (its prompt tokens and SamplingParams); each `Engine.step`
+schedules one batch (engine/scheduler.py), runs it (engine/runner.py: a native model over the
+paged KV cache) and returns what each request produced: its new tokens, their text (streamed:
+incomplete UTF-8 and the possible start of a stop string held back) and, at the end, the
+finish reason. A stop string, `abort` or the end-of-sequence tokens end a request and free its
+KV pages at once. Synchronous and single-threaded: the server drives it from one loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moetier.engine.detokenizer import StreamingDetokenizer, end_token_ids
+from moetier.engine.kv_pages import PagePool
+from moetier.engine.runner import PagedRunner
+from moetier.engine.sampler import SamplingParams
+from moetier.engine.scheduler import Request, Scheduler
+from moetier.loader.loaded_model import LoadedModel
+
+DEFAULT_PAGE_SIZE = 16
+
+
+@dataclass
+class Output:
+    """What one request produced in one step."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort" on its last output
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    completion_tokens: int = 0  # so far
+
+
+@dataclass
+class _Stream:
+    request: Request
+    detok: StreamingDetokenizer
+    end_ids: frozenset[int]
+    sent: int = 0  # output tokens already handed out
+    unsent: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """KV pages and the scheduler's limits (CLI: --max-num-seqs, --max-num-batched-tokens)."""
+
+    num_pages: int = 1024
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefix_caching: bool = True
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, limits: EngineLimits | None = None) -> None:
+        limits = limits or EngineLimits()
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.pool = PagePool(limits.num_pages, limits.page_size, limits.prefix_caching)
+        context = loaded.model.config.max_position_embeddings  # a native model's DecoderConfig
+        self.scheduler = Scheduler(
+            self.pool, context, limits.max_num_seqs, limits.max_num_batched_tokens
+        )
+        self.runner = PagedRunner(loaded, limits.num_pages, limits.page_size)
+        eos, chat_end = end_token_ids(loaded)
+        self.eos_ids, self.chat_end_ids = frozenset(eos), frozenset(chat_end)
+        self.streams: dict[str, _Stream] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        chat: bool = False,
+        max_tokens: int | None = None,
+    ) -> Request:
+        """Queue a request; ContextLengthError (a ValueError) if it can never fit. max_tokens:
+        None takes params.max_new_tokens capped by what the context leaves."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        end_ids = self.chat_end_ids if chat else self.eos_ids
+        limit = max_tokens if max_tokens is not None else params.max_new_tokens
+        room = self.scheduler.max_model_len - len(prompt_ids)
+        if max_tokens is None and room >= 1:
+            limit = min(limit, room)
+        request = Request(request_id, list(prompt_ids), limit, params, end_ids)
+        self.scheduler.add(request)
+        detok = StreamingDetokenizer(self.tokenizer, params.stop)
+        self.streams[request_id] = _Stream(request, detok, end_ids)
+        return request
+
+    def abort(self, request_id: str) -> Output | None:
+        """End a request now (its client went away); its pages are freed at once."""
+        request = self.scheduler.finish(request_id, "abort")
+        stream = self.streams.pop(request_id, None)
+        self.runner.release(request_id)
+        if request is None or stream is None:
+            return None
+        return self._output(stream, "", [], "abort")
+
+    def step(self) -> list[Output]:
+        """Schedule and run one batch; -> an Output for every request that produced a token or
+        finished in it."""
+        step = self.scheduler.schedule()
+        sampled = [item.request.id for item in step.items if item.samples]  # before update
+        finished = {r.id for r in self.scheduler.update(step, self.runner.run(step))}
+        outputs = []
+        for request_id in sampled:
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                outputs.append(self._advance(stream, request_id in finished))
+        return outputs
+
+    def _advance(self, stream: _Stream, finished: bool) -> Output:
+        request = stream.request
+        new = request.output[stream.sent :]
+        stream.sent = len(request.output)
+        text, stopped = "", False
+        for token in new:
+            if token in stream.end_ids and not request.ignore_eos:
+                break  # an end-of-sequence token is never text
+            stream.unsent.append(token)
+            piece, stopped = stream.detok.push(token)
+            text += piece
+            if stopped:
+                break
+        if stopped and not finished:
+            self.scheduler.finish(request.id, "stop")
+            request.finish_reason = "stop"
+            finished = True
+        if not finished:
+            if not text:
+                return self._output(stream, "", [], None)
+            tokens, stream.unsent = stream.unsent, []
+            return self._output(stream, text, tokens, None)
+        if not stopped:
+            text += stream.detok.flush()
+        self.streams.pop(request.id, None)
+        self.runner.release(request.id)
+        tokens, stream.unsent = stream.unsent, []
+        return self._output(stream, text, tokens, request.finish_reason)
+
+    def _output(self, stream: _Stream, text: str, tokens: list[int], finish: str | None) -> Output:
+        request = stream.request
+        return Output(
+            request.id,
+            text,
+            tokens,
+            finish,
+            len(request.prompt),
+            request.cached_tokens,
+            len(request.output),
+        )
