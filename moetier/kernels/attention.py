@@ -2,8 +2,9 @@
 `torch.ops.moetier.decode_attention`.
 
 The cache is pages [P, KVH, page_size, D]; row b's position p lives in page
-page_table[b, p // page_size] at offset p % page_size. A static cache [B, KVH, L, D] is the case
-of one page of L positions per row (page_table [[0], [1], ...]).
+page_table[b, p // page_size] at offset p % page_size. A static cache [B, KVH, L, D] is one page
+of L positions per row: without a page table row b reads page b (no table lookups, the kernel of
+a static cache).
 
 SDPA over the whole cache, after the kv heads are repeated to the query heads, took ~7 µs per
 layer of a batch-1 decode step of Qwen3-30B-A3B on the H200 (plus ~2-3 µs of inductor prologue
@@ -69,16 +70,17 @@ def decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
+    page_table: torch.Tensor | None,
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """q [B, H, 1, D]; k_cache, v_cache [P, KVH, page_size, D] (any strides); page_table [B, W]
-    int32 (row b's pages in order); positions [B] int64, the query's position (keys at
-    positions <= it are visible); H a multiple of KVH, query head h reads kv head h // (H / KVH)
-    -> [B, H, 1, D] in q's dtype. The pages gathered, repeat kv + SDPA with the position mask,
-    as `Attention.forward` computes prefill."""
-    k_cache, v_cache = gather_pages(k_cache, page_table), gather_pages(v_cache, page_table)
+    int32 (row b's pages in order; None: page b is row b); positions [B] int64, the query's
+    position (keys at positions <= it are visible); H a multiple of KVH, query head h reads kv
+    head h // (H / KVH) -> [B, H, 1, D] in q's dtype. The pages gathered, repeat kv + SDPA with
+    the position mask, as `Attention.forward` computes prefill."""
+    if page_table is not None:
+        k_cache, v_cache = gather_pages(k_cache, page_table), gather_pages(v_cache, page_table)
     batch, kv_heads, length, dim = k_cache.shape
     groups = q.shape[1] // kv_heads
     keys = k_cache[:, :, None].expand(batch, kv_heads, groups, length, dim)
@@ -126,11 +128,13 @@ try:
         out, part_o, part_lse, scale_log2, L, D, chunk,
         G: tl.constexpr, KVH: tl.constexpr, SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+        PAGED: tl.constexpr,
     ):  # fmt: skip
         """One program per (row b, kv head, split s): query heads kvh * G + [0, G) over the row's
-        positions [s * chunk, min((s + 1) * chunk, position + 1)), position p read from page
-        page_table[b, p // page_size] (k and v: [pages, KVH, page_size, D] with strides skb /
-        svb per page, skl / svl per position). SPLITS == 1: writes out;
+        positions [s * chunk, min((s + 1) * chunk, position + 1)); PAGED: position p read from
+        page page_table[b, p // page_size] (k and v: [pages, KVH, page_size, D] with strides
+        skb / svb per page, skl / svl per position), else from page b (a static cache, no table
+        read). SPLITS == 1: writes out;
         else part_o [B, H, SPLITS, D] fp32 (normalised) and part_lse [B, H, SPLITS] fp32
         (log2-sum-exp2 of the scaled scores, -inf for an empty range)."""
         pid = tl.program_id(0)
@@ -151,6 +155,9 @@ try:
         hi = tl.minimum(tl.minimum(lo + chunk, position + 1), L)
         k_base = k + kvh.to(tl.int64) * skh
         v_base = v + kvh.to(tl.int64) * svh
+        if not PAGED:
+            k_base += b * skb
+            v_base += b * svb
         row_pages = page_table + b * spt
         m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -159,20 +166,21 @@ try:
             keys = start + tl.arange(0, BLOCK_L)
             k_ok = keys < hi
             kv_mask = k_ok[:, None] & d_ok[None, :]
-            page = tl.load(row_pages + keys // page_size, mask=k_ok, other=0).to(tl.int64)
-            slot = keys % page_size
-            k_tile = tl.load(
-                k_base + (page * skb + slot * skl)[:, None] + d[None, :], mask=kv_mask, other=0.0
-            )
+            if PAGED:
+                page = tl.load(row_pages + keys // page_size, mask=k_ok, other=0).to(tl.int64)
+                k_rows = page * skb + (keys % page_size) * skl
+                v_rows = page * svb + (keys % page_size) * svl
+            else:
+                k_rows = keys * skl
+                v_rows = keys * svl
+            k_tile = tl.load(k_base + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION) * scale_log2
             s = tl.where(k_ok[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_L], log2 units
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: each chunk holds a key
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v_tile = tl.load(
-                v_base + (page * svb + slot * svl)[:, None] + d[None, :], mask=kv_mask, other=0.0
-            )
+            v_tile = tl.load(v_base + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(
                 p.to(v_tile.dtype), v_tile, input_precision=PRECISION
             )
@@ -231,7 +239,7 @@ def _check(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
+    page_table: torch.Tensor | None,
     positions: torch.Tensor,
 ) -> None:
     if q.dim() != 4 or q.shape[2] != 1:
@@ -244,7 +252,10 @@ def _check(
     batch, heads, _, dim = q.shape
     if k_cache.shape[3] != dim:
         raise ValueError(f"cache {k_cache.shape} does not match q {q.shape} in head_dim")
-    if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.dtype != torch.int32:
+    if page_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"a static cache {k_cache.shape} holds one row per query row")
+    elif page_table.dim() != 2 or page_table.shape[0] != batch or page_table.dtype != torch.int32:
         raise ValueError(f"page_table must be [B = {batch}, W] int32, got {page_table.shape}")
     if heads % k_cache.shape[1]:
         raise ValueError(f"{heads} query heads are not a multiple of {k_cache.shape[1]} kv heads")
@@ -258,7 +269,7 @@ def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
+    page_table: torch.Tensor | None,
     positions: torch.Tensor,
     scale: float,
     splits: int | None = None,
@@ -276,7 +287,8 @@ def decode_attention_triton(
         q = q.contiguous()  # [B, H, 1, D]: a few KB
     batch, heads, _, dim = q.shape
     kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
-    length = page_table.shape[1] * page_size  # the most positions a row can hold
+    width = 1 if page_table is None else page_table.shape[1]
+    length = width * page_size  # the most positions a row can hold
     config = choose_config(batch, kv_heads, length, q.dtype)
     if splits is not None:
         config = replace(config, splits=splits)
@@ -295,11 +307,12 @@ def decode_attention_triton(
     groups = heads // kv_heads
     _decode_attention_kernel[(batch * kv_heads, config.splits)](
         q, q.stride(0), q.stride(1), k_cache, *k_cache.stride()[:3], v_cache, *v_cache.stride()[:3],
-        page_table, page_table.stride(0), page_size, positions, positions.stride(0), out, part_o,
-        part_lse, scale * 1.4426950408889634,
+        positions if page_table is None else page_table,  # not read when not PAGED
+        0 if page_table is None else page_table.stride(0), page_size, positions,
+        positions.stride(0), out, part_o, part_lse, scale * 1.4426950408889634,
         length, dim, chunk, G=groups, KVH=kv_heads, SPLITS=config.splits,
         BLOCK_G=max(16, triton.next_power_of_2(groups)), BLOCK_L=config.block_l, BLOCK_D=block_d,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PAGED=page_table is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if config.splits > 1:
@@ -315,13 +328,14 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
+    page_table: torch.Tensor | None,
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Attention of one query token per row over a paged cache. q [B, H, 1, D]; k_cache,
     v_cache [pages, KVH, page_size, D] (this layer's views of the cache; any strides but a
-    contiguous head_dim); page_table [B, W] int32 (row b's pages in order); positions [B] int64
+    contiguous head_dim); page_table [B, W] int32 (row b's pages in order; None: a static
+    cache [B, KVH, L, D], row b is page b, nothing to look up); positions [B] int64
     (keys at positions <= it are visible); query head h reads kv head h // (H / KVH) ->
     [B, H, 1, D] in q's dtype, contiguous. Triton on CUDA (no host sync: CUDA-graph safe) and
     for fp32 under TRITON_INTERPRET=1; `decode_attention_ref` otherwise."""
@@ -336,7 +350,7 @@ def _(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    page_table: torch.Tensor,
+    page_table: torch.Tensor | None,
     positions: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:

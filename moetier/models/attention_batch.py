@@ -26,12 +26,17 @@ import torch
 @dataclass
 class AttentionBatch:
     positions: torch.Tensor  # [B, T] int64: each token's position in its sequence
-    write_page: torch.Tensor  # [B, T] int64: the page its KV goes to
+    write_page: torch.Tensor | None  # [B, T] int64: the page its KV goes to (None: static)
     write_offset: torch.Tensor  # [B, T] int64: the position in that page
     mask: torch.Tensor | None  # [B, 1, T, Lk] bool: the keys each token sees (None: decode kernel)
     key_page: torch.Tensor | None = None  # [B, Lk] int64: the keys' pages (None: page b = row b)
     key_offset: torch.Tensor | None = None  # [B, Lk] int64
     page_table: torch.Tensor | None = None  # [B, W] int32: decode rows' pages, for the kernel
+
+    @property
+    def static_rows(self) -> bool:
+        """Row b is page b, positions at their own index (StaticDecoder's cache)."""
+        return self.write_page is None
 
     def keys(self, cache: torch.Tensor) -> torch.Tensor:
         """One layer's cache [pages, ..., page_size, ...] laid out per row: GQA's [P, KVH, PS, D]
@@ -45,6 +50,13 @@ class AttentionBatch:
     def write(self, cache: torch.Tensor, values: torch.Tensor) -> None:
         """Store each token's entry: GQA values [B, KVH, T, D] into [P, KVH, PS, D], MLA values
         [B, T, W] into [P, PS, W]."""
+        if self.write_page is None:  # static rows: a scatter along the positions
+            if cache.dim() == 4:
+                index = self.positions[:, None, :, None].expand_as(values)
+                cache.scatter_(2, index, values)
+            else:
+                cache.scatter_(1, self.positions[:, :, None].expand_as(values), values)
+            return
         if cache.dim() == 4:
             cache[self.write_page, :, self.write_offset] = values.transpose(1, 2)
         else:
@@ -52,13 +64,11 @@ class AttentionBatch:
 
     @staticmethod
     def static(positions: torch.Tensor, max_len: int) -> AttentionBatch:
-        """Row b is page b of max_len positions (StaticDecoder's cache)."""
-        batch, tokens = positions.shape
-        rows = torch.arange(batch, device=positions.device)[:, None].expand(batch, tokens)
+        """Row b is page b of max_len positions (StaticDecoder's cache): entries scattered at
+        their positions, keys the cache itself, the decode kernel without a page table."""
         visible = torch.arange(max_len, device=positions.device)
         mask = visible[None, None, None, :] <= positions[:, None, :, None]
-        table = rows[:, :1].to(torch.int32)  # [[0], [1], ...]: for the decode kernel
-        return AttentionBatch(positions, rows, positions, mask, page_table=table)
+        return AttentionBatch(positions, None, positions, mask)
 
     @staticmethod
     def decode(

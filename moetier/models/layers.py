@@ -180,8 +180,9 @@ class Attention(nn.Module):
         k_cache, v_cache = cache[self.layer, 0], cache[self.layer, 1]  # [P, kvh, PS, D]
         batch.write(k_cache, k)
         batch.write(v_cache, v)
-        if batch.page_table is not None and (
-            batch.mask is None or _decode_kernel_applies(x, tokens)
+        paged = batch.page_table is not None  # decode rows reading pages through their tables
+        if (paged and batch.mask is None) or (
+            (paged or batch.static_rows) and _decode_kernel_applies(x, tokens)
         ):
             out = decode_attention(
                 q, k_cache, v_cache, batch.page_table, batch.positions[:, 0], self.head_dim**-0.5

@@ -163,3 +163,15 @@ def test_context_length_is_refused_with_a_clear_error(native):
     with pytest.raises(ValueError, match="empty"):
         engine.add("y", [], GREEDY)
     assert not engine.has_work and torch.is_tensor(engine.runner.cache)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_batched_greedy_equals_alone_on_cuda(tiny, model_type):
+    """On CUDA decode rows read their pages in the decode kernel (GQA) and packed steps run
+    SDPA over gathered pages; fp32, each request against the Generator alone (static cache)."""
+    loaded = load_model(
+        tiny.store(model_type), EngineConfig(device="cuda", dtype="float32", native=True)
+    )
+    engine = Engine(loaded, EngineLimits(num_pages=48, page_size=16, max_num_batched_tokens=16))
+    check_against_alone(loaded, engine, random_requests(loaded.model_config.vocab_size, 8, 3))

@@ -179,6 +179,23 @@ def test_paged_cache_16bit_gpu(dtype):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_static_cache_without_a_page_table(splits):
+    """No page table: row b reads page b (the static cache's kernel, no table lookups), equal to
+    the same cache through the identity table, and to the twin."""
+    q, k, v, pos = make_inputs(3, 8, 2, 64, 90, [89, 0, 40], torch.float32, DEVICE)
+    got = decode_attention_triton(q, k, v, None, pos, 0.125, splits=splits)
+    via_table = decode_attention_triton(q, k, v, rows(q), pos, 0.125, splits=splits)
+    torch.testing.assert_close(got, via_table, atol=0, rtol=0)
+    want = decode_attention_ref(q, k, v, None, pos, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        decode_attention(q, k, v, None, pos, 0.125), want, atol=2e-5, rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="one row per query row"):
+        decode_attention(q[:2], k, v, None, pos[:2], 0.125)
+
+
 def test_choose_config_splits_from_shapes():
     fp32, bf16 = torch.float32, torch.bfloat16
     assert choose_config(1, 4, SPLIT_THRESHOLD, bf16).splits == 1  # short caches: one pass
@@ -206,8 +223,9 @@ pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "out": "*bf16", "positions
             "part_o": "*fp32", "part_lse": "*fp32", "scale_log2": "fp32"}
 decode = dict(sp=1, spt=1, G=8, KVH=4, BLOCK_G=16, BLOCK_L=config.block_l, BLOCK_D=128,
               PRECISION="tf32")
-kernels = [("single", attention._decode_attention_kernel, dict(decode, SPLITS=1)),
-           ("split", attention._decode_attention_kernel, dict(decode, SPLITS=32)),
+kernels = [("single", attention._decode_attention_kernel, dict(decode, SPLITS=1, PAGED=True)),
+           ("split", attention._decode_attention_kernel, dict(decode, SPLITS=32, PAGED=True)),
+           ("static", attention._decode_attention_kernel, dict(decode, SPLITS=1, PAGED=False)),
            ("combine", attention._combine_splits_kernel, dict(SPLITS=32, BLOCK_S=32, BLOCK_D=128))]
 ptx = {}
 for name, fn, constants in kernels:
@@ -233,7 +251,12 @@ def test_compiles_for_sm90():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result == {"single": [True, True], "split": [True, True], "combine": [True, False]}
+    assert result == {
+        "single": [True, True],
+        "split": [True, True],
+        "static": [True, True],
+        "combine": [True, False],
+    }
 
 
 def test_op_and_opcheck():
