@@ -1,7 +1,8 @@
-"""What every benchmark line carries (commit, device, versions: STYLE.md §12) and the timing and
-link-speed helpers of the bench scripts. The link speeds and run info live in the package
-(moetier/residency/links.py, moetier/core/provenance.py: `moetier bench` measures them too) and
-are re-exported here under their old names."""
+"""Helpers the bench scripts share beyond the package's: a JSON line out (`emit`), ms per call
+of calls replayed as one CUDA graph (`graph_ms`), host-to-GPU copies a call per blob
+(`h2d_blob_bandwidth`) and the read floor of one launch (`read_floor_ms`). What every line
+carries (commit, device, versions) is moetier/core/provenance.py's `run_info`; link speeds are
+moetier/residency/links.py's (`moetier bench` measures them too)."""
 
 from __future__ import annotations
 
@@ -11,32 +12,7 @@ from typing import Any
 
 import torch
 
-from moetier.core.provenance import git_commit, run_info
-from moetier.residency.links import (
-    copy_bandwidth,
-    disk_bandwidth,
-    h2d_bandwidth,
-    memory_bandwidth,
-    time_cuda,
-    time_host,
-    zero_copy_bandwidth,
-)
-
-__all__ = [
-    "WARM_S",
-    "copy_bandwidth",
-    "disk_bandwidth",
-    "emit",
-    "git_commit",
-    "graph_ms",
-    "h2d_bandwidth",
-    "h2d_blob_bandwidth",
-    "memory_bandwidth",
-    "read_floor_ms",
-    "run_info",
-    "time_cuda",
-    "zero_copy_bandwidth",
-]
+from moetier.residency.links import time_cuda, time_host
 
 
 def emit(record: dict[str, Any], sink: list[dict[str, Any]] | None = None) -> None:

@@ -99,7 +99,9 @@ from moetier.residency.links import (
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trace_routing  # noqa: E402
-from common import emit, h2d_blob_bandwidth, run_info  # noqa: E402
+from common import emit, h2d_blob_bandwidth  # noqa: E402
+
+from moetier.core.provenance import run_info  # noqa: E402
 
 PROMPT = 16
 

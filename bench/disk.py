@@ -40,10 +40,8 @@ from pathlib import Path
 import torch
 
 from moetier.core.layout import align_up
+from moetier.core.provenance import git_commit
 from moetier.residency.disk import DIRECT_ALIGN, O_DIRECT, DiskReader
-
-sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # A Qwen3-30B-A3B expert in the bench's synthetic q2s store (bench/decode.py; g32, down g16);

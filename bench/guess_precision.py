@@ -38,7 +38,9 @@ from moetier.loader.load import load_model
 from moetier.quant.synthetic import QWEN3_30B_A3B, write_synthetic_store
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import emit, run_info  # noqa: E402
+from common import emit  # noqa: E402
+
+from moetier.core.provenance import run_info  # noqa: E402
 
 
 def capture(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[int], dict[int, Any]]:

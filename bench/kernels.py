@@ -42,7 +42,10 @@ from moetier.kernels.q2s_gemv import q2s_gemv_supports
 from moetier.quant.synthetic import random_blob
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, emit, graph_ms, read_floor_ms, run_info  # noqa: E402
+from common import emit, graph_ms, read_floor_ms  # noqa: E402
+
+from moetier.core.provenance import run_info  # noqa: E402
+from moetier.residency.links import copy_bandwidth  # noqa: E402
 
 SHAPES = {  # name: (hidden, expert intermediate, experts, top-k)
     "deepseek-v3": (7168, 2048, 256, 8),

@@ -25,10 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moetier.core.provenance import git_commit
 from moetier.residency.predict import predict_experts, prediction_quality
-
-sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
 
 EVAL_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "eval-moe-70m"
 

@@ -24,10 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moetier.core.provenance import git_commit
 from moetier.residency.replay import POLICIES, SCOPES, Request, Trace, replay
-
-sys.path.insert(0, str(Path(__file__).parent))
-from common import git_commit  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 EVAL_MODEL = SHARED / "models" / "eval-moe-70m"

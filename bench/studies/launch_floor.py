@@ -43,11 +43,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, kernels
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from common import copy_bandwidth, emit, graph_ms, run_info  # noqa: E402
+from common import emit, graph_ms  # noqa: E402
 from kernels import L2_BYTES, SHAPES  # noqa: E402
 
+from moetier.core.provenance import run_info  # noqa: E402
 from moetier.kernels import moe_dispatch  # noqa: E402
 from moetier.kernels.ptx import _prefetch_l2  # noqa: E402
+from moetier.residency.links import copy_bandwidth  # noqa: E402
 
 GROUP = 32  # q2s columns per group scale (one byte)
 # the `two-launch-op` designs: (lookups, prefetch) of `two_launch_op_calls`

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common, kernels
-from common import emit, graph_ms, run_info  # noqa: E402
+from common import emit, graph_ms  # noqa: E402
 from kernels import SHAPES, make_case, parse_variant, variant_choices  # noqa: E402
 
+from moetier.core.provenance import run_info  # noqa: E402
 from moetier.kernels import moe_dispatch, q2s_gemv  # noqa: E402
 
 
