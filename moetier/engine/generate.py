@@ -1,10 +1,11 @@
 """The generation loop: prefill, then one token at a time with a KV cache; streaming text out.
 
-One sequence at a time (continuous batching comes with the serving issue). Runs the transformers
-model with a DynamicCache, or a native model (`--native`) with its static KV cache. Stops at an
-end-of-sequence token, a stop string (never emitted), or `max_new_tokens`. `stream_rows` decodes
-several sequences together for a fixed number of tokens (what `moetier bench` times). Each
-stream times itself (`Generator.timing`, engine/timing.py).
+One sequence (or `stream_rows`' fixed batch) at a time; many requests over a paged cache are
+engine/engine.py's. Runs the transformers model with a DynamicCache, or a native model
+(`--native`) with its static KV cache. Stops at an end-of-sequence token, a stop string (never
+emitted), or `max_new_tokens`. `stream_rows` decodes several sequences together for a fixed
+number of tokens (what `moetier bench` times). Each stream times itself (`Generator.timing`,
+engine/timing.py).
 """
 
 from __future__ import annotations
