@@ -2,7 +2,8 @@
 
 `Engine.add` queues a request (its prompt tokens and SamplingParams); each `Engine.step`
 schedules one batch (engine/scheduler.py), runs it (engine/runner.py: a native model over the
-paged KV cache) and returns what each request produced: its new tokens, their text (streamed:
+paged KV cache, or the transformers model class one request after another) and returns what
+each request produced: its new tokens, their text (streamed:
 incomplete UTF-8 and the possible start of a stop string held back) and, at the end, the
 finish reason. A stop string, `abort` or the end-of-sequence tokens end a request and free its
 KV pages at once. Synchronous and single-threaded: the server drives it from one loop.
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from moetier.engine.detokenizer import StreamingDetokenizer, end_token_ids
 from moetier.engine.kv_pages import PagePool
-from moetier.engine.runner import PagedRunner
+from moetier.engine.runner import PagedRunner, TransformersRunner
 from moetier.engine.sampler import SamplingParams
 from moetier.engine.scheduler import Request, Scheduler
 from moetier.loader.loaded_model import LoadedModel
@@ -60,12 +61,17 @@ class Engine:
         limits = limits or EngineLimits()
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.pool = PagePool(limits.num_pages, limits.page_size, limits.prefix_caching)
-        context = loaded.model.config.max_position_embeddings  # a native model's DecoderConfig
+        paged = hasattr(loaded.model, "new_cache")  # a native model file
+        self.runner: PagedRunner | TransformersRunner = (
+            PagedRunner(loaded, limits.num_pages, limits.page_size)
+            if paged
+            else TransformersRunner(loaded)
+        )
+        self.pool = PagePool(limits.num_pages, limits.page_size, limits.prefix_caching and paged)
+        context = int(loaded.model.config.max_position_embeddings)
         self.scheduler = Scheduler(
             self.pool, context, limits.max_num_seqs, limits.max_num_batched_tokens
         )
-        self.runner = PagedRunner(loaded, limits.num_pages, limits.page_size)
         eos, chat_end = end_token_ids(loaded)
         self.eos_ids, self.chat_end_ids = frozenset(eos), frozenset(chat_end)
         self.streams: dict[str, _Stream] = {}
@@ -85,18 +91,27 @@ class Engine:
     ) -> Request:
         """Queue a request; ContextLengthError (a ValueError) if it can never fit. max_tokens:
         None takes params.max_new_tokens capped by what the context leaves."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
+        limit = self.check(prompt_ids, params, max_tokens)
         end_ids = self.chat_end_ids if chat else self.eos_ids
-        limit = max_tokens if max_tokens is not None else params.max_new_tokens
-        room = self.scheduler.max_model_len - len(prompt_ids)
-        if max_tokens is None and room >= 1:
-            limit = min(limit, room)
         request = Request(request_id, list(prompt_ids), limit, params, end_ids)
         self.scheduler.add(request)
         detok = StreamingDetokenizer(self.tokenizer, params.stop)
         self.streams[request_id] = _Stream(request, detok, end_ids)
         return request
+
+    def check(
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None = None
+    ) -> int:
+        """The tokens a request may generate; ValueError (ContextLengthError) if it can never
+        run. Reads only fixed limits: safe from any thread."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        limit = max_tokens if max_tokens is not None else params.max_new_tokens
+        room = self.scheduler.max_model_len - len(prompt_ids)
+        if max_tokens is None and room >= 1:
+            limit = min(limit, room)
+        self.scheduler.check(len(prompt_ids), limit)
+        return limit
 
     def abort(self, request_id: str) -> Output | None:
         """End a request now (its client went away); its pages are freed at once."""

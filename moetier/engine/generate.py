@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from moetier.engine.detokenizer import StreamingDetokenizer, end_token_ids
+from moetier.engine.prompts import chat_prompt_ids
 from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.static_decode import StaticDecoder
 from moetier.engine.timing import GenerationTiming, TokenClock
@@ -140,12 +141,7 @@ class Generator:
     def chat_prompt_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template: use a plain prompt instead")
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=True
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, messages, tools)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)

@@ -1,14 +1,20 @@
-"""Runs the scheduler's steps (engine/scheduler.py) on a native model over a paged KV cache.
+"""Runs the scheduler's steps (engine/scheduler.py) on a model: `run(step)` computes the step's
+positions and returns the token sampled for each item that samples.
 
-A step whose items are all one-token decodes runs as decode rows [R, 1], each row reading its
-pages through its page table (the decode kernel on CUDA for GQA); any other step packs every
-item's tokens into one row [1, N] (prefill chunks and decodes mixed; models/attention_batch.py).
-Only the positions whose next token is sampled go through the LM head. Each request samples
-with its own generator (seeded from its SamplingParams), so what it draws does not depend on
-which requests share its steps.
+`PagedRunner` (native model files): a step whose items are all one-token decodes runs as decode
+rows [R, 1], each row reading its pages through its page table (the decode kernel on CUDA for
+GQA); any other step packs every item's tokens into one row [1, N] (prefill chunks and decodes
+mixed; models/attention_batch.py). Only the positions whose next token is sampled go through
+the LM head. `TransformersRunner` (the transformers model class): each request its own
+DynamicCache, its items run one after another; no prefix cache (its KV is not in pages).
+Each request samples with its own generator (seeded from its SamplingParams), so what it draws
+does not depend on which requests share its steps.
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any
 
 import torch
 
@@ -19,7 +25,38 @@ from moetier.models.attention_batch import AttentionBatch
 from moetier.models.layers import Attention
 
 
-class PagedRunner:
+class _Sampling:
+    """Per-request generators and the sampling of one step's rows."""
+
+    device: torch.device
+
+    def __init__(self) -> None:
+        self.generators: dict[str, torch.Generator] = {}
+        self.positions_run = 0  # positions computed over the runner's life (tests, metrics)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished or preempted-for-good request's state."""
+        self.generators.pop(request_id, None)
+
+    def _sample(self, logits: torch.Tensor, items: list[Scheduled]) -> dict[str, int]:
+        """logits [S, V], one row per item (in order) -> request id -> token."""
+        out = {}
+        for row, item in enumerate(items):
+            request = item.request
+            params = request.params if request.params is not None else SamplingParams()
+            generator = self._generator(request.id, getattr(params, "seed", None))
+            out[request.id] = int(sample(logits[row : row + 1], params, generator)[0])
+        return out
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        if request_id not in self.generators:
+            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return self.generators[request_id]
+
+
+class PagedRunner(_Sampling):
     """A native model, its KV cache of `num_pages` pages of `page_size` positions, and the
     per-request sampling generators."""
 
@@ -29,6 +66,7 @@ class PagedRunner:
             raise ValueError(
                 "the paged engine runs native model files (--native); this store's family has none"
             )
+        super().__init__()
         self.loaded = loaded
         self.model = model
         self.device = loaded.device
@@ -39,8 +77,6 @@ class PagedRunner:
         self.gather_decode_keys = not (
             self.device.type == "cuda" and isinstance(first_attention, Attention)
         )
-        self.generators: dict[str, torch.Generator] = {}
-        self.positions_run = 0  # positions computed over the runner's life (tests, metrics)
 
     @torch.inference_mode()
     def run(self, step: Step) -> dict[str, int]:
@@ -65,25 +101,7 @@ class PagedRunner:
             return {}
         rows = torch.tensor([last[i] for i, _ in sampling], device=self.device)
         logits = self.model.lm_head(hidden.index_select(0, rows))  # [S, V]
-        out = {}
-        for row, (_, item) in enumerate(sampling):
-            request = item.request
-            params = request.params if request.params is not None else SamplingParams()
-            out[request.id] = int(sample(logits[row : row + 1], params, self._generator(item))[0])
-        return out
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
-        self.generators.pop(request_id, None)
-
-    def _generator(self, item: Scheduled) -> torch.Generator | None:
-        request = item.request
-        seed = getattr(request.params, "seed", None)
-        if seed is None:
-            return None
-        if request.id not in self.generators:
-            self.generators[request.id] = torch.Generator(device=self.device).manual_seed(seed)
-        return self.generators[request.id]
+        return self._sample(logits, [item for _, item in sampling])
 
     def _decode_rows(self, items: list[Scheduled]) -> torch.Tensor:
         device = self.device
@@ -106,3 +124,53 @@ class PagedRunner:
         tokens = [t for item in items for t in item.request.tokens[item.start :][: item.count]]
         ids = torch.tensor([tokens], device=self.device)
         return self.model.model(ids, batch.positions, self.cache, batch)[0]
+
+
+class TransformersRunner(_Sampling):
+    """The transformers model class, a DynamicCache per request; a step's items run one after
+    another (batched only in the scheduler's sense). Needs the page pool without prefix caching:
+    a request's KV is in its own cache, not in pages."""
+
+    prefix_caching = False
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        super().__init__()
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.caches: dict[str, Any] = {}
+        # transformers 5.24 names the forward's cache `cache`, earlier ones `past_key_values`
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @torch.inference_mode()
+    def run(self, step: Step) -> dict[str, int]:
+        from transformers import DynamicCache
+
+        sampling: list[Scheduled] = []
+        logits = []
+        for item in step.items:
+            request = item.request
+            if item.start == 0:  # a new request, or one preempted and recomputed
+                self.caches[request.id] = DynamicCache(config=self.model.config)
+            cache = self.caches.get(request.id)
+            if cache is None:
+                raise RuntimeError(f"request {request.id} resumes at {item.start} with no cache")
+            ids = request.tokens[item.start : item.start + item.count]
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_arg: cache},
+            )
+            if item.samples:
+                sampling.append(item)
+                logits.append(out.logits[0, -1])
+        self.positions_run += step.num_tokens
+        if not sampling:
+            return {}
+        return self._sample(torch.stack(logits), sampling)
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self.caches.pop(request_id, None)

@@ -137,20 +137,23 @@ class Scheduler:
         id. `max_tokens` None becomes what the context and the KV cache leave."""
         if request.id in self.requests:
             raise ValueError(f"request id {request.id!r} is already queued or running")
-        prompt = len(request.prompt)
-        capacity = self.pool.num_pages * self.pool.page_size
-        limit = min(self.max_model_len, capacity)
-        if request.max_tokens is None:
-            request.max_tokens = limit - prompt
-        if request.max_tokens < 1:
-            raise ContextLengthError(_too_long(self.max_model_len, capacity, prompt, 1))
-        if prompt + request.max_tokens > limit:
-            raise ContextLengthError(
-                _too_long(self.max_model_len, capacity, prompt, request.max_tokens)
-            )
+        request.max_tokens = self.check(len(request.prompt), request.max_tokens)
         request.state = State.WAITING
         self.requests[request.id] = request
         self.waiting.append(request)
+
+    def check(self, prompt: int, max_tokens: int | None) -> int:
+        """The tokens a request of `prompt` tokens may generate (max_tokens None: what the
+        context and the KV cache leave); ContextLengthError if it can never run."""
+        capacity = self.pool.num_pages * self.pool.page_size
+        limit = min(self.max_model_len, capacity)
+        if max_tokens is None:
+            max_tokens = limit - prompt
+        if max_tokens < 1:
+            raise ContextLengthError(_too_long(self.max_model_len, capacity, prompt, 1))
+        if prompt + max_tokens > limit:
+            raise ContextLengthError(_too_long(self.max_model_len, capacity, prompt, max_tokens))
+        return max_tokens
 
     def finish(self, request_id: str, reason: str = "abort") -> Request | None:
         """End a request now (a stop string, a client gone): its pages are freed at once.
@@ -295,7 +298,7 @@ class Scheduler:
 
 def _too_long(context: int, capacity: int, prompt: int, new: int) -> str:
     limit = min(context, capacity)
-    what = "context length" if context <= capacity else "KV cache (raise --kv-memory)"
+    what = "context length" if context <= capacity else "KV cache"
     return (
         f"this model's {what} holds {limit} tokens, but the request needs {prompt + new} "
         f"({prompt} in the prompt, {new} to generate): shorten the prompt or lower max_tokens"

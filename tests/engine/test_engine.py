@@ -165,6 +165,20 @@ def test_context_length_is_refused_with_a_clear_error(native):
     assert not engine.has_work and torch.is_tensor(engine.runner.cache)
 
 
+def test_the_transformers_path_serves_concurrent_requests(tiny):
+    """Without a native model file the engine runs the transformers class, each request its own
+    DynamicCache (no prefix cache): the same tokens as each request alone, chunked prefill and
+    preemption included."""
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    engine = Engine(loaded, EngineLimits(num_pages=7, page_size=4, max_num_batched_tokens=8))
+    assert type(engine.runner).__name__ == "TransformersRunner" and not engine.pool.prefix_caching
+    requests = random_requests(loaded.model_config.vocab_size, 6, seed=4, max_prompt=14)
+    requests = [(rid, p, SamplingParams(temperature=0, max_new_tokens=10), at % 3)
+                for rid, p, _, at in requests]  # fmt: skip
+    check_against_alone(loaded, engine, requests)
+    assert engine.scheduler.preemptions > 0 and engine.runner.caches == {}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
 def test_batched_greedy_equals_alone_on_cuda(tiny, model_type):

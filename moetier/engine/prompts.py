@@ -1,0 +1,19 @@
+"""Prompt token ids: chat messages through the model's own chat template (transformers'
+rendering), or plain text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """The messages rendered by the tokenizer's chat template with the generation prompt, as
+    token ids; ValueError if the model has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: use a plain prompt instead")
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
