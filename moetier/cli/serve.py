@@ -1,14 +1,25 @@
-"""`moetier serve STORE`: OpenAI-compatible HTTP server (default 127.0.0.1:8000)."""
+"""`moetier serve STORE`: OpenAI-compatible HTTP server (default 127.0.0.1:8000) over the
+serving engine: many requests at once, the model loaded in the background (`/health` answers 503
+until it is ready)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from moetier.cli.common import add_model_arguments, load
+from moetier.cli.common import add_model_arguments
+from moetier.cli.flags import add_dataclass_arguments, dataclass_from_args
+from moetier.config import EngineConfig
+from moetier.engine.engine import EngineLimits
+from moetier.engine.sampler import SamplingParams
+
+# seconds a shutdown (SIGTERM, Ctrl-C) waits for open connections before closing them
+GRACEFUL_SHUTDOWN_S = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_dataclass_arguments(parser, EngineLimits, "serving")
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )
@@ -21,15 +32,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from moetier.engine.async_engine import AsyncEngine
+    from moetier.engine.engine import Engine
+    from moetier.loader.load import check_engine_config, load_model
     from moetier.server.app import create_app
 
-    generator, params = load(args)
-    name = args.model_name or generator.loaded.name
-    print(f"serving {name} on http://{args.host}:{args.port}/v1", flush=True)
+    engine_config = dataclass_from_args(EngineConfig, args)
+    params = dataclass_from_args(SamplingParams, args)
+    limits = dataclass_from_args(EngineLimits, args)
+    check_engine_config(args.store, engine_config)  # a bad store or budget fails here, at once
+    name = args.model_name or Path(args.store).resolve().name
+
+    def build() -> AsyncEngine:
+        return AsyncEngine(Engine(load_model(args.store, engine_config), limits))
+
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (loading)", flush=True)
     uvicorn.run(
-        create_app(generator, name, params, telemetry=generator.loaded.runtime.telemetry),
+        create_app(build, name, params),
         host=args.host,
         port=args.port,
         log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     return 0

@@ -47,13 +47,19 @@ class _Stream:
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """KV pages and the scheduler's limits (CLI: --max-num-seqs, --max-num-batched-tokens)."""
+    """KV pages and the scheduler's limits; each field is a flag of `moetier serve`."""
 
-    num_pages: int = 1024
-    page_size: int = DEFAULT_PAGE_SIZE
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefix_caching: bool = True
+    num_pages: int = field(
+        default=1024, metadata={"help": "KV cache pages (each --page-size positions)"}
+    )
+    page_size: int = field(default=DEFAULT_PAGE_SIZE, metadata={"help": "positions a KV page"})
+    max_num_seqs: int = field(default=64, metadata={"help": "requests computed together"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "positions a step computes (decodes + prompt chunks)"}
+    )
+    prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse the KV pages of a cached prompt prefix"}
+    )
 
 
 class Engine:
@@ -75,6 +81,7 @@ class Engine:
         eos, chat_end = end_token_ids(loaded)
         self.eos_ids, self.chat_end_ids = frozenset(eos), frozenset(chat_end)
         self.streams: dict[str, _Stream] = {}
+        self.aborted = 0  # requests ended by `abort` (clients gone)
 
     @property
     def has_work(self) -> bool:
@@ -88,12 +95,14 @@ class Engine:
         *,
         chat: bool = False,
         max_tokens: int | None = None,
+        ignore_eos: bool = False,
     ) -> Request:
         """Queue a request; ContextLengthError (a ValueError) if it can never fit. max_tokens:
-        None takes params.max_new_tokens capped by what the context leaves."""
+        None takes params.max_new_tokens capped by what the context leaves; ignore_eos: run to
+        max_tokens through end-of-sequence tokens (benchmarks)."""
         limit = self.check(prompt_ids, params, max_tokens)
         end_ids = self.chat_end_ids if chat else self.eos_ids
-        request = Request(request_id, list(prompt_ids), limit, params, end_ids)
+        request = Request(request_id, list(prompt_ids), limit, params, end_ids, ignore_eos)
         self.scheduler.add(request)
         detok = StreamingDetokenizer(self.tokenizer, params.stop)
         self.streams[request_id] = _Stream(request, detok, end_ids)
@@ -120,6 +129,7 @@ class Engine:
         self.runner.release(request_id)
         if request is None or stream is None:
             return None
+        self.aborted += 1
         return self._output(stream, "", [], "abort")
 
     def step(self) -> list[Output]:

@@ -1,4 +1,5 @@
-"""The HTTP server against the official `openai` client."""
+"""The HTTP server against the official `openai` client: a real uvicorn on loopback over the
+serving engine (engine/async_engine.py), answers checked against the Generator alone."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 import uvicorn
 
 from moetier.config import EngineConfig
+from moetier.engine.async_engine import AsyncEngine
+from moetier.engine.engine import Engine
 from moetier.engine.generate import Generator
 from moetier.engine.sampler import SamplingParams
 from moetier.loader.load import load_model
@@ -20,13 +23,13 @@ from moetier.server.app import create_app
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    generator = Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu")))
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu"))
+    generator = Generator(loaded)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = uvicorn.Config(
-        create_app(generator, "tiny-qwen3"), host="127.0.0.1", port=port, log_level="warning"
-    )
+    app = create_app(AsyncEngine(Engine(loaded)), "tiny-qwen3")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -54,6 +57,12 @@ def expected_greedy(generator, max_tokens: int) -> str:
     )
 
 
+def generated(expected) -> int:
+    """Tokens generated: the text's, plus an end-of-sequence token when it stopped on one (the
+    engine counts every sampled token, as vLLM does; the Generator's token_ids leave it out)."""
+    return len(expected.token_ids) + (expected.finish_reason == "stop")
+
+
 def test_health_and_models(server, client):
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == ["tiny-qwen3"]
@@ -68,7 +77,8 @@ def test_chat_completion(server, client):
     assert resp.choices[0].message.content == expected.text
     assert resp.choices[0].finish_reason == expected.finish_reason
     assert resp.usage.prompt_tokens == expected.prompt_tokens
-    assert resp.usage.completion_tokens == len(expected.token_ids)
+    assert resp.usage.completion_tokens == generated(expected)
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0  # the transformers path
 
 
 def test_chat_completion_streaming(server, client):
@@ -88,7 +98,7 @@ def test_chat_completion_streaming(server, client):
     ]
     assert text == expected.text
     assert finishes == [expected.finish_reason]
-    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert chunks[-1].usage.completion_tokens == generated(expected)
 
 
 def test_bad_requests_get_openai_errors(client):
@@ -103,7 +113,7 @@ def test_bad_requests_get_openai_errors(client):
 def test_prompt_longer_than_the_context_is_a_400(server, client):
     limit = server[1].max_context
     long_text = "Hello there " * limit
-    with pytest.raises(openai.BadRequestError, match=f"context is {limit} tokens"):
+    with pytest.raises(openai.BadRequestError, match=f"context length holds {limit} tokens"):
         client.chat.completions.create(
             model="tiny-qwen3", messages=[{"role": "user", "content": long_text}]
         )

@@ -1,0 +1,206 @@
+"""The engine behind an async interface: one engine loop on its own thread, a queue per request.
+
+`AsyncEngine.generate(...)` is an async iterator of a request's `Output`s, usable from any
+asyncio loop (the server's). Requests and aborts reach the loop thread as commands; each step's
+outputs go back to each request's queue on its own event loop. Closing the iterator early (a
+client gone: the server cancels its task) aborts the request and frees its KV pages at once.
+Nothing holds a lock across a step, so a new request, an abort or `/health` never waits for one.
+`close()` ends every open request ("abort") and stops the loop within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import sys
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from moetier.engine.engine import Engine, Output
+from moetier.engine.sampler import SamplingParams
+
+_IDS = itertools.count()
+
+
+@dataclass
+class EngineStats:
+    """What /metrics shows of the engine (read from any thread; values of the last step)."""
+
+    running: int = 0
+    waiting: int = 0
+    pages_used: int = 0
+    pages_free: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    aborted: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.stats = EngineStats(pages_free=engine.pool.free_pages)
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._loop, name="moetier-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check(
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None = None
+    ) -> int:
+        """Engine.check: a ValueError now for a request that can never run."""
+        return self.engine.check(prompt_ids, params, max_tokens)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        chat: bool = False,
+        max_tokens: int | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Output]:
+        """The request's outputs as they come; the last has a finish_reason. Closing the
+        iterator before then aborts the request."""
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shut down")
+        self.check(prompt_ids, params, max_tokens)
+        request_id = request_id or f"req-{next(_IDS)}"
+        inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), inbox)
+        self._idle.clear()
+        self._commands.put(
+            ("add", request_id, list(prompt_ids), params, chat, max_tokens, ignore_eos)
+        )
+        finished = False
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is queued or running (tests)."""
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Abort every open request and stop the loop thread."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    # -- the loop thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._take_commands(block=not engine.has_work)
+            if self._stop.is_set():
+                break
+            stepped = engine.has_work
+            if stepped:
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a failed step fails its requests, not the server
+                    print(f"moetier: engine step failed: {exc!r}", file=sys.stderr)
+                    for request_id in list(engine.streams):
+                        engine.abort(request_id)
+                        self._deliver(request_id, RuntimeError(f"generation failed: {exc}"))
+                    outputs = []
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+            self._update_stats(stepped)
+        for request_id in list(engine.streams):  # shutting down: end every open request
+            ended = engine.abort(request_id)
+            if ended is not None:
+                self._deliver(request_id, ended)
+        for request_id in list(self._streams):
+            self._deliver(request_id, RuntimeError("the server is shutting down"))
+        self._update_stats(False)
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._run(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self, command: tuple[Any, ...]) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt_ids, params, chat, max_tokens, ignore_eos = command
+            if request_id not in self._streams:
+                return  # its client left before it was queued
+            try:
+                self.engine.add(
+                    request_id,
+                    prompt_ids,
+                    params,
+                    chat=chat,
+                    max_tokens=max_tokens,
+                    ignore_eos=ignore_eos,
+                )
+            except ValueError as exc:
+                self._deliver(request_id, exc)
+        elif kind == "abort":
+            _, request_id = command
+            self.engine.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        """Hand an output (or an exception) to its request's queue on the request's loop."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        final = isinstance(item, BaseException) or item.finish_reason is not None
+        if final:
+            self._streams.pop(request_id, None)
+        loop, inbox = stream
+        try:
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening
+            self.engine.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def _update_stats(self, stepped: bool) -> None:
+        engine = self.engine
+        pool, scheduler = engine.pool, engine.scheduler
+        self.stats = EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            pages_used=pool.used_pages,
+            pages_free=pool.free_pages,
+            prefix_queried_tokens=pool.stats.queried_tokens,
+            prefix_hit_tokens=pool.stats.hit_tokens,
+            steps=self.stats.steps + int(stepped),
+            preemptions=scheduler.preemptions,
+            aborted=engine.aborted,
+        )
+        if not engine.has_work and not self._streams:
+            self._idle.set()

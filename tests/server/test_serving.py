@@ -1,0 +1,267 @@
+"""The server under concurrent and departing clients: a real uvicorn on loopback over the paged
+serving engine (tiny native qwen3_moe), real clients (httpx, raw sockets, `moetier serve` in a
+subprocess for SIGTERM). After every client that leaves, a new request is answered and the engine
+returns to idle: nothing running or waiting, every KV page free."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from moetier.config import EngineConfig
+from moetier.engine.async_engine import AsyncEngine
+from moetier.engine.engine import Engine, EngineLimits
+from moetier.engine.generate import Generator
+from moetier.engine.sampler import SamplingParams
+from moetier.loader.load import load_model
+from moetier.server.app import create_app
+
+MODEL = "tiny-qwen3"  # a context of 256 positions
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    """A uvicorn thread serving the tiny native model; prompts are read 8 positions a step, so a
+    long prompt's prefill spans many steps."""
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True))
+    engine = AsyncEngine(Engine(loaded, EngineLimits(num_pages=256, max_num_batched_tokens=8)))
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine, Generator(loaded)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def body(content: str, max_tokens: int, stream: bool, ignore_eos: bool = True) -> dict:
+    """A greedy request; ignore_eos (vLLM's extension): it runs to max_tokens, so a client that
+    leaves does so before it ends."""
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": ignore_eos,
+    }
+
+
+def assert_idle(engine: AsyncEngine) -> None:
+    assert engine.wait_idle(timeout=20), "the engine did not return to idle"
+    time.sleep(0.05)  # the loop thread's stats of its last step
+    inner = engine.engine
+    assert not inner.scheduler.running and not inner.scheduler.waiting
+    assert inner.pool.used_pages == 0 and inner.streams == {}
+    assert engine.stats.running == 0 and engine.stats.pages_used == 0
+
+
+def answered(url: str) -> str:
+    reply = httpx.post(url + "/v1/chat/completions", json=body("Hello", 4, False), timeout=30)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["message"]["content"]
+
+
+def raw_request(url: str, payload: dict) -> socket.socket:
+    """Send a POST on a raw socket and return it unread (the caller closes it)."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(payload).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
+def test_client_gone_mid_stream(served):
+    url, engine, _ = served
+    aborted = engine.stats.aborted
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=body("Tell me a story", 200, True), timeout=30
+    ) as reply:
+        lines = reply.iter_lines()
+        seen = [next(lines) for _ in range(6)]  # the role chunk and a few tokens
+        assert any('"content"' in line for line in seen)
+    assert_idle(engine)
+    assert engine.stats.aborted == aborted + 1  # ended early, not by running out of tokens
+    assert answered(url) is not None
+    assert_idle(engine)
+
+
+@pytest.mark.parametrize("prompt_words", [3, 50])  # before the first token; during prefill
+def test_client_gone_before_its_first_token(served, prompt_words):
+    url, engine, _ = served
+    steps, aborted = engine.stats.steps, engine.stats.aborted
+    sock = raw_request(url, body("word " * prompt_words, 60, True))
+    if prompt_words > 3:  # a long prompt: leave while it is being read, 8 positions a step
+        deadline = time.time() + 20
+        while engine.stats.pages_used == 0:
+            assert time.time() < deadline
+            time.sleep(0.005)
+        assert engine.stats.running == 1
+    sock.close()
+    assert_idle(engine)
+    assert engine.stats.aborted == aborted + 1
+    assert engine.stats.steps > steps or prompt_words == 3
+    assert answered(url) is not None
+    assert_idle(engine)
+
+
+def test_client_gone_before_a_whole_answer(served):
+    url, engine, _ = served
+    aborted = engine.stats.aborted
+    sock = raw_request(url, body("Tell me a story", 200, False))
+    deadline = time.time() + 20
+    while engine.stats.running == 0:
+        assert time.time() < deadline
+        time.sleep(0.005)
+    sock.close()
+    assert_idle(engine)
+    assert engine.stats.aborted == aborted + 1
+    assert answered(url) is not None
+
+
+def test_eight_streams_all_start_before_any_finishes(served):
+    url, engine, generator = served
+    prompt = "The sea was calm"
+    ids = generator.chat_prompt_ids([{"role": "user", "content": prompt}])
+    alone = generator.generate(ids, SamplingParams(temperature=0, max_new_tokens=48), chat=True)
+    tokens = len(alone.token_ids)
+    if tokens < 12:
+        pytest.skip("the tiny model ends this answer too soon to overlap streams")
+    start, firsts, ends, texts = threading.Barrier(8), {}, {}, {}
+
+    def client(i: int) -> None:
+        start.wait()
+        text = ""
+        with httpx.stream(
+            "POST",
+            url + "/v1/chat/completions",
+            json=body(prompt, tokens, True, ignore_eos=False),
+            timeout=60,
+        ) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["delta"].get("content"):
+                    firsts.setdefault(i, time.monotonic())
+                    text += choices[0]["delta"]["content"]
+        ends[i] = time.monotonic()
+        texts[i] = text
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(firsts) == len(ends) == 8
+    assert max(firsts.values()) < min(ends.values())
+    assert set(texts.values()) == {alone.text}  # batched answers equal the answer alone
+    assert_idle(engine)
+
+
+def test_health_stays_fast_under_load(served):
+    url, engine, _ = served
+    socks = [raw_request(url, body("word " * 20, 150, True)) for _ in range(20)]
+    try:
+        deadline = time.time() + 20
+        while engine.stats.running + engine.stats.waiting < 20:  # all 20 taken in
+            assert time.time() < deadline
+            time.sleep(0.01)
+        began = time.monotonic()
+        assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+        assert time.monotonic() - began < 2.0
+        assert engine.stats.running + engine.stats.waiting > 0  # still busy
+    finally:
+        for sock in socks:
+            sock.close()
+    assert_idle(engine)
+    assert engine.stats.aborted >= 20 - 1  # at most one might have finished first
+
+
+def test_health_is_503_while_the_model_loads(tiny):
+    release = threading.Event()
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu"))
+
+    def factory() -> AsyncEngine:
+        release.wait(timeout=30)
+        return AsyncEngine(Engine(loaded))
+
+    with TestClient(create_app(factory, MODEL)) as http:
+        assert http.get("/health").status_code == 503
+        assert http.get("/health").json() == {"status": "loading"}
+        reply = http.post("/v1/chat/completions", json=body("Hi", 2, False))
+        assert reply.status_code == 503 and "loading" in reply.json()["error"]["message"]
+        release.set()
+        deadline = time.time() + 20
+        while http.get("/health").status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert http.post("/v1/chat/completions", json=body("Hi", 2, False)).status_code == 200
+
+
+def test_sigterm_during_a_stream_exits_cleanly(tiny):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moetier", "serve", str(tiny.store("qwen3_moe")), "--native",
+         "--device", "cpu", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the server never became ready"
+            time.sleep(0.2)
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json=body("A story", 200, True), timeout=30
+        ) as reply:
+            lines = reply.iter_lines()
+            next(lines)
+            server.send_signal(signal.SIGTERM)
+            began = time.monotonic()
+            with pytest.raises((httpx.TransportError, StopIteration)):
+                for _ in lines:  # the stream ends: closed by the shutdown
+                    pass
+                raise StopIteration
+        # uvicorn shuts down gracefully, then re-raises the signal it caught (exit by SIGTERM)
+        assert server.wait(timeout=15) in (0, -signal.SIGTERM)
+        assert time.monotonic() - began < 15
+        assert "Finished server process" in server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
