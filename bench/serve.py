@@ -1,0 +1,117 @@
+"""The serving engine (engine/engine.py) under concurrent requests: per concurrency C, C requests
+of `--prompt-tokens` random tokens each generating `--new-tokens` (ignore_eos) are queued at once
+and stepped to the end. One JSON line per case: aggregate output tok/s over the decode steps
+(after every prompt is read), TTFT p50 / p99, time per output token, the KV pages used at the
+peak, and the per-step figure of a decode step (ms) beside HBM copy speed measured in the same
+run. Synthetic q2s store of a bench shape (quant/synthetic.py), every expert pinned, the native
+model over the paged KV cache (decode steps replayed from CUDA graphs per batch bucket).
+
+  python bench/serve.py --layers 8 --concurrency 1,4,16,64
+  python bench/serve.py --device cpu --shape tiny --layers 2 --concurrency 1,4   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import emit  # noqa: E402  (bench/ is on sys.path when run as a script)
+
+from moetier.config import DEFAULT_STORE, EngineConfig
+from moetier.core.provenance import run_info
+from moetier.engine.engine import Engine, EngineLimits
+from moetier.engine.sampler import SamplingParams
+from moetier.loader.load import load_model
+from moetier.quant.synthetic import shape, write_synthetic_store
+from moetier.residency.links import copy_bandwidth
+
+
+def run_case(engine: Engine, concurrency: int, prompt: int, new: int, seed: int) -> dict:
+    vocab = engine.loaded.model_config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    greedy = SamplingParams(temperature=0, max_new_tokens=new)
+    start = time.perf_counter()
+    for i in range(concurrency):
+        ids = torch.randint(10, vocab, (prompt,), generator=gen).tolist()
+        engine.add(f"c{concurrency}-{i}", ids, greedy, max_tokens=new, ignore_eos=True)
+    first: dict[str, float] = {}
+    decode_began = None
+    decode_tokens = 0
+    steps = 0
+    peak_pages = 0
+    sync = torch.cuda.synchronize if engine.loaded.device.type == "cuda" else (lambda: None)
+    while engine.has_work:
+        outputs = engine.step()
+        steps += 1
+        peak_pages = max(peak_pages, engine.pool.used_pages)
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now - start)
+        if decode_began is None and len(first) == concurrency:
+            sync()
+            decode_began = time.perf_counter()
+            continue
+        if decode_began is not None:
+            decode_tokens += len(outputs)
+    sync()
+    decode_s = time.perf_counter() - (decode_began or start)
+    ttft = sorted(first.values())
+    decode_steps = new - 1
+    return {
+        "concurrency": concurrency,
+        "prompt_tokens": prompt,
+        "new_tokens": new,
+        "steps": steps,
+        "decode_tok_s": round(decode_tokens / decode_s, 1) if decode_s > 0 else None,
+        "ms_per_decode_step": round(1e3 * decode_s / max(1, decode_steps), 4),
+        "ttft_ms_p50": round(1e3 * statistics.median(ttft), 2),
+        "ttft_ms_p99": round(1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 2),
+        "peak_kv_pages": peak_pages,
+        "graphs": sorted(getattr(engine.runner, "graphs", {})),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    info = run_info()
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        store = write_synthetic_store(
+            Path(tmp) / "store", shape(args.shape, args.layers), "q2s", DEFAULT_STORE
+        )
+        config = EngineConfig(device=args.device, native=True)
+        loaded = load_model(store, config)
+        pages = max(concurrencies) * -(-(args.prompt_tokens + args.new_tokens) // 16) + 16
+        limits = EngineLimits(num_pages=pages, max_num_seqs=max(concurrencies))
+        engine = Engine(loaded, limits)
+        copy = copy_bandwidth() if args.device == "cuda" else None
+        for concurrency in concurrencies:
+            run_case(engine, concurrency, args.prompt_tokens, 8, seed=1)  # warm-up and capture
+            record = run_case(engine, concurrency, args.prompt_tokens, args.new_tokens, seed=2)
+            emit(
+                {
+                    **info,
+                    "case": "serve-engine",
+                    "shape": args.shape,
+                    "layers": args.layers,
+                    "experts": "q2s",
+                    **record,
+                    "copy_GB/s": round(copy / 1e9, 1) if copy else None,
+                }
+            )
+
+
+if __name__ == "__main__":
+    main()
