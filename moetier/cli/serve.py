@@ -40,11 +40,12 @@ def run(args: argparse.Namespace) -> int:
     engine_config = dataclass_from_args(EngineConfig, args)
     params = dataclass_from_args(SamplingParams, args)
     limits = dataclass_from_args(EngineLimits, args)
-    check_engine_config(args.store, engine_config)  # a bad store or budget fails here, at once
+    kv_positions = (limits.num_pages + 1) * limits.page_size  # the page pool and its scratch page
+    check_engine_config(args.store, engine_config, kv_positions)  # a bad store or budget: now
     name = args.model_name or Path(args.store).resolve().name
 
     def build() -> AsyncEngine:
-        return AsyncEngine(Engine(load_model(args.store, engine_config), limits))
+        return AsyncEngine(Engine(load_model(args.store, engine_config, kv_positions), limits))
 
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (loading)", flush=True)
     uvicorn.run(

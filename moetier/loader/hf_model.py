@@ -38,7 +38,9 @@ EXPERT_PARAMS = (
 )
 
 
-def load_transformers(store_path: str | Path, engine_config: EngineConfig) -> LoadedModel:
+def load_transformers(
+    store_path: str | Path, engine_config: EngineConfig, kv_positions: int | None = None
+) -> LoadedModel:
     """The store's model as its transformers model class, moetier's experts op wired in."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -57,7 +59,7 @@ def load_transformers(store_path: str | Path, engine_config: EngineConfig) -> Lo
     _init_non_persistent_buffers(model, device)
     _check_nothing_on_meta(model)
 
-    runtime = experts_runtime(store, engine_config, device)
+    runtime = experts_runtime(store, engine_config, device, kv_positions)
     for layer, module in experts_modules.items():
         setattr(module, "moetier_experts", ExpertsHandle(runtime, layer))  # noqa: B010
 

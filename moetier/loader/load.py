@@ -8,25 +8,32 @@ from pathlib import Path
 
 from moetier.config import EngineConfig
 from moetier.loader.hf_model import load_transformers
-from moetier.loader.loaded_model import LoadedModel
+from moetier.loader.loaded_model import LoadedModel, kv_plan_arguments
 from moetier.loader.native import load_native
 from moetier.quant.store import Store
 from moetier.residency.slot_pool import make_policy
 
 
-def load_model(store_path: str | Path, engine_config: EngineConfig | None = None) -> LoadedModel:
+def load_model(
+    store_path: str | Path,
+    engine_config: EngineConfig | None = None,
+    kv_positions: int | None = None,
+) -> LoadedModel:
     """The model of a store: the transformers model class, or with `engine_config.native` the
-    native model file of its model_type (loader/native.py)."""
+    native model file of its model_type (loader/native.py). kv_positions: the KV cache the
+    --gpu-memory plan sets aside (default: one 4096-token sequence; the server's page pool)."""
     engine_config = engine_config or EngineConfig()
-    check_engine_config(store_path, engine_config)
+    check_engine_config(store_path, engine_config, kv_positions)
     if engine_config.native:
-        return load_native(store_path, engine_config)
-    return load_transformers(store_path, engine_config)
+        return load_native(store_path, engine_config, kv_positions)
+    return load_transformers(store_path, engine_config, kv_positions)
 
 
-def check_engine_config(store_path: str | Path, engine_config: EngineConfig) -> None:
-    """Fail on a bad cache policy or a --gpu-memory the dense part does not fit, before any
-    weight is loaded."""
+def check_engine_config(
+    store_path: str | Path, engine_config: EngineConfig, kv_positions: int | None = None
+) -> None:
+    """Fail on a bad cache policy or a --gpu-memory the dense part and `kv_positions` of KV
+    cache do not fit, before any weight is loaded."""
     make_policy(engine_config.cache_policy)
     if engine_config.expert_reads not in ("mmap", "direct"):
         raise ValueError(f"--expert-reads {engine_config.expert_reads!r}: use mmap or direct")
@@ -35,4 +42,5 @@ def check_engine_config(store_path: str | Path, engine_config: EngineConfig) -> 
 
         host = parse_bytes(engine_config.host_memory) if engine_config.host_memory else 0
         if engine_config.gpu_memory:
-            plan(Store(store_path), parse_bytes(engine_config.gpu_memory), host)
+            kv = kv_plan_arguments(kv_positions)
+            plan(Store(store_path), parse_bytes(engine_config.gpu_memory), host, **kv)

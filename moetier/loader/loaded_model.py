@@ -64,9 +64,13 @@ def device_and_dtype(store: Store, engine_config: EngineConfig) -> tuple[torch.d
 
 
 def experts_runtime(
-    store: Store, engine_config: EngineConfig, device: torch.device
+    store: Store,
+    engine_config: EngineConfig,
+    device: torch.device,
+    kv_positions: int | None = None,
 ) -> ExpertsRuntime:
-    """The slot pool (sized by the engine config's budget) and the experts runtime over it."""
+    """The slot pool (sized by the engine config's budget, after `kv_positions` of KV cache:
+    default the planner's one 4096-token sequence) and the experts runtime over it."""
     budget = int(engine_config.expert_cache_mb * 2**20)
     if engine_config.gpu_memory:
         import sys
@@ -74,7 +78,12 @@ def experts_runtime(
         from moetier.residency.planner import parse_bytes, plan
 
         host_budget = parse_bytes(engine_config.host_memory) if engine_config.host_memory else 0
-        placement = plan(store, parse_bytes(engine_config.gpu_memory), host_memory=host_budget)
+        placement = plan(
+            store,
+            parse_bytes(engine_config.gpu_memory),
+            host_budget,
+            **kv_plan_arguments(kv_positions),
+        )
         print(placement.render(), file=sys.stderr)
         budget = max(1, placement.gpu_expert_bytes)
     host = None
@@ -105,3 +114,8 @@ def experts_runtime(
         delta_formats,
         engine_config.delta_threshold(),
     )
+
+
+def kv_plan_arguments(kv_positions: int | None) -> dict[str, int]:
+    """The planner's KV arguments for a cache of `kv_positions` positions (None: its default)."""
+    return {} if kv_positions is None else {"max_context": kv_positions, "batch": 1}

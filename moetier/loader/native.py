@@ -49,7 +49,9 @@ NATIVE_FAMILIES = {
 }
 
 
-def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedModel:
+def load_native(
+    store_path: str | Path, engine_config: EngineConfig, kv_positions: int | None = None
+) -> LoadedModel:
     """The native model of the store's model_type; ValueError if that family has none."""
     from transformers import AutoConfig
 
@@ -87,7 +89,7 @@ def load_native(store_path: str | Path, engine_config: EngineConfig) -> LoadedMo
             module.fuse_qkv()
     model.eval()
 
-    runtime = experts_runtime(store, engine_config, device)
+    runtime = experts_runtime(store, engine_config, device, kv_positions)
     for module in model.modules():
         if isinstance(module, family.moe_block_class):
             setattr(module, "experts", runtime.forward)  # noqa: B010

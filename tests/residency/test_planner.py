@@ -102,3 +102,22 @@ def test_bad_engine_settings_fail_before_loading(store):
         check_engine_config(store.path, EngineConfig(gpu_memory="plenty"))
     with pytest.raises(ValueError, match="raise --gpu-memory"):
         load_model(store.path, EngineConfig(device="cpu", gpu_memory="64MiB"))
+
+
+def test_the_servers_kv_pages_come_out_of_the_gpu_budget(store):
+    """`moetier serve` reserves its page pool's positions (kv_positions) in the --gpu-memory
+    plan: more KV positions leave fewer expert slots, and a pool that cannot fit fails before
+    loading."""
+    from moetier.loader.load import check_engine_config
+
+    small = plan(store, WORKSPACE_BYTES + 8 * MIB, max_context=256, batch=1)
+    budget = small.dense_bytes + small.kv_bytes + WORKSPACE_BYTES + 6 * small.slot_bytes
+    config = EngineConfig(device="cpu", dtype="float32", gpu_memory=f"{budget}b")
+    few = load_model(store.path, config, kv_positions=256)
+    per_position = small.kv_bytes // 256
+    more = 2 * small.slot_bytes // per_position + 256  # two slots' worth of positions more
+    fewer = load_model(store.path, config, kv_positions=more)
+    assert few.runtime.residency.capacity == 6
+    assert fewer.runtime.residency.capacity == 4
+    with pytest.raises(ValueError, match="raise --gpu-memory"):
+        check_engine_config(store.path, config, kv_positions=100 * more)
