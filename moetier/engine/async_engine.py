@@ -49,6 +49,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
+        self._lock = threading.Lock()  # the streams table and the idle flag, together
         self._thread = threading.Thread(target=self._loop, name="moetier-engine", daemon=True)
         self._thread.start()
 
@@ -74,13 +75,16 @@ class AsyncEngine:
     ) -> AsyncIterator[Output]:
         """The request's outputs as they come; the last has a finish_reason. Closing the
         iterator before then aborts the request."""
-        if self._stop.is_set():
-            raise RuntimeError("the engine is shut down")
         self.check(prompt_ids, params, max_tokens)
         request_id = request_id or f"req-{next(_IDS)}"
         inbox: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), inbox)
-        self._idle.clear()
+        with self._lock:
+            if self._stop.is_set():
+                raise RuntimeError("the engine is shut down")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = (asyncio.get_running_loop(), inbox)
+            self._idle.clear()
         self._commands.put(
             ("add", request_id, list(prompt_ids), params, chat, max_tokens, ignore_eos)
         )
@@ -105,8 +109,9 @@ class AsyncEngine:
         return self._idle.wait(timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Abort every open request and stop the loop thread."""
-        self._stop.set()
+        """End every open request (its iterator raises RuntimeError) and stop the loop thread."""
+        with self._lock:
+            self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
 
@@ -132,10 +137,10 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
             self._update_stats(stepped)
         for request_id in list(engine.streams):  # shutting down: end every open request
-            ended = engine.abort(request_id)
-            if ended is not None:
-                self._deliver(request_id, ended)
-        for request_id in list(self._streams):
+            engine.abort(request_id)
+        with self._lock:
+            open_ids = list(self._streams)
+        for request_id in open_ids:
             self._deliver(request_id, RuntimeError("the server is shutting down"))
         self._update_stats(False)
 
@@ -155,7 +160,9 @@ class AsyncEngine:
         kind = command[0]
         if kind == "add":
             _, request_id, prompt_ids, params, chat, max_tokens, ignore_eos = command
-            if request_id not in self._streams:
+            with self._lock:
+                gone = request_id not in self._streams
+            if gone:
                 return  # its client left before it was queued
             try:
                 self.engine.add(
@@ -171,22 +178,26 @@ class AsyncEngine:
         elif kind == "abort":
             _, request_id = command
             self.engine.abort(request_id)
-            self._streams.pop(request_id, None)
+            with self._lock:
+                self._streams.pop(request_id, None)
 
     def _deliver(self, request_id: str, item: Any) -> None:
-        """Hand an output (or an exception) to its request's queue on the request's loop."""
-        stream = self._streams.get(request_id)
+        """Hand an output (or an exception) to its request's queue on the request's loop; an
+        output that ends in "error" arrives as a RuntimeError."""
+        if isinstance(item, Output) and item.finish_reason == "error":
+            item = RuntimeError("generation failed for this request (see the server's log)")
+        final = isinstance(item, BaseException) or item.finish_reason is not None
+        with self._lock:
+            stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
         if stream is None:
             return
-        final = isinstance(item, BaseException) or item.finish_reason is not None
-        if final:
-            self._streams.pop(request_id, None)
         loop, inbox = stream
         try:
             loop.call_soon_threadsafe(inbox.put_nowait, item)
         except RuntimeError:  # its event loop is closed: nobody is listening
             self.engine.abort(request_id)
-            self._streams.pop(request_id, None)
+            with self._lock:
+                self._streams.pop(request_id, None)
 
     def _update_stats(self, stepped: bool) -> None:
         engine = self.engine
@@ -202,5 +213,6 @@ class AsyncEngine:
             preemptions=scheduler.preemptions,
             aborted=engine.aborted,
         )
-        if not engine.has_work and not self._streams:
-            self._idle.set()
+        with self._lock:
+            if not engine.has_work and not self._streams and self._commands.empty():
+                self._idle.set()

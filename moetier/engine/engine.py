@@ -21,6 +21,8 @@ from moetier.engine.scheduler import Request, Scheduler
 from moetier.loader.loaded_model import LoadedModel
 
 DEFAULT_PAGE_SIZE = 16
+# the smallest temperature above 0 (greedy): logits divided by less overflow to inf in fp32
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -30,7 +32,7 @@ class Output:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort" on its last output
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" on its last output
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     completion_tokens: int = 0  # so far
@@ -115,8 +117,15 @@ class Engine:
         run. Reads only fixed limits: safe from any thread."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if params.seed is not None and not 0 <= params.seed < 2**63:
+            raise ValueError(f"seed {params.seed}: use an integer in [0, 2**63)")
+        if 0 < params.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature {params.temperature}: use 0 (greedy) or at least {MIN_TEMPERATURE}"
+            )
         limit = max_tokens if max_tokens is not None else params.max_new_tokens
-        room = self.scheduler.max_model_len - len(prompt_ids)
+        capacity = self.pool.num_pages * self.pool.page_size
+        room = min(self.scheduler.max_model_len, capacity) - len(prompt_ids)
         if max_tokens is None and room >= 1:
             limit = min(limit, room)
         self.scheduler.check(len(prompt_ids), limit)
@@ -136,9 +145,18 @@ class Engine:
         """Schedule and run one batch; -> an Output for every request that produced a token or
         finished in it."""
         step = self.scheduler.schedule()
+        for request in step.preempted:
+            self.runner.forget_kv(request.id)
         sampled = [item.request.id for item in step.items if item.samples]  # before update
-        finished = {r.id for r in self.scheduler.update(step, self.runner.run(step))}
+        tokens = self.runner.run(step)
         outputs = []
+        for request_id in [rid for rid in sampled if rid not in tokens]:  # its sampling failed
+            self.scheduler.finish(request_id, "error")
+            stream = self.streams.pop(request_id, None)
+            self.runner.release(request_id)
+            if stream is not None:
+                outputs.append(self._output(stream, "", [], "error"))
+        finished = {r.id for r in self.scheduler.update(step, tokens)}
         for request_id in sampled:
             stream = self.streams.get(request_id)
             if stream is not None:
@@ -158,8 +176,9 @@ class Engine:
             text += piece
             if stopped:
                 break
-        if stopped and not finished:
-            self.scheduler.finish(request.id, "stop")
+        if stopped:  # a stop string: "stop" even on the last allowed token
+            if not finished:
+                self.scheduler.finish(request.id, "stop")
             request.finish_reason = "stop"
             finished = True
         if not finished:

@@ -43,14 +43,22 @@ class _Sampling:
         self.generators.pop(request_id, None)
 
     def _sample(self, logits: torch.Tensor, items: list[Scheduled]) -> dict[str, int]:
-        """logits [S, V], one row per item (in order) -> request id -> token."""
+        """logits [S, V], one row per item (in order) -> request id -> token. A row whose
+        sampling fails is left out (the engine ends that request alone)."""
         out = {}
         for row, item in enumerate(items):
             request = item.request
             params = request.params if request.params is not None else SamplingParams()
-            generator = self._generator(request.id, getattr(params, "seed", None))
-            out[request.id] = int(sample(logits[row : row + 1], params, generator)[0])
+            try:
+                generator = self._generator(request.id, getattr(params, "seed", None))
+                out[request.id] = int(sample(logits[row : row + 1], params, generator)[0])
+            except (RuntimeError, ValueError) as exc:
+                print(f"moetier: sampling failed for {request.id}: {exc}", file=sys.stderr)
         return out
+
+    def forget_kv(self, request_id: str) -> None:
+        """A preempted request's KV outside the page pool, if any, is dropped (it is
+        recomputed when it runs again). The paged cache holds none."""
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -146,14 +154,20 @@ class PagedRunner(_Sampling):
         graph = self.graphs.get(bucket)
         fresh = graph is None
         if graph is None:
-            graph = self.graphs[bucket] = _DecodeGraph(bucket, self.table_width, self.device)
+            graph = _DecodeGraph(bucket, self.table_width, self.device)
         ids, positions, table = self._decode_inputs(items, bucket, self.table_width)
         graph.ids.copy_(ids)
         graph.positions.copy_(positions)
         graph.table.copy_(table)
         if fresh:
             self._pool = self._pool or torch.cuda.graph_pool_handle()
-            graph.capture(self._graph_step, self._pool)
+            try:
+                graph.capture(self._graph_step, self._pool)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                print(f"moetier: decode steps without CUDA graphs ({exc})", file=sys.stderr)
+                self.use_graphs = False  # eager from now on; this step too
+                return self._decode_logits(items)
+            self.graphs[bucket] = graph
         return graph.replay()[:rows]
 
     def _graph_step(self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> Any:
@@ -260,4 +274,7 @@ class TransformersRunner(_Sampling):
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
+        self.caches.pop(request_id, None)
+
+    def forget_kv(self, request_id: str) -> None:
         self.caches.pop(request_id, None)

@@ -209,6 +209,9 @@ class Scheduler:
             self.waiting.popleft()
             request.state = State.RUNNING
             self.running.append(request)
+            if request.preemptions == 0:  # the prefix hit, counted once a request is admitted
+                request.cached_tokens = request.computed
+                self.pool.record_hits(len(request.prompt), request.computed)
             items.append(Scheduled(request, request.computed, count))
             budget -= count
         return Step(items, preempted)
@@ -263,9 +266,6 @@ class Scheduler:
         self.pool.take(pages)
         request.pages = list(pages)
         request.computed = request._committed = len(pages) * size
-        if request.preemptions == 0:
-            request.cached_tokens = request.computed
-            self.pool.record_hits(len(request.prompt), request.computed)
 
     def _commit_full_pages(self, request: Request) -> None:
         full = request.computed // self.pool.page_size

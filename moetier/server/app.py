@@ -61,8 +61,8 @@ class StreamOptions(BaseModel):
 class ChatCompletionRequest(BaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
@@ -175,7 +175,14 @@ def create_app(
                 {"role": m.role if m.role != "developer" else "system", "content": m.text()}
                 for m in req.messages
             ]
-            prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
+            try:
+                prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
+            except ValueError:
+                raise
+            except Exception as exc:  # the chat template refused the messages (jinja2 errors)
+                raise ValueError(
+                    f"the model's chat template refused these messages: {exc}"
+                ) from exc
             stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
             max_tokens = (
                 req.max_completion_tokens
@@ -239,15 +246,20 @@ def create_app(
 async def _unless_disconnected(http: Request, work: Awaitable[T]) -> T | None:
     """`work`'s result, or None (work cancelled) once the client has disconnected."""
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.05)
-        if done:
-            return task.result()
-        if await http.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return None
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.05)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                break
+    except asyncio.CancelledError:  # this handler itself cancelled (shutdown): the work too
+        task.cancel()
+        raise
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
 
 
 def _finish(reason: str | None) -> str | None:

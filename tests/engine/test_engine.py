@@ -165,6 +165,55 @@ def test_context_length_is_refused_with_a_clear_error(native):
     assert not engine.has_work and torch.is_tensor(engine.runner.cache)
 
 
+def test_bad_sampling_settings_are_refused_and_a_failed_row_ends_alone(native, monkeypatch):
+    """A seed or temperature sampling cannot take is a ValueError at add; a row whose sampling
+    still fails ends its request with "error" and leaves the others as they would be alone."""
+    engine = Engine(native, EngineLimits(num_pages=32, page_size=4))
+    with pytest.raises(ValueError, match="seed"):
+        engine.add("s", [3, 4], SamplingParams(seed=2**64))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add("t", [3, 4], SamplingParams(temperature=1e-40))
+    from moetier.engine import runner
+
+    real = runner.sample
+
+    def failing(logits, params, generator):
+        if params.top_k == 7:
+            raise RuntimeError("probability tensor contains inf")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(runner, "sample", failing)
+    good = SamplingParams(temperature=0, max_new_tokens=6)
+    got = run(engine, {0: [("bad", [3, 4, 5], SamplingParams(top_k=7)), ("good", [6, 7], good)]})
+    assert got["bad"][2] == "error" and got["bad"][0] == []
+    assert got["good"][0] == alone(native, [6, 7], good)[0]
+    assert engine.pool.used_pages == 0 and engine.streams == {}
+
+
+def test_default_max_tokens_fits_the_kv_cache(native):
+    """No max_tokens from the client: the default is capped by what the context and the KV
+    cache leave, not refused."""
+    engine = Engine(native, EngineLimits(num_pages=8, page_size=4))  # 32 positions
+    request = engine.add("a", list(range(3, 23)), SamplingParams(max_new_tokens=256))
+    assert request.max_tokens == 12
+
+
+def test_a_stop_string_on_the_last_token_is_a_stop(native):
+    prompt = list(range(3, 10))
+    full = Generator(native).generate(prompt, SamplingParams(temperature=0, max_new_tokens=6))
+    if len(full.token_ids) < 6 or len(full.text) < 2 or "\ufffd" in full.text:
+        pytest.skip("the tiny model's answer is too short, or ends in partial UTF-8")
+    text = full.text
+    # the shortest end of the text seen nowhere before: it completes with the last token
+    k = next(k for k in range(1, len(text) + 1) if text.find(text[-k:]) == len(text) - k)
+    params = SamplingParams(temperature=0, max_new_tokens=6, stop=(text[-k:],))
+    want = Generator(native).generate(prompt, params)
+    got = run(Engine(native, EngineLimits(num_pages=32, page_size=4)), {0: [("a", prompt, params)]})
+    assert got["a"][1] == want.text == text[:-k]
+    assert got["a"][2] == "stop" == want.finish_reason
+    assert got["a"][3].completion_tokens == 6  # it stopped on the last allowed token
+
+
 def test_the_transformers_path_serves_concurrent_requests(tiny):
     """Without a native model file the engine runs the transformers class, each request its own
     DynamicCache (no prefix cache): the same tokens as each request alone, chunked prefill and

@@ -258,7 +258,7 @@ def test_page_hashes_chain_the_whole_prefix():
     assert page_hashes([1, 2, 3, 4, 5, 6], 2, a)[:2] == a
 
 
-def test_eos_stops_and_seeds_are_per_request():
+def test_eos_stops_unless_ignored():
     scheduler, model = make()
     prompt = [3, 4]
     want = alone(prompt, 3)
@@ -288,3 +288,17 @@ def test_context_length_is_checked_at_admission():
         scheduler.add(Request("c", [1], 1))
     with pytest.raises(ValueError):
         Request("e", [])
+
+
+def test_prefix_hits_are_counted_once_per_admission():
+    """A waiting request whose pages are short is retried every step; its prefix lookup counts
+    once, when it is admitted."""
+    scheduler, model = make(num_pages=6, page_size=4, tokens=64, seqs=8)
+    common = list(range(1, 9))
+    drive(scheduler, model, {0: [Request("warm", common + [30], 1)]})
+    before = scheduler.pool.stats.queried_tokens
+    hog = Request("hog", [40] * 15, 8)  # 6 of the 6 pages by its end
+    late = Request("late", common + [50, 51], 2)
+    drive(scheduler, model, {0: [hog], 1: [late]})
+    assert late.output == alone(common + [50, 51], 2)
+    assert scheduler.pool.stats.queried_tokens - before == len(hog.prompt) + len(late.prompt)

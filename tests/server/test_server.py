@@ -117,3 +117,23 @@ def test_prompt_longer_than_the_context_is_a_400(server, client):
         client.chat.completions.create(
             model="tiny-qwen3", messages=[{"role": "user", "content": long_text}]
         )
+
+
+def test_bad_sampling_and_template_input_is_a_400_not_a_failed_step(server, client):
+    url, generator = server
+    for extra in ({"seed": 2**64}, {"temperature": 1e-40}, {"max_tokens": 0}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                model="tiny-qwen3", messages=MESSAGES, **{"max_tokens": 4, **extra}
+            )
+    tokenizer = generator.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = "{{ raise_exception('no user message') }}"
+    try:
+        with pytest.raises(openai.BadRequestError, match="chat template refused"):
+            client.chat.completions.create(model="tiny-qwen3", messages=MESSAGES, max_tokens=2)
+    finally:
+        tokenizer.chat_template = template
+    assert client.chat.completions.create(
+        model="tiny-qwen3", messages=MESSAGES, max_tokens=2
+    ).choices
