@@ -334,7 +334,7 @@ def _engine_metrics(stats: EngineStats, labels: dict[str, str]) -> str:
          stats.prefix_hit_tokens),
         ("steps_total", "counter", "engine steps run", stats.steps),
         ("preemptions_total", "counter", "requests preempted for KV pages", stats.preemptions),
-        ("aborted_total", "counter", "requests ended early (client gone)", stats.aborted),
+        ("aborted_total", "counter", "requests ended early (client gone, shutdown)", stats.aborted),
     ]  # fmt: skip
     lines = []
     for name, kind, help_text, value in families:
