@@ -3,14 +3,10 @@ serving engine (engine/async_engine.py), answers checked against the Generator a
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 import openai
 import pytest
-import uvicorn
+from uvicorn_thread import serving
 
 from moetier.config import EngineConfig
 from moetier.engine.async_engine import AsyncEngine
@@ -25,21 +21,9 @@ from moetier.server.app import create_app
 def server(tiny):
     loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu"))
     generator = Generator(loaded)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = create_app(AsyncEngine(Engine(loaded)), "tiny-qwen3")
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", generator
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as url:
+        yield url, generator
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
+from uvicorn_thread import free_port, serving
 
 from moetier.config import EngineConfig
 from moetier.engine.async_engine import AsyncEngine
@@ -30,31 +30,14 @@ from moetier.server.app import create_app
 MODEL = "tiny-qwen3"  # a context of 256 positions
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tiny):
     """A uvicorn thread serving the tiny native model; prompts are read 8 positions a step, so a
     long prompt's prefill spans many steps."""
     loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True))
     engine = AsyncEngine(Engine(loaded, EngineLimits(num_pages=256, max_num_batched_tokens=8)))
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, Generator(loaded)
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(engine, MODEL)) as url:
+        yield url, engine, Generator(loaded)
 
 
 def body(content: str, max_tokens: int, stream: bool, ignore_eos: bool = True) -> dict:
