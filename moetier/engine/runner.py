@@ -45,10 +45,23 @@ class _Sampling:
     def _sample(self, logits: torch.Tensor, items: list[Scheduled]) -> dict[str, int]:
         """logits [S, V], one row per item (in order) -> request id -> token. A row whose
         sampling fails is left out (the engine ends that request alone)."""
-        out = {}
+        out: dict[str, int] = {}
+        params_of = [
+            item.request.params if item.request.params is not None else SamplingParams()
+            for item in items
+        ]
+        greedy = [row for row, params in enumerate(params_of) if params.temperature == 0]
+        if greedy:  # one argmax and one device-to-host copy for every greedy row
+            rows = torch.tensor(greedy, device=logits.device)
+            tokens = logits.index_select(0, rows).float().argmax(dim=-1).tolist()
+            out.update(
+                (items[row].request.id, tok) for row, tok in zip(greedy, tokens, strict=True)
+            )
         for row, item in enumerate(items):
             request = item.request
-            params = request.params if request.params is not None else SamplingParams()
+            params = params_of[row]
+            if params.temperature == 0:
+                continue
             try:
                 generator = self._generator(request.id, getattr(params, "seed", None))
                 out[request.id] = int(sample(logits[row : row + 1], params, generator)[0])
