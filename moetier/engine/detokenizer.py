@@ -39,6 +39,7 @@ class StreamingDetokenizer:
         self.ids: list[int] = []
         self.emitted = 0  # characters of the decoded text already handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, token: int) -> tuple[str, bool]:
         self.ids.append(token)
@@ -50,6 +51,7 @@ class StreamingDetokenizer:
             at = text.find(s, max(0, self.emitted - len(s) + 1))
             if at != -1:
                 self.stopped = True
+                self.matched = s
                 out = text[self.emitted : at]
                 self.emitted = len(text)
                 return out, True

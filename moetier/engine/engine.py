@@ -36,6 +36,7 @@ class Output:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     completion_tokens: int = 0  # so far
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass
@@ -203,4 +204,5 @@ class Engine:
             len(request.prompt),
             request.cached_tokens,
             len(request.output),
+            stream.detok.matched if finish is not None else None,
         )

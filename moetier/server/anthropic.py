@@ -1,0 +1,274 @@
+"""The Anthropic surface: `POST /v1/messages` (streaming and not) and
+`POST /v1/messages/count_tokens`, with Anthropic-shaped errors.
+
+Messages become the chat template's messages: `system` (a string or text blocks) first, text
+blocks joined, an assistant's `tool_use` blocks as its `tool_calls`, a user's `tool_result`
+blocks as `tool` messages, thinking blocks of the history dropped (templates drop them too);
+image blocks are refused with a 400. `tools` reach the chat template; the model's tool calls are
+not parsed into `tool_use` blocks yet, and `tool_choice` and `thinking` are accepted without
+effect. Streams send the documented events in order (message_start, content_block_start, ping,
+content_block_delta, content_block_stop, message_delta, message_stop), no `[DONE]`.
+`usage.input_tokens` counts the prompt tokens not read from the prefix cache;
+`cache_read_input_tokens` those that were.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from moetier.engine.engine import Output
+from moetier.engine.prompts import chat_prompt_ids
+from moetier.engine.sampler import SamplingParams
+from moetier.server.state import ServerState, all_outputs, not_ready
+
+PREFIX = "/v1/messages"
+
+
+class Block(BaseModel):
+    """A content block; which fields apply depends on `type`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+
+
+class Message(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class MessagesRequest(BaseModel):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[Block] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(BaseModel):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    """An error in Anthropic's shape."""
+    return JSONResponse(
+        status_code=status,
+        content={"type": "error", "error": {"type": kind, "message": message}},
+    )
+
+
+def chat_messages(
+    system: str | list[Block] | None, messages: list[Message]
+) -> list[dict[str, Any]]:
+    """Anthropic messages as the chat template's messages; ValueError for what cannot be sent."""
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": _text(system, "system")})
+    for message in messages:
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for block in message.content:
+            if block.type == "text":
+                texts.append(block.text or "")
+            elif block.type == "tool_use" and message.role == "assistant":
+                calls.append(
+                    {
+                        "id": block.id,
+                        "type": "function",
+                        "function": {"name": block.name, "arguments": json.dumps(block.input)},
+                    }
+                )
+            elif block.type == "tool_result" and message.role == "user":
+                content = block.content if block.content is not None else ""
+                result = _text(content, "tool_result")
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
+            elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
+                continue  # the history's reasoning: templates drop it
+            elif block.type in ("image", "document"):
+                raise ValueError(
+                    f"{block.type} content blocks are not supported by this model: send text"
+                )
+            else:
+                raise ValueError(f"a {block.type!r} block cannot be in a {message.role} message")
+        if texts or calls or message.role == "assistant":
+            entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+            if calls:
+                entry["tool_calls"] = calls
+            out.append(entry)
+    return out
+
+
+def _text(content: str | list[Block], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if block.type != "text":
+            raise ValueError(f"{where}: only text blocks are supported here, not {block.type!r}")
+        parts.append(block.text or "")
+    return "".join(parts)
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Anthropic tool definitions as the chat template's (OpenAI-style functions)."""
+    if not tools:
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": tool.get("name"),
+                "description": tool.get("description", ""),
+                "parameters": tool.get("input_schema", {"type": "object"}),
+            },
+        }
+        for tool in tools
+    ]
+
+
+def _prompt_ids(tokenizer: Any, req: MessagesRequest | CountTokensRequest) -> list[int]:
+    """The request's prompt through the model's chat template; ValueError if it cannot be."""
+    return chat_prompt_ids(tokenizer, chat_messages(req.system, req.messages), _tools(req.tools))
+
+
+def stop_reason(out: Output) -> str | None:
+    if out.finish_reason == "length":
+        return "max_tokens"
+    if out.finish_reason == "stop":
+        return "stop_sequence" if out.stop_sequence is not None else "end_turn"
+    return None if out.finish_reason is None else "end_turn"
+
+
+def usage(out: Output) -> dict[str, int]:
+    return {
+        "input_tokens": out.prompt_tokens - out.cached_tokens,
+        "cache_read_input_tokens": out.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": out.completion_tokens,
+    }
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post(PREFIX, response_model=None)
+    async def messages(
+        req: MessagesRequest, http: Request
+    ) -> JSONResponse | StreamingResponse | dict[str, Any]:
+        engine = state.engine
+        if engine is None:
+            return error(*not_ready(state), "overloaded_error")
+        try:
+            prompt_ids = _prompt_ids(engine.tokenizer, req)
+            defaults = state.defaults
+            params = SamplingParams(
+                max_new_tokens=req.max_tokens,
+                temperature=req.temperature if req.temperature is not None else 1.0,
+                top_p=req.top_p if req.top_p is not None else 1.0,
+                top_k=req.top_k if req.top_k is not None else defaults.top_k,
+                stop=tuple(req.stop_sequences or ()),
+            )
+            engine.check(prompt_ids, params, req.max_tokens)
+        except ValueError as err:
+            return error(400, str(err))
+        message_id = f"msg_{uuid.uuid4().hex}"
+        outputs = engine.generate(prompt_ids, params, chat=True, max_tokens=req.max_tokens)
+        if req.stream:
+            return StreamingResponse(
+                _events(outputs, message_id, state.model_name, len(prompt_ids)),
+                media_type="text/event-stream",
+            )
+
+        try:
+            done = await all_outputs(http, outputs)
+        except RuntimeError as err:
+            return error(503, str(err), "overloaded_error")
+        if done is None:
+            return error(499, "client closed the request", "api_error")
+        last = done[-1]
+        return {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": state.model_name,
+            "content": [{"type": "text", "text": "".join(o.text for o in done)}],
+            "stop_reason": stop_reason(last),
+            "stop_sequence": last.stop_sequence,
+            "usage": usage(last),
+        }
+
+    @app.post(PREFIX + "/count_tokens", response_model=None)
+    async def count_tokens(req: CountTokensRequest) -> JSONResponse | dict[str, int]:
+        if state.engine is None:
+            return error(*not_ready(state), "overloaded_error")
+        try:
+            return {"input_tokens": len(_prompt_ids(state.engine.tokenizer, req))}
+        except ValueError as err:
+            return error(400, str(err))
+
+
+async def _events(
+    outputs: AsyncIterator[Output], message_id: str, model: str, prompt_tokens: int
+) -> AsyncIterator[str]:
+    """The stream's server-sent events, in the documented order; closed early (the client
+    went away), the request is aborted by `outputs`' own cleanup."""
+
+    def event(name: str, data: dict[str, Any]) -> str:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+
+    start: dict[str, Any] = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+    }
+    yield event("message_start", {"message": start})
+    yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    yield event("ping", {})
+    last = None
+    try:
+        async for out in outputs:
+            last = out
+            if out.text:
+                delta = {"type": "text_delta", "text": out.text}
+                yield event("content_block_delta", {"index": 0, "delta": delta})
+    except RuntimeError as err:  # the engine failed or is shutting down
+        yield event("error", {"error": {"type": "api_error", "message": str(err)}})
+        return
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    yield event("content_block_stop", {"index": 0})
+    if last is not None:
+        end = {"stop_reason": stop_reason(last), "stop_sequence": last.stop_sequence}
+        yield event("message_delta", {"delta": end, "usage": usage(last)})
+    yield event("message_stop", {})

@@ -1,0 +1,187 @@
+"""The OpenAI surface: `POST /v1/chat/completions`, streaming (server-sent
+`chat.completion.chunk` events ending with `[DONE]`) and not, OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from moetier.engine.engine import Output
+from moetier.engine.prompts import chat_prompt_ids
+from moetier.engine.sampler import SamplingParams
+from moetier.server.state import ServerState, all_outputs, not_ready, openai_error
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"content part type {part.type!r} is not supported (text only)")
+            parts.append(part.text or "")
+        return "".join(parts)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens through end tokens
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        req: ChatCompletionRequest, http: Request
+    ) -> JSONResponse | StreamingResponse | dict[str, Any]:
+        engine = state.engine
+        if engine is None:
+            return openai_error(*not_ready(state), "server_error")
+        defaults, model_name = state.defaults, state.model_name
+        try:
+            messages = [
+                {"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                for m in req.messages
+            ]
+            prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
+            stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+            max_tokens = (
+                req.max_completion_tokens
+                if req.max_completion_tokens is not None
+                else req.max_tokens
+            )
+            params = SamplingParams(
+                max_new_tokens=defaults.max_new_tokens,
+                temperature=req.temperature
+                if req.temperature is not None
+                else defaults.temperature,
+                top_p=req.top_p if req.top_p is not None else defaults.top_p,
+                top_k=req.top_k if req.top_k is not None else defaults.top_k,
+                seed=req.seed,
+                stop=stop,
+            )
+            engine.check(prompt_ids, params, max_tokens)
+        except ValueError as err:
+            return openai_error(400, str(err))
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        now = int(time.time())
+        outputs = engine.generate(
+            prompt_ids, params, chat=True, max_tokens=max_tokens, ignore_eos=req.ignore_eos
+        )
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                _sse(outputs, completion_id, now, model_name, include_usage),
+                media_type="text/event-stream",
+            )
+
+        try:
+            done = await all_outputs(http, outputs)
+        except RuntimeError as err:
+            return openai_error(503, str(err), "server_error")
+        if done is None:  # the client left: its request is aborted
+            return openai_error(499, "client closed the request")
+        last = done[-1]
+        return {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": now,
+            "model": model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "".join(o.text for o in done)},
+                    "finish_reason": _finish(last.finish_reason),
+                    "logprobs": None,
+                }
+            ],
+            "usage": _usage(last),
+        }
+
+
+def _finish(reason: str | None) -> str | None:
+    return "stop" if reason == "abort" else reason
+
+
+def _usage(last: Output) -> dict[str, Any]:
+    return {
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "total_tokens": last.prompt_tokens + last.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+    }
+
+
+async def _sse(
+    outputs: AsyncIterator[Output],
+    completion_id: str,
+    created: int,
+    model_name: str,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chat.completion.chunk shape, ending with [DONE]. Closed
+    early (the client went away), the request is aborted by `outputs`' own cleanup."""
+
+    def chunk(
+        delta: dict[str, Any], finish: str | None, usage: dict[str, Any] | None = None
+    ) -> str:
+        body: dict[str, Any] = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model_name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+            if usage is None
+            else [],
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    last = None
+    try:
+        async for out in outputs:
+            last = out
+            if out.text or out.finish_reason:
+                finish = _finish(out.finish_reason)
+                yield chunk({"content": out.text} if out.text else {}, finish)
+    except RuntimeError as err:  # the engine failed or is shutting down
+        body = {"error": {"message": str(err), "type": "server_error"}}
+        yield f"data: {json.dumps(body)}\n\n"
+        return
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    if include_usage and last is not None:
+        yield chunk({}, None, _usage(last))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,70 @@
+"""What the API modules share: the engine (or how its loading goes), the server's defaults and
+model name; an API error's JSON; work that stops when its client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from moetier.engine.async_engine import AsyncEngine
+from moetier.engine.engine import Output
+from moetier.engine.sampler import SamplingParams
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    model_name: str
+    defaults: SamplingParams = field(default_factory=SamplingParams)
+    engine: AsyncEngine | None = None
+    load_error: str | None = None  # why loading failed, if it did
+
+
+def openai_error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, "param": None, "code": None}},
+    )
+
+
+def not_ready(state: ServerState) -> tuple[int, str]:
+    """(status, message) of a request that came before the engine is ready."""
+    if state.load_error is not None:
+        return 503, f"the model failed to load: {state.load_error}"
+    return 503, "the model is still loading: retry shortly"
+
+
+async def unless_disconnected(http: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (work cancelled) once the client has disconnected."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.05)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                break
+    except asyncio.CancelledError:  # this handler itself cancelled (shutdown): the work too
+        task.cancel()
+        raise
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def all_outputs(http: Request, outputs: AsyncIterator[Output]) -> list[Output] | None:
+    """Every output of a request (a whole answer), or None once its client has disconnected
+    (the request is aborted); RuntimeError if the engine fails it."""
+
+    async def collect() -> list[Output]:
+        return [out async for out in outputs]
+
+    return await unless_disconnected(http, collect())

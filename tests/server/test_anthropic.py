@@ -1,0 +1,157 @@
+"""`/v1/messages` and `/v1/messages/count_tokens` against the official `anthropic` client on a
+real uvicorn server: answers equal the Generator's for the same chat messages, the stream's
+events come in the documented order and accumulate to the same message, stop reasons and usage
+as the API defines them, errors in Anthropic's shape."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import pytest
+from uvicorn_thread import serving
+
+from moetier.config import EngineConfig
+from moetier.engine.async_engine import AsyncEngine
+from moetier.engine.engine import Engine
+from moetier.engine.generate import Generator
+from moetier.engine.sampler import SamplingParams
+from moetier.loader.load import load_model
+from moetier.server.app import create_app
+
+MODEL = "tiny-qwen3"
+SYSTEM = "Be brief."
+USER = "Hello there"
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True))
+    with serving(create_app(AsyncEngine(Engine(loaded)), MODEL)) as url:
+        yield url, Generator(loaded)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server[0], api_key="unused", max_retries=0)
+
+
+def alone(generator, max_tokens: int, stop: tuple[str, ...] = (), system: str = SYSTEM):
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": USER}]
+    ids = generator.chat_prompt_ids(messages)
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0, stop=stop)
+    return ids, generator.generate(ids, params, chat=True)
+
+
+def test_message(server, client):
+    ids, want = alone(server[1], 8)
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=8,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": USER}],
+        extra_body={"temperature": 0},  # this SDK has no temperature argument
+    )
+    assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
+    assert [block.type for block in reply.content] == ["text"]
+    assert reply.content[0].text == want.text
+    assert reply.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.finish_reason]
+    assert reply.stop_sequence is None
+    generated = len(want.token_ids) + (want.finish_reason == "stop")
+    assert reply.usage.output_tokens == generated
+    assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == len(ids)
+
+
+def test_stream_events_and_accumulated_message(server, client):
+    _, want = alone(server[1], 10)
+    kwargs = dict(
+        model=MODEL,
+        max_tokens=10,
+        system=[{"type": "text", "text": SYSTEM}],  # blocks: the same prompt as the string
+        messages=[{"role": "user", "content": [{"type": "text", "text": USER}]}],
+        extra_body={"temperature": 0},  # this SDK has no temperature argument
+    )
+    with httpx.stream("POST", server[0] + "/v1/messages", json={**kwargs, "stream": True,
+                      "temperature": 0}) as raw:  # fmt: skip
+        wire = [line[7:] for line in raw.iter_lines() if line.startswith("event: ")]
+    assert wire[:3] == ["message_start", "content_block_start", "ping"]  # the SDK hides pings
+    assert wire[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(wire[3:-3]) == {"content_block_delta"}
+    events = list(client.messages.create(stream=True, **kwargs))
+    assert [event.type for event in events] == [name for name in wire if name != "ping"]
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert text == want.text
+    with client.messages.stream(**kwargs) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == want.text == final.content[0].text
+    assert final.stop_reason in ("max_tokens", "end_turn")
+    assert final.usage.output_tokens == events[-2].usage.output_tokens > 0
+
+
+def test_stop_sequence(server, client):
+    _, full = alone(server[1], 12)
+    text = full.text.replace("\ufffd", "")
+    if len(text) < 4:
+        pytest.skip("the tiny model's answer is too short to cut")
+    stop = text[2:4]
+    _, want = alone(server[1], 12, stop=(stop,))
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": USER}],
+        extra_body={"temperature": 0},  # this SDK has no temperature argument
+        stop_sequences=[stop],
+    )
+    assert reply.content[0].text == want.text
+    assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == stop
+
+
+def test_count_tokens(server, client):
+    ids, _ = alone(server[1], 1)
+    counted = client.messages.count_tokens(
+        model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": USER}]
+    )
+    assert counted.input_tokens == len(ids)
+
+
+def test_tool_history_is_accepted(server, client):
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=4,
+        messages=[
+            {"role": "user", "content": "What is the weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "use the tool", "signature": "x"},
+                    {"type": "text", "text": "Let me look."},
+                    {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "X"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny"}],
+            },
+        ],
+        tools=[{"name": "weather", "description": "weather", "input_schema": {"type": "object"}}],
+        extra_body={"temperature": 0},  # this SDK has no temperature argument
+    )
+    assert reply.content[0].type == "text" and reply.usage.output_tokens >= 1
+
+
+def test_errors_in_anthropics_shape(server, client):
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    with pytest.raises(anthropic.BadRequestError, match="image content blocks"):
+        client.messages.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [image]}]
+        )
+    raw = httpx.post(server[0] + "/v1/messages", json={"model": MODEL, "messages": []})
+    assert raw.status_code == 400
+    body = raw.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    too_long = httpx.post(
+        server[0] + "/v1/messages",
+        json={"model": MODEL, "max_tokens": 10**6, "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
