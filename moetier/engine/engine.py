@@ -124,13 +124,10 @@ class Engine:
             raise ValueError(
                 f"temperature {params.temperature}: use 0 (greedy) or at least {MIN_TEMPERATURE}"
             )
-        limit = max_tokens if max_tokens is not None else params.max_new_tokens
-        capacity = self.pool.num_pages * self.pool.page_size
-        room = min(self.scheduler.max_model_len, capacity) - len(prompt_ids)
-        if max_tokens is None and room >= 1:
-            limit = min(limit, room)
-        self.scheduler.check(len(prompt_ids), limit)
-        return limit
+        limit = max_tokens
+        if limit is None:  # the server's default, capped by what the context and pages leave
+            limit = max(1, min(params.max_new_tokens, self.scheduler.room(len(prompt_ids))))
+        return self.scheduler.check(len(prompt_ids), limit)
 
     def abort(self, request_id: str) -> Output | None:
         """End a request now (its client went away); its pages are freed at once."""

@@ -10,7 +10,6 @@ engine/timing.py).
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from moetier.engine.prompts import chat_prompt_ids
 from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.static_decode import StaticDecoder
 from moetier.engine.timing import GenerationTiming, TokenClock
+from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
 from moetier.models.experts import ExpertsRuntime, router_weights
 from moetier.residency.zero_copy import staging_slots
@@ -255,13 +255,7 @@ class Generator:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        # transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name
-        # warns on every call); earlier releases of the supported range take only the old one
-        cache_arg = (
-            "cache"
-            if "cache" in inspect.signature(self.model.forward).parameters
-            else ("past_key_values")
-        )
+        cache_arg = cache_argument(self.model)
 
         def hf(ids: list[list[int]]) -> torch.Tensor:
             if len({len(row) for row in ids}) > 1:

@@ -71,11 +71,6 @@ class PagePool:
     def used_pages(self) -> int:
         return self.num_pages - len(self._free)
 
-    @property
-    def cached_pages(self) -> int:
-        """Full pages with a hash (referenced or free)."""
-        return len(self._page_of)
-
     def pages_for(self, tokens: int) -> int:
         """Pages that hold `tokens` positions."""
         return -(-tokens // self.page_size)
@@ -141,10 +136,3 @@ class PagePool:
                 continue
             self._hash_of[page] = h
             self._page_of[h] = page
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached hash (pages stay as they are); returns how many were forgotten."""
-        count = len(self._page_of)
-        self._page_of.clear()
-        self._hash_of = [None] * self.num_pages
-        return count

@@ -15,7 +15,6 @@ does not depend on which requests share its steps.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 
 from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.scheduler import Scheduled, Step
+from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
 from moetier.models.attention_batch import AttentionBatch
 from moetier.models.layers import Attention
@@ -253,9 +253,7 @@ class TransformersRunner(_Sampling):
         self.model = loaded.model
         self.device = loaded.device
         self.caches: dict[str, Any] = {}
-        # transformers 5.24 names the forward's cache `cache`, earlier ones `past_key_values`
-        params = inspect.signature(self.model.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.cache_arg = cache_argument(self.model)
 
     @torch.inference_mode()
     def run(self, step: Step) -> dict[str, int]:

@@ -72,10 +72,6 @@ class Request:
         """Prompt then output: every token whose KV the request needs (read-only)."""
         return self._tokens
 
-    @property
-    def finished(self) -> bool:
-        return self.state is State.FINISHED
-
     def _append(self, token: int) -> None:
         self.output.append(token)
         self._tokens.append(token)
@@ -142,18 +138,21 @@ class Scheduler:
         self.requests[request.id] = request
         self.waiting.append(request)
 
+    def room(self, prompt: int) -> int:
+        """Tokens the context and the KV cache leave after a prompt of `prompt` tokens."""
+        return min(self.max_model_len, self.pool.num_pages * self.pool.page_size) - prompt
+
     def check(self, prompt: int, max_tokens: int | None) -> int:
         """The tokens a request of `prompt` tokens may generate (max_tokens None: what the
         context and the KV cache leave); ContextLengthError if it can never run."""
-        capacity = self.pool.num_pages * self.pool.page_size
-        limit = min(self.max_model_len, capacity)
-        if max_tokens is None:
-            max_tokens = limit - prompt
-        if max_tokens < 1:
-            raise ContextLengthError(_too_long(self.max_model_len, capacity, prompt, 1))
-        if prompt + max_tokens > limit:
-            raise ContextLengthError(_too_long(self.max_model_len, capacity, prompt, max_tokens))
-        return max_tokens
+        room = self.room(prompt)
+        wanted = room if max_tokens is None else max_tokens
+        if wanted < 1 or wanted > room:
+            capacity = self.pool.num_pages * self.pool.page_size
+            raise ContextLengthError(
+                _too_long(self.max_model_len, capacity, prompt, max(1, wanted))
+            )
+        return wanted
 
     def finish(self, request_id: str, reason: str = "abort") -> Request | None:
         """End a request now (a stop string, a client gone): its pages are freed at once.

@@ -60,12 +60,6 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     return pages.transpose(1, 2).reshape(batch, kv_heads, width * size, dim)
 
 
-def static_page_table(batch: int, device: torch.device | str) -> torch.Tensor:
-    """[[0], [1], ..., [batch - 1]] int32: the page table of a static cache [B, KVH, L, D]
-    (one page of L positions per row)."""
-    return torch.arange(batch, dtype=torch.int32, device=device)[:, None]
-
-
 def decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -8,6 +8,7 @@ materialised) and call moetier's experts op instead.
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,13 @@ def load_transformers(
         setattr(module, "moetier_experts", ExpertsHandle(runtime, layer))  # noqa: B010
 
     return loaded_model(model, store, runtime, engine_config, device, dtype)
+
+
+def cache_argument(model: Any) -> str:
+    """The name the transformers model's forward takes its KV cache by: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns on every call); earlier releases of the
+    supported range take only the old one."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _detach_experts(model: torch.nn.Module, store: Store) -> dict[int, torch.nn.Module]:

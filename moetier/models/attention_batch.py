@@ -18,7 +18,7 @@ shared by every layer:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -136,12 +136,4 @@ class AttentionBatch:
             return self
         batch, _, tokens, length = self.mask.shape
         folded = self.mask[:, :, None].expand(batch, 1, heads, tokens, length)
-        return AttentionBatch(
-            self.positions,
-            self.write_page,
-            self.write_offset,
-            folded.reshape(batch, 1, -1, length),
-            self.key_page,
-            self.key_offset,
-            self.page_table,
-        )
+        return replace(self, mask=folded.reshape(batch, 1, -1, length))

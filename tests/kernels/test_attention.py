@@ -20,7 +20,6 @@ from moetier.kernels.attention import (
     choose_config,
     decode_attention,
     decode_attention_ref,
-    static_page_table,
 )
 from moetier.loader.load import load_model
 from moetier.models import layers
@@ -32,8 +31,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rows(q):
-    """The page table of a static cache [B, KVH, L, D]: one page of L positions per row."""
-    return static_page_table(q.shape[0], q.device)
+    """The page table of a static cache [B, KVH, L, D]: one page of L positions per row, as a
+    table ([[0], [1], ...]); the models pass None for it."""
+    return torch.arange(q.shape[0], dtype=torch.int32, device=q.device)[:, None]
 
 
 # (batch, heads, kv_heads, head_dim, max_len, positions, splits); splits None: choose_config's
