@@ -9,8 +9,7 @@ tokens into one row [1, N] (prefill chunks and decodes mixed; models/attention_b
 only the positions whose next token is sampled go through the LM head. `TransformersRunner`
 (the transformers model class): each request its own DynamicCache, its items run one after
 another; no prefix cache (its KV is not in pages).
-Each request samples with its own generator (seeded from its SamplingParams), so what it draws
-does not depend on which requests share its steps.
+Sampling the step's rows is engine/step_sampler.py's (both runners derive from StepSampler).
 """
 
 from __future__ import annotations
@@ -21,70 +20,17 @@ from typing import Any
 
 import torch
 
-from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.scheduler import Scheduled, Step
+from moetier.engine.step_sampler import StepSampler
 from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
 from moetier.models.attention_batch import AttentionBatch
 from moetier.models.layers import Attention
 
-
-class _Sampling:
-    """Per-request generators and the sampling of one step's rows."""
-
-    device: torch.device
-
-    def __init__(self) -> None:
-        self.generators: dict[str, torch.Generator] = {}
-        self.positions_run = 0  # positions computed over the runner's life (tests, metrics)
-
-    def release(self, request_id: str) -> None:
-        """Forget a finished or preempted-for-good request's state."""
-        self.generators.pop(request_id, None)
-
-    def _sample(self, logits: torch.Tensor, items: list[Scheduled]) -> dict[str, int]:
-        """logits [S, V], one row per item (in order) -> request id -> token. A row whose
-        sampling fails is left out (the engine ends that request alone)."""
-        out: dict[str, int] = {}
-        params_of = [
-            item.request.params if item.request.params is not None else SamplingParams()
-            for item in items
-        ]
-        greedy = [row for row, params in enumerate(params_of) if params.temperature == 0]
-        if greedy:  # one argmax and one device-to-host copy for every greedy row
-            rows = torch.tensor(greedy, device=logits.device)
-            tokens = logits.index_select(0, rows).float().argmax(dim=-1).tolist()
-            out.update(
-                (items[row].request.id, tok) for row, tok in zip(greedy, tokens, strict=True)
-            )
-        for row, item in enumerate(items):
-            request = item.request
-            params = params_of[row]
-            if params.temperature == 0:
-                continue
-            try:
-                generator = self._generator(request.id, getattr(params, "seed", None))
-                out[request.id] = int(sample(logits[row : row + 1], params, generator)[0])
-            except (RuntimeError, ValueError) as exc:
-                print(f"moetier: sampling failed for {request.id}: {exc}", file=sys.stderr)
-        return out
-
-    def forget_kv(self, request_id: str) -> None:
-        """A preempted request's KV outside the page pool, if any, is dropped (it is
-        recomputed when it runs again). The paged cache holds none."""
-
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        if request_id not in self.generators:
-            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return self.generators[request_id]
-
-
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows a CUDA graph is captured for
 
 
-class PagedRunner(_Sampling):
+class PagedRunner(StepSampler):
     """A native model, its KV cache of `num_pages` pages of `page_size` positions (plus one
     scratch page for padding rows), and the per-request sampling generators."""
 
@@ -240,7 +186,7 @@ class _DecodeGraph:
         return self.logits
 
 
-class TransformersRunner(_Sampling):
+class TransformersRunner(StepSampler):
     """The transformers model class, a DynamicCache per request; a step's items run one after
     another (batched only in the scheduler's sense). Needs the page pool without prefix caching:
     a request's KV is in its own cache, not in pages."""

@@ -172,16 +172,16 @@ def test_bad_sampling_settings_are_refused_and_a_failed_row_ends_alone(native, m
         engine.add("s", [3, 4], SamplingParams(seed=2**64))
     with pytest.raises(ValueError, match="temperature"):
         engine.add("t", [3, 4], SamplingParams(temperature=1e-40))
-    from moetier.engine import runner
+    from moetier.engine import step_sampler
 
-    real = runner.sample
+    real = step_sampler.sample
 
     def failing(logits, params, generator):
         if params.top_k == 7:
             raise RuntimeError("probability tensor contains inf")
         return real(logits, params, generator)
 
-    monkeypatch.setattr(runner, "sample", failing)
+    monkeypatch.setattr(step_sampler, "sample", failing)
     good = SamplingParams(temperature=0, max_new_tokens=6)
     got = run(engine, {0: [("bad", [3, 4, 5], SamplingParams(top_k=7)), ("good", [6, 7], good)]})
     assert got["bad"][2] == "error" and got["bad"][0] == []
