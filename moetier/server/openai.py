@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from moetier.engine.engine import Output
 from moetier.engine.prompts import chat_prompt_ids
-from moetier.engine.sampler import SamplingParams
+from moetier.server.sampling_fields import SamplingFields
 from moetier.server.state import ServerState, all_outputs, not_ready, openai_error
 
 
@@ -39,24 +39,14 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(BaseModel):
-    model: str | None = None
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens through end tokens
+
+    def asked_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -74,22 +64,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 for m in req.messages
             ]
             prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
-            stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-            max_tokens = (
-                req.max_completion_tokens
-                if req.max_completion_tokens is not None
-                else req.max_tokens
-            )
-            params = SamplingParams(
-                max_new_tokens=defaults.max_new_tokens,
-                temperature=req.temperature
-                if req.temperature is not None
-                else defaults.temperature,
-                top_p=req.top_p if req.top_p is not None else defaults.top_p,
-                top_k=req.top_k if req.top_k is not None else defaults.top_k,
-                seed=req.seed,
-                stop=stop,
-            )
+            max_tokens = req.asked_max_tokens()
+            params = req.sampling_params(defaults)
             engine.check(prompt_ids, params, max_tokens)
         except ValueError as err:
             return openai_error(400, str(err))
