@@ -84,6 +84,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument(
+        "--compile", default="on", choices=("on", "off"), help="torch.compile the decode step"
+    )
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     info = run_info()
@@ -91,11 +94,13 @@ def main() -> None:
         store = write_synthetic_store(
             Path(tmp) / "store", shape(args.shape, args.layers), "q2s", DEFAULT_STORE
         )
-        config = EngineConfig(device=args.device, native=True)
+        config = EngineConfig(device=args.device, native=True, compile_decode=args.compile == "on")
+        began = time.perf_counter()
         loaded = load_model(store, config)
         pages = max(concurrencies) * -(-(args.prompt_tokens + args.new_tokens) // 16) + 16
         limits = EngineLimits(num_pages=pages, max_num_seqs=max(concurrencies))
         engine = Engine(loaded, limits)
+        load_s = time.perf_counter() - began  # load, compile and capture: until ready
         copy = copy_bandwidth() if args.device == "cuda" else None
         for concurrency in concurrencies:
             run_case(engine, concurrency, args.prompt_tokens, 8, seed=1)  # warm-up and capture
@@ -107,6 +112,9 @@ def main() -> None:
                     "shape": args.shape,
                     "layers": args.layers,
                     "experts": "q2s",
+                    "compile": args.compile,
+                    "load_s": round(load_s, 1),
+                    "warm_up_s": round(getattr(engine.runner, "warm_up_seconds", 0.0), 1),
                     **record,
                     "copy_GB/s": round(copy / 1e9, 1) if copy else None,
                 }

@@ -72,7 +72,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         paged = hasattr(loaded.model, "new_cache")  # a native model file
         self.runner: PagedRunner | TransformersRunner = (
-            PagedRunner(loaded, limits.num_pages, limits.page_size)
+            PagedRunner(loaded, limits.num_pages, limits.page_size, limits.max_num_seqs)
             if paged
             else TransformersRunner(loaded)
         )

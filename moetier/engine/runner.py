@@ -14,10 +14,13 @@ Sampling the step's rows is engine/step_sampler.py's (both runners derive from S
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from moetier.engine.scheduler import Scheduled, Step
@@ -34,7 +37,11 @@ class PagedRunner(StepSampler):
     """A native model, its KV cache of `num_pages` pages of `page_size` positions (plus one
     scratch page for padding rows), and the per-request sampling generators."""
 
-    def __init__(self, loaded: LoadedModel, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_pages: int, page_size: int, max_rows: int = 64
+    ) -> None:
+        """max_rows: the most decode rows a step has (the scheduler's max_num_seqs): the CUDA
+        graphs of the buckets up to it are captured (and compiled) here, at load."""
         model = loaded.model
         if not hasattr(model, "new_cache"):
             raise ValueError(
@@ -63,6 +70,27 @@ class PagedRunner(StepSampler):
             and gqa
             and self._pin_experts()
         )
+        # the graphed step through torch.compile (inductor fuses the norms, rotary and residual
+        # adds): one compilation per batch bucket, at warm-up, kept in inductor's disk cache
+        self._step_fn: Callable[..., torch.Tensor] = self._graph_step
+        if self.use_graphs and loaded.engine_config.compile_decode:
+            use_compile_cache()
+            self._step_fn = torch.compile(self._graph_step, dynamic=False)
+        self.warm_up_seconds = self.warm_up(max_rows)
+
+    def warm_up(self, max_rows: int) -> float:
+        """Capture (and compile) every batch bucket's decode graph up to `max_rows` rows now,
+        padding rows only (they write the scratch page), so the first requests find them ready.
+        -> seconds spent. Nothing to do without CUDA graphs."""
+        began = time.perf_counter()
+        if not self.use_graphs:
+            return 0.0
+        for bucket in GRAPH_BUCKETS:
+            if bucket not in self.graphs and not self._capture(bucket):
+                break
+            if bucket >= max_rows:
+                break
+        return time.perf_counter() - began
 
     def _pin_experts(self) -> bool:
         """Every expert in a GPU slot for good (fixed slot tables): what a captured step needs.
@@ -104,52 +132,57 @@ class PagedRunner(StepSampler):
     def _decode_logits(self, items: list[Scheduled]) -> torch.Tensor:
         rows = len(items)
         bucket = next((b for b in GRAPH_BUCKETS if b >= rows), None)
-        if not self.use_graphs or bucket is None:
-            ids, positions, table = self._decode_inputs(items, rows, None)
-            batch = AttentionBatch.decode(
-                positions, table, self.page_size, with_keys=self.gather_decode_keys
-            )
-            return self.model.lm_head(self.model.model(ids, positions, self.cache, batch)[:, 0])
-        graph = self.graphs.get(bucket)
-        fresh = graph is None
-        if graph is None:
-            graph = _DecodeGraph(bucket, self.table_width, self.device)
-        ids, positions, table = self._decode_inputs(items, bucket, self.table_width)
-        graph.ids.copy_(ids)
-        graph.positions.copy_(positions)
-        graph.table.copy_(table)
-        if fresh:
-            self._pool = self._pool or torch.cuda.graph_pool_handle()
-            try:
-                graph.capture(self._graph_step, self._pool)
-            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-                print(f"moetier: decode steps without CUDA graphs ({exc})", file=sys.stderr)
-                self.use_graphs = False  # eager from now on; this step too
-                return self._decode_logits(items)
-            self.graphs[bucket] = graph
-        return graph.replay()[:rows]
+        if self.use_graphs and bucket is not None:
+            graph = self.graphs.get(bucket)
+            if graph is not None or self._capture(bucket):
+                graph = self.graphs[bucket]
+                self._decode_inputs(items, *graph.host_inputs())
+                return graph.replay()[:rows]
+        width = max(len(item.request.pages) for item in items)
+        ids, positions = torch.empty(2, rows, 1, dtype=torch.int64).unbind(0)
+        table = torch.empty(rows, width, dtype=torch.int32)
+        self._decode_inputs(items, ids.numpy(), positions.numpy(), table.numpy())
+        ids, positions, table = (t.to(self.device) for t in (ids, positions, table))
+        batch = AttentionBatch.decode(
+            positions, table, self.page_size, with_keys=self.gather_decode_keys
+        )
+        return self.model.lm_head(self.model.model(ids, positions, self.cache, batch)[:, 0])
+
+    def _capture(self, bucket: int) -> bool:
+        """Capture the decode graph of `bucket` rows (every row padding: the scratch page);
+        False, and eager decode steps from now on, if capturing fails."""
+        graph = _DecodeGraph(bucket, self.table_width, self.device)
+        self._decode_inputs([], *graph.host_inputs())
+        for static, staged in zip(graph.inputs, graph.staged, strict=True):
+            static.copy_(staged)
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        try:
+            graph.capture(self._step_fn, self._pool)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            print(f"moetier: decode steps without CUDA graphs ({exc})", file=sys.stderr)
+            self.use_graphs = False
+            return False
+        self.graphs[bucket] = graph
+        return True
 
     def _graph_step(self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> Any:
         batch = AttentionBatch.decode(positions, table, self.page_size, with_keys=False)
         return self.model.lm_head(self.model.model(ids, positions, self.cache, batch)[:, 0])
 
     def _decode_inputs(
-        self, items: list[Scheduled], rows: int, width: int | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[rows, 1] ids and positions and the [rows, width] page table of decode rows; rows past
+        self, items: list[Scheduled], ids: np.ndarray, positions: np.ndarray, table: np.ndarray
+    ) -> None:
+        """Fill [rows, 1] ids and positions and the [rows, width] page table of decode rows
+        (numpy views of host tensors: a table row is a context's worth of entries); rows past
         the items (padding) read and write the scratch page at position 0."""
-        width = width or max(len(item.request.pages) for item in items)
-        pad = self.scratch_page
-        table = [item.request.pages + [pad] * (width - len(item.request.pages)) for item in items]
-        table += [[pad] * width] * (rows - len(items))
-        positions = [[item.start] for item in items] + [[0]] * (rows - len(items))
-        ids = [[item.request.tokens[item.start]] for item in items] + [[0]] * (rows - len(items))
-        device = self.device
-        return (
-            torch.tensor(ids, device=device),
-            torch.tensor(positions, device=device),
-            torch.tensor(table, dtype=torch.int32, device=device),
-        )
+        table.fill(self.scratch_page)
+        ids.fill(0)
+        positions.fill(0)
+        for row, item in enumerate(items):
+            pages = item.request.pages
+            table[row, : len(pages)] = pages
+            ids[row, 0] = item.request.tokens[item.start]
+            positions[row, 0] = item.start
 
     def _packed(self, items: list[Scheduled]) -> torch.Tensor:
         spans = [(item.start, item.count, item.request.pages) for item in items]
@@ -160,30 +193,56 @@ class PagedRunner(StepSampler):
 
 
 class _DecodeGraph:
-    """One batch bucket's captured decode step: static inputs, the graph, its logits."""
+    """One batch bucket's captured decode step: static inputs, their pinned host staging
+    copies, the graph, its logits."""
 
     def __init__(self, rows: int, width: int, device: torch.device) -> None:
         self.ids = torch.zeros(rows, 1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.int64, device=device)
         self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.staged = [torch.zeros_like(t, device="cpu").pin_memory() for t in self.inputs]
         self.graph: Any = None
         self.logits: torch.Tensor | None = None
 
+    @property
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.ids, self.positions, self.table
+
+    def host_inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """numpy views of the staging copies: what `replay` copies in first. (The previous
+        replay's copies are done: the sampled tokens were read back since.)"""
+        ids, positions, table = (t.numpy() for t in self.staged)
+        return ids, positions, table
+
     def capture(self, step: Callable[..., torch.Tensor], pool: Any) -> None:
-        """Warm up on a side stream (the same entries the replays write), then capture."""
+        """Warm up on a side stream (compiles a compiled step; writes what the replays
+        write), then capture."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step(self.ids, self.positions, self.table)
+            for _ in range(2):  # a compiled step's first call compiles, the second is steady
+                step(self.ids, self.positions, self.table)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = step(self.ids, self.positions, self.table)
 
     def replay(self) -> torch.Tensor:
+        for static, staged in zip(self.inputs, self.staged, strict=True):
+            static.copy_(staged, non_blocking=True)
         self.graph.replay()
         assert self.logits is not None
         return self.logits
+
+
+def use_compile_cache() -> None:
+    """Keep torch.compile's artefacts in moetier's cache folder (~/.cache/moetier/inductor, or
+    under $XDG_CACHE_HOME), so a second start finds the decode steps compiled; an explicit
+    TORCHINDUCTOR_CACHE_DIR wins."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "moetier", "inductor")
 
 
 class TransformersRunner(StepSampler):

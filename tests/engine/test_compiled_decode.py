@@ -1,0 +1,23 @@
+"""The engine's decode step compiled (torch.compile) and captured per batch bucket at load
+(CUDA): the graphs exist before the first request, and batched greedy output is each request's
+own, as the Generator decodes it alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from moetier.config import EngineConfig
+from moetier.engine.engine import Engine, EngineLimits
+from moetier.loader.load import load_model
+from tests.engine.test_engine import check_against_alone, random_requests
+
+
+@pytest.mark.gpu
+def test_compiled_graphs_are_captured_at_load_and_decode_exactly(tiny):
+    config = EngineConfig(device="cuda", dtype="float32", native=True, compile_decode=True)
+    loaded = load_model(tiny.store("qwen3_moe"), config)
+    limits = EngineLimits(num_pages=64, page_size=16, max_num_seqs=6, max_num_batched_tokens=16)
+    engine = Engine(loaded, limits)
+    assert sorted(engine.runner.graphs) == [1, 2, 4, 8]  # up to the bucket holding 6 rows
+    assert engine.runner.warm_up_seconds > 0
+    check_against_alone(loaded, engine, random_requests(loaded.model_config.vocab_size, 6, 5))
