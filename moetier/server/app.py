@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from moetier.engine.async_engine import AsyncEngine, EngineStats
 from moetier.engine.sampler import SamplingParams
 from moetier.residency.telemetry import CONTENT_TYPE, ResidencyTelemetry, render_prometheus
-from moetier.server import anthropic, openai
+from moetier.server import anthropic, completions, openai, tokenize
 from moetier.server.state import ServerState, openai_error
 
 
@@ -95,15 +95,19 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": model_name, "object": "model", "created": created, "owned_by": "moetier"}
-            ],
+        entry: dict[str, Any] = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "moetier",
+            "max_model_len": tokenize.max_model_len(state.engine) if state.engine else None,
         }
+        return {"object": "list", "data": [entry]}
 
     openai.add_routes(app, state)
     anthropic.add_routes(app, state)
+    completions.add_routes(app, state)
+    tokenize.add_routes(app, state)
     return app
 
 

@@ -1,0 +1,250 @@
+"""The legacy OpenAI text completions: `POST /v1/completions`, streaming (server-sent
+`text_completion` chunks ending with `[DONE]`) and not.
+
+`prompt` is a string, a list of strings, a list of token ids or a list of token-id lists; each
+prompt is its own request to the engine, its choices indexed in prompt order. No chat template:
+the text is tokenized as it is (the tokenizer's special tokens added), the model's
+end-of-sequence tokens end it. `echo` puts the prompt's text before the completion's; `max_tokens`
+defaults to 16 as OpenAI's does (null: what the context leaves). `suffix` (insertion) is refused
+with a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field
+
+from moetier.engine.engine import Output
+from moetier.server.sampling_fields import SamplingFields
+from moetier.server.state import ServerState, not_ready, openai_error, unless_disconnected
+from moetier.server.tokenize import check_ids
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its token ids and its text (what `echo` sends back)."""
+
+    ids: list[int]
+    text: str
+
+
+def prompts(tokenizer: Any, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    """The request's prompts as token ids (and text); ValueError for an empty prompt or a token
+    id the tokenizer does not have."""
+    items: list[str] | list[list[int]]
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):  # one prompt of token ids
+        items = [[int(p) for p in prompt]]  # type: ignore[arg-type]
+    else:
+        items = prompt  # type: ignore[assignment]
+    if not items:
+        raise ValueError("prompt: the prompt is empty")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(Prompt(tokenizer.encode(item), item))
+        else:
+            check_ids(tokenizer, item, "prompt")
+            out.append(Prompt(list(item), tokenizer.decode(item)))
+        if not out[-1].ids:
+            raise ValueError("prompt: the prompt is empty")
+    return out
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return "stop" if reason == "abort" else reason
+
+
+def usage(lasts: list[Output]) -> dict[str, Any]:
+    """The usage of a request's prompts together (each prompt's last output)."""
+    prompt_tokens = sum(o.prompt_tokens for o in lasts)
+    completion_tokens = sum(o.completion_tokens for o in lasts)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in lasts)},
+    }
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(
+        req: CompletionRequest, http: Request
+    ) -> JSONResponse | StreamingResponse | dict[str, Any]:
+        engine = state.engine
+        if engine is None:
+            return openai_error(*not_ready(state), "server_error")
+        try:
+            if req.suffix:
+                raise ValueError("suffix: inserting text (suffix) is not supported; leave it out")
+            if req.best_of is not None and req.best_of != req.n:
+                raise ValueError("best_of: only best_of equal to n (or left out) is supported")
+            asked = prompts(engine.tokenizer, req.prompt)
+            params = req.sampling_params(state.defaults)
+            max_tokens = req.asked_max_tokens()
+            for p in asked:
+                engine.check(p.ids, params, max_tokens)
+        except ValueError as err:
+            return openai_error(400, str(err))
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        now = int(time.time())
+        streams = [
+            engine.generate(p.ids, params, max_tokens=max_tokens, ignore_eos=req.ignore_eos)
+            for p in asked
+        ]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunks = _sse(streams, asked, req, completion_id, now, state.model_name, include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+
+        try:
+            done = await unless_disconnected(http, _collect_all(streams))
+        except RuntimeError as err:
+            return openai_error(503, str(err), "server_error")
+        if done is None:  # the client left: its requests are aborted
+            return openai_error(499, "client closed the request")
+        choices = []
+        for i, (p, outputs) in enumerate(zip(asked, done, strict=True)):
+            text = "".join(o.text for o in outputs)
+            choices.append(
+                {
+                    "index": i * req.n,
+                    "text": (p.text if req.echo else "") + text,
+                    "logprobs": None,
+                    "finish_reason": finish_reason(outputs[-1].finish_reason),
+                }
+            )
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": now,
+            "model": state.model_name,
+            "choices": choices,
+            "usage": usage([outputs[-1] for outputs in done]),
+        }
+
+
+async def _collect_all(streams: list[AsyncIterator[Output]]) -> list[list[Output]]:
+    """Every output of each stream, the streams run together; one failing (or this being
+    cancelled) cancels the others, which aborts their requests."""
+
+    async def collect(stream: AsyncIterator[Output]) -> list[Output]:
+        return [out async for out in stream]
+
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+_END = object()
+
+
+async def _merged(streams: list[AsyncIterator[Output]]) -> AsyncIterator[tuple[int, Output]]:
+    """(prompt index, output) of several streams as they come. Closed early, every stream is
+    closed (its request aborted); a stream's RuntimeError is raised here."""
+    inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Output]) -> None:
+        try:
+            async for out in stream:
+                await inbox.put((i, out))
+        except RuntimeError as err:
+            await inbox.put((i, err))
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        await inbox.put((i, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, item = await inbox.get()
+            if item is _END:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _sse(
+    streams: list[AsyncIterator[Output]],
+    asked: list[Prompt],
+    req: CompletionRequest,
+    completion_id: str,
+    created: int,
+    model_name: str,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's text_completion chunk shape, ending with [DONE]; with
+    `echo`, a choice's first chunk starts with its prompt's text."""
+
+    def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model_name,
+            "choices": choices,
+        }
+        if include_usage:
+            body["usage"] = usage_
+        return f"data: {json.dumps(body)}\n\n"
+
+    started: set[int] = set()
+    lasts: dict[int, Output] = {}
+    merged = _merged(streams)
+    try:
+        async for i, out in merged:
+            text = out.text
+            if req.echo and i not in started:
+                text = asked[i].text + text
+            started.add(i)
+            if out.finish_reason is not None:
+                lasts[i] = out
+            if text or out.finish_reason:
+                choice = {
+                    "index": i * req.n,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": finish_reason(out.finish_reason),
+                }
+                yield chunk([choice])
+    except RuntimeError as err:  # the engine failed or is shutting down
+        body = {"error": {"message": str(err), "type": "server_error"}}
+        yield f"data: {json.dumps(body)}\n\n"
+        return
+    finally:
+        await merged.aclose()  # type: ignore[attr-defined]
+    if include_usage:
+        yield chunk([], usage([lasts[i] for i in sorted(lasts)]))
+    yield "data: [DONE]\n\n"
