@@ -11,10 +11,13 @@ T = TypeVar("T")
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One `--field-name` flag per dataclass field, typed and defaulted from the field."""
+    """One `--field-name` flag per dataclass field, typed and defaulted from the field (fields
+    whose metadata says `"flag": False` have none)."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if not f.metadata.get("flag", True):
+            continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
         help_text = f.metadata.get("help", "")
@@ -47,6 +50,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: s
 def dataclass_from_args(cls: type[T], args: argparse.Namespace) -> T:
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if not f.metadata.get("flag", True):
+            continue  # no flag: the field's default
         value = getattr(args, f.name)
         if isinstance(value, list):
             value = tuple(value)

@@ -46,6 +46,7 @@ class AsyncEngine:
         self.stats = EngineStats(pages_free=engine.pool.free_pages)
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._open: dict[str, int] = {}  # request id -> its sequences not finished yet
         self._stop = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -58,10 +59,14 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def check(
-        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int | None = None,
+        n: int = 1,
     ) -> int:
         """Engine.check: a ValueError now for a request that can never run."""
-        return self.engine.check(prompt_ids, params, max_tokens)
+        return self.engine.check(prompt_ids, params, max_tokens, n)
 
     async def generate(
         self,
@@ -72,10 +77,13 @@ class AsyncEngine:
         max_tokens: int | None = None,
         ignore_eos: bool = False,
         request_id: str | None = None,
+        n: int = 1,
     ) -> AsyncIterator[Output]:
-        """The request's outputs as they come; the last has a finish_reason. Closing the
-        iterator before then aborts the request."""
-        self.check(prompt_ids, params, max_tokens)
+        """The request's outputs as they come, those of its `n` sequences interleaved (each
+        carries its `index`); it ends after the last sequence's finish_reason. Closing the
+        iterator before then aborts the request (all its sequences). A grammar the engine
+        cannot compile arrives as a ValueError."""
+        self.check(prompt_ids, params, max_tokens, n)
         request_id = request_id or f"req-{next(_IDS)}"
         inbox: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
@@ -84,11 +92,13 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), inbox)
+            self._open[request_id] = n
             self._idle.clear()
         self._commands.put(
-            ("add", request_id, list(prompt_ids), params, chat, max_tokens, ignore_eos)
+            ("add", request_id, list(prompt_ids), params, chat, max_tokens, ignore_eos, n)
         )
         finished = False
+        left = n
         try:
             while True:
                 item = await inbox.get()
@@ -96,7 +106,8 @@ class AsyncEngine:
                     finished = True
                     raise item
                 if item.finish_reason is not None:
-                    finished = True
+                    left -= 1
+                    finished = left == 0
                 yield item
                 if finished:
                     return
@@ -129,14 +140,14 @@ class AsyncEngine:
                     outputs = engine.step()
                 except Exception as exc:  # a failed step fails its requests, not the server
                     print(f"moetier: engine step failed: {exc!r}", file=sys.stderr)
-                    for request_id in list(engine.streams):
+                    for request_id in list(engine.requests):
                         engine.abort(request_id)
                         self._deliver(request_id, RuntimeError(f"generation failed: {exc}"))
                     outputs = []
                 for out in outputs:
                     self._deliver(out.request_id, out)
             self._update_stats(stepped)
-        for request_id in list(engine.streams):  # shutting down: end every open request
+        for request_id in list(engine.requests):  # shutting down: end every open request
             engine.abort(request_id)
         with self._lock:
             open_ids = list(self._streams)
@@ -159,7 +170,7 @@ class AsyncEngine:
     def _run(self, command: tuple[Any, ...]) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt_ids, params, chat, max_tokens, ignore_eos = command
+            _, request_id, prompt_ids, params, chat, max_tokens, ignore_eos, n = command
             with self._lock:
                 gone = request_id not in self._streams
             if gone:
@@ -172,6 +183,7 @@ class AsyncEngine:
                     chat=chat,
                     max_tokens=max_tokens,
                     ignore_eos=ignore_eos,
+                    n=n,
                 )
             except ValueError as exc:
                 self._deliver(request_id, exc)
@@ -180,15 +192,25 @@ class AsyncEngine:
             self.engine.abort(request_id)
             with self._lock:
                 self._streams.pop(request_id, None)
+                self._open.pop(request_id, None)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         """Hand an output (or an exception) to its request's queue on the request's loop; an
-        output that ends in "error" arrives as a RuntimeError."""
+        output that ends in "error" arrives as a RuntimeError. The last sequence's finish (or
+        an exception) is the request's last item."""
         if isinstance(item, Output) and item.finish_reason == "error":
             item = RuntimeError("generation failed for this request (see the server's log)")
-        final = isinstance(item, BaseException) or item.finish_reason is not None
         with self._lock:
-            stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+            final = isinstance(item, BaseException)
+            if not final and item.finish_reason is not None:
+                left = self._open.get(request_id, 1) - 1
+                self._open[request_id] = left
+                final = left <= 0
+            if final:
+                self._open.pop(request_id, None)
+                stream = self._streams.pop(request_id, None)
+            else:
+                stream = self._streams.get(request_id)
         if stream is None:
             return
         loop, inbox = stream
@@ -198,6 +220,7 @@ class AsyncEngine:
             self.engine.abort(request_id)
             with self._lock:
                 self._streams.pop(request_id, None)
+                self._open.pop(request_id, None)
 
     def _update_stats(self, stepped: bool) -> None:
         engine = self.engine

@@ -11,23 +11,27 @@ KV pages at once. Synchronous and single-threaded: the server drives it from one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from moetier.engine.detokenizer import StreamingDetokenizer, end_token_ids
 from moetier.engine.kv_pages import PagePool
 from moetier.engine.runner import PagedRunner, TransformersRunner
-from moetier.engine.sampler import SamplingParams
+from moetier.engine.sampler import SamplingParams, TokenLogprob
 from moetier.engine.scheduler import Request, Scheduler
 from moetier.loader.loaded_model import LoadedModel
 
 DEFAULT_PAGE_SIZE = 16
 # the smallest temperature above 0 (greedy): logits divided by less overflow to inf in fp32
 MIN_TEMPERATURE = 1e-5
+SIBLING_MARK = "\x1fn"  # sequence i >= 1 of request r is sequence id r + SIBLING_MARK + str(i)
 
 
 @dataclass
 class Output:
-    """What one request produced in one step."""
+    """What one sequence of a request produced in one step. `prompt_tokens` and
+    `cached_tokens` are the request's: the same on each of its n sequences (count them once)."""
 
     request_id: str
     text: str
@@ -37,15 +41,40 @@ class Output:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     completion_tokens: int = 0  # so far
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    index: int = 0  # which of the request's n sequences
+    # one per token of token_ids, when SamplingParams.logprobs is set (the raw distribution's)
+    logprobs: list[TokenLogprob] | None = None
+    # on the request's first output, when SamplingParams.prompt_logprobs is set: one per prompt
+    # token, None for the first (nothing before it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
 class _Stream:
+    """One sequence of a request."""
+
     request: Request
     detok: StreamingDetokenizer
     end_ids: frozenset[int]
+    parent: str  # the request's id
+    index: int
     sent: int = 0  # output tokens already handed out
     unsent: list[int] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token
+    started: bool = False  # an output handed out
+
+
+@dataclass
+class _Family:
+    """A request: its n sequences (ids by index), those held until the first has computed the
+    prompt, and its prompt logprobs by position."""
+
+    first: Request
+    sequences: list[str]
+    held: list[Request] = field(default_factory=list)
+    open: set[str] = field(default_factory=set)
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -83,12 +112,33 @@ class Engine:
         )
         eos, chat_end = end_token_ids(loaded)
         self.eos_ids, self.chat_end_ids = frozenset(eos), frozenset(chat_end)
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, _Stream] = {}  # by sequence id
+        self.requests: dict[str, _Family] = {}  # by request id
         self.aborted = 0  # requests ended by `abort` (clients gone)
+        self.vocab_size = int(loaded.model.config.vocab_size)
+        self._grammars: Any = None
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def grammars(self) -> Any:
+        """The grammar backend (engine/grammar.py's GrammarBackend), built at first use; a
+        test may set its own."""
+        if self._grammars is None:
+            try:
+                from moetier.engine.grammar import GrammarBackend
+            except ImportError as exc:
+                raise ValueError(f"structured output is not available here ({exc})") from exc
+            self._grammars = GrammarBackend(
+                self.tokenizer, self.vocab_size, self.eos_ids | self.chat_end_ids
+            )
+        return self._grammars
+
+    @grammars.setter
+    def grammars(self, backend: Any) -> None:
+        self._grammars = backend
 
     def add(
         self,
@@ -99,77 +149,148 @@ class Engine:
         chat: bool = False,
         max_tokens: int | None = None,
         ignore_eos: bool = False,
+        n: int = 1,
     ) -> Request:
-        """Queue a request; ContextLengthError (a ValueError) if it can never fit. max_tokens:
-        None takes params.max_new_tokens capped by what the context leaves; ignore_eos: run to
-        max_tokens through end-of-sequence tokens (benchmarks)."""
-        limit = self.check(prompt_ids, params, max_tokens)
+        """Queue a request of `n` sequences; ValueError (ContextLengthError, a bad grammar) if
+        it can never run. max_tokens: None takes params.max_new_tokens capped by what the
+        context leaves; ignore_eos: run to max_tokens through end-of-sequence tokens
+        (benchmarks). -> the first sequence's scheduler Request.
+
+        Sequences 1.. wait until the first has computed the prompt, then take its full pages
+        from the prefix cache (they compute only the prompt's last partial page); each draws
+        from its own generator (seeded from params.seed and its index when seeded)."""
+        limit = self.check(prompt_ids, params, max_tokens, n)
+        ids = [request_id] + [f"{request_id}{SIBLING_MARK}{i}" for i in range(1, n)]
+        if request_id in self.requests or any(sid in self.streams for sid in ids):
+            raise ValueError(f"request id {request_id!r} is already queued or running")
+        matchers = [None] * n
+        if params.grammar is not None:
+            matchers = [self.grammars.matcher(*params.grammar) for _ in range(n)]
         end_ids = self.chat_end_ids if chat else self.eos_ids
-        request = Request(request_id, list(prompt_ids), limit, params, end_ids, ignore_eos)
-        self.scheduler.add(request)
-        detok = StreamingDetokenizer(self.tokenizer, params.stop)
-        self.streams[request_id] = _Stream(request, detok, end_ids)
-        return request
+        requests = []
+        for i, sid in enumerate(ids):
+            seq_params = params
+            if i > 0:  # its own stream of draws; prompt logprobs are the first's
+                seed = None if params.seed is None else sibling_seed(params.seed, i)
+                seq_params = replace(params, seed=seed, prompt_logprobs=None)
+            request = Request(sid, list(prompt_ids), limit, seq_params, end_ids, ignore_eos)
+            # every prompt position's logits are needed: none taken from the prefix cache
+            request.prefix_cache = seq_params.prompt_logprobs is None
+            requests.append(request)
+        self.scheduler.add(requests[0])
+        family = _Family(requests[0], ids, held=requests[1:], open=set(ids))
+        self.requests[request_id] = family
+        for i, (request, matcher) in enumerate(zip(requests, matchers, strict=True)):
+            detok = StreamingDetokenizer(self.tokenizer, params.stop)
+            self.streams[request.id] = _Stream(request, detok, end_ids, request_id, i)
+            if matcher is not None:
+                self.runner.matchers[request.id] = matcher
+        return requests[0]
 
     def check(
-        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int | None = None,
+        n: int = 1,
     ) -> int:
         """The tokens a request may generate; ValueError (ContextLengthError) if it can never
         run. Reads only fixed limits: safe from any thread."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if n < 1:
+            raise ValueError(f"n = {n}: ask for at least 1 sequence")
         if params.seed is not None and not 0 <= params.seed < 2**63:
             raise ValueError(f"seed {params.seed}: use an integer in [0, 2**63)")
         if 0 < params.temperature < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature {params.temperature}: use 0 (greedy) or at least {MIN_TEMPERATURE}"
             )
+        for token, _ in params.logit_bias:
+            if token >= self.vocab_size:
+                raise ValueError(
+                    f"logit_bias: token id {token} is not in this model's vocabulary "
+                    f"(ids 0 to {self.vocab_size - 1})"
+                )
         limit = max_tokens
         if limit is None:  # the server's default, capped by what the context and pages leave
             limit = max(1, min(params.max_new_tokens, self.scheduler.room(len(prompt_ids))))
         return self.scheduler.check(len(prompt_ids), limit)
 
     def abort(self, request_id: str) -> Output | None:
-        """End a request now (its client went away); its pages are freed at once."""
-        request = self.scheduler.finish(request_id, "abort")
-        stream = self.streams.pop(request_id, None)
-        self.runner.release(request_id)
-        if request is None or stream is None:
+        """End a request now (its client went away), all its sequences; their pages are freed
+        at once. -> the output ending its first open sequence (None if none was open)."""
+        outputs = self._end(request_id, "abort")
+        if not outputs:
             return None
         self.aborted += 1
-        return self._output(stream, "", [], "abort")
+        return outputs[0]
+
+    def _end(self, request_id: str, reason: str) -> list[Output]:
+        """End every open sequence of a request with `reason`; -> their last outputs."""
+        family = self.requests.pop(request_id, None)
+        if family is None:
+            return []
+        outputs = []
+        for sid in family.sequences:
+            self.scheduler.finish(sid, reason)
+            self.runner.release(sid)
+            stream = self.streams.pop(sid, None)
+            if stream is not None and sid in family.open:
+                outputs.append(self._output(stream, family, "", [], reason))
+        return outputs
 
     def step(self) -> list[Output]:
-        """Schedule and run one batch; -> an Output for every request that produced a token or
+        """Schedule and run one batch; -> an Output for every sequence that produced a token or
         finished in it."""
         step = self.scheduler.schedule()
         for request in step.preempted:
             self.runner.forget_kv(request.id)
         sampled = [item.request.id for item in step.items if item.samples]  # before update
-        tokens = self.runner.run(step)
+        result = self.runner.run(step)
         outputs = []
-        for request_id in [rid for rid in sampled if rid not in tokens]:  # its sampling failed
-            self.scheduler.finish(request_id, "error")
-            stream = self.streams.pop(request_id, None)
-            self.runner.release(request_id)
+        for sid, by_position in result.prompt_logprobs.items():
+            if sid in self.streams:
+                self.requests[self.streams[sid].parent].prompt_logprobs.update(by_position)
+        failed = {self.streams[sid].parent for sid in sampled if sid not in result.tokens}
+        for request_id in failed:  # its sampling failed: the whole request ends
+            outputs += self._end(request_id, "error")
+        for sid, logprob in result.logprobs.items():
+            if sid in self.streams:
+                self.streams[sid].logprobs.append(logprob)
+        finished = {r.id for r in self.scheduler.update(step, result.tokens)}
+        for sid in sampled:
+            stream = self.streams.get(sid)
+            if stream is None:
+                continue
+            matcher = self.runner.matchers.get(sid)
+            if sid not in finished and matcher is not None and matcher.is_terminated():
+                self.scheduler.finish(sid, "stop")  # the grammar's document is complete
+                finished.add(sid)
+            family = self.requests[stream.parent]
+            if stream.index == 0 and family.held:  # the prompt is computed: siblings may go
+                for request in reversed(family.held):
+                    self.scheduler.add(request, front=True)
+                family.held = []
+        for sid in sampled:
+            stream = self.streams.get(sid)
             if stream is not None:
-                outputs.append(self._output(stream, "", [], "error"))
-        finished = {r.id for r in self.scheduler.update(step, tokens)}
-        for request_id in sampled:
-            stream = self.streams.get(request_id)
-            if stream is not None:
-                outputs.append(self._advance(stream, request_id in finished))
+                outputs.append(self._advance(stream, sid in finished))
         return outputs
 
     def _advance(self, stream: _Stream, finished: bool) -> Output:
         request = stream.request
+        family = self.requests[stream.parent]
         new = request.output[stream.sent :]
+        logprobs = stream.logprobs[stream.sent :] if request.params.logprobs is not None else []
         stream.sent = len(request.output)
         text, stopped = "", False
-        for token in new:
+        for k, token in enumerate(new):
             if token in stream.end_ids and not request.ignore_eos:
                 break  # an end-of-sequence token is never text
             stream.unsent.append(token)
+            if k < len(logprobs):
+                stream.unsent_logprobs.append(logprobs[k])
             piece, stopped = stream.detok.push(token)
             text += piece
             if stopped:
@@ -181,25 +302,55 @@ class Engine:
             finished = True
         if not finished:
             if not text:
-                return self._output(stream, "", [], None)
-            tokens, stream.unsent = stream.unsent, []
-            return self._output(stream, text, tokens, None)
+                return self._output(stream, family, "", [], None)
+            return self._output(stream, family, text, self._take_unsent(stream), None)
         if not stopped:
             text += stream.detok.flush()
         self.streams.pop(request.id, None)
         self.runner.release(request.id)
-        tokens, stream.unsent = stream.unsent, []
-        return self._output(stream, text, tokens, request.finish_reason)
+        out = self._output(stream, family, text, self._take_unsent(stream), request.finish_reason)
+        family.open.discard(request.id)
+        if not family.open:
+            del self.requests[stream.parent]
+        return out
 
-    def _output(self, stream: _Stream, text: str, tokens: list[int], finish: str | None) -> Output:
-        request = stream.request
+    @staticmethod
+    def _take_unsent(stream: _Stream) -> list[int]:
+        tokens, stream.unsent = stream.unsent, []
+        return tokens
+
+    def _output(
+        self, stream: _Stream, family: _Family, text: str, tokens: list[int], finish: str | None
+    ) -> Output:
+        request, params = stream.request, stream.request.params
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = stream.unsent_logprobs[: len(tokens)] if tokens else []
+            stream.unsent_logprobs = stream.unsent_logprobs[len(tokens) :]
+        prompt_logprobs = None
+        first = family.first
+        if stream.index == 0 and not stream.started and params.prompt_logprobs is not None:
+            known = family.prompt_logprobs
+            if len(known) == len(first.prompt) - 1:  # complete (not an early abort)
+                prompt_logprobs = [None, *(known[p] for p in range(1, len(first.prompt)))]
+        stream.started = True
         return Output(
-            request.id,
+            family.first.id,
             text,
             tokens,
             finish,
-            len(request.prompt),
-            request.cached_tokens,
+            len(first.prompt),
+            first.cached_tokens,
             len(request.output),
             stream.detok.matched if finish is not None else None,
+            stream.index,
+            logprobs,
+            prompt_logprobs,
         )
+
+
+def sibling_seed(seed: int, index: int) -> int:
+    """The seed of sequence `index` (>= 1) of a seeded request of n > 1 sequences (the first
+    takes the request's seed itself): a hash of both, in [0, 2**63)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

@@ -1,14 +1,15 @@
 """Runs the scheduler's steps (engine/scheduler.py) on a model: `run(step)` computes the step's
-positions and returns the token sampled for each item that samples.
+positions and returns what it sampled (engine/step_sampler.py's `Sampled`: the token of each
+item that samples, and the logprobs and prompt logprobs its request asks for).
 
 `PagedRunner` (native model files): a step whose items are all one-token decodes runs as decode
 rows [R, 1], each row reading its pages through its page table (the decode kernel on CUDA for
 GQA); on CUDA with every expert pinned, such steps replay a CUDA graph captured per batch bucket
 (1, 2, 4 ... 64 rows; padding rows write to a scratch page). Any other step packs every item's
 tokens into one row [1, N] (prefill chunks and decodes mixed; models/attention_batch.py), and
-only the positions whose next token is sampled go through the LM head. `TransformersRunner`
-(the transformers model class): each request its own DynamicCache, its items run one after
-another; no prefix cache (its KV is not in pages).
+only the positions whose next token is sampled (and those whose prompt logprobs a request asks
+for) go through the LM head. `TransformersRunner` (the transformers model class): each request
+its own DynamicCache, its items run one after another; no prefix cache (its KV is not in pages).
 Sampling the step's rows is engine/step_sampler.py's (both runners derive from StepSampler).
 """
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from moetier.engine.scheduler import Scheduled, Step
-from moetier.engine.step_sampler import StepSampler
+from moetier.engine.step_sampler import Sampled, StepSampler
 from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
 from moetier.models.attention_batch import AttentionBatch
@@ -107,27 +108,41 @@ class PagedRunner(StepSampler):
         return True
 
     @torch.inference_mode()
-    def run(self, step: Step) -> dict[str, int]:
-        """Compute the step's positions; -> the token sampled for each item that samples."""
+    def run(self, step: Step) -> Sampled:
+        """Compute the step's positions; -> the token sampled for each item that samples (and
+        the logprobs asked for, prompt logprobs from every prompt position that gives one)."""
         items = step.items
         if not items:
-            return {}
+            return Sampled()
         self.positions_run += step.num_tokens
         self.loaded.runtime.count_pinned(step.num_tokens)  # no-op unless every expert is pinned
         sampling = [i for i, item in enumerate(items) if item.samples]
+        spans = self.prompt_spans(items)
         if all(item.count == 1 for item in items):
             logits = self._decode_logits(items)  # [R, V]
-            if not sampling:
-                return {}
+            if not sampling and not spans:
+                return Sampled()
             picked = logits.index_select(0, torch.tensor(sampling, device=self.device))
-            return self._sample(picked, [items[i] for i in sampling])
+            prompt = None
+            if spans:  # a one-position prompt chunk: its row gives that prompt logprob
+                prompt = logits.index_select(
+                    0, torch.tensor([s.item for s in spans], device=self.device)
+                )
+            return self._sample(picked, [items[i] for i in sampling], prompt, spans)
         hidden = self._packed(items)  # [N, H]
-        if not sampling:
-            return {}
-        ends = torch.tensor([item.count for item in items], device=self.device).cumsum(0) - 1
-        rows = ends.index_select(0, torch.tensor(sampling, device=self.device))
-        logits = self.model.lm_head(hidden.index_select(0, rows))  # [S, V]
-        return self._sample(logits, [items[i] for i in sampling])
+        if not sampling and not spans:
+            return Sampled()
+        starts = [0]
+        for item in items:
+            starts.append(starts[-1] + item.count)
+        rows = [starts[i + 1] - 1 for i in sampling]
+        rows += [starts[s.item] + s.start - items[s.item].start + j for s in spans
+                 for j in range(s.count)]  # fmt: skip
+        logits = self.model.lm_head(
+            hidden.index_select(0, torch.tensor(rows, device=self.device))
+        )  # [S + P, V]: the sampling rows, then the prompt logprob rows
+        picked, prompt = logits[: len(sampling)], logits[len(sampling) :]
+        return self._sample(picked, [items[i] for i in sampling], prompt, spans)
 
     def _decode_logits(self, items: list[Scheduled]) -> torch.Tensor:
         rows = len(items)
@@ -261,12 +276,14 @@ class TransformersRunner(StepSampler):
         self.cache_arg = cache_argument(self.model)
 
     @torch.inference_mode()
-    def run(self, step: Step) -> dict[str, int]:
+    def run(self, step: Step) -> Sampled:
         from transformers import DynamicCache
 
         sampling: list[Scheduled] = []
-        logits = []
-        for item in step.items:
+        logits, prompt = [], []
+        spans = self.prompt_spans(step.items)
+        span_of = {s.item: s for s in spans}
+        for i, item in enumerate(step.items):
             request = item.request
             if item.start == 0:  # a new request, or one preempted and recomputed
                 self.caches[request.id] = DynamicCache(config=self.model.config)
@@ -277,16 +294,20 @@ class TransformersRunner(StepSampler):
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=item.count if i in span_of else 1,
                 **{self.cache_arg: cache},
             )
+            if i in span_of:  # positions start.. of the chunk: the span's are its first ones
+                prompt.append(out.logits[0, : span_of[i].count])
             if item.samples:
                 sampling.append(item)
                 logits.append(out.logits[0, -1])
         self.positions_run += step.num_tokens
-        if not sampling:
-            return {}
-        return self._sample(torch.stack(logits), sampling)
+        if not sampling and not spans:
+            return Sampled()
+        vocab = int(self.model.config.vocab_size)
+        picked = torch.stack(logits) if logits else torch.empty(0, vocab, device=self.device)
+        return self._sample(picked, sampling, torch.cat(prompt) if prompt else None, spans)
 
     def release(self, request_id: str) -> None:
         super().release(request_id)

@@ -57,6 +57,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     preemptions: int = 0
+    prefix_cache: bool = True  # False: compute every position (its prompt logprobs need them)
     arrival: int = field(default_factory=lambda: next(_ARRIVALS))
     _tokens: list[int] = field(default_factory=list, repr=False)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
@@ -128,15 +129,19 @@ class Scheduler:
 
     # -- requests in and out -----------------------------------------------------------------
 
-    def add(self, request: Request) -> None:
-        """Queue a request; ContextLengthError if it can never run, ValueError on a duplicate
-        id. `max_tokens` None becomes what the context and the KV cache leave."""
+    def add(self, request: Request, front: bool = False) -> None:
+        """Queue a request (at the queue's front with `front`: a sequence of a request already
+        running); ContextLengthError if it can never run, ValueError on a duplicate id.
+        `max_tokens` None becomes what the context and the KV cache leave."""
         if request.id in self.requests:
             raise ValueError(f"request id {request.id!r} is already queued or running")
         request.max_tokens = self.check(len(request.prompt), request.max_tokens)
         request.state = State.WAITING
         self.requests[request.id] = request
-        self.waiting.append(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def room(self, prompt: int) -> int:
         """Tokens the context and the KV cache leave after a prompt of `prompt` tokens."""
@@ -256,7 +261,7 @@ class Scheduler:
     def _take_cached_prefix(self, request: Request) -> None:
         """On admission: the longest cached run of the request's full pages, leaving at least
         one position to compute (its logits give the next token)."""
-        if request.pages:
+        if request.pages or not request.prefix_cache:
             return
         size = self.pool.page_size
         request._hashes = page_hashes(request.tokens, size, request._hashes)

@@ -1,66 +1,285 @@
-"""Samples a step's rows: one row of logits per request that samples in the step -> its next
-token. Each request samples with its own generator (seeded from its SamplingParams), so what it
-draws does not depend on which requests share its steps. The runners (engine/runner.py) derive
-from StepSampler.
+"""Samples a step's rows: one row of logits per sequence that samples in the step -> its next
+token, its logprobs, and the prompt logprobs of prompt positions computed in the step.
+
+All rows are sampled together on the device (engine/sampler.py: grammar bitmask, logit bias,
+penalties, temperature, min-p, top-k, top-p, greedy rows by argmax) and come back to the host
+in one copy: tokens and logprobs packed into one tensor. Each seeded sequence draws its noise
+from its own generator, so what it samples does not depend on which sequences share its steps.
+A sequence with a grammar has a matcher (`matchers`, set by the engine): its row's allowed
+tokens are filled into one bitmask for the step, and the sampled token is fed back to it. The
+runners (engine/runner.py) derive from StepSampler.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from moetier.engine.sampler import SamplingParams, sample
+from moetier.engine.sampler import (
+    SamplingParams,
+    TokenLogprob,
+    apply_bitmask_ref,
+    apply_penalties,
+    bitmask_words,
+    sample_rows,
+    sampling_tensors,
+    token_counts,
+)
 from moetier.engine.scheduler import Scheduled
+
+DEFAULT_PARAMS = SamplingParams()
+
+
+@dataclass
+class Sampled:
+    """What a step sampled: the next token of each sampling sequence (by request id), the
+    logprobs of those whose params ask, and prompt logprobs (request id -> prompt position ->
+    the logprob of the prompt token there, given the tokens before it)."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptSpan:
+    """Positions [start, start + count) of the step's item `item` whose logits give the
+    logprobs of prompt tokens start + 1 ... start + count."""
+
+    item: int
+    start: int
+    count: int
 
 
 class StepSampler:
-    """Per-request generators and the sampling of one step's rows."""
+    """Per-sequence generators, grammar matchers and prompt masks; the sampling of one step's
+    rows."""
 
     device: torch.device
 
     def __init__(self) -> None:
         self.generators: dict[str, torch.Generator] = {}
+        self.matchers: dict[str, Any] = {}  # request id -> grammar matcher (set by the engine)
+        self.prompt_masks: dict[str, torch.Tensor] = {}  # [V] bool: tokens in the prompt
         self.positions_run = 0  # positions computed over the runner's life (tests, metrics)
 
     def release(self, request_id: str) -> None:
         """Forget a finished or preempted-for-good request's state."""
         self.generators.pop(request_id, None)
-
-    def _sample(self, logits: torch.Tensor, items: list[Scheduled]) -> dict[str, int]:
-        """logits [S, V], one row per item (in order) -> request id -> token. A row whose
-        sampling fails is left out (the engine ends that request alone)."""
-        out: dict[str, int] = {}
-        params_of = [
-            item.request.params if item.request.params is not None else SamplingParams()
-            for item in items
-        ]
-        greedy = [row for row, params in enumerate(params_of) if params.temperature == 0]
-        if greedy:  # one argmax and one device-to-host copy for every greedy row
-            rows = torch.tensor(greedy, device=logits.device)
-            tokens = logits.index_select(0, rows).float().argmax(dim=-1).tolist()
-            out.update(
-                (items[row].request.id, tok) for row, tok in zip(greedy, tokens, strict=True)
-            )
-        for row, item in enumerate(items):
-            request = item.request
-            params = params_of[row]
-            if params.temperature == 0:
-                continue
-            try:
-                generator = self._generator(request.id, getattr(params, "seed", None))
-                out[request.id] = int(sample(logits[row : row + 1], params, generator)[0])
-            except (RuntimeError, ValueError) as exc:
-                print(f"moetier: sampling failed for {request.id}: {exc}", file=sys.stderr)
-        return out
+        self.matchers.pop(request_id, None)
+        self.prompt_masks.pop(request_id, None)
 
     def forget_kv(self, request_id: str) -> None:
         """A preempted request's KV outside the page pool, if any, is dropped (it is
         recomputed when it runs again). The paged cache holds none."""
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
+    @staticmethod
+    def prompt_spans(items: list[Scheduled]) -> list[PromptSpan]:
+        """The positions of the step whose logits give prompt logprobs: those of requests that
+        ask for them (SamplingParams.prompt_logprobs) and whose next token is in the prompt."""
+        spans = []
+        for i, item in enumerate(items):
+            params = item.request.params
+            if params is None or params.prompt_logprobs is None:
+                continue
+            end = min(item.start + item.count, len(item.request.prompt) - 1)
+            if end > item.start:
+                spans.append(PromptSpan(i, item.start, end - item.start))
+        return spans
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        items: list[Scheduled],
+        prompt_logits: torch.Tensor | None = None,
+        spans: list[PromptSpan] | None = None,
+    ) -> Sampled:
+        """logits [S, V], one row per sampling item (in order); prompt_logits [P, V], the rows
+        of `spans`' positions in order -> what the step sampled. A row whose sampling fails
+        (its grammar matcher raised) is left out: the engine ends that request alone."""
+        spans = spans or []
+        params = [item.request.params or DEFAULT_PARAMS for item in items]
+        if not spans and all(p.plain_greedy for p in params):
+            # the common path: one argmax and one device-to-host copy for every row
+            tokens = logits.float().argmax(dim=-1).tolist() if items else []
+            return Sampled({item.request.id: t for item, t in zip(items, tokens, strict=True)})
+        failed: set[int] = set()
+        raw = logits.float()
+        chosen = self._choose(raw, items, params, failed) if items else raw.new_zeros(0).long()
+        # what comes back: [token, logprob, top ids..., top logprobs...] per row, one copy
+        width = max(
+            [p.logprobs or 0 for p in params]
+            + [items_params(items, s).prompt_logprobs or 0 for s in spans]
+        )
+        want_logprobs = any(p.logprobs is not None for p in params)
+        blocks = []
+        if items:
+            blocks.append(_logprob_rows(raw, chosen, width, want_logprobs))
+        if spans:
+            assert prompt_logits is not None
+            targets = [
+                t
+                for s in spans
+                for t in items_request(items, s).tokens[s.start + 1 : s.start + 1 + s.count]
+            ]
+            target_ids = torch.tensor(targets).to(prompt_logits.device)
+            blocks.append(_logprob_rows(prompt_logits.float(), target_ids, width, True))
+        host = torch.cat(blocks).tolist() if len(blocks) > 1 else blocks[0].tolist()
+        out = Sampled()
+        for row, item in enumerate(items):
+            if row in failed:
+                continue
+            request_id, p = item.request.id, params[row]
+            values = host[row]
+            token = int(values[0])
+            matcher = self.matchers.get(request_id)
+            if matcher is not None and not _accepts(matcher, token, request_id):
+                continue
+            out.tokens[request_id] = token
+            if p.logprobs is not None:
+                out.logprobs[request_id] = _token_logprob(values, p.logprobs, width)
+        row = len(items)
+        for s in spans:
+            request = items_request(items, s)
+            wanted = request.params.prompt_logprobs
+            mine = out.prompt_logprobs.setdefault(request.id, {})
+            for position in range(s.start + 1, s.start + 1 + s.count):
+                mine[position] = _token_logprob(host[row], wanted, width)
+                row += 1
+        return out
+
+    def _choose(
+        self,
+        raw: torch.Tensor,
+        items: list[Scheduled],
+        params: list[SamplingParams],
+        failed: set[int],
+    ) -> torch.Tensor:
+        """The token of each row [S] int64, on the device: grammar, bias, penalties, then
+        greedy rows by argmax and the others drawn (sampler.py's order)."""
+        work = self._processed(raw, items, params, failed)
+        if all(p.temperature == 0 for p in params):
+            return work.argmax(dim=-1)
+        noise = torch.empty_like(work).exponential_()
+        for row, (item, p) in enumerate(zip(items, params, strict=True)):
+            if p.temperature > 0 and p.seed is not None:  # its own stream, whatever the batch
+                noise[row].exponential_(generator=self._generator(item.request.id, p.seed))
+        return sample_rows(work, *sampling_tensors(params, raw.device), None, noise=noise)
+
+    def _processed(
+        self,
+        raw: torch.Tensor,
+        items: list[Scheduled],
+        params: list[SamplingParams],
+        failed: set[int],
+    ) -> torch.Tensor:
+        """raw [S, V] fp32 (not written) -> the logits after the grammars' bitmask, the logit
+        bias and the penalties (raw itself where no row has any)."""
+        work = raw
+        device, vocab = raw.device, raw.shape[-1]
+        constrained = [i for i, item in enumerate(items) if item.request.id in self.matchers]
+        if constrained:
+            bitmask = torch.full((len(items), bitmask_words(vocab)), -1, dtype=torch.int32)
+            for row in constrained:
+                request_id = items[row].request.id
+                try:
+                    self.matchers[request_id].fill_next_token_bitmask(bitmask, row)
+                except Exception as exc:  # a broken matcher ends its request alone
+                    print(f"moetier: grammar failed for {request_id}: {exc}", file=sys.stderr)
+                    failed.add(row)
+            work = raw.clone()
+            _apply_bitmask(work, bitmask.to(device))
+        bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
+        if bias:
+            work = work.clone() if work is raw else work
+            rows, tokens, values = zip(*bias, strict=True)
+            at = (torch.tensor(rows).to(device), torch.tensor(tokens).to(device))
+            work.index_put_(at, torch.tensor(values).to(device), accumulate=True)
+        penalized = [row for row, p in enumerate(params) if p.penalized]
+        if penalized:
+            work = work.clone() if work is raw else work
+            outputs = [items[row].request.output for row in penalized]
+            counts = token_counts(outputs, vocab, device)
+            seen = (counts > 0) | torch.stack(
+                [self._prompt_mask(items[row].request, vocab, device) for row in penalized]
+            )
+            settings = torch.tensor(
+                [
+                    [p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+                    for p in (params[r] for r in penalized)
+                ]
+            ).to(device)
+            index = torch.tensor(penalized).to(device)
+            work[index] = apply_penalties(work[index], counts, seen, *settings.float().unbind(1))
+        return work
+
+    def _prompt_mask(self, request: Any, vocab: int, device: torch.device) -> torch.Tensor:
+        mask = self.prompt_masks.get(request.id)
+        if mask is None:
+            mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            prompt = [t for t in request.prompt if t < vocab]
+            mask[torch.tensor(prompt, dtype=torch.int64).to(device)] = True
+            self.prompt_masks[request.id] = mask
+        return mask
+
+    def _generator(self, request_id: str, seed: int) -> torch.Generator:
         if request_id not in self.generators:
             self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
         return self.generators[request_id]
+
+
+def items_request(items: list[Scheduled], span: PromptSpan) -> Any:
+    return items[span.item].request
+
+
+def items_params(items: list[Scheduled], span: PromptSpan) -> SamplingParams:
+    params: SamplingParams = items[span.item].request.params
+    return params
+
+
+def _logprob_rows(
+    logits: torch.Tensor, tokens: torch.Tensor, width: int, with_logprobs: bool
+) -> torch.Tensor:
+    """[R, 2 + 2 * width] float64: each row's token, its logprob and the `width` most likely
+    (ids, then logprobs); only the tokens (and zeros) without `with_logprobs`."""
+    rows = logits.shape[0]
+    out = torch.zeros(rows, 2 + 2 * width, dtype=torch.float64, device=logits.device)
+    out[:, 0] = tokens
+    if with_logprobs:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        out[:, 1] = logprobs.gather(-1, tokens[:, None].long())[:, 0]
+        if width:
+            top = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
+            out[:, 2 : 2 + top.indices.shape[-1]] = top.indices
+            out[:, 2 + width : 2 + width + top.values.shape[-1]] = top.values
+    return out
+
+
+def _token_logprob(values: list[float], top: int, width: int) -> TokenLogprob:
+    ids, logprobs = values[2 : 2 + top], values[2 + width : 2 + width + top]
+    return TokenLogprob(
+        int(values[0]), values[1], [(int(t), lp) for t, lp in zip(ids, logprobs, strict=True)]
+    )
+
+
+def _accepts(matcher: Any, token: int, request_id: str) -> bool:
+    try:
+        if matcher.accept_token(token):
+            return True
+        print(f"moetier: grammar refused token {token} for {request_id}", file=sys.stderr)
+    except Exception as exc:
+        print(f"moetier: grammar failed for {request_id}: {exc}", file=sys.stderr)
+    return False
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """The grammar module's kernel where it is installed, the torch reference otherwise."""
+    try:
+        from moetier.engine.grammar import apply_bitmask
+    except ImportError:
+        apply_bitmask_ref(logits, bitmask)
+        return
+    apply_bitmask(logits, bitmask)

@@ -164,29 +164,32 @@ def test_context_length_is_refused_with_a_clear_error(native):
     assert not engine.has_work and torch.is_tensor(engine.runner.cache)
 
 
-def test_bad_sampling_settings_are_refused_and_a_failed_row_ends_alone(native, monkeypatch):
-    """A seed or temperature sampling cannot take is a ValueError at add; a row whose sampling
-    still fails ends its request with "error" and leaves the others as they would be alone."""
+def test_bad_sampling_settings_are_refused_and_a_failed_row_ends_alone(native):
+    """A seed, temperature or logit_bias sampling cannot take is a ValueError at add; a row
+    whose sampling still fails (its grammar matcher raises) ends its request with "error" and
+    leaves the others as they would be alone."""
     engine = Engine(native, EngineLimits(num_pages=32, page_size=4))
     with pytest.raises(ValueError, match="seed"):
         engine.add("s", [3, 4], SamplingParams(seed=2**64))
     with pytest.raises(ValueError, match="temperature"):
         engine.add("t", [3, 4], SamplingParams(temperature=1e-40))
-    from moetier.engine import step_sampler
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add("b", [3, 4], SamplingParams(logit_bias=((10**6, 1.0),)))
 
-    real = step_sampler.sample
+    class Broken:
+        def matcher(self, kind, spec):
+            return self
 
-    def failing(logits, params, generator):
-        if params.top_k == 7:
-            raise RuntimeError("probability tensor contains inf")
-        return real(logits, params, generator)
+        def fill_next_token_bitmask(self, bitmask, index):
+            raise RuntimeError("matcher state lost")
 
-    monkeypatch.setattr(step_sampler, "sample", failing)
+    engine.grammars = Broken()
     good = SamplingParams(temperature=0, max_new_tokens=6)
-    got = run(engine, {0: [("bad", [3, 4, 5], SamplingParams(top_k=7)), ("good", [6, 7], good)]})
+    bad = SamplingParams(temperature=0, grammar=("regex", "a+"))
+    got = run(engine, {0: [("bad", [3, 4, 5], bad), ("good", [6, 7], good)]})
     assert got["bad"][2] == "error" and got["bad"][0] == []
     assert got["good"][0] == alone(native, [6, 7], good)[0]
-    assert engine.pool.used_pages == 0 and engine.streams == {}
+    assert engine.pool.used_pages == 0 and engine.streams == {} and engine.requests == {}
 
 
 def test_default_max_tokens_fits_the_kv_cache(native):

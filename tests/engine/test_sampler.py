@@ -68,6 +68,8 @@ ROW_PARAMS = [
     SamplingParams(temperature=1.0, top_k=0, top_p=0.9),
     SamplingParams(temperature=1.3, top_k=5, top_p=0.8),
     SamplingParams(temperature=0.5, top_k=0, top_p=1.0),
+    SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2),
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1),
 ]
 # chi-square critical values at p = 0.001 for 1..7 degrees of freedom
 CHI2_999 = [10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32]
@@ -79,9 +81,9 @@ def test_sample_rows_follows_sample_distribution():
     x = logits(2, batch=1, vocab=8)
     draws_per_setting = 20000
     params = [p for p in ROW_PARAMS for _ in range(draws_per_setting)]
-    temperature, top_k, top_p = sampling_tensors(params, "cpu")
+    settings = sampling_tensors(params, "cpu")
     tokens = sample_rows(
-        x.expand(len(params), -1), temperature, top_k, top_p, torch.Generator().manual_seed(0)
+        x.expand(len(params), -1), *settings, torch.Generator().manual_seed(0)
     ).view(len(ROW_PARAMS), draws_per_setting)
     for p, row in zip(ROW_PARAMS, tokens, strict=True):
         expected = filtered_logits(x, p).softmax(-1)[0]
