@@ -1,10 +1,14 @@
-"""`moetier serve STORE`: OpenAI-compatible HTTP server (default 127.0.0.1:8000) over the
-serving engine: many requests at once, the model loaded in the background (`/health` answers 503
-until it is ready)."""
+"""`moetier serve STORE`: OpenAI- and Anthropic-compatible HTTP server (default 127.0.0.1:8000)
+over the serving engine: many requests at once, the model loaded in the background (`/health`
+answers 503 until it is ready); API keys, model-name aliases, CORS and request limits from the
+HTTP flags (server/options.py, docs/serving.md)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import ipaddress
+import sys
 from pathlib import Path
 
 from moetier.cli.common import add_model_arguments
@@ -12,6 +16,7 @@ from moetier.cli.flags import add_dataclass_arguments, dataclass_from_args
 from moetier.config import EngineConfig
 from moetier.engine.engine import EngineLimits
 from moetier.engine.sampler import SamplingParams
+from moetier.server.options import ServerOptions
 
 # seconds a shutdown (SIGTERM, Ctrl-C) waits for open connections before closing them
 GRACEFUL_SHUTDOWN_S = 3
@@ -20,8 +25,11 @@ GRACEFUL_SHUTDOWN_S = 3
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_dataclass_arguments(parser, EngineLimits, "serving")
+    add_dataclass_arguments(parser, ServerOptions, "HTTP (docs/serving.md)")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1; another without --api-key warns)",
     )
     parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     parser.add_argument(
@@ -36,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from moetier.engine.engine import Engine
     from moetier.loader.load import check_engine_config, load_model
     from moetier.server.app import create_app
+    from moetier.server.auth import keys_from
 
     engine_config = dataclass_from_args(EngineConfig, args)
     params = dataclass_from_args(SamplingParams, args)
@@ -43,16 +52,34 @@ def run(args: argparse.Namespace) -> int:
     kv_positions = (limits.num_pages + 1) * limits.page_size  # the page pool and its scratch page
     check_engine_config(args.store, engine_config, kv_positions)  # a bad store or budget: now
     name = args.model_name or Path(args.store).resolve().name
+    options = dataclass_from_args(ServerOptions, args)
+    options = dataclasses.replace(options, api_key=keys_from(options.api_key))
+    if not options.api_key and not _loopback(args.host):
+        print(
+            f"moetier serve: warning: listening on {args.host} without an API key: anyone who "
+            "can reach this port can use the model (set --api-key or MOETIER_API_KEY)",
+            file=sys.stderr,
+        )
 
     def build() -> AsyncEngine:
         return AsyncEngine(Engine(load_model(args.store, engine_config, kv_positions), limits))
 
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (loading)", flush=True)
     uvicorn.run(
-        create_app(build, name, params),
+        create_app(build, name, params, options=options),
         host=args.host,
         port=args.port,
         log_level="info",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     return 0
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` only listens on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it is reachable from elsewhere
+        return False

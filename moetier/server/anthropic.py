@@ -9,12 +9,14 @@ not parsed into `tool_use` blocks yet, and `tool_choice` and `thinking` are acce
 effect. Streams send the documented events in order (message_start, content_block_start, ping,
 content_block_delta, content_block_stop, message_delta, message_stop), no `[DONE]`.
 `usage.input_tokens` counts the prompt tokens not read from the prefix cache;
-`cache_read_input_tokens` those that were.
+`cache_read_input_tokens` those that were. Claude Code's per-request billing line is dropped
+from `system` (BILLING_LINE), so its prompts share their prefix in the prefix cache.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -26,9 +28,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from moetier.engine.engine import Output
 from moetier.engine.prompts import chat_prompt_ids
 from moetier.engine.sampler import SamplingParams
+from moetier.server.errors import ANTHROPIC_PREFIX, anthropic_error, stream_error_event
 from moetier.server.state import ServerState, all_outputs, not_ready
 
-PREFIX = "/v1/messages"
+PREFIX = ANTHROPIC_PREFIX
+# Claude Code's per-request attribution line at the start of its system prompt
+# ("x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;"): it changes with
+# every request, so left in it would make every prompt differ from its first tokens on
+BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
 
 
 class Block(BaseModel):
@@ -74,12 +81,9 @@ class CountTokensRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    """An error in Anthropic's shape."""
-    return JSONResponse(
-        status_code=status,
-        content={"type": "error", "error": {"type": kind, "message": message}},
-    )
+def error(status: int, message: str, kind: str | None = None) -> JSONResponse:
+    """An error in Anthropic's shape (its type follows the status unless `kind` is given)."""
+    return anthropic_error(status, message, kind)
 
 
 def chat_messages(
@@ -87,8 +91,9 @@ def chat_messages(
 ) -> list[dict[str, Any]]:
     """Anthropic messages as the chat template's messages; ValueError for what cannot be sent."""
     out: list[dict[str, Any]] = []
-    if system:
-        out.append({"role": "system", "content": _text(system, "system")})
+    system_text = _system_text(system)
+    if system_text:
+        out.append({"role": "system", "content": system_text})
     for message in messages:
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
@@ -124,6 +129,18 @@ def chat_messages(
                 entry["tool_calls"] = calls
             out.append(entry)
     return out
+
+
+def _system_text(system: str | list[Block] | None) -> str:
+    """The system prompt's text without Claude Code's billing line (in any of its blocks)."""
+    if not system:
+        return ""
+    blocks = [system] if isinstance(system, str) else system
+    parts = []
+    for block in blocks:
+        text = block if isinstance(block, str) else _text([block], "system")
+        parts.append(BILLING_LINE.sub("", text))
+    return "".join(parts)
 
 
 def _text(content: str | list[Block], where: str) -> str:
@@ -263,7 +280,7 @@ async def _events(
                 delta = {"type": "text_delta", "text": out.text}
                 yield event("content_block_delta", {"index": 0, "delta": delta})
     except RuntimeError as err:  # the engine failed or is shutting down
-        yield event("error", {"error": {"type": "api_error", "message": str(err)}})
+        yield stream_error_event(PREFIX, str(err)).decode()
         return
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]

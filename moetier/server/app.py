@@ -1,7 +1,12 @@
 """The HTTP server: the FastAPI app over the serving engine, with `/health`, `/v1/models` and
-`/metrics` (Prometheus text: the engine's queues, pages and prefix hits, and the residency
+`/metrics` (prometheus_client: the engine's queues, pages and prefix hits, and the residency
 counters); the API surfaces are their own modules (openai.py: `/v1/chat/completions`;
 anthropic.py: `/v1/messages`).
+
+Every route, whichever module adds it, passes the same gate (admission.py: API key, body size,
+model name, unsupported fields, queue room), answers errors in its API's shape (errors.py),
+and, when it streams, gets keep-alive comments and an error event if it fails (sse.py); CORS
+is on only for `options.allowed_origins`.
 
 Requests go to the engine's loop through `AsyncEngine` (engine/async_engine.py): no lock, many
 requests at once. A client that goes away (mid-stream, before its first token, or during its
@@ -19,14 +24,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from moetier.engine.async_engine import AsyncEngine, EngineStats
+from moetier.engine.async_engine import AsyncEngine
 from moetier.engine.sampler import SamplingParams
-from moetier.residency.telemetry import CONTENT_TYPE, ResidencyTelemetry, render_prometheus
-from moetier.server import anthropic, completions, openai, tokenize
-from moetier.server.state import ServerState, openai_error
+from moetier.residency.telemetry import ResidencyTelemetry
+from moetier.server import anthropic, completions, errors, openai, responses, tokenize
+from moetier.server.admission import Admission
+from moetier.server.metrics import ServerCollector, exposition, registry_of
+from moetier.server.options import ServerOptions
+from moetier.server.sse import EventStreams
+from moetier.server.state import ServerState
 
 
 def create_app(
@@ -34,11 +43,13 @@ def create_app(
     model_name: str,
     defaults: SamplingParams | None = None,
     telemetry: Callable[[], ResidencyTelemetry] | None = None,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` (or what the factory builds, loaded in the background)
     under the model id `model_name`; `telemetry` returns the residency counters `/metrics` shows
-    (default: the engine's model's slot pool)."""
-    state = ServerState(model_name, defaults or SamplingParams())
+    (default: the engine's model's slot pool); `options`: keys, aliases, CORS, limits."""
+    options = options or ServerOptions()
+    state = ServerState(model_name, defaults or SamplingParams(), options=options)
     factory = None
     if isinstance(engine, AsyncEngine):
         state.engine = engine
@@ -63,15 +74,8 @@ def create_app(
             state.engine.close()
 
     app = FastAPI(title="moetier", lifespan=lifespan)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}"
-        if request.url.path.startswith(anthropic.PREFIX):
-            return anthropic.error(400, message)
-        return openai_error(400, message)
+    app.state.server = state
+    errors.install(app)
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
@@ -80,59 +84,56 @@ def create_app(
         status = "failed" if state.load_error else "loading"
         return JSONResponse(status_code=503, content={"status": status})
 
+    def residency() -> ResidencyTelemetry | None:
+        if telemetry is not None:
+            return telemetry()
+        if state.engine is not None:  # the model's own slot pool
+            return state.engine.engine.loaded.runtime.telemetry()
+        return None
+
+    registry = registry_of(
+        ServerCollector(model_name, lambda: state.engine.stats if state.engine else None, residency)
+    )
+
     @app.get("/metrics")
-    async def metrics() -> Response:
-        labels = {"model": model_name}
-        text = ""
-        if state.engine is not None:
-            text += _engine_metrics(state.engine.stats, labels)
-        counters = telemetry() if telemetry is not None else None
-        if counters is None and state.engine is not None:  # the model's own slot pool
-            counters = state.engine.engine.loaded.runtime.telemetry()
-        if counters is not None:
-            text += render_prometheus(counters, labels=labels)
-        return Response(text, media_type=CONTENT_TYPE)
+    async def metrics(request: Request) -> Response:
+        body, content_type = exposition(registry, request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        entry: dict[str, Any] = {
-            "id": model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "moetier",
-            "max_model_len": tokenize.max_model_len(state.engine) if state.engine else None,
+        context = None
+        if state.engine is not None:
+            context = state.engine.engine.scheduler.max_model_len
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "moetier",
+                    "root": model_name,
+                    "max_model_len": context,
+                }
+                for name in state.listed_names()
+            ],
         }
-        return {"object": "list", "data": [entry]}
 
     openai.add_routes(app, state)
     anthropic.add_routes(app, state)
     completions.add_routes(app, state)
+    responses.add_routes(app, state)
     tokenize.add_routes(app, state)
+
+    # outermost last: CORS answers preflights before the gate asks for a key
+    app.add_middleware(EventStreams, keep_alive_s=options.keep_alive_s)
+    app.add_middleware(Admission, fastapi_app=app, state=state)
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(options.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app
-
-
-def _engine_metrics(stats: EngineStats, labels: dict[str, str]) -> str:
-    """The engine's gauges and counters in Prometheus text format."""
-    extra = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    families = [
-        ("running_requests", "gauge", "requests being computed", stats.running),
-        ("waiting_requests", "gauge", "requests waiting for KV pages or a slot", stats.waiting),
-        ("kv_pages_used", "gauge", "KV cache pages held by requests", stats.pages_used),
-        ("kv_pages_free", "gauge", "KV cache pages free (cached ones too)", stats.pages_free),
-        ("prefix_queried_tokens_total", "counter", "prompt tokens looked up in the prefix cache",
-         stats.prefix_queried_tokens),
-        ("prefix_hit_tokens_total", "counter", "prompt tokens found in the prefix cache",
-         stats.prefix_hit_tokens),
-        ("steps_total", "counter", "engine steps run", stats.steps),
-        ("preemptions_total", "counter", "requests preempted for KV pages", stats.preemptions),
-        ("aborted_total", "counter", "requests ended early (client gone, shutdown)", stats.aborted),
-    ]  # fmt: skip
-    lines = []
-    for name, kind, help_text, value in families:
-        full = f"moetier_engine_{name}"
-        lines += [
-            f"# HELP {full} {help_text}",
-            f"# TYPE {full} {kind}",
-            f"{full}{{{extra}}} {value}",
-        ]
-    return "\n".join(lines) + "\n"

@@ -1,5 +1,6 @@
 """The OpenAI surface: `POST /v1/chat/completions`, streaming (server-sent
-`chat.completion.chunk` events ending with `[DONE]`) and not, OpenAI-shaped errors."""
+`chat.completion.chunk` events ending with `[DONE]`; a failure ends it with an error event)
+and not, OpenAI-shaped errors (the checks every route shares are admission.py's)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from pydantic import BaseModel, Field
 
 from moetier.engine.engine import Output
 from moetier.engine.prompts import chat_prompt_ids
+from moetier.engine.scheduler import ContextLengthError
+from moetier.server.errors import openai_error, stream_error_event
 from moetier.server.sampling_fields import SamplingFields
-from moetier.server.state import ServerState, all_outputs, not_ready, openai_error
+from moetier.server.state import ServerState, all_outputs, not_ready
 
 
 class ContentPart(BaseModel):
@@ -67,6 +70,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             max_tokens = req.asked_max_tokens()
             params = req.sampling_params(defaults)
             engine.check(prompt_ids, params, max_tokens)
+        except ContextLengthError as err:
+            return openai_error(400, str(err), param="messages", code="context_length_exceeded")
         except ValueError as err:
             return openai_error(400, str(err))
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -153,8 +158,7 @@ async def _sse(
                 finish = _finish(out.finish_reason)
                 yield chunk({"content": out.text} if out.text else {}, finish)
     except RuntimeError as err:  # the engine failed or is shutting down
-        body = {"error": {"message": str(err), "type": "server_error"}}
-        yield f"data: {json.dumps(body)}\n\n"
+        yield stream_error_event("/v1/chat/completions", str(err)).decode()
         return
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]

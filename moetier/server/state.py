@@ -1,22 +1,26 @@
-"""What the API modules share: the engine (or how its loading goes), the server's defaults and
-model name; an API error's JSON; work that stops when its client disconnects."""
+"""What the API modules share: the engine (or how its loading goes), the server's defaults,
+model names and options; work that stops when its client disconnects."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from moetier.engine.async_engine import AsyncEngine
 from moetier.engine.engine import Output
 from moetier.engine.sampler import SamplingParams
+from moetier.server.errors import openai_error
+from moetier.server.options import ServerOptions
 
 T = TypeVar("T")
+
+__all__ = ["ServerState", "all_outputs", "not_ready", "openai_error", "unless_disconnected"]
 
 
 @dataclass
@@ -25,13 +29,19 @@ class ServerState:
     defaults: SamplingParams = field(default_factory=SamplingParams)
     engine: AsyncEngine | None = None
     load_error: str | None = None  # why loading failed, if it did
+    options: ServerOptions = field(default_factory=ServerOptions)
+    generating: int = 0  # generating requests in flight (admitted, not yet answered)
 
+    def serves(self, name: str) -> bool:
+        """Whether a request's `model` names this server's model (its name or an alias)."""
+        return name == self.model_name or any(
+            fnmatch.fnmatchcase(name, alias) for alias in self.options.served_model_name
+        )
 
-def openai_error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": kind, "param": None, "code": None}},
-    )
+    def listed_names(self) -> list[str]:
+        """The names /v1/models lists: the model's, then each alias that is not a pattern."""
+        aliases = [a for a in self.options.served_model_name if not set(a) & set("*?[")]
+        return [self.model_name] + [a for a in aliases if a != self.model_name]
 
 
 def not_ready(state: ServerState) -> tuple[int, str]:

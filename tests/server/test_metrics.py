@@ -1,19 +1,31 @@
-"""`/metrics`: the residency telemetry in Prometheus text format, read back over HTTP."""
+"""`/metrics`: the engine's stats and the residency telemetry in Prometheus text format, read
+back over HTTP with prometheus_client's own parser (the names and labels scrapers see)."""
 
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from moetier.config import EngineConfig
 from moetier.engine.async_engine import AsyncEngine
 from moetier.engine.engine import Engine
 from moetier.loader.load import load_model
-from moetier.residency.telemetry import ResidencyTelemetry
+from moetier.residency.telemetry import METRICS, ResidencyTelemetry
 from moetier.server.app import create_app
+from moetier.server.metrics import ENGINE_METRICS
 
 
 def engine(tiny) -> AsyncEngine:
     return AsyncEngine(Engine(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu"))))
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of a scrape, parsed by prometheus_client."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_route(tiny):
@@ -24,12 +36,23 @@ def test_metrics_route(tiny):
         response = http.get("/metrics")
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
-        assert 'moetier_residency_hits_total{tier="gpu",model="tiny-qwen3"} 3\n' in response.text
+        gpu = (("model", "tiny-qwen3"), ("tier", "gpu"))
+        model = (("model", "tiny-qwen3"),)
+        assert samples(response.text)[("moetier_residency_hits_total", gpu)] == 3
         counters["gpu"].hits = 5  # read at each scrape, not once
-        assert '{tier="gpu",model="tiny-qwen3"} 5\n' in http.get("/metrics").text
-        text = http.get("/metrics").text
-        assert 'moetier_engine_running_requests{model="tiny-qwen3"} 0\n' in text
-        assert 'moetier_engine_kv_pages_free{model="tiny-qwen3"} 1024\n' in text
+        scraped = samples(http.get("/metrics").text)
+        assert scraped[("moetier_residency_hits_total", gpu)] == 5
+        assert scraped[("moetier_engine_running_requests", model)] == 0
+        assert scraped[("moetier_engine_kv_pages_free", model)] == 1024
+        # today's names, every one of them
+        names = {name for name, _ in scraped}
+        assert {f"moetier_engine_{name}" for name, *_ in ENGINE_METRICS} <= names
+        assert {f"moetier_residency_{name}" for name, *_ in METRICS} <= names
+        assert "moetier_engine_aborted_total" in names
+        # an OpenMetrics scraper gets OpenMetrics
+        om = http.get("/metrics", headers={"accept": "application/openmetrics-text"})
+        assert om.headers["content-type"].startswith("application/openmetrics-text")
+        assert om.text.endswith("# EOF\n")
 
 
 def test_serve_wires_the_slot_pool(tiny):
@@ -46,4 +69,5 @@ def test_serve_wires_the_slot_pool(tiny):
         text = http.get("/metrics").text
     misses = residency.stats.misses
     assert misses > 0
-    assert f'moetier_residency_misses_total{{tier="host",model="tiny-qwen3"}} {misses}\n' in text
+    host = ("moetier_residency_misses_total", (("model", "tiny-qwen3"), ("tier", "host")))
+    assert samples(text)[host] == misses

@@ -1,0 +1,154 @@
+"""Error bodies in each API's shape, and the app's handlers that put every error into them.
+
+OpenAI routes: `{"error": {"message", "type", "param", "code"}}`; the Anthropic routes (under
+`/v1/messages`): `{"type": "error", "error": {"type", "message"}}`. A request that fails
+validation is a 400 (not FastAPI's 422) naming the field; an unknown path a 404 and a wrong
+method a 405 in the shape of the path's API; an unexpected exception a 500 in that shape (a bug:
+nothing a client sends should reach it). The status decides the error's type."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+ANTHROPIC_PREFIX = "/v1/messages"
+
+# status -> (OpenAI type, OpenAI code, Anthropic type)
+_KINDS: dict[int, tuple[str, str | None, str]] = {
+    400: ("invalid_request_error", None, "invalid_request_error"),
+    401: ("authentication_error", "invalid_api_key", "authentication_error"),
+    403: ("permission_error", None, "permission_error"),
+    404: ("not_found_error", None, "not_found_error"),
+    405: ("invalid_request_error", "method_not_allowed", "invalid_request_error"),
+    413: ("invalid_request_error", "request_too_large", "request_too_large"),
+    429: ("rate_limit_error", None, "rate_limit_error"),
+    499: ("invalid_request_error", "client_closed_request", "invalid_request_error"),
+    500: ("server_error", None, "api_error"),
+    503: ("server_error", None, "overloaded_error"),
+}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def error_body(
+    path: str,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    kind: str | None = None,
+) -> dict[str, Any]:
+    """The error object of `path`'s API for an HTTP `status` (`kind`: another type than the
+    status's)."""
+    openai_kind, default_code, anthropic_kind = _KINDS.get(
+        status, _KINDS[500 if status >= 500 else 400]
+    )
+    if is_anthropic(path):
+        return {"type": "error", "error": {"type": kind or anthropic_kind, "message": message}}
+    return {
+        "error": {
+            "message": message,
+            "type": kind or openai_kind,
+            "param": param,
+            "code": code or default_code,
+        }
+    }
+
+
+def error_response(
+    path: str,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    kind: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status,
+        content=error_body(path, status, message, param, code, kind),
+        headers=dict(headers) if headers else None,
+    )
+
+
+def openai_error(
+    status: int,
+    message: str,
+    kind: str | None = None,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """An error in OpenAI's shape; its type follows the status unless `kind` is given."""
+    return error_response("/v1", status, message, param, code, headers, kind)
+
+
+def anthropic_error(
+    status: int,
+    message: str,
+    kind: str | None = None,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """An error in Anthropic's shape; its type follows the status unless `kind` is given."""
+    return error_response(ANTHROPIC_PREFIX, status, message, headers=headers, kind=kind)
+
+
+def stream_error_event(path: str, message: str, status: int = 503) -> bytes:
+    """The event that ends a failed stream in `path`'s API: OpenAI's `data: {"error": ...}`
+    then `[DONE]`, Anthropic's `event: error`."""
+    body = error_body(path, status, message)
+    if is_anthropic(path):
+        return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, the field's dotted path) of a request's first validation error."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid request"))
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {msg}", None
+    if first.get("type") == "missing":
+        return f"{where}: a required field is missing", where
+    return (f"{where}: {msg}" if where else msg), where
+
+
+def install(app: FastAPI) -> None:
+    """The handlers that shape every error of `app` by its path's API."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_response(request.url.path, 400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        path = request.url.path
+        if exc.status_code == 404:
+            message = f"no route {request.method} {path}"
+        elif exc.status_code == 405:
+            message = f"{path} does not accept {request.method}"
+        else:
+            message = str(exc.detail)
+        return error_response(path, exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        traceback.print_exception(exc, file=sys.stderr)
+        message = f"internal error ({type(exc).__name__}); see the server's log"
+        return error_response(request.url.path, 500, message)

@@ -1,0 +1,80 @@
+"""`/metrics` through prometheus_client: a collector that reads, at each scrape, the engine's
+queues, pages, prefix-cache tokens, steps, preemptions and aborts (`moetier_engine_*`) and the
+residency counters per tier (`moetier_residency_*`, residency/telemetry.py's METRICS), each
+sample labelled with the model's name; the exposition format follows the scraper's Accept
+header."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from moetier.engine.async_engine import EngineStats
+from moetier.residency.telemetry import METRICS, ResidencyTelemetry
+
+# (name, kind, help, the EngineStats field)
+ENGINE_METRICS = (
+    ("running_requests", "gauge", "requests being computed", "running"),
+    ("waiting_requests", "gauge", "requests waiting for KV pages or a slot", "waiting"),
+    ("kv_pages_used", "gauge", "KV cache pages held by requests", "pages_used"),
+    ("kv_pages_free", "gauge", "KV cache pages free (cached ones too)", "pages_free"),
+    ("prefix_queried_tokens_total", "counter", "prompt tokens looked up in the prefix cache",
+     "prefix_queried_tokens"),
+    ("prefix_hit_tokens_total", "counter", "prompt tokens found in the prefix cache",
+     "prefix_hit_tokens"),
+    ("steps_total", "counter", "engine steps run", "steps"),
+    ("preemptions_total", "counter", "requests preempted for KV pages", "preemptions"),
+    ("aborted_total", "counter", "requests ended early (client gone, shutdown)", "aborted"),
+)  # fmt: skip
+
+
+def _family(
+    name: str, kind: str, help_text: str, labels: list[str]
+) -> CounterMetricFamily | GaugeMetricFamily:
+    if kind == "counter":
+        return CounterMetricFamily(name, help_text, labels=labels)
+    return GaugeMetricFamily(name, help_text, labels=labels)
+
+
+class ServerCollector(Collector):
+    """The engine's stats and the residency counters, read when scraped (None: not there)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats | None],
+        telemetry: Callable[[], ResidencyTelemetry | None],
+    ) -> None:
+        self.model_name = model_name
+        self.stats = stats
+        self.telemetry = telemetry
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        if stats is not None:
+            for name, kind, help_text, attr in ENGINE_METRICS:
+                family = _family(f"moetier_engine_{name}", kind, help_text, ["model"])
+                family.add_metric([self.model_name], float(getattr(stats, attr)))
+                yield family
+        counters = self.telemetry()
+        if counters is not None:
+            for name, kind, help_text, value in METRICS:
+                family = _family(f"moetier_residency_{name}", kind, help_text, ["tier", "model"])
+                for tier, tier_counters in counters.tiers.items():
+                    family.add_metric([tier, self.model_name], float(value(tier_counters)))
+                yield family
+
+
+def registry_of(collector: ServerCollector) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry
+
+
+def exposition(registry: CollectorRegistry, accept: str) -> tuple[bytes, str]:
+    """(body, content type) of a scrape that sent `accept`."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(registry), content_type

@@ -1,0 +1,83 @@
+"""The request fields each endpoint knows but does not support yet: a request that sets one
+(to anything but its harmless default) gets a 400 naming the field, instead of an answer that
+silently ignores it. Fields nobody knows are ignored, as OpenAI does.
+
+One table per endpoint, here only: when a feature lands, delete its entries (and its rows in
+docs/serving.md's table). Each entry is field -> (the values that are harmless, what to do)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# values that mean "not set" for every field: null, false, empty
+_UNSET: tuple[Any, ...] = (None, False, "", (), {})
+
+_SAMPLING: dict[str, tuple[tuple[Any, ...], str]] = {
+    "logprobs": ((), "log probabilities are not returned yet"),
+    "top_logprobs": ((0,), "log probabilities are not returned yet"),
+    "presence_penalty": ((0, 0.0), "penalties are not supported yet"),
+    "frequency_penalty": ((0, 0.0), "penalties are not supported yet"),
+    "repetition_penalty": ((1, 1.0), "penalties are not supported yet"),
+    "logit_bias": ((), "logit_bias is not supported yet"),
+    "min_p": ((0, 0.0), "min_p is not supported yet"),
+    "n": ((1,), "only n = 1 is supported yet"),
+}
+
+_TOOLS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((), "tool calls are not parsed yet"),
+    "tool_choice": (("none", "auto"), "tool calls are not parsed yet"),
+    "parallel_tool_calls": ((True,), "tool calls are not parsed yet"),
+    "functions": ((), "the deprecated `functions` are not supported: use `tools`"),
+    "function_call": (("none", "auto"), "the deprecated `function_call` is not supported"),
+}
+
+UNSUPPORTED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
+    "/v1/chat/completions": {
+        **_SAMPLING,
+        **_TOOLS,
+        "response_format": (({"type": "text"},), "response_format is not enforced yet"),
+        "audio": ((), "audio output is not supported"),
+        "modalities": ((["text"],), "only text output is supported"),
+        "prediction": ((), "predicted outputs are not supported"),
+        "web_search_options": ((), "web search is not supported"),
+    },
+    "/v1/completions": {
+        **_SAMPLING,
+        "suffix": ((), "suffix (fill in the middle) is not supported"),
+        "best_of": ((1,), "only best_of = 1 is supported"),
+    },
+    "/v1/responses": {
+        "previous_response_id": ((), "responses are not stored: send the whole input"),
+        "conversation": ((), "conversations are not stored: send the whole input"),
+        "background": ((), "background responses are not supported"),
+    },
+    "/v1/messages": {
+        "mcp_servers": ((), "MCP servers are not supported"),
+        "container": ((), "containers are not supported"),
+    },
+}
+
+
+def unsupported_field(path: str, body: Any) -> tuple[str, str] | None:
+    """(field, why) of the first field of `body` that `path` knows but does not support, or
+    None."""
+    table = UNSUPPORTED.get(path)
+    if not table or not isinstance(body, dict):
+        return None
+    for name, (harmless, why) in table.items():
+        if name not in body:
+            continue
+        value = body[name]
+        if any(_same(value, unset) for unset in _UNSET + harmless):
+            continue
+        return name, why
+    return None
+
+
+def _same(value: Any, other: Any) -> bool:
+    """Equal as JSON values (so `true` is not `1` and `1` is `1.0`)."""
+    if isinstance(value, bool) or isinstance(other, bool):
+        return isinstance(value, bool) and isinstance(other, bool) and value == other
+    if isinstance(other, tuple):
+        other = list(other)
+    return bool(value == other)
