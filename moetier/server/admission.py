@@ -4,8 +4,8 @@ whichever module registers it, gets the same checks):
 1. the API key (auth.py), unless the path is open (`/health`);
 2. for a POST: the body's size (413 over `--max-body-mb`), that it is JSON (400), lone UTF-16
    surrogates replaced with U+FFFD (a tokenizer cannot encode them), the `model` one this server
-   serves (404), no known-but-unsupported field (unsupported.py, 400), `n` x `max_tokens` (n > 1) within
-   `--max-request-tokens` (400);
+   serves (404), no known-but-unsupported field (unsupported.py, 400), `n` x `max_tokens` (for
+   n > 1) within `--max-request-tokens` (400);
 3. for a generating route: the model loaded (503 with Retry-After) and room in the queue: at most
    `--max-num-seqs` + `--max-queued-requests` generating requests in flight (429 with
    Retry-After).
