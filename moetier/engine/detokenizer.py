@@ -14,6 +14,7 @@ from moetier.loader.loaded_model import LoadedModel
 
 # Tokens that end an assistant turn in common chat templates, added to the stop ids in chat mode.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<|endoftext|>")
+HARMONY_CHANNEL = "<|channel|>"  # in a vocabulary: the harmony format
 
 
 def end_token_ids(loaded: LoadedModel) -> tuple[set[int], set[int]]:
@@ -27,14 +28,32 @@ def end_token_ids(loaded: LoadedModel) -> tuple[set[int], set[int]]:
     if loaded.tokenizer.eos_token_id is not None:
         ids.add(loaded.tokenizer.eos_token_id)
     vocab = loaded.tokenizer.get_vocab()
-    return ids, ids | {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    turn_ends: tuple[str, ...] = END_OF_TURN_TOKENS
+    if HARMONY_CHANNEL in vocab:
+        # harmony (gpt-oss): <|end|> ends one message of the answer (its reasoning), not the
+        # answer; <|call|> (a tool call) and <|return|> end it
+        turn_ends = tuple(t for t in END_OF_TURN_TOKENS if t != "<|end|>") + ("<|call|>",)
+    return ids, ids | {vocab[t] for t in turn_ends if t in vocab}
 
 
 class StreamingDetokenizer:
-    """Tokens -> text deltas; holds back incomplete UTF-8 and possible stop-string starts."""
+    """Tokens -> text deltas; holds back incomplete UTF-8 and possible stop-string starts.
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
+    Special tokens are left out of the text, unless `keep_special`: then only the `hidden` ids
+    (the end-of-sequence and end-of-turn ids) are, and the markers a reasoning / tool-call parser
+    reads (`<|channel|>`, `<|tool_calls_section_begin|>`, `<｜tool▁sep｜>`, ...) stay in the text.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: tuple[str, ...],
+        keep_special: bool = False,
+        hidden: frozenset[int] | set[int] = frozenset(),
+    ) -> None:
         self.tokenizer = tokenizer
+        self.keep_special = keep_special
+        self.hidden = frozenset(hidden)
         self.stop = tuple(s for s in stop if s)
         self.ids: list[int] = []
         self.emitted = 0  # characters of the decoded text already handed out
@@ -43,7 +62,7 @@ class StreamingDetokenizer:
 
     def push(self, token: int) -> tuple[str, bool]:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._text()
         if text.endswith("\ufffd"):
             return "", False  # a multi-byte character is not complete yet
         pending = text[self.emitted :]
@@ -61,8 +80,14 @@ class StreamingDetokenizer:
         self.emitted += len(out)
         return out, False
 
+    def _text(self) -> str:
+        if not self.keep_special:
+            return str(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        ids = [t for t in self.ids if t not in self.hidden]
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._text()
         out = text[self.emitted :]
         self.emitted = len(text)
         return out
