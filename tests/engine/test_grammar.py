@@ -1,8 +1,8 @@
 """Grammar-constrained sampling (moetier/engine/grammar.py) over the demo model's tokenizer: the
 matcher accepts exactly the token sequences of documents that the independent references
-(json / jsonschema / re) accept, its bitmask allows exactly the tokens it then accepts, end
-tokens close a complete document, random logits masked by it always give a valid one, and so does a tiny random model through
-the serving engine."""
+(json / jsonschema / re) accept, every token its bitmask allows is accepted, end tokens close a
+complete document, and random logits masked by it always give a valid document; so does a tiny
+random model through the serving engine."""
 
 from __future__ import annotations
 
