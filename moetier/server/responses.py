@@ -1,0 +1,311 @@
+"""OpenAI's Responses API, stateless: `POST /v1/responses`, streaming (typed server-sent events
+with `sequence_number`s, no `[DONE]`) and not.
+
+`input` (a string, or items: messages with text parts, and the history's `function_call` and
+`function_call_output` items) and `instructions` become the chat template's messages; function
+`tools` reach the template. Nothing is stored: `previous_response_id` and `conversation` are
+refused with a 400 (send the whole history in `input`), `store` is accepted and answered
+`false`. The model's text becomes output items in one place, `output_items` (today one
+assistant message; reasoning and tool-call items come with the model's parser).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from moetier.engine.engine import Output
+from moetier.engine.prompts import chat_prompt_ids
+from moetier.server.sampling_fields import SamplingFields
+from moetier.server.state import ServerState, all_outputs, not_ready, openai_error
+
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class InputItem(BaseModel):
+    """An input item; which fields apply depends on `type` (a message when it has none)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[ContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[ContentPart] | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    store: bool | None = None
+    background: bool | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None
+    user: str | None = None
+
+    def asked_max_tokens(self) -> int | None:
+        return self.max_output_tokens if self.max_output_tokens is not None else self.max_tokens
+
+
+def _text(content: str | list[ContentPart] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.type not in TEXT_PARTS:
+            raise ValueError(f"{where}: {part.type!r} content is not supported (text only)")
+        parts.append(part.text if part.text is not None else part.refusal or "")
+    return "".join(parts)
+
+
+def chat_messages(instructions: str | None, items: str | list[InputItem]) -> list[dict[str, Any]]:
+    """The request's instructions and input as the chat template's messages: a function call
+    joins the assistant message before it (or starts one), a call's output is a `tool` message,
+    reasoning items are dropped (templates drop the history's reasoning); ValueError for an
+    item that cannot be sent."""
+    out: list[dict[str, Any]] = []
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    if not items:
+        raise ValueError("input: the input is empty: send a string or at least one item")
+    for n, item in enumerate(items):
+        where = f"input.{n}"
+        if item.type == "message":
+            if item.role is None:
+                raise ValueError(f"{where}: a message needs a role")
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _text(item.content, where)})
+        elif item.type == "function_call":
+            if item.name is None or item.call_id is None:
+                raise ValueError(f"{where}: a function_call needs name and call_id")
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments or "{}"},
+            }
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            if item.call_id is None:
+                raise ValueError(f"{where}: a function_call_output needs call_id")
+            content = _text(item.output, where)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
+        elif item.type == "reasoning":
+            continue
+        else:
+            raise ValueError(f"{where}: {item.type!r} items are not supported by this server")
+    return out
+
+
+def template_tools(
+    tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any]
+) -> list[dict[str, Any]] | None:
+    """Responses function tools as the chat template's; ValueError for other tool types or a
+    tool_choice that is not "auto" or "none" ("none": the template gets no tools)."""
+    if tool_choice not in ("auto", "none"):
+        raise ValueError(f"tool_choice: {tool_choice!r} is not supported: use 'auto' or 'none'")
+    out = []
+    for n, tool in enumerate(tools or ()):
+        if tool.get("type") != "function" or not tool.get("name"):
+            raise ValueError(
+                f"tools.{n}: only function tools with a name are supported, not "
+                f"{tool.get('type')!r}"
+            )
+        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": function})
+    return out if out and tool_choice == "auto" else None
+
+
+def output_items(text: str, finish_reason: str | None, message_id: str) -> list[dict[str, Any]]:
+    """The model's answer as Responses output items: the seam where the model family's parser
+    will split reasoning (`reasoning` items) and tool calls (`function_call` items) out of the
+    text. Today: one assistant message holding the whole text."""
+    return [_message(message_id, text, "incomplete" if finish_reason == "length" else "completed")]
+
+
+def _message(message_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text)]
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _usage(last: Output) -> dict[str, Any]:
+    return {
+        "input_tokens": last.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": last.cached_tokens},
+        "output_tokens": last.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": last.prompt_tokens + last.completion_tokens,
+    }
+
+
+class _Envelope:
+    """What a response object carries besides its output, status and usage."""
+
+    def __init__(self, req: ResponsesRequest, model: str, max_tokens: int | None) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.fields: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": model,
+            "instructions": req.instructions,
+            "max_output_tokens": max_tokens,
+            "metadata": req.metadata or {},
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": req.reasoning,
+            "store": False,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice,
+            "tools": req.tools or [],
+            "truncation": "disabled",
+            "user": req.user,
+            "background": False,
+            "error": None,
+        }
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        last: Output | None = None,
+    ) -> dict[str, Any]:
+        incomplete = None
+        if last is not None and last.finish_reason == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        return {
+            **self.fields,
+            "status": status,
+            "incomplete_details": incomplete,
+            "output": output,
+            "usage": _usage(last) if last is not None else None,
+        }
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/responses", response_model=None)
+    async def responses(
+        req: ResponsesRequest, http: Request
+    ) -> JSONResponse | StreamingResponse | dict[str, Any]:
+        engine = state.engine
+        if engine is None:
+            return openai_error(*not_ready(state), "server_error")
+        try:
+            if req.previous_response_id is not None or req.conversation is not None:
+                field = "previous_response_id" if req.previous_response_id else "conversation"
+                raise ValueError(
+                    f"{field}: this server is stateless and keeps no responses: send the whole "
+                    "conversation in input"
+                )
+            if req.background:
+                raise ValueError("background: background responses are not supported")
+            messages = chat_messages(req.instructions, req.input)
+            tools = template_tools(req.tools, req.tool_choice)
+            prompt_ids = chat_prompt_ids(engine.tokenizer, messages, tools)
+            max_tokens = req.asked_max_tokens()
+            params = req.sampling_params(state.defaults)
+            engine.check(prompt_ids, params, max_tokens)
+        except ValueError as err:
+            return openai_error(400, str(err))
+        envelope = _Envelope(req, state.model_name, max_tokens)
+        outputs = engine.generate(
+            prompt_ids, params, chat=True, max_tokens=max_tokens, ignore_eos=req.ignore_eos
+        )
+        if req.stream:
+            return StreamingResponse(_events(outputs, envelope), media_type="text/event-stream")
+
+        try:
+            done = await all_outputs(http, outputs)
+        except RuntimeError as err:
+            return openai_error(503, str(err), "server_error")
+        if done is None:  # the client left: its request is aborted
+            return openai_error(499, "client closed the request")
+        last = done[-1]
+        text = "".join(o.text for o in done)
+        items = output_items(text, last.finish_reason, f"msg_{uuid.uuid4().hex}")
+        return envelope.response("completed", items, last)
+
+
+async def _events(outputs: AsyncIterator[Output], envelope: _Envelope) -> AsyncIterator[str]:
+    """The documented event sequence: response.created, response.in_progress, then the message
+    item (output_item.added, content_part.added, output_text.delta..., output_text.done,
+    content_part.done, output_item.done), then response.completed (response.incomplete when
+    max_output_tokens cut it short). Closed early (the client went away), the request is
+    aborted by `outputs`' own cleanup."""
+    sequence = 0
+
+    def event(name: str, data: dict[str, Any]) -> str:
+        nonlocal sequence
+        body = {"type": name, "sequence_number": sequence, **data}
+        sequence += 1
+        return f"event: {name}\ndata: {json.dumps(body)}\n\n"
+
+    yield event("response.created", {"response": envelope.response("in_progress", [])})
+    yield event("response.in_progress", {"response": envelope.response("in_progress", [])})
+    message_id = f"msg_{uuid.uuid4().hex}"
+    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+    yield event(
+        "response.output_item.added",
+        {"output_index": 0, "item": _message(message_id, None, "in_progress")},
+    )
+    yield event("response.content_part.added", {**where, "part": _text_part("")})
+    text, last = "", None
+    try:
+        async for out in outputs:
+            last = out
+            if out.text:
+                text += out.text
+                delta = {**where, "delta": out.text, "logprobs": []}
+                yield event("response.output_text.delta", delta)
+    except RuntimeError as err:  # the engine failed or is shutting down
+        yield event("error", {"code": "server_error", "message": str(err), "param": None})
+        return
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]
+    assert last is not None  # a finished request has a last output
+    yield event("response.output_text.done", {**where, "text": text, "logprobs": []})
+    yield event("response.content_part.done", {**where, "part": _text_part(text)})
+    items = output_items(text, last.finish_reason, message_id)
+    yield event("response.output_item.done", {"output_index": 0, "item": items[0]})
+    final = envelope.response("completed", items, last)
+    name = "response.completed" if final["status"] == "completed" else "response.incomplete"
+    yield event(name, {"response": final})

@@ -1,0 +1,232 @@
+"""`/v1/responses` against the official `openai` client on a real uvicorn over a tiny model:
+answers equal the Generator's greedy answer for the same chat messages, the streamed events in
+the documented order with their sequence numbers, the SDK's own stream accumulation, input
+items with tool history, and the stateless server's 400s."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from uvicorn_thread import serving
+
+from moetier.config import EngineConfig
+from moetier.engine.async_engine import AsyncEngine
+from moetier.engine.engine import Engine
+from moetier.engine.generate import Generator
+from moetier.engine.sampler import SamplingParams
+from moetier.loader.load import load_model
+from moetier.server.app import create_app
+
+MODEL = "tiny-qwen3"
+# renders tools, an assistant's tool calls and a tool message's call id (the tiny model's own
+# template renders none of them, and a real one's tool preamble outgrows its 256-token context)
+TOOL_TEMPLATE = (
+    "{%- for t in tools or [] %}{{ t.function.name }}{{ t.function.parameters | tojson }}\n"
+    "{%- endfor %}{%- for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{%- for c in m.tool_calls or [] %} [{{ c.id }} {{ c.function.name }} "
+    "{{ c.function.arguments }}]{%- endfor %}{%- if m.tool_call_id %} ({{ m.tool_call_id }})"
+    "{%- endif %}\n{%- endfor %}{%- if add_generation_prompt %}assistant:{%- endif %}"
+)
+# the fixed tiny qwen3_moe ends its greedy answer to this prompt by itself (44 tokens)
+STOPS = "Say yes"
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu"))
+    generator = Generator(loaded)
+    app = create_app(AsyncEngine(Engine(loaded)), MODEL)
+    with serving(app) as url:
+        yield url, generator
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def greedy(generator: Generator, messages, max_tokens: int, tools=None):
+    ids = generator.chat_prompt_ids(messages, tools)
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
+    return generator.generate(ids, params, chat=True)
+
+
+def generated(expected) -> int:
+    """Tokens generated: the text's, plus the end-of-turn token it stopped on, if any."""
+    return len(expected.token_ids) + (expected.finish_reason == "stop")
+
+
+def test_response_equals_the_generator(server, client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want = greedy(server[1], messages, 8)
+    assert want.finish_reason == "length"  # the fixed tiny model: cut by max_output_tokens
+    resp = client.responses.create(
+        model=MODEL, input="Hi", instructions="Be brief.", max_output_tokens=8, temperature=0
+    )
+    assert resp.object == "response"
+    assert resp.id.startswith("resp_")
+    assert resp.output_text == want.text
+    [item] = resp.output
+    assert (item.type, item.role, item.status) == ("message", "assistant", "incomplete")
+    assert [part.type for part in item.content] == ["output_text"]
+    assert resp.status == "incomplete"
+    assert resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage.input_tokens == want.prompt_tokens
+    assert resp.usage.output_tokens == generated(want)
+    assert resp.usage.total_tokens == want.prompt_tokens + generated(want)
+    assert resp.instructions == "Be brief."
+    assert resp.max_output_tokens == 8
+    assert resp.store is False
+
+
+def test_a_natural_end_is_completed(server, client):
+    want = greedy(server[1], [{"role": "user", "content": STOPS}], 64)
+    assert want.finish_reason == "stop"
+    resp = client.responses.create(model=MODEL, input=STOPS, max_output_tokens=64, temperature=0)
+    assert resp.output_text == want.text
+    assert (resp.status, resp.incomplete_details) == ("completed", None)
+    assert resp.output[0].status == "completed"
+    assert resp.usage.output_tokens == generated(want)
+
+
+def test_input_items_with_tool_history(server, client):
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Rome?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
+        {"role": "user", "content": "And tomorrow?"},
+    ]  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+    }
+    messages = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Rome?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    template_tool = {
+        "type": "function",
+        "function": {k: TOOL[k] for k in ("name", "description", "parameters")},
+    }
+    generator = server[1]
+    tokenizer = generator.tokenizer
+    tiny_template = tokenizer.chat_template
+    tokenizer.chat_template = TOOL_TEMPLATE
+    try:
+        rendered = tokenizer.decode(generator.chat_prompt_ids(messages, [template_tool]))
+        for part in ("get_weather", "call_1 get_weather", '{"city": "Rome"}', "sunny, 21 C"):
+            assert part in rendered
+        want = greedy(generator, messages, 6, [template_tool])
+        resp = client.responses.create(
+            model=MODEL, input=items, tools=[TOOL], max_output_tokens=6, temperature=0
+        )
+        # tool_choice "none": the template gets no tools
+        bare = client.responses.create(
+            model=MODEL, input=items, tools=[TOOL], tool_choice="none", max_output_tokens=1
+        )
+        without_tools = len(generator.chat_prompt_ids(messages))
+    finally:
+        tokenizer.chat_template = tiny_template
+    assert resp.output_text == want.text
+    assert resp.usage.input_tokens == want.prompt_tokens
+    assert resp.tools[0].name == "get_weather"
+    assert bare.usage.input_tokens == without_tools < resp.usage.input_tokens
+
+
+def test_stream_events_in_the_documented_order(client):
+    whole = client.responses.create(model=MODEL, input="Hi", max_output_tokens=10, temperature=0)
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=10, temperature=0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 1
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",  # cut by max_output_tokens, as OpenAI ends such a stream
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "in_progress"
+    ids = {events[0].response.id, events[-1].response.id}
+    assert len(ids) == 1
+    item_ids = {e.item_id for e in events if hasattr(e, "item_id")}
+    assert item_ids == {events[2].item.id}
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    assert events[-4].text == text
+    assert events[-2].item.content[0].text == text
+    final = events[-1].response
+    assert final.output_text == whole.output_text
+    assert final.status == "incomplete"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_the_sdk_accumulates_a_completed_stream(client):
+    whole = client.responses.create(model=MODEL, input=STOPS, max_output_tokens=64, temperature=0)
+    with client.responses.stream(
+        model=MODEL, input=STOPS, max_output_tokens=64, temperature=0
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[-1] == "response.completed"
+    assert final.output_text == whole.output_text
+    assert final.status == "completed"
+
+
+def test_stream_wire_has_event_names_and_no_done(server):
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/responses", json=body) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line and not line.startswith(":")]
+    assert lines[0] == "event: response.created"
+    assert len(lines) % 2 == 0
+    names, datas = lines[0::2], lines[1::2]
+    assert all(n.startswith("event: ") for n in names)
+    assert all(d.startswith("data: ") for d in datas)
+    assert "[DONE]" not in "".join(lines)
+
+
+def test_stateless_and_unsupported_input_are_400s(client):
+    cases = [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "function tools"),
+        ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice"),
+        ({"input": [{"type": "message", "role": "user",
+                     "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+         "input_image"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "web_search_call"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, "call_id"),
+        ({"input": []}, "empty"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ]  # fmt: skip
+    for extra, match in cases:
+        body = {"model": MODEL, "input": "Hi", **extra}
+        with pytest.raises(openai.BadRequestError, match=match) as info:
+            client.responses.create(**body)
+        assert info.value.body["type"] == "invalid_request_error"
