@@ -28,7 +28,7 @@ from moetier.engine.sampler import (
     sampling_tensors,
     token_counts,
 )
-from moetier.engine.scheduler import Scheduled
+from moetier.engine.scheduler import Request, Scheduled
 
 DEFAULT_PARAMS = SamplingParams()
 
@@ -46,10 +46,11 @@ class Sampled:
 
 @dataclass(frozen=True)
 class PromptSpan:
-    """Positions [start, start + count) of the step's item `item` whose logits give the
-    logprobs of prompt tokens start + 1 ... start + count."""
+    """Positions [start, start + count) of `request` (the step's item number `item`) whose
+    logits give the logprobs of its prompt tokens start + 1 ... start + count."""
 
     item: int
+    request: Request
     start: int
     count: int
 
@@ -87,7 +88,7 @@ class StepSampler:
                 continue
             end = min(item.start + item.count, len(item.request.prompt) - 1)
             if end > item.start:
-                spans.append(PromptSpan(i, item.start, end - item.start))
+                spans.append(PromptSpan(i, item.request, item.start, end - item.start))
         return spans
 
     def _sample(
@@ -112,7 +113,7 @@ class StepSampler:
         # what comes back: [token, logprob, top ids..., top logprobs...] per row, one copy
         width = max(
             [p.logprobs or 0 for p in params]
-            + [items_params(items, s).prompt_logprobs or 0 for s in spans]
+            + [s.request.params.prompt_logprobs or 0 for s in spans]
         )
         want_logprobs = any(p.logprobs is not None for p in params)
         blocks = []
@@ -121,9 +122,7 @@ class StepSampler:
         if spans:
             assert prompt_logits is not None
             targets = [
-                t
-                for s in spans
-                for t in items_request(items, s).tokens[s.start + 1 : s.start + 1 + s.count]
+                t for s in spans for t in s.request.tokens[s.start + 1 : s.start + 1 + s.count]
             ]
             target_ids = torch.tensor(targets).to(prompt_logits.device)
             blocks.append(_logprob_rows(prompt_logits.float(), target_ids, width, True))
@@ -143,9 +142,8 @@ class StepSampler:
                 out.logprobs[request_id] = _token_logprob(values, p.logprobs, width)
         row = len(items)
         for s in spans:
-            request = items_request(items, s)
-            wanted = request.params.prompt_logprobs
-            mine = out.prompt_logprobs.setdefault(request.id, {})
+            wanted = s.request.params.prompt_logprobs
+            mine = out.prompt_logprobs.setdefault(s.request.id, {})
             for position in range(s.start + 1, s.start + 1 + s.count):
                 mine[position] = _token_logprob(host[row], wanted, width)
                 row += 1
@@ -229,15 +227,6 @@ class StepSampler:
         if request_id not in self.generators:
             self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
         return self.generators[request_id]
-
-
-def items_request(items: list[Scheduled], span: PromptSpan) -> Any:
-    return items[span.item].request
-
-
-def items_params(items: list[Scheduled], span: PromptSpan) -> SamplingParams:
-    params: SamplingParams = items[span.item].request.params
-    return params
 
 
 def _logprob_rows(
