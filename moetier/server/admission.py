@@ -2,7 +2,8 @@
 whichever module registers it, gets the same checks):
 
 1. the API key (auth.py), unless the path is open (`/health`);
-2. for a POST: the body's size (413 over `--max-body-mb`), that it is JSON (400), lone UTF-16
+2. for a POST: the body's size (413 over `--max-body-mb`), that it is JSON (400; read as JSON
+   whatever its content type says), lone UTF-16
    surrogates replaced with U+FFFD (a tokenizer cannot encode them), the `model` one this server
    serves (404), no known-but-unsupported field (unsupported.py, 400), `n` x `max_tokens` (for
    n > 1) within `--max-request-tokens` (400);
@@ -105,14 +106,21 @@ class Admission:
             return
         try:
             parsed = json.loads(body) if body.strip() else None
+            if parsed is not None and _SURROGATE_ESCAPE.search(body):
+                parsed, replaced = _replace_surrogates(parsed)
+                if replaced:
+                    body = json.dumps(parsed).encode()
         except ValueError as err:
             await reject(400, f"the body is not valid JSON: {err}")
             return
-        if parsed is not None and _SURROGATE_ESCAPE.search(body):
-            parsed, replaced = _replace_surrogates(parsed)
-            if replaced:
-                body = json.dumps(parsed).encode()
+        except RecursionError:
+            await reject(400, "the body is nested too deeply")
+            return
 
+        if parsed is not None and "json" not in headers.get("content-type", ""):
+            # JSON under another content type (curl -d sends form-urlencoded): read as JSON
+            kept = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+            scope = {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
         if isinstance(parsed, dict):
             model = parsed.get("model")
             if isinstance(model, str) and not self.state.serves(model):
@@ -124,11 +132,6 @@ class Admission:
                     "model_not_found",
                 )
                 return
-            field = unsupported_field(path, parsed)
-            if field is not None:
-                name, why = field
-                await reject(400, f"{name}: not supported by this server ({why})", name)
-                return
             asked = _requested_tokens(parsed)
             if asked > options.max_request_tokens:
                 await reject(
@@ -139,6 +142,11 @@ class Admission:
                 )
                 return
 
+            field = unsupported_field(path, parsed)
+            if field is not None:
+                name, why = field
+                await reject(400, f"{name}: not supported by this server ({why})", name)
+                return
         if path not in GENERATING:
             await self.app(scope, _replay(body, receive), send)
             return

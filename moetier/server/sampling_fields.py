@@ -4,13 +4,59 @@ engine's SamplingParams under the server's defaults."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+import json
+from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from moetier.engine.grammar import check_grammar
 from moetier.engine.sampler import SamplingParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: OpenAI's name, description, schema and strict (the schema
+    is always enforced; without one, any JSON value)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(default="response", max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, json_object, json_schema; and vLLM's structural_tag
+    (`structures` [{begin, schema, end}] and `triggers`). Enforced by a grammar
+    (engine/grammar.py)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _needs_its_fields(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format type "json_schema" needs a "json_schema" object')
+        if self.type == "structural_tag" and (self.structures is None or self.triggers is None):
+            raise ValueError('response_format type "structural_tag" needs structures and triggers')
+        return self
+
+    def grammar(self) -> tuple[str, str] | None:
+        """SamplingParams.grammar for this format (None: plain text)."""
+        if self.type == "json_object":
+            return ("json_object", "")
+        if self.type == "json_schema" and self.json_schema is not None:
+            schema = self.json_schema.json_schema
+            return ("json_schema", json.dumps({} if schema is None else schema))
+        if self.type == "structural_tag":
+            spec = {"structures": self.structures, "triggers": self.triggers}
+            return ("structural_tag", json.dumps(spec))
+        return None
 
 
 class SamplingFields(BaseModel):
@@ -25,6 +71,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens through end tokens
+    response_format: ResponseFormat | None = None
 
     def asked_max_tokens(self) -> int | None:
         """The output cap the client asked for (None: the server's default)."""
@@ -34,6 +81,12 @@ class SamplingFields(BaseModel):
         """The engine's SamplingParams: the request's fields over the server's defaults;
         ValueError if the engine cannot take them."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        grammar = self.response_format.grammar() if self.response_format else None
+        if grammar is not None:
+            try:
+                check_grammar(*grammar)
+            except ValueError as err:
+                raise ValueError(f"response_format: {err}") from err
         return SamplingParams(
             max_new_tokens=defaults.max_new_tokens,
             temperature=self.temperature if self.temperature is not None else defaults.temperature,
@@ -41,4 +94,5 @@ class SamplingFields(BaseModel):
             top_k=self.top_k if self.top_k is not None else defaults.top_k,
             seed=self.seed,
             stop=stop,
+            grammar=grammar,
         )

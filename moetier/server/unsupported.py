@@ -35,7 +35,6 @@ UNSUPPORTED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
     "/v1/chat/completions": {
         **_SAMPLING,
         **_TOOLS,
-        "response_format": (({"type": "text"},), "response_format is not enforced yet"),
         "audio": ((), "audio output is not supported"),
         "modalities": ((["text"],), "only text output is supported"),
         "prediction": ((), "predicted outputs are not supported"),
