@@ -3,31 +3,29 @@
 silently ignores it. Fields nobody knows are ignored, as OpenAI does.
 
 One table per endpoint, here only: when a feature lands, delete its entries (and its rows in
-docs/serving.md's table). Each entry is field -> (the values that are harmless, what to do)."""
+docs/serving.md's table). Each entry is field -> (the values that are harmless, what to do);
+null is always harmless."""
 
 from __future__ import annotations
 
 from typing import Any
 
-# values that mean "not set" for every field: null, false, empty
-_UNSET: tuple[Any, ...] = (None, False, "", (), {})
-
 _SAMPLING: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logprobs": ((), "log probabilities are not returned yet"),
+    "logprobs": ((False, 0), "log probabilities are not returned yet"),
     "top_logprobs": ((0,), "log probabilities are not returned yet"),
-    "presence_penalty": ((0, 0.0), "penalties are not supported yet"),
-    "frequency_penalty": ((0, 0.0), "penalties are not supported yet"),
-    "repetition_penalty": ((1, 1.0), "penalties are not supported yet"),
-    "logit_bias": ((), "logit_bias is not supported yet"),
-    "min_p": ((0, 0.0), "min_p is not supported yet"),
+    "presence_penalty": ((0,), "penalties are not supported yet"),
+    "frequency_penalty": ((0,), "penalties are not supported yet"),
+    "repetition_penalty": ((1,), "penalties are not supported yet"),
+    "logit_bias": (({},), "logit_bias is not supported yet"),
+    "min_p": ((0,), "min_p is not supported yet"),
     "n": ((1,), "only n = 1 is supported yet"),
 }
 
 _TOOLS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((), "tool calls are not parsed yet"),
+    "tools": (([],), "tool calls are not parsed yet"),
     "tool_choice": (("none", "auto"), "tool calls are not parsed yet"),
     "parallel_tool_calls": ((True,), "tool calls are not parsed yet"),
-    "functions": ((), "the deprecated `functions` are not supported: use `tools`"),
+    "functions": (([],), "the deprecated `functions` are not supported: use `tools`"),
     "function_call": (("none", "auto"), "the deprecated `function_call` is not supported"),
 }
 
@@ -42,7 +40,7 @@ UNSUPPORTED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
     },
     "/v1/completions": {
         **_SAMPLING,
-        "suffix": ((), "suffix (fill in the middle) is not supported"),
+        "suffix": (("",), "suffix (fill in the middle) is not supported"),
         "best_of": ((1,), "only best_of = 1 is supported"),
     },
     "/v1/responses": {
@@ -67,7 +65,7 @@ def unsupported_field(path: str, body: Any) -> tuple[str, str] | None:
         if name not in body:
             continue
         value = body[name]
-        if any(_same(value, unset) for unset in _UNSET + harmless):
+        if value is None or any(_same(value, ok) for ok in harmless):
             continue
         return name, why
     return None
