@@ -1,12 +1,18 @@
 """The serving engine: requests in, text deltas out, many requests per step.
 
-`Engine.add` queues a request (its prompt tokens and SamplingParams); each `Engine.step`
-schedules one batch (engine/scheduler.py), runs it (engine/runner.py: a native model over the
-paged KV cache, or the transformers model class one request after another) and returns what
-each request produced: its new tokens, their text (streamed:
-incomplete UTF-8 and the possible start of a stop string held back) and, at the end, the
-finish reason. A stop string, `abort` or the end-of-sequence tokens end a request and free its
-KV pages at once. Synchronous and single-threaded: the server drives it from one loop.
+`Engine.add` queues a request (its prompt tokens, SamplingParams and `n`, the sequences it
+wants); each `Engine.step` schedules one batch (engine/scheduler.py), runs it
+(engine/runner.py: a native model over the paged KV cache, or the transformers model class one
+request after another; the step's rows sampled together, engine/step_sampler.py) and returns
+what each sequence produced: its new tokens, their text (streamed: incomplete UTF-8 and the
+possible start of a stop string held back), their logprobs when asked, the prompt's logprobs
+on the request's first output when asked, and, at the end, the finish reason. A stop string,
+a grammar's completed document, `abort` or the end-of-sequence tokens end a sequence and free
+its KV pages at once. The n sequences of a request: the first runs until it has computed the
+prompt, then the others are admitted and take its full pages from the prefix cache (they
+compute only the prompt's last, partial page); each has its own generator and grammar
+matcher; `abort` ends them all. Synchronous and single-threaded: the server drives it from one
+loop.
 """
 
 from __future__ import annotations
@@ -178,7 +184,12 @@ class Engine:
             request.prefix_cache = seq_params.prompt_logprobs is None
             requests.append(request)
         self.scheduler.add(requests[0])
-        family = _Family(requests[0], ids, held=requests[1:], open=set(ids))
+        held = requests[1:]
+        if not self.pool.prefix_caching:  # nothing to share: no reason to wait
+            for request in held:
+                self.scheduler.add(request)
+            held = []
+        family = _Family(requests[0], ids, held=held, open=set(ids))
         self.requests[request_id] = family
         for i, (request, matcher) in enumerate(zip(requests, matchers, strict=True)):
             detok = StreamingDetokenizer(self.tokenizer, params.stop)

@@ -278,3 +278,47 @@ def test_async_engine_streams_n_sequences(native):
         assert engine.engine.pool.used_pages == 0
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_logprobs_and_seeded_n_on_cuda(tiny):
+    """On CUDA (decode steps replayed from graphs): logprobs and prompt logprobs against the HF
+    forward on the same card, and seeded n = 2 the same alone and in a crowd."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(
+        tiny.store("qwen3_moe"), EngineConfig(device="cuda", dtype="float32", native=True)
+    )
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint("qwen3_moe"), dtype=torch.float32, experts_implementation="eager"
+    )
+    hf = hf.to("cuda").eval()
+    limits = EngineLimits(num_pages=96, page_size=16, max_num_batched_tokens=16)
+    params = SamplingParams(
+        temperature=1.0, seed=7, max_new_tokens=8, logprobs=5, prompt_logprobs=3
+    )
+    engine = Engine(loaded, limits)
+    lone = drain(engine, {0: [("a", PROMPT, params, {"ignore_eos": True, "n": 2})]})
+    assert engine.runner.use_graphs
+    for index in (0, 1):
+        got = lone[("a", index)]
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + got["tokens"]], device="cuda")).logits[0]
+        ref = torch.log_softmax(logits.double(), dim=-1).cpu()
+        for j, lp in enumerate(got["logprobs"]):
+            assert lp.logprob == pytest.approx(float(ref[len(PROMPT) - 1 + j, lp.token]), abs=1e-4)
+            assert [t for t, _ in lp.top] == ref[len(PROMPT) - 1 + j].topk(5).indices.tolist()
+        if index == 0:
+            for i in range(1, len(PROMPT)):
+                lp = got["prompt_logprobs"][i]
+                assert lp.logprob == pytest.approx(float(ref[i - 1, PROMPT[i]]), abs=1e-4)
+    others = [
+        (f"o{i}", [7 + i] * (4 + i), SamplingParams(temperature=0.9, max_new_tokens=6), {"n": 2})
+        for i in range(3)
+    ]
+    crowd = drain(
+        Engine(loaded, limits),
+        {0: others[:1], 1: [("a", PROMPT, params, {"ignore_eos": True, "n": 2})], 3: others[1:]},
+    )
+    for index in (0, 1):
+        assert crowd[("a", index)]["tokens"] == lone[("a", index)]["tokens"]
