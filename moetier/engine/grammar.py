@@ -126,9 +126,10 @@ def check_grammar(kind: str, spec: str) -> None:
 class Matcher:
     """One request's place in its grammar."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, end_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, end_ids: frozenset[int], words: int) -> None:
         self._matcher = matcher
         self._end_ids = end_ids
+        self._words = words  # ceil(vocab_size / 32): a bitmask row's length
         self._terminated = False
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
@@ -140,6 +141,10 @@ class Matcher:
         row = bitmask[index]
         if not row.is_contiguous():
             raise ValueError("the bitmask's rows must be contiguous")
+        if row.numel() != self._words:
+            raise ValueError(
+                f"bitmask rows of {row.numel()} words: use ceil(vocab/32) = {self._words}"
+            )
         if self._terminated or self._matcher.is_error():
             row.zero_()
             for t in self._end_ids:
@@ -232,7 +237,8 @@ class GrammarBackend:
 
     def matcher(self, kind: str, spec: str) -> Matcher:
         """A fresh matcher at the start of the grammar (compiled grammars are cached)."""
-        return Matcher(self._compile(kind, spec).deep_copy(), self.end_ids)
+        words = -(-self.vocab_size // 32)
+        return Matcher(self._compile(kind, spec).deep_copy(), self.end_ids, words)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -188,6 +188,14 @@ def test_a_refused_token_leaves_only_end_tokens(backend, tokenizer):
     assert allowed_ids(mask) == set(backend.end_ids)  # the row never goes all -inf
 
 
+@pytest.mark.parametrize("words", [WORDS - 1, WORDS + 1])
+def test_a_bitmask_of_the_wrong_width_is_refused(backend, words):
+    with pytest.raises(ValueError, match=f"ceil\\(vocab/32\\) = {WORDS}"):
+        backend.matcher("json_object", "").fill_next_token_bitmask(
+            torch.full((1, words), -1, dtype=torch.int32), 0
+        )
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_random_logits_masked_give_schema_valid_json(backend, tokenizer, seed):
     """Random weights are the hard case: the grammar alone makes the document valid."""
