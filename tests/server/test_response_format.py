@@ -137,3 +137,16 @@ def test_invalid_formats_are_400s(client, response_format, message):
         )
     assert info.value.status_code == 400
     assert info.value.response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_completions_endpoint(client):
+    """/v1/completions shares the sampling fields: response_format (vLLM takes it there too)."""
+    reply = client.completions.create(
+        model=MODEL,
+        prompt="A person:",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"response_format": JSON_SCHEMA},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].text), PERSON)
