@@ -153,3 +153,40 @@ def test_errors_in_anthropics_shape(server, client):
         json={"model": MODEL, "max_tokens": 10**6, "messages": [{"role": "user", "content": "hi"}]},
     )
     assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+
+
+def billing_line(cch: str) -> str:
+    return f"x-anthropic-billing-header: cc_version=2.1.77.a1b; cc_entrypoint=cli; cch={cch};"
+
+
+CLAUDE_SYSTEM = "You are an agent for software engineering tasks. " * 2
+
+
+def test_billing_line_does_not_defeat_the_prefix_cache(server, client):
+    """Claude Code starts its system prompt with a billing line that changes every request (as
+    its own block, or as the first line of the text): it is dropped before the chat template, so
+    two requests differing only in it share the whole prompt's cached pages."""
+    page = 16  # the engine's default page size
+    as_block, as_line = CLAUDE_SYSTEM, CLAUDE_SYSTEM.replace("agent", "aide.")
+    for text, system_of in (
+        (as_block, lambda cch: [{"type": "text", "text": billing_line(cch)},
+                                {"type": "text", "text": as_block}]),
+        (as_line, lambda cch: billing_line(cch) + "\n" + as_line),
+    ):  # fmt: skip
+        ids, _ = alone(server[1], 2, system=text)
+        first, second = (
+            client.messages.create(
+                model=MODEL, max_tokens=2, system=system_of(cch),
+                messages=[{"role": "user", "content": USER}],
+            )
+            for cch in ("0a1b2", "9f8e7")
+        )  # fmt: skip
+        total = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
+        assert total == len(ids)  # the prompt without the line
+        assert first.usage.cache_read_input_tokens == 0
+        # every whole page of the prompt but the last position's came from the cache
+        assert second.usage.cache_read_input_tokens == (len(ids) - 1) // page * page > 0
+        counted = client.messages.count_tokens(
+            model=MODEL, system=system_of("x"), messages=[{"role": "user", "content": USER}]
+        )
+        assert counted.input_tokens == len(ids)
