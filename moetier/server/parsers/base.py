@@ -196,12 +196,15 @@ class Parser:
     tools: the request's tool definitions (for argument types and names); starts_in_reasoning:
     the rendered prompt ended inside a reasoning block; parallel_tool_calls: False keeps only the
     first call; call_offset: tool calls earlier in the conversation (Kimi numbers its ids over the
-    whole conversation); new_id: the id maker (tests pass a deterministic one).
+    whole conversation); new_id: the id maker (tests pass a deterministic one); calls: False
+    when the request has no tools (or tool_choice none): call markup stays content.
     """
 
     family = "base"
     # Families whose models are known to open a tool call before closing their reasoning.
     calls_in_reasoning = False
+    # Where tool calls begin (ThinkParser families).
+    call_markers: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -211,8 +214,12 @@ class Parser:
         parallel_tool_calls: bool = True,
         call_offset: int = 0,
         new_id: Callable[[], str] | None = None,
+        calls: bool = True,
     ) -> None:
         self.schemas = tool_schemas(tools)
+        self.calls_enabled = calls
+        if not calls:
+            self.call_markers: tuple[str, ...] = ()
         self.parallel_tool_calls = parallel_tool_calls
         self.call_offset = call_offset
         self.new_id = new_id or self.default_id
@@ -402,7 +409,6 @@ class ThinkParser(Parser):
 
     think_start = "<think>"
     think_end = "</think>"
-    call_markers: tuple[str, ...] = ()
 
     @classmethod
     def prompt_ends_in_reasoning(cls, prompt: str) -> bool:

@@ -39,7 +39,7 @@ class HarmonyParser(Parser):
             header, self.buf = self.buf[:at], self.buf[at + len(_MESSAGE) :]
             channel = _CHANNEL.search(header)
             recipient = _RECIPIENT.search(header)
-            if recipient and recipient.group(1) != "all":
+            if recipient and recipient.group(1) != "all" and self.calls_enabled:
                 self._open_json_call(recipient.group(1).removeprefix("functions."))
                 self.state = "call"
             elif channel and channel.group(1) == "analysis":

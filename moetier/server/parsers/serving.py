@@ -1,0 +1,289 @@
+"""The parsers inside the server: which family a model gets (once, at start-up), one request's
+parsing of the engine's outputs into the deltas of its API, and the tool calls of the history
+in the shape the family's chat template reads.
+
+The API modules call three things: `choose_parser` when the model is ready, `template_history`
+before rendering a conversation, and a `ChatParsing` per request, whose `push(output)` returns
+the `Delta` for that engine output (reasoning, content and tool-call parts, in order). The
+parser reads its own detokenization of the output's token ids, with the family's special-token
+markers kept and the end tokens hidden (the engine's text drops special tokens). A model no
+family fits, or `--tool-parser none`, is served as plain text: the engine's text as it is.
+`anthropic_blocks` and `AnthropicStream` turn the same parts into Anthropic content blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from moetier.engine.detokenizer import StreamingDetokenizer
+from moetier.server.parsers.base import Delta, Message, Parser
+from moetier.server.parsers.hermes import HermesParser
+from moetier.server.parsers.registry import FAMILIES, choose_family, family_name
+
+log = logging.getLogger("moetier.parsers")
+
+# Families whose templates write a call's arguments as they are given (a JSON string); the
+# others iterate them (`arguments|items`) or write them with `tojson`: those get a mapping.
+STRING_ARGUMENTS = {"deepseek_v3", "deepseek_v31"}
+# The text a forced tool call (tool_choice required or named) is written in, whatever the
+# family: the grammar (engine/grammar.py tool_call_grammar) and the parser agree on it.
+FORCED_BEGIN, FORCED_END = "<tool_call>\n", "\n</tool_call>"
+
+
+@dataclass(frozen=True)
+class ParserChoice:
+    """The family serving this model (None: plain text) and why."""
+
+    family: str | None
+    reason: str
+
+    def describe(self) -> dict[str, Any]:
+        """For /v1/models: one parser reads both reasoning and tool calls."""
+        return {"tool_parser": self.family, "reasoning_parser": self.family}
+
+
+def choose_parser(
+    model_type: str | None,
+    chat_template: Any,
+    tool_parser: str = "",
+    reasoning_parser: str = "",
+) -> ParserChoice:
+    """The family for a model, logged: `--tool-parser` / `--reasoning-parser` (one family reads
+    both, so they must agree; "none": plain text), else the chat template's markers, else the
+    model_type; none fits: plain text and one warning. ValueError for an unknown name."""
+    given = {name.strip().lower() for name in (tool_parser, reasoning_parser) if name.strip()}
+    if given:
+        families = {None if g == "none" else family_name(g) for g in given}
+        if len(families) > 1:
+            raise ValueError(
+                f"--tool-parser {tool_parser!r} and --reasoning-parser {reasoning_parser!r} name "
+                "different families: one parser reads both, give one of them (or the same)"
+            )
+        family = families.pop()
+        choice = ParserChoice(family, "set by --tool-parser / --reasoning-parser")
+    else:
+        template = chat_template
+        if isinstance(template, dict):  # named templates: all of them
+            template = "\n".join(str(t) for t in template.values())
+        family, why = choose_family(model_type, template if isinstance(template, str) else None)
+        choice = ParserChoice(family, why)
+        if family is None:
+            log.warning(
+                "no reasoning / tool-call parser for this model (%s): serving plain text; "
+                "choose one with --tool-parser (%s)",
+                why,
+                ", ".join(sorted(FAMILIES)),
+            )
+            return choice
+    log.info("reasoning and tool-call parser: %s (%s)", choice.family or "none", choice.reason)
+    return choice
+
+
+def forced_tool_choice(tool_choice: Any) -> bool:
+    """Whether `tool_choice` forces a call (required, any, or a named tool)."""
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return False
+    if isinstance(tool_choice, dict) and tool_choice.get("type") in ("auto", "none"):
+        return False
+    return True
+
+
+def template_history(messages: list[dict[str, Any]], family: str | None) -> list[dict[str, Any]]:
+    """Chat messages as the family's template reads them: tool-call arguments a mapping (or a
+    JSON string for templates that write them as given), `reasoning` as `reasoning_content`, and
+    gpt-oss's `thinking`. The messages are copied, not changed."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("reasoning") and not message.get("reasoning_content"):
+            message["reasoning_content"] = message["reasoning"]
+        if family == "harmony" and message.get("reasoning_content"):
+            message.setdefault("thinking", message["reasoning_content"])
+        calls = message.get("tool_calls")
+        if calls:
+            message["tool_calls"] = [_template_call(c, family) for c in calls]
+        out.append(message)
+    return out
+
+
+def _template_call(call: dict[str, Any], family: str | None) -> dict[str, Any]:
+    call = dict(call)
+    function = dict(call.get("function") or {})
+    args = function.get("arguments")
+    if family in STRING_ARGUMENTS:
+        if not isinstance(args, str):
+            function["arguments"] = json.dumps(args if args is not None else {})
+    elif isinstance(args, str):
+        try:
+            loaded = json.loads(args) if args.strip() else {}
+        except ValueError:
+            loaded = None
+        if isinstance(loaded, dict):
+            function["arguments"] = loaded
+    call["function"] = function
+    return call
+
+
+def count_calls(messages: list[dict[str, Any]]) -> int:
+    """Tool calls in a conversation's history (Kimi numbers its call ids over it)."""
+    return sum(len(m.get("tool_calls") or ()) for m in messages if m.get("role") == "assistant")
+
+
+@dataclass
+class ChatParsing:
+    """One request's parsing of engine outputs.
+
+    choice: the server's family; tokenizer and prompt_ids: the model's, for the detokenization
+    and the reasoning state the prompt leaves; tools, tool_choice, parallel_tool_calls: the
+    request's; call_offset: calls earlier in the conversation; stop: its stop strings; end_ids:
+    the tokens that end a turn (never text).
+    """
+
+    choice: ParserChoice
+    tokenizer: Any
+    prompt_ids: list[int]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    call_offset: int = 0
+    stop: tuple[str, ...] = ()
+    end_ids: frozenset[int] = frozenset()
+    message: Message = field(default_factory=Message)
+
+    def __post_init__(self) -> None:
+        self.parser: Parser | None = None
+        self.detok: StreamingDetokenizer | None = None
+        calls = bool(self.tools) and self.tool_choice != "none"
+        if forced_tool_choice(self.tool_choice):
+            # the grammar writes the call in hermes form from the first token on
+            self.parser = HermesParser(self.tools, parallel_tool_calls=self.parallel_tool_calls)
+        elif self.choice.family is not None:
+            cls = FAMILIES[self.choice.family]
+            tail = self.tokenizer.decode(self.prompt_ids[-32:], skip_special_tokens=False)
+            self.parser = cls(
+                self.tools,
+                starts_in_reasoning=bool(cls.prompt_ends_in_reasoning(tail)),  # type: ignore[attr-defined]
+                parallel_tool_calls=self.parallel_tool_calls,
+                call_offset=self.call_offset,
+                calls=calls,
+            )
+        if self.parser is not None:
+            self.detok = StreamingDetokenizer(
+                self.tokenizer, self.stop, keep_special=True, hidden=self.end_ids
+            )
+
+    @property
+    def active(self) -> bool:
+        return self.parser is not None
+
+    def push(self, out: Any) -> Delta:
+        """The delta for one engine `Output` (its text, or its token ids when a parser reads
+        them); the last output (finish_reason set) also flushes what was held back."""
+        delta = Delta()
+        if self.parser is None or self.detok is None:
+            delta.add("content", out.text)
+        else:
+            text = ""
+            for token in out.token_ids:
+                if self.detok.stopped:
+                    break
+                text += self.detok.push(int(token))[0]
+            if out.finish_reason is not None and not self.detok.stopped:
+                text += self.detok.flush()
+            if text:
+                delta.extend(self.parser.feed(text))
+            if out.finish_reason is not None:
+                delta.extend(self.parser.finish())
+                self.message.warnings = list(self.parser.warnings)
+        self.message.apply(delta)
+        return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's finish_reason: tool_calls when the answer made calls and ended by itself."""
+        if reason == "stop" and self.message.tool_calls:
+            return "tool_calls"
+        return reason
+
+    def stop_reason(self, reason: str | None) -> str | None:
+        """Anthropic's stop_reason: tool_use when the answer made calls and ended by itself."""
+        if reason in ("end_turn", "stop_sequence") and self.message.tool_calls:
+            return "tool_use"
+        return reason
+
+
+def anthropic_blocks(message: Message) -> list[dict[str, Any]]:
+    """A whole answer as Anthropic content blocks: thinking, text, tool_use (input an object)."""
+    blocks: list[dict[str, Any]] = []
+    if message.reasoning_content:
+        blocks.append({"type": "thinking", "thinking": message.reasoning_content, "signature": ""})
+    if message.content or not blocks and not message.tool_calls:  # never no block at all
+        blocks.append({"type": "text", "text": message.content or ""})
+    for call in message.tool_calls:
+        function = call["function"]
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": function["name"],
+                "input": json.loads(function["arguments"] or "{}"),
+            }
+        )
+    return blocks
+
+
+class AnthropicStream:
+    """Deltas -> Anthropic stream events (name, data): a block opens when its kind of part
+    starts (thinking, text, tool_use) and closes when another begins; tool arguments arrive as
+    input_json_delta fragments."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def events(self, delta: Delta) -> list[tuple[str, dict[str, Any]]]:
+        out: list[tuple[str, dict[str, Any]]] = []
+        for kind, value in delta.parts:
+            if kind == "reasoning":
+                self._begin(out, "thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": value}))
+            elif kind == "content":
+                self._begin(out, "text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": value}))
+            else:
+                if value.id is not None:
+                    block = {"type": "tool_use", "id": value.id, "name": value.name, "input": {}}
+                    self._begin(out, "tool_use", block, new=True)
+                if value.arguments:
+                    fragment = {"type": "input_json_delta", "partial_json": value.arguments}
+                    out.append(self._delta(fragment))
+        return out
+
+    def close(self) -> list[tuple[str, dict[str, Any]]]:
+        """The last block's stop (an answer with no block at all gets an empty text block)."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        if self.open is None:
+            self._begin(out, "text", {"type": "text", "text": ""})
+        out.append(("content_block_stop", {"index": self.index}))
+        self.open = None
+        return out
+
+    def _begin(
+        self,
+        out: list[tuple[str, dict[str, Any]]],
+        kind: str,
+        block: dict[str, Any],
+        new: bool = False,
+    ) -> None:
+        if self.open == kind and not new:
+            return
+        if self.open is not None:
+            out.append(("content_block_stop", {"index": self.index}))
+        self.index += 1
+        self.open = kind
+        out.append(("content_block_start", {"index": self.index, "content_block": block}))
+
+    def _delta(self, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return ("content_block_delta", {"index": self.index, "delta": delta})

@@ -1,0 +1,225 @@
+"""The server's side of the parsers (server/parsers/serving.py): the family chosen at start-up,
+the history in the shapes templates read, one request's engine outputs (token ids, special
+markers included) turned into deltas, and those deltas as Anthropic stream events, checked with
+the anthropic SDK's own stream accumulation."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import RawMessageStreamEvent
+from cases import CASES, TOOLS
+from pydantic import TypeAdapter
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from moetier.server.parsers import make_parser
+from moetier.server.parsers.serving import (
+    AnthropicStream,
+    ChatParsing,
+    ParserChoice,
+    anthropic_blocks,
+    choose_parser,
+    count_calls,
+    template_history,
+)
+
+KIMI_SPECIALS = [
+    "<|im_end|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
+
+
+def test_choose_parser_overrides_template_and_model_type(caplog):
+    with caplog.at_level(logging.INFO, logger="moetier.parsers"):
+        assert choose_parser("qwen3_moe", None).family == "hermes"
+        assert choose_parser(None, "{{ '<minimax:tool_call>' }}").family == "minimax_m2"
+        assert choose_parser("qwen3_moe", "x", tool_parser="kimi").family == "kimi_k2"
+        assert choose_parser("qwen3_moe", "x", reasoning_parser="none").family is None
+        assert choose_parser("qwen3_moe", "x", "glm47", "glm5").family == "glm47"
+    assert "reasoning and tool-call parser: hermes (model_type qwen3_moe)" in caplog.text
+    with pytest.raises(ValueError, match="different families"):
+        choose_parser(None, None, "hermes", "kimi_k2")
+    with pytest.raises(ValueError, match="unknown parser family"):
+        choose_parser(None, None, "nope")
+
+
+def test_unknown_model_serves_plain_text_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="moetier.parsers"):
+        choice = choose_parser("llama", "{{ messages }}")
+    assert choice.family is None
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "--tool-parser" in caplog.records[0].getMessage()
+    assert choice.describe() == {"tool_parser": None, "reasoning_parser": None}
+
+
+def test_template_history_gives_each_template_its_argument_shape():
+    history = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning": "think",
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                {"id": "b", "type": "function", "function": {"name": "g", "arguments": {"y": 2}}},
+            ],
+        },
+    ]
+    mapped = template_history(history, "qwen3_coder")
+    assert [c["function"]["arguments"] for c in mapped[1]["tool_calls"]] == [{"x": 1}, {"y": 2}]
+    assert mapped[1]["reasoning_content"] == "think"
+    strings = template_history(history, "deepseek_v31")
+    assert [c["function"]["arguments"] for c in strings[1]["tool_calls"]] == [
+        '{"x": 1}',
+        '{"y": 2}',
+    ]
+    assert template_history(history, "harmony")[1]["thinking"] == "think"
+    assert history[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # not changed
+    assert count_calls(history) == 2
+
+
+@pytest.fixture(scope="module")
+def kimi_tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=KIMI_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([c.raw for c in CASES if c.family == "kimi_k2"] * 3, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", additional_special_tokens=KIMI_SPECIALS[1:]
+    )
+
+
+def _outputs(tokenizer, raw: str, per: int = 3):
+    ids = tokenizer.encode(raw, add_special_tokens=False) + [tokenizer.eos_token_id]
+    chunks = [ids[i : i + per] for i in range(0, len(ids), per)]
+    for n, chunk in enumerate(chunks):
+        last = n == len(chunks) - 1
+        yield SimpleNamespace(
+            text="(engine text: special tokens dropped)",
+            token_ids=[t for t in chunk if t != tokenizer.eos_token_id],
+            finish_reason="stop" if last else None,
+        )
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.family == "kimi_k2"], ids=lambda c: c.id)
+def test_chat_parsing_reads_special_tokens_from_token_ids(kimi_tokenizer, case):
+    parsing = ChatParsing(
+        ParserChoice("kimi_k2", "test"),
+        kimi_tokenizer,
+        kimi_tokenizer.encode("<|im_end|>assistant"),
+        tools=TOOLS,
+        call_offset=case.call_offset,
+        end_ids=frozenset({kimi_tokenizer.eos_token_id}),
+    )
+    for out in _outputs(kimi_tokenizer, case.raw):
+        parsing.push(out)
+    want = make_parser("kimi_k2", tools=TOOLS, call_offset=case.call_offset).parse(case.raw)
+    assert parsing.message.tool_calls == want.tool_calls
+    assert parsing.message.content == want.content
+    assert parsing.message.reasoning_content == want.reasoning_content
+    assert parsing.finish_reason("stop") == "tool_calls"
+    assert parsing.finish_reason("length") == "length"
+
+
+def test_tools_absent_leave_call_markup_in_content(kimi_tokenizer):
+    raw = "<|tool_calls_section_begin|>x<|tool_calls_section_end|>"
+    parsing = ChatParsing(ParserChoice("kimi_k2", "t"), kimi_tokenizer, [0], tools=None)
+    for out in _outputs(kimi_tokenizer, raw):
+        parsing.push(out)
+    assert parsing.message.content == raw and parsing.message.tool_calls == []
+    assert parsing.finish_reason("stop") == "stop"
+
+
+def test_plain_text_passes_engine_text_unchanged(kimi_tokenizer):
+    parsing = ChatParsing(ParserChoice(None, "t"), kimi_tokenizer, [0], tools=TOOLS)
+    outs = [
+        SimpleNamespace(text=" a <think>b", token_ids=[1], finish_reason=None),
+        SimpleNamespace(text="</think> ", token_ids=[2], finish_reason="stop"),
+    ]
+    assert [parsing.push(o).content for o in outs] == [" a <think>b", "</think> "]
+    assert not parsing.active
+
+
+def test_forced_tool_choice_reads_the_grammar_form(kimi_tokenizer):
+    """tool_choice required / named: the grammar writes <tool_call>{"name", "arguments"}
+    </tool_call> whatever the family; the request parses that form."""
+    raw = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    parsing = ChatParsing(
+        ParserChoice("kimi_k2", "t"),
+        kimi_tokenizer,
+        [0],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    for out in _outputs(kimi_tokenizer, raw):
+        parsing.push(out)
+    [call] = parsing.message.tool_calls
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.calls or c.reasoning], ids=lambda c: c.id)
+def test_anthropic_events_accumulate_to_the_message(case):
+    """The SDK's own accumulation of our events gives the blocks of the whole message."""
+    parser = make_parser(
+        case.family,
+        tools=TOOLS,
+        starts_in_reasoning=case.starts_in_reasoning,
+        call_offset=case.call_offset,
+    )
+    stream = AnthropicStream()
+    events: list[tuple[str, dict]] = [
+        (
+            "message_start",
+            {
+                "message": {
+                    "id": "msg_1",
+                    "type": "message",
+                    "role": "assistant",
+                    "model": "m",
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": 1, "output_tokens": 0},
+                }
+            },
+        )
+    ]
+    for i in range(0, len(case.raw), 7):
+        events += stream.events(parser.feed(case.raw[i : i + 7]))
+    events += stream.events(parser.finish())
+    events += stream.close()
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    snapshot, bufs = None, {}
+    for name, data in events:
+        event = adapter.validate_python({"type": name, **data})
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
+    whole = make_parser(
+        case.family,
+        tools=TOOLS,
+        starts_in_reasoning=case.starts_in_reasoning,
+        call_offset=case.call_offset,
+    )
+    message = whole.parse(case.raw)
+    got = [b.model_dump(exclude_none=True) for b in snapshot.content]
+    want = anthropic_blocks(message)
+    for block in got + want:
+        if block["type"] == "tool_use":
+            block["id"] = "x"
+        block.pop("citations", None)
+    assert got == want
