@@ -480,3 +480,39 @@ def test_engine_json_object(tiny_engine):
     )
     text, finish = generate(tiny_engine, params)
     assert finish == "stop" and isinstance(json.loads(text), dict)
+
+
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,  # else a random model may add keys until max_tokens
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("temperature, seed", [(0, None), (1.0, 5)])
+def test_engine_random_model_makes_the_forced_call(tiny_engine, temperature, seed):
+    choice = {"type": "function", "function": {"name": "forecast"}}
+    grammar = tool_call_grammar(
+        [WEATHER, FORECAST],
+        choice,
+        "<tool_call>\n",
+        "\n</tool_call>",
+        tokenizer=tiny_engine.tokenizer,
+    )
+    params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=200, grammar=grammar)
+    text, finish = generate(tiny_engine, params)
+    assert finish == "stop"
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+    call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+    assert call["name"] == "forecast"
+    jsonschema.validate(call["arguments"], FORECAST["function"]["parameters"])
