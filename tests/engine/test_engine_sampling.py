@@ -105,6 +105,25 @@ def test_logprobs_and_prompt_logprobs_equal_the_hf_forward(setup):
     assert engine.pool.used_pages == 0 and engine.requests == {} and engine.streams == {}
 
 
+def test_prompt_logprobs_from_one_position_chunks_beside_decodes(setup):
+    """A step budget of 2 beside a decoding request: the prompt goes one position a step, in
+    decode-row steps (each position's logits from the decode rows)."""
+    loaded, hf = setup
+    engine = Engine(loaded, EngineLimits(num_pages=64, page_size=4, max_num_batched_tokens=2))
+    background = SamplingParams(temperature=0, max_new_tokens=40)
+    params = SamplingParams(temperature=0, max_new_tokens=2, prompt_logprobs=2)
+    got = drain(
+        engine,
+        {0: [("bg", [9, 8, 7], background, {"ignore_eos": True})], 3: [("a", PROMPT, params, {})]},
+    )
+    ref = hf_logprobs(hf, PROMPT)
+    prompt_lps = got[("a", 0)]["prompt_logprobs"]
+    assert len(prompt_lps) == len(PROMPT) and prompt_lps[0] is None
+    for i in range(1, len(PROMPT)):
+        assert prompt_lps[i].logprob == pytest.approx(float(ref[i - 1, PROMPT[i]]), abs=1e-4)
+        assert [t for t, _ in prompt_lps[i].top] == ref[i - 1].topk(2).indices.tolist()
+
+
 def penalized_greedy(hf, prompt: list[int], p: SamplingParams, new: int) -> list[int]:
     """Greedy decoding of the HF model with bias and penalties applied by their formulas."""
     out: list[int] = []
@@ -186,6 +205,30 @@ def test_seeded_n_is_reproducible_whatever_shares_the_batch(native):
     assert len({tuple(a) for a in answers}) == 3  # each sequence its own draws
     single = drain(Engine(native, limits), {0: [("one", prompt, params, {})]})
     assert single[("one", 0)]["tokens"] == answers[0]  # sequence 0 draws as n = 1 does
+
+
+def test_preemption_keeps_seeded_draws_logprobs_and_prompt_logprobs(native):
+    """Under a KV budget too small for all of them, sequences are preempted and recomputed:
+    each still draws what it draws with room to spare, with the same logprobs."""
+    params = SamplingParams(
+        temperature=1.0, seed=11, max_new_tokens=12, logprobs=2, prompt_logprobs=1,
+        presence_penalty=0.5,
+    )  # fmt: skip
+    arrivals = {0: [("p", PROMPT, params, {"n": 3, "ignore_eos": True})]}
+    roomy = drain(Engine(native, EngineLimits(num_pages=96, page_size=4)), arrivals)
+    tight_engine = Engine(native, EngineLimits(num_pages=9, page_size=4))
+    tight = drain(tight_engine, arrivals)
+    assert tight_engine.scheduler.preemptions > 0
+    for index in range(3):
+        a, b = roomy[("p", index)], tight[("p", index)]
+        assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 12
+        assert [lp.token for lp in b["logprobs"]] == b["tokens"]
+        assert [lp.logprob for lp in a["logprobs"]] == pytest.approx(
+            [lp.logprob for lp in b["logprobs"]], abs=1e-5
+        )
+    first = [lp.logprob for lp in roomy[("p", 0)]["prompt_logprobs"][1:]]
+    assert first == pytest.approx([lp.logprob for lp in tight[("p", 0)]["prompt_logprobs"][1:]])
+    assert tight_engine.pool.used_pages == 0
 
 
 def test_abort_ends_every_sequence(native):
@@ -276,6 +319,15 @@ def test_async_engine_streams_n_sequences(native):
             assert sum(len(o.token_ids) for o in outs) <= 6
         assert engine.wait_idle(5)
         assert engine.engine.pool.used_pages == 0
+
+        async def leave_early() -> None:  # a client gone after its first output
+            many = SamplingParams(temperature=1.0, max_new_tokens=200)
+            async for _ in engine.generate(PROMPT, many, n=3, ignore_eos=True):
+                break
+
+        asyncio.run(leave_early())
+        assert engine.wait_idle(5)
+        assert engine.engine.pool.used_pages == 0 and engine.engine.requests == {}
     finally:
         engine.close()
 
