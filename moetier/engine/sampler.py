@@ -57,36 +57,40 @@ class SamplingParams:
     grammar: tuple[str, str] | None = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
+        def refuse(name: str, value: object, allowed: str) -> None:
+            raise ValueError(f"{name} = {value!r}: use {allowed}")
+
         if self.max_new_tokens < 0:
-            raise ValueError("max_new_tokens must be >= 0")
-        if self.temperature < 0 or not math.isfinite(self.temperature):
-            raise ValueError("temperature must be >= 0 (0 = greedy)")
+            refuse("max_new_tokens", self.max_new_tokens, "an integer >= 0")
+        if not 0 <= self.temperature < math.inf:
+            refuse("temperature", self.temperature, "a number >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+            refuse("top_p", self.top_p, "a number in (0, 1] (1 = off)")
         if self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 = off)")
+            refuse("top_k", self.top_k, "an integer >= 0 (0 = off)")
         if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1] (0 = off)")
+            refuse("min_p", self.min_p, "a number in [0, 1] (0 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError("repetition_penalty must be in (0, 2] (1 = off)")
+                refuse(name, getattr(self, name), "a number in [-2, 2] (0 = off)")
+        if not 0 < self.repetition_penalty < math.inf:
+            refuse("repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
         for entry in self.logit_bias:
             if len(entry) != 2:
-                raise ValueError("logit_bias takes (token id, bias) pairs")
+                refuse("logit_bias entry", entry, "(token id, bias) pairs")
             token, bias = entry
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise ValueError(f"logit_bias: token id {token!r} must be an integer >= 0")
+                refuse("logit_bias token id", token, "an integer token id >= 0")
             if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100]")
+                refuse(f"logit_bias of token {token}", bias, "a number in [-100, 100]")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (or None for none)")
-        if self.grammar is not None:
-            if len(self.grammar) != 2 or self.grammar[0] not in GRAMMAR_KINDS:
-                raise ValueError(f"grammar is (kind, spec) with kind one of {GRAMMAR_KINDS}")
+                refuse(name, value, f"an integer in [0, {MAX_LOGPROBS}], or none")
+        if self.grammar is not None and (
+            len(self.grammar) != 2 or self.grammar[0] not in GRAMMAR_KINDS
+        ):
+            refuse("grammar", self.grammar, f"(kind, spec) with kind one of {GRAMMAR_KINDS}")
 
     @property
     def penalized(self) -> bool:

@@ -56,11 +56,32 @@ def test_top_p_keeps_smallest_nucleus():
     assert draws == {0, 1}  # 0.5 + 0.3 reaches 0.8
 
 
-def test_rejects_bad_params():
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0)
-    with pytest.raises(ValueError, match="temperature"):
-        SamplingParams(temperature=-1)
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 0),
+        ("top_p", float("nan")),
+        ("temperature", -1),
+        ("temperature", float("inf")),
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", float("nan")),
+        ("repetition_penalty", 0),
+        ("logprobs", 21),
+        ("prompt_logprobs", -1),
+        ("grammar", ("yaml", "{}")),
+    ],
+)
+def test_rejects_bad_params_naming_the_field_and_the_range(field, value):
+    with pytest.raises(ValueError, match=f"^{field} = .*: use "):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("bias", [((1, 101.0),), ((-1, 1.0),), ((1.5, 1.0),), ((1, 2, 3),)])
+def test_rejects_bad_logit_bias(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
 
 
 ROW_PARAMS = [
