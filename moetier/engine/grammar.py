@@ -118,9 +118,9 @@ def grammar_text(kind: str, spec: str) -> str:
 def check_grammar(kind: str, spec: str) -> None:
     """ValueError, with the compiler's message, unless (kind, spec) compiles. Needs no tokenizer
     (the special tokens a Lark grammar names are checked when a matcher is made)."""
-    message = llguidance.LLMatcher.validate_grammar(grammar_text(kind, spec))
-    if message:
-        raise ValueError(f"invalid {kind} grammar: {message.strip()}")
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(kind, spec))
+    if failed:  # (warnings alone pass)
+        raise ValueError(f"invalid {kind} grammar: {messages[0].strip()}")
 
 
 class Matcher:
