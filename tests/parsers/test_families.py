@@ -82,7 +82,7 @@ def test_no_markup_leaks(case: Case):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_plain_text_passes_through(family):
-    text = "Hello — ünïcödé < > & { } [ ] ✓"
+    text = " \n Hello — ünïcödé < > & { } [ ] ✓ \n"  # whitespace at both ends kept too
     message = make_parser(family).parse(text)
     assert message.content == text
     assert message.reasoning_content is None and message.tool_calls == []

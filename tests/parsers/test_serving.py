@@ -35,6 +35,7 @@ KIMI_SPECIALS = [
     "<|tool_call_begin|>",
     "<|tool_call_argument_begin|>",
     "<|tool_call_end|>",
+    "<|media_pad|>",  # a special token no parser reads
 ]
 
 
@@ -223,3 +224,19 @@ def test_anthropic_events_accumulate_to_the_message(case):
             block["id"] = "x"
         block.pop("citations", None)
     assert got == want
+
+
+def test_special_tokens_other_than_the_markers_stay_out(kimi_tokenizer):
+    parsing = ChatParsing(ParserChoice("kimi_k2", "t"), kimi_tokenizer, [0], tools=TOOLS)
+    for out in _outputs(kimi_tokenizer, "On<|media_pad|> it."):
+        parsing.push(out)
+    assert parsing.message.content == "On it."
+
+
+def test_markers_name_what_each_family_reads():
+    from moetier.server.parsers import FAMILIES
+
+    for cls in FAMILIES.values():
+        think = [getattr(cls, "think_start", None), getattr(cls, "think_end", None)]
+        for marker in [*cls.call_markers, *(t for t in think if t)]:
+            assert marker in cls.markers, (cls.family, marker)

@@ -79,3 +79,17 @@ def test_random_splits_equal_whole(family):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_byte_at_a_time_equals_whole(case):
     _check(case, list(range(len(case.raw.encode()))))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_plain_text_streams_unchanged(family):
+    text = " \n Plain — ünïcödé ✓ <b> [x] {y} \n\n"
+    data = text.encode()
+    for cuts in ([], list(range(len(data))), [1, 5, 9, 20]):
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        parser = make_parser(family)
+        message = Message()
+        for a, b in itertools.pairwise([0, *cuts, len(data)]):
+            message.apply(parser.feed(decoder.decode(data[a:b])))
+        message.apply(parser.finish())
+        assert message.content == text and message.reasoning_content is None

@@ -167,17 +167,24 @@ def held_back(text: str, markers: tuple[str, ...] | list[str]) -> int:
 
 
 class _Stripped:
-    """A text channel (content or reasoning) whose segments lose leading and trailing
-    whitespace: leading whitespace is dropped, trailing whitespace held until more text follows."""
+    """A text channel (content or reasoning) that drops the whitespace next to a marker: a
+    segment that follows one loses its leading whitespace, a segment a marker ends loses its
+    trailing whitespace (held back until it is known what follows). Text with no marker next to
+    it (a plain answer, its start and end included) passes unchanged."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_marker: bool = False) -> None:
+        self.after_marker = after_marker  # the segment follows a marker (or the prompt's)
         self.started = False
         self.pending = ""
 
     def push(self, text: str) -> str:
         if not self.started:
-            text = text.lstrip()
-            if not text:
+            stripped = text.lstrip()
+            if self.after_marker:
+                text = stripped
+            if not stripped:
+                if not self.after_marker:
+                    self.pending += text
                 return ""
             self.started = True
         text = self.pending + text
@@ -186,8 +193,15 @@ class _Stripped:
         return kept
 
     def end(self) -> None:
+        """A marker ends the segment: its held whitespace is dropped."""
         self.started = False
         self.pending = ""
+        self.after_marker = True
+
+    def flush(self) -> str:
+        """The output ended: the held whitespace is text."""
+        out, self.pending = self.pending, ""
+        return out
 
 
 class Parser:
@@ -205,6 +219,9 @@ class Parser:
     calls_in_reasoning = False
     # Where tool calls begin (ThinkParser families).
     call_markers: tuple[str, ...] = ()
+    # Every marker the family's output uses that a tokenizer may hold as one special token:
+    # the detokenizer keeps those in the text (serving.py), and no other special token.
+    markers: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -236,7 +253,7 @@ class Parser:
         self.warnings: list[str] = []
         self._out = Delta()
         self._content = _Stripped()
-        self._reasoning = _Stripped()
+        self._reasoning = _Stripped(after_marker=True)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -251,6 +268,10 @@ class Parser:
         reasoning; an open tool call is closed and its arguments repaired)."""
         self._run(final=True)
         self._finish()
+        if self.state == "reasoning":
+            self._out.add("reasoning", self._reasoning.flush())
+        elif not self.dropping:
+            self._out.add("content", self._content.flush())
         return self._take()
 
     def parse(self, text: str) -> Message:

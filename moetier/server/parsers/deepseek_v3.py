@@ -18,6 +18,7 @@ SEP = "<｜tool▁sep｜>"
 class DeepSeekV3Parser(ThinkParser):
     family = "deepseek_v3"
     call_markers = (CALLS_BEGIN, CALL_BEGIN)
+    markers = ("<think>", "</think>", CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def _enter_tool(self, marker: str) -> None:
         self.sub = "head" if marker == CALL_BEGIN else "section"

@@ -19,3 +19,4 @@ class DeepSeekV32Parser(InvokeXmlParser):
     invoke_close = f"</{DSML}invoke>"
     param_open = f'<{DSML}parameter name="'
     param_close = f"</{DSML}parameter>"
+    markers = ("<think>", "</think>", *call_markers, *section_ends)

@@ -14,6 +14,16 @@ _NAME_ENDS = ("\n", "<arg_key>", "</tool_call>")
 class Glm45Parser(ThinkParser):
     family = "glm45"
     call_markers = ("<tool_call>",)
+    markers = (
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+    )
 
     def _tool_step(self, final: bool) -> bool:
         sub = self.sub

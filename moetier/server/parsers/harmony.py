@@ -21,6 +21,7 @@ _RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 class HarmonyParser(Parser):
     family = "harmony"
+    markers = ("<|channel|>", "<|message|>", "<|constrain|>", "<|start|>", "<|end|>")
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         kwargs["starts_in_reasoning"] = False

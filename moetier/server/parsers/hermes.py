@@ -24,6 +24,7 @@ class HermesParser(ThinkParser):
     family = "hermes"
     calls_in_reasoning = True
     call_markers = (_OPEN,)
+    markers = ("<think>", "</think>", _OPEN, _CLOSE)
 
     def _tool_step(self, final: bool) -> bool:
         if self.sub == "start":

@@ -26,6 +26,15 @@ class KimiK2Parser(ThinkParser):
     family = "kimi_k2"
     calls_in_reasoning = True
     call_markers = SECTION_BEGIN + (CALL_BEGIN,)
+    markers = (
+        "<think>",
+        "</think>",
+        *SECTION_BEGIN,
+        *SECTION_END,
+        CALL_BEGIN,
+        ARGS_BEGIN,
+        CALL_END,
+    )
 
     def _enter_tool(self, marker: str) -> None:
         self.sub = "head" if marker == CALL_BEGIN else "start"

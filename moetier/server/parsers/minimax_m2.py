@@ -12,3 +12,4 @@ class MiniMaxM2Parser(InvokeXmlParser):
     family = "minimax_m2"
     call_markers = ("<minimax:tool_call>",)
     section_ends = ("</minimax:tool_call>",)
+    markers = ("<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>")

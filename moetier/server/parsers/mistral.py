@@ -25,6 +25,7 @@ class MistralParser(ThinkParser):
     think_start = "[THINK]"
     think_end = "[/THINK]"
     call_markers = (TOOL_CALLS,)
+    markers = ("[THINK]", "[/THINK]", TOOL_CALLS, "[ARGS]", "[CALL_ID]")
 
     def default_id(self) -> str:
         return mistral_id()

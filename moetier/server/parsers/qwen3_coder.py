@@ -26,6 +26,7 @@ class Qwen3CoderParser(ThinkParser):
     family = "qwen3_coder"
     calls_in_reasoning = True
     call_markers = ("<tool_call>",)
+    markers = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
     def _tool_step(self, final: bool) -> bool:  # noqa: C901 (one state machine)
         sub = self.sub

@@ -5,8 +5,9 @@ in the shape the family's chat template reads.
 The API modules call three things: `choose_parser` when the model is ready, `template_history`
 before rendering a conversation, and a `ChatParsing` per request, whose `push(output)` returns
 the `Delta` for that engine output (reasoning, content and tool-call parts, in order). The
-parser reads its own detokenization of the output's token ids, with the family's special-token
-markers kept and the end tokens hidden (the engine's text drops special tokens). A model no
+parser reads its own detokenization of the output's token ids, in which the family's markers
+stay even where they are special tokens (the engine's text drops every special token); other
+special tokens and the end tokens stay out. A model no
 family fits, or `--tool-parser none`, is served as plain text: the engine's text as it is.
 `anthropic_blocks` and `AnthropicStream` turn the same parts into Anthropic content blocks.
 """
@@ -132,6 +133,17 @@ def count_calls(messages: list[dict[str, Any]]) -> int:
     return sum(len(m.get("tool_calls") or ()) for m in messages if m.get("role") == "assistant")
 
 
+def special_ids(tokenizer: Any, keep: tuple[str, ...]) -> frozenset[int]:
+    """The tokenizer's special tokens, less those whose text is one of `keep` (a family's
+    markers): what the parser's detokenization leaves out, as the engine's does."""
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
+    for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(i))
+    wanted = set(keep)
+    return frozenset(i for i in ids if tokenizer.convert_ids_to_tokens(i) not in wanted)
+
+
 @dataclass
 class ChatParsing:
     """One request's parsing of engine outputs.
@@ -171,8 +183,9 @@ class ChatParsing:
                 calls=calls,
             )
         if self.parser is not None:
+            hidden = special_ids(self.tokenizer, type(self.parser).markers) | self.end_ids
             self.detok = StreamingDetokenizer(
-                self.tokenizer, self.stop, keep_special=True, hidden=self.end_ids
+                self.tokenizer, self.stop, keep_special=True, hidden=hidden
             )
 
     @property
