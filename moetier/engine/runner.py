@@ -15,6 +15,7 @@ Sampling the step's rows is engine/step_sampler.py's (both runners derive from S
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moetier.engine.sampler import to_device
 from moetier.engine.scheduler import Scheduled, Step
 from moetier.engine.step_sampler import Sampled, StepSampler
 from moetier.loader.hf_model import cache_argument
@@ -76,7 +78,9 @@ class PagedRunner(StepSampler):
         self._step_fn: Callable[..., torch.Tensor] = self._graph_step
         if self.use_graphs and loaded.engine_config.compile_decode:
             use_compile_cache()
-            self._step_fn = torch.compile(self._graph_step, dynamic=False)
+            # automatic dynamic shapes: bucket 1 compiles as is, the second bucket recompiles
+            # with a symbolic row count that every larger bucket reuses (two compilations)
+            self._step_fn = torch.compile(self._graph_step)
         self.warm_up_seconds = self.warm_up(max_rows)
 
     def warm_up(self, max_rows: int) -> float:
@@ -122,12 +126,12 @@ class PagedRunner(StepSampler):
             logits = self._decode_logits(items)  # [R, V]
             if not sampling and not spans:
                 return Sampled()
-            picked = logits.index_select(0, torch.tensor(sampling, device=self.device))
+            picked = logits
+            if len(sampling) < len(items):
+                picked = logits.index_select(0, to_device(sampling, self.device))
             prompt = None
             if spans:  # a one-position prompt chunk: its row gives that prompt logprob
-                prompt = logits.index_select(
-                    0, torch.tensor([s.item for s in spans], device=self.device)
-                )
+                prompt = logits.index_select(0, to_device([s.item for s in spans], self.device))
             return self._sample(picked, [items[i] for i in sampling], prompt, spans)
         hidden = self._packed(items)  # [N, H]
         if not sampling and not spans:
@@ -139,7 +143,7 @@ class PagedRunner(StepSampler):
         rows += [starts[s.item] + s.start - items[s.item].start + j for s in spans
                  for j in range(s.count)]  # fmt: skip
         logits = self.model.lm_head(
-            hidden.index_select(0, torch.tensor(rows, device=self.device))
+            hidden.index_select(0, to_device(rows, self.device))
         )  # [S + P, V]: the sampling rows, then the prompt logprob rows
         picked, prompt = logits[: len(sampling)], logits[len(sampling) :]
         return self._sample(picked, [items[i] for i in sampling], prompt, spans)
@@ -172,7 +176,7 @@ class PagedRunner(StepSampler):
             static.copy_(staged)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         try:
-            graph.capture(self._step_fn, self._pool)
+            graph.capture(functools.partial(self._step_fn, cache=self.cache), self._pool)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             print(f"moetier: decode steps without CUDA graphs ({exc})", file=sys.stderr)
             self.use_graphs = False
@@ -180,9 +184,13 @@ class PagedRunner(StepSampler):
         self.graphs[bucket] = graph
         return True
 
-    def _graph_step(self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> Any:
+    def _graph_step(
+        self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, cache: torch.Tensor
+    ) -> Any:
+        """One decode step; the cache is an argument, not read off self: torch.compile then
+        updates it in place (as an attribute it is copied whole per write)."""
         batch = AttentionBatch.decode(positions, table, self.page_size, with_keys=False)
-        return self.model.lm_head(self.model.model(ids, positions, self.cache, batch)[:, 0])
+        return self.model.lm_head(self.model.model(ids, positions, cache, batch)[:, 0])
 
     def _decode_inputs(
         self, items: list[Scheduled], ids: np.ndarray, positions: np.ndarray, table: np.ndarray

@@ -208,13 +208,25 @@ def sample_rows(
     return torch.where(temperature > 0, sampled, greedy)
 
 
+def to_device(
+    values: list, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A tensor of `values` on `device`, without a host sync: on CUDA through pinned memory
+    and a non-blocking copy (a plain copy from pageable memory would wait for the work queued
+    before it, the step's forward)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def sampling_tensors(
     params: list[SamplingParams], device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row (temperature, top_k, top_p, min_p) [B] for `sample_rows`, built once per batch."""
-    values = torch.tensor(
-        [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], dtype=torch.float64
-    ).to(device)
+    values = to_device(
+        [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], device, torch.float64
+    )
     temperature, top_k, top_p, min_p = values.unbind(1)
     return temperature.float(), top_k.long(), top_p.float(), min_p.float()
 
@@ -243,10 +255,8 @@ def token_counts(sequences: list[list[int]], vocab: int, device: torch.device) -
     counts = torch.zeros(len(sequences), vocab, dtype=torch.float32, device=device)
     flat = [t for seq in sequences for t in seq]
     if flat:
-        rows = torch.repeat_interleave(
-            torch.arange(len(sequences)), torch.tensor([len(s) for s in sequences])
-        )
-        index = (rows.to(device), torch.tensor(flat).to(device))
+        rows = [row for row, seq in enumerate(sequences) for _ in seq]
+        index = (to_device(rows, device, torch.int64), to_device(flat, device, torch.int64))
         counts.index_put_(index, torch.ones(len(flat), device=device), accumulate=True)
     return counts
 

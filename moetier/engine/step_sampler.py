@@ -26,6 +26,7 @@ from moetier.engine.sampler import (
     bitmask_words,
     sample_rows,
     sampling_tensors,
+    to_device,
     token_counts,
 )
 from moetier.engine.scheduler import Request, Scheduled
@@ -124,7 +125,7 @@ class StepSampler:
             targets = [
                 t for s in spans for t in s.request.tokens[s.start + 1 : s.start + 1 + s.count]
             ]
-            target_ids = torch.tensor(targets).to(prompt_logits.device)
+            target_ids = to_device(targets, prompt_logits.device, torch.int64)
             blocks.append(_logprob_rows(prompt_logits.float(), target_ids, width, True))
         host = torch.cat(blocks).tolist() if len(blocks) > 1 else blocks[0].tolist()
         out = Sampled()
@@ -189,13 +190,15 @@ class StepSampler:
                     print(f"moetier: grammar failed for {request_id}: {exc}", file=sys.stderr)
                     failed.add(row)
             work = raw.clone()
-            _apply_bitmask(work, bitmask.to(device))
+            if device.type == "cuda":
+                bitmask = bitmask.pin_memory().to(device, non_blocking=True)
+            _apply_bitmask(work, bitmask)
         bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
         if bias:
             work = work.clone() if work is raw else work
             rows, tokens, values = zip(*bias, strict=True)
-            at = (torch.tensor(rows).to(device), torch.tensor(tokens).to(device))
-            work.index_put_(at, torch.tensor(values).to(device), accumulate=True)
+            at = (to_device(list(rows), device), to_device(list(tokens), device))
+            work.index_put_(at, to_device(list(values), device, torch.float32), accumulate=True)
         penalized = [row for row, p in enumerate(params) if p.penalized]
         if penalized:
             work = work.clone() if work is raw else work
@@ -204,13 +207,15 @@ class StepSampler:
             seen = (counts > 0) | torch.stack(
                 [self._prompt_mask(items[row].request, vocab, device) for row in penalized]
             )
-            settings = torch.tensor(
+            settings = to_device(
                 [
                     [p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
                     for p in (params[r] for r in penalized)
-                ]
-            ).to(device)
-            index = torch.tensor(penalized).to(device)
+                ],
+                device,
+                torch.float32,
+            )
+            index = to_device(penalized, device)
             work[index] = apply_penalties(work[index], counts, seen, *settings.float().unbind(1))
         return work
 
@@ -219,7 +224,7 @@ class StepSampler:
         if mask is None:
             mask = torch.zeros(vocab, dtype=torch.bool, device=device)
             prompt = [t for t in request.prompt if t < vocab]
-            mask[torch.tensor(prompt, dtype=torch.int64).to(device)] = True
+            mask[to_device(prompt, device, torch.int64)] = True
             self.prompt_masks[request.id] = mask
         return mask
 
