@@ -15,7 +15,6 @@ Sampling the step's rows is engine/step_sampler.py's (both runners derive from S
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -78,9 +77,7 @@ class PagedRunner(StepSampler):
         self._step_fn: Callable[..., torch.Tensor] = self._graph_step
         if self.use_graphs and loaded.engine_config.compile_decode:
             use_compile_cache()
-            # automatic dynamic shapes: bucket 1 compiles as is, the second bucket recompiles
-            # with a symbolic row count that every larger bucket reuses (two compilations)
-            self._step_fn = torch.compile(self._graph_step)
+            self._step_fn = torch.compile(self._graph_step, dynamic=False)
         self.warm_up_seconds = self.warm_up(max_rows)
 
     def warm_up(self, max_rows: int) -> float:
@@ -176,7 +173,7 @@ class PagedRunner(StepSampler):
             static.copy_(staged)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         try:
-            graph.capture(functools.partial(self._step_fn, cache=self.cache), self._pool)
+            graph.capture(self._step_fn, self._pool)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             print(f"moetier: decode steps without CUDA graphs ({exc})", file=sys.stderr)
             self.use_graphs = False
@@ -184,13 +181,9 @@ class PagedRunner(StepSampler):
         self.graphs[bucket] = graph
         return True
 
-    def _graph_step(
-        self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, cache: torch.Tensor
-    ) -> Any:
-        """One decode step; the cache is an argument, not read off self: torch.compile then
-        updates it in place (as an attribute it is copied whole per write)."""
+    def _graph_step(self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> Any:
         batch = AttentionBatch.decode(positions, table, self.page_size, with_keys=False)
-        return self.model.lm_head(self.model.model(ids, positions, cache, batch)[:, 0])
+        return self.model.lm_head(self.model.model(ids, positions, self.cache, batch)[:, 0])
 
     def _decode_inputs(
         self, items: list[Scheduled], ids: np.ndarray, positions: np.ndarray, table: np.ndarray
