@@ -110,8 +110,8 @@ class StepSampler:
             return Sampled({item.request.id: t for item, t in zip(items, tokens, strict=True)})
         failed: set[int] = set()
         raw = logits.float()
-        chosen = self._choose(raw, items, params, failed) if items else raw.new_zeros(0).long()
-        # what comes back: [token, logprob, top ids..., top logprobs...] per row, one copy
+        chosen, ok = self._choose(raw, items, params, failed)
+        # what comes back: [token, ok, logprob, top ids..., top logprobs...] per row, one copy
         width = max(
             [p.logprobs or 0 for p in params]
             + [s.request.params.prompt_logprobs or 0 for s in spans]
@@ -119,14 +119,14 @@ class StepSampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         blocks = []
         if items:
-            blocks.append(_logprob_rows(raw, chosen, width, want_logprobs))
+            blocks.append(_logprob_rows(raw, chosen, ok, width, want_logprobs))
         if spans:
             assert prompt_logits is not None
             targets = [
                 t for s in spans for t in s.request.tokens[s.start + 1 : s.start + 1 + s.count]
             ]
             target_ids = to_device(targets, prompt_logits.device, torch.int64)
-            blocks.append(_logprob_rows(prompt_logits.float(), target_ids, width, True))
+            blocks.append(_logprob_rows(prompt_logits.float(), target_ids, None, width, True))
         host = torch.cat(blocks).tolist() if len(blocks) > 1 else blocks[0].tolist()
         out = Sampled()
         for row, item in enumerate(items):
@@ -135,6 +135,10 @@ class StepSampler:
             request_id, p = item.request.id, params[row]
             values = host[row]
             token = int(values[0])
+            if not values[1]:
+                note = "its logits are not finite, or its settings allow no token"
+                print(f"moetier: sampling failed for {request_id}: {note}", file=sys.stderr)
+                continue
             matcher = self.matchers.get(request_id)
             if matcher is not None and not _accepts(matcher, token, request_id):
                 continue
@@ -156,17 +160,22 @@ class StepSampler:
         items: list[Scheduled],
         params: list[SamplingParams],
         failed: set[int],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The token of each row [S] int64, on the device: grammar, bias, penalties, then
-        greedy rows by argmax and the others drawn (sampler.py's order)."""
+        greedy rows by argmax and the others drawn (sampler.py's order); and whether the row
+        could sample [S] bool (finite logits, some token allowed)."""
+        if not items:
+            return raw.new_zeros(0, dtype=torch.int64), raw.new_zeros(0, dtype=torch.bool)
         work = self._processed(raw, items, params, failed)
+        ok = torch.isfinite(raw).all(dim=-1) & (work.amax(dim=-1) > float("-inf"))
         if all(p.temperature == 0 for p in params):
-            return work.argmax(dim=-1)
+            return work.argmax(dim=-1), ok
         noise = torch.empty_like(work).exponential_()
         for row, (item, p) in enumerate(zip(items, params, strict=True)):
             if p.temperature > 0 and p.seed is not None:  # its own stream, whatever the batch
                 noise[row].exponential_(generator=self._generator(item.request.id, p.seed))
-        return sample_rows(work, *sampling_tensors(params, raw.device), None, noise=noise)
+        tokens = sample_rows(work, *sampling_tensors(params, raw.device), None, noise=noise)
+        return tokens, ok
 
     def _processed(
         self,
@@ -235,27 +244,33 @@ class StepSampler:
 
 
 def _logprob_rows(
-    logits: torch.Tensor, tokens: torch.Tensor, width: int, with_logprobs: bool
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    ok: torch.Tensor | None,
+    width: int,
+    with_logprobs: bool,
 ) -> torch.Tensor:
-    """[R, 2 + 2 * width] float64: each row's token, its logprob and the `width` most likely
-    (ids, then logprobs); only the tokens (and zeros) without `with_logprobs`."""
+    """[R, 3 + 2 * width] float64: each row's token, `ok` (1 where None), the token's logprob
+    and the `width` most likely (ids, then logprobs); zeros for the logprobs without
+    `with_logprobs`."""
     rows = logits.shape[0]
-    out = torch.zeros(rows, 2 + 2 * width, dtype=torch.float64, device=logits.device)
+    out = torch.zeros(rows, 3 + 2 * width, dtype=torch.float64, device=logits.device)
     out[:, 0] = tokens
+    out[:, 1] = 1 if ok is None else ok
     if with_logprobs:
         logprobs = torch.log_softmax(logits, dim=-1)
-        out[:, 1] = logprobs.gather(-1, tokens[:, None].long())[:, 0]
+        out[:, 2] = logprobs.gather(-1, tokens[:, None].long())[:, 0]
         if width:
             top = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
-            out[:, 2 : 2 + top.indices.shape[-1]] = top.indices
-            out[:, 2 + width : 2 + width + top.values.shape[-1]] = top.values
+            out[:, 3 : 3 + top.indices.shape[-1]] = top.indices
+            out[:, 3 + width : 3 + width + top.values.shape[-1]] = top.values
     return out
 
 
 def _token_logprob(values: list[float], top: int, width: int) -> TokenLogprob:
-    ids, logprobs = values[2 : 2 + top], values[2 + width : 2 + width + top]
+    ids, logprobs = values[3 : 3 + top], values[3 + width : 3 + width + top]
     return TokenLogprob(
-        int(values[0]), values[1], [(int(t), lp) for t, lp in zip(ids, logprobs, strict=True)]
+        int(values[0]), values[2], [(int(t), lp) for t, lp in zip(ids, logprobs, strict=True)]
     )
 
 

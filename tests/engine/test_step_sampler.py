@@ -214,3 +214,28 @@ def test_seeded_rows_draw_the_same_whatever_shares_their_batch():
         c_out.append(crowded._sample(raw, items).tokens["s"])
     assert a_out == c_out
     assert len(set(a_out)) > 3
+
+
+class AllowsNothing(OnlyTokens):
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index] = 0
+
+
+def test_a_row_that_cannot_sample_is_left_out_alone():
+    """Non-finite logits, or a grammar that allows nothing: that row has no token (the engine
+    ends its request with "error"); the others sample as usual."""
+    s = sampler()
+    s.matchers["nothing"] = AllowsNothing([1])
+    raw = known_logits(4, seed=9)
+    raw[1, 3] = float("nan")
+    settings = [
+        SamplingParams(temperature=0, logprobs=1),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.5, seed=2),
+    ]
+    ids = ["fine", "nan", "nothing", "also fine"]
+    items = [item(rid, [1], [], p) for rid, p in zip(ids, settings, strict=True)]
+    out = s._sample(raw, items)
+    assert set(out.tokens) == {"fine", "also fine"}
+    assert out.tokens["fine"] == int(raw[0].argmax())
