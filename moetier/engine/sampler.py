@@ -156,15 +156,20 @@ def filtered_rows(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
+    sort: bool = True,
 ) -> torch.Tensor:
     """Per-row `filtered_logits`, no host sync: logits [B, V]; temperature [B] (rows at 0 are
     left unscaled); top_k [B] int64 (0 = off); top_p [B] in (0, 1] (1 = off); min_p [B] in
     [0, 1] (0 = off) -> fp32 [B, V], each row's logits / temperature with the tokens outside
     its filters at -inf. Filters in vLLM's order: min-p, then top-k, then top-p over what is
-    left (ties at a cut kept)."""
+    left (ties at a cut kept). `sort` False: no row has top-k or top-p on (the caller knows),
+    so the vocabulary is not sorted."""
     logits = logits.float()
     vocab = logits.shape[-1]
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    if not sort:
+        floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+        return scaled.masked_fill(scaled < floor, float("-inf"))
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)  # [B, V]
     # min-p: p >= min_p * p_max, i.e. logit >= top logit + log(min_p)
     floor = sorted_logits[:, :1] + torch.log(min_p)[:, None]  # min_p 0: -inf, keeps all
@@ -188,6 +193,7 @@ def sample_rows(
     min_p: torch.Tensor,
     generator: torch.Generator | None,
     noise: torch.Tensor | None = None,
+    sort: bool = True,
 ) -> torch.Tensor:
     """Batched, sync-free `sample`: each row its own settings, no host sync, no data-dependent
     shape, so it captures into a CUDA graph.
@@ -196,10 +202,10 @@ def sample_rows(
     temperature 0 take the argmax. The others draw from `filtered_rows`' distribution by an
     exponential race (argmax over tokens of p / E, E ~ Exp(1), is a draw from p): `noise`
     [B, V] are the E (a row drawn from its own generator repeats whatever shares its batch),
-    else drawn from `generator`."""
+    else drawn from `generator`. `sort` as `filtered_rows`'."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
-    probs = filtered_rows(logits, temperature, top_k, top_p, min_p).softmax(dim=-1)
+    probs = filtered_rows(logits, temperature, top_k, top_p, min_p, sort).softmax(dim=-1)
     if noise is None:
         noise = torch.empty_like(probs).exponential_(generator=generator)
     # a 0 draw would make 0 / 0 for a dropped token

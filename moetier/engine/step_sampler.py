@@ -174,7 +174,9 @@ class StepSampler:
         for row, (item, p) in enumerate(zip(items, params, strict=True)):
             if p.temperature > 0 and p.seed is not None:  # its own stream, whatever the batch
                 noise[row].exponential_(generator=self._generator(item.request.id, p.seed))
-        tokens = sample_rows(work, *sampling_tensors(params, raw.device), None, noise=noise)
+        sort = any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
+        settings = sampling_tensors(params, raw.device)
+        tokens = sample_rows(work, *settings, None, noise=noise, sort=sort)
         return tokens, ok
 
     def _processed(

@@ -6,6 +6,7 @@ import torch
 from moetier.engine.sampler import (
     SamplingParams,
     filtered_logits,
+    filtered_rows,
     sample,
     sample_rows,
     sampling_tensors,
@@ -140,3 +141,14 @@ def test_sample_rows_top_p_keeps_smallest_nucleus():
     settings = sampling_tensors([SamplingParams(temperature=1, top_p=0.8)] * 500, "cpu")
     draws = set(sample_rows(x, *settings, torch.Generator().manual_seed(0)).tolist())
     assert draws == {0, 1}
+
+
+def test_unsorted_filter_equals_the_sorted_one_without_top_k_and_top_p():
+    x = logits(6, batch=5, vocab=64)
+    settings = [(1.0, 0.0), (0.7, 0.05), (1.3, 0.3), (0.2, 0.9), (1.0, 1.0)]
+    params = [SamplingParams(temperature=t, top_p=1.0, top_k=0, min_p=m) for t, m in settings]
+    temperature, top_k, top_p, min_p = sampling_tensors(params, "cpu")
+    sorted_ = filtered_rows(x, temperature, top_k, top_p, min_p)
+    unsorted = filtered_rows(x, temperature, top_k, top_p, min_p, sort=False)
+    assert torch.equal(sorted_, unsorted)
+    assert (unsorted[1:].isinf().sum(-1) > 0).all()  # min-p dropped some in each row
