@@ -15,6 +15,7 @@ Sampling the step's rows is engine/step_sampler.py's (both runners derive from S
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -77,7 +78,9 @@ class PagedRunner(StepSampler):
         self._step_fn: Callable[..., torch.Tensor] = self._graph_step
         if self.use_graphs and loaded.engine_config.compile_decode:
             use_compile_cache()
-            self._step_fn = torch.compile(self._graph_step, dynamic=False)
+            # automatic dynamic shapes: bucket 1 compiles as is, the second bucket recompiles
+            # with a symbolic row count that every larger bucket reuses (two compilations)
+            self._step_fn = torch.compile(self._graph_step)
         self.warm_up_seconds = self.warm_up(max_rows)
 
     def warm_up(self, max_rows: int) -> float:
@@ -173,7 +176,7 @@ class PagedRunner(StepSampler):
             static.copy_(staged)
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         try:
-            graph.capture(self._step_fn, self._pool)
+            graph.capture(functools.partial(self._step_fn, cache=self.cache), self._pool)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             print(f"moetier: decode steps without CUDA graphs ({exc})", file=sys.stderr)
             self.use_graphs = False
@@ -181,9 +184,13 @@ class PagedRunner(StepSampler):
         self.graphs[bucket] = graph
         return True
 
-    def _graph_step(self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> Any:
+    def _graph_step(
+        self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, cache: torch.Tensor
+    ) -> Any:
+        """One decode step; the cache comes as an argument: a graph input of the compiled step,
+        which `moetier::write_pages` updates in place."""
         batch = AttentionBatch.decode(positions, table, self.page_size, with_keys=False)
-        return self.model.lm_head(self.model.model(ids, positions, self.cache, batch)[:, 0])
+        return self.model.lm_head(self.model.model(ids, positions, cache, batch)[:, 0])
 
     def _decode_inputs(
         self, items: list[Scheduled], ids: np.ndarray, positions: np.ndarray, table: np.ndarray

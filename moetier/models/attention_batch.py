@@ -22,6 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from moetier.kernels.paged_kv import write_pages
+
 
 @dataclass
 class AttentionBatch:
@@ -47,20 +49,20 @@ class AttentionBatch:
             return cache[self.key_page, :, self.key_offset].transpose(1, 2)
         return cache[self.key_page, self.key_offset]
 
-    def write(self, cache: torch.Tensor, values: torch.Tensor) -> None:
-        """Store each token's entry: GQA values [B, KVH, T, D] into [P, KVH, PS, D], MLA values
-        [B, T, W] into [P, PS, W]."""
+    def write(self, cache: torch.Tensor, layer: int, part: int, values: torch.Tensor) -> None:
+        """Store each token's entry of layer `layer` in the whole cache: GQA [layers, 2, P, KVH,
+        PS, D] part 0 (keys) or 1 (values), values [B, KVH, T, D]; MLA [layers, P, PS, W] part
+        -1, values [B, T, W]. Paged writes go through `moetier::write_pages` (in place under
+        torch.compile)."""
         if self.write_page is None:  # static rows: a scatter along the positions
-            if cache.dim() == 4:
+            view = cache[layer] if part < 0 else cache[layer, part]
+            if view.dim() == 4:
                 index = self.positions[:, None, :, None].expand_as(values)
-                cache.scatter_(2, index, values)
+                view.scatter_(2, index, values)
             else:
-                cache.scatter_(1, self.positions[:, :, None].expand_as(values), values)
+                view.scatter_(1, self.positions[:, :, None].expand_as(values), values)
             return
-        if cache.dim() == 4:
-            cache[self.write_page, :, self.write_offset] = values.transpose(1, 2)
-        else:
-            cache[self.write_page, self.write_offset] = values
+        write_pages(cache, layer, part, self.write_page, self.write_offset, values)
 
     @staticmethod
     def static(positions: torch.Tensor, max_len: int) -> AttentionBatch:

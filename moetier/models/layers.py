@@ -178,8 +178,8 @@ class Attention(nn.Module):
         v = v_.reshape(rows, tokens, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, h, T, D]
         k_cache, v_cache = cache[self.layer, 0], cache[self.layer, 1]  # [P, kvh, PS, D]
-        batch.write(k_cache, k)
-        batch.write(v_cache, v)
+        batch.write(cache, self.layer, 0, k)
+        batch.write(cache, self.layer, 1, v)
         paged = batch.page_table is not None  # decode rows reading pages through their tables
         if (paged and batch.mask is None) or (
             (paged or batch.static_rows) and _decode_kernel_applies(x, tokens)
@@ -387,7 +387,7 @@ class MLAttention(nn.Module):
         rotate = apply_rotary_interleaved if self.interleave else apply_rotary
         q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[:, None], cos, sin)[:, 0]
         entry = torch.cat((self.kv_a_layernorm(latent), k_rot), dim=-1)  # [B, T, lora + rope]
-        batch.write(cache[self.layer], entry)
+        batch.write(cache, self.layer, -1, entry)
         w_kv = self.kv_b_proj.weight.view(self.num_heads, nope + v_dim, lora)
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]  # [h, nope, lora], [h, v, lora]
         query = torch.cat((q_nope @ w_k, q_rot), dim=-1)  # [B, h, T, lora + rope]
