@@ -53,6 +53,9 @@ class Output:
     # on the request's first output, when SamplingParams.prompt_logprobs is set: one per prompt
     # token, None for the first (nothing before it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # on its last output, when SamplingParams.logprobs is set and an end-of-sequence token ended
+    # it: that token's logprob (the token is never text, so it is not in token_ids)
+    end_logprob: TokenLogprob | None = None
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _Stream:
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token
     started: bool = False  # an output handed out
+    end_logprob: TokenLogprob | None = None  # the end-of-sequence token's that ended it
 
 
 @dataclass
@@ -173,6 +177,8 @@ class Engine:
         if params.grammar is not None:
             matchers = [self.grammars.matcher(*params.grammar) for _ in range(n)]
         end_ids = self.chat_end_ids if chat else self.eos_ids
+        if params.grammar is not None:  # the grammar's document ends at any of its end tokens
+            end_ids = self.eos_ids | self.chat_end_ids
         requests = []
         for i, sid in enumerate(ids):
             seq_params = params
@@ -298,6 +304,8 @@ class Engine:
         text, stopped = "", False
         for k, token in enumerate(new):
             if token in stream.end_ids and not request.ignore_eos:
+                if k < len(logprobs):
+                    stream.end_logprob = logprobs[k]
                 break  # an end-of-sequence token is never text
             stream.unsent.append(token)
             if k < len(logprobs):
@@ -357,6 +365,7 @@ class Engine:
             stream.index,
             logprobs,
             prompt_logprobs,
+            stream.end_logprob if finish is not None else None,
         )
 
 

@@ -301,6 +301,18 @@ def test_a_grammar_constrains_the_tokens_and_its_end_stops(setup):
     assert engine.pool.used_pages == 0 and engine.runner.matchers == {}
 
 
+def test_a_grammar_ends_at_a_chat_end_token_outside_chat(native):
+    """The grammar's end tokens end a document even in a plain (non-chat) request, and are not
+    text."""
+    engine = Engine(native, EngineLimits(num_pages=64, page_size=4))
+    im_end = native.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in engine.chat_end_ids and im_end not in engine.eos_ids
+    engine.grammars = FixedGrammars([200, 201, im_end, 5])
+    params = SamplingParams(temperature=0, max_new_tokens=10, grammar=("json_object", ""))
+    got = drain(engine, {0: [("g", PROMPT, params, {})]})[("g", 0)]
+    assert got["tokens"] == [200, 201] and got["finish"] == "stop"
+
+
 def test_async_engine_streams_n_sequences(native):
     engine = AsyncEngine(Engine(native, EngineLimits(num_pages=64, page_size=4)))
     params = SamplingParams(temperature=1.0, seed=5, max_new_tokens=6)
