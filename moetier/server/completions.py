@@ -6,7 +6,13 @@ prompt is its own request to the engine, its choices indexed in prompt order. No
 the text is tokenized as it is (the tokenizer's special tokens added), the model's
 end-of-sequence tokens end it. `echo` puts the prompt's text before the completion's; `max_tokens`
 defaults to 16 as OpenAI's does (null: what the context leaves). `suffix` (insertion) is refused
-with a 400.
+with a 400. With `n`, prompt i's sequences are choices i*n ... i*n + n-1.
+
+`logprobs` N gives OpenAI's legacy shape per choice: `tokens` (each token's text),
+`token_logprobs`, `top_logprobs` (a dict of the N most likely tokens' texts, the chosen token
+always among them) and `text_offset` (where each token starts in the choice's text). With
+`echo` the prompt's tokens come first, the first with null logprobs: lm-eval's loglikelihood
+requests (`echo`, `logprobs`, `max_tokens` 1) read the prompt's logprobs from there.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from moetier.engine.engine import Output
+from moetier.engine.sampler import MAX_LOGPROBS, TokenLogprob
 from moetier.server.sampling_fields import SamplingFields
 from moetier.server.state import ServerState, not_ready, openai_error, unless_disconnected
 from moetier.server.tokenize import check_ids
@@ -34,6 +41,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
     user: str | None = None
@@ -75,15 +83,99 @@ def finish_reason(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def usage(lasts: list[Output]) -> dict[str, Any]:
-    """The usage of a request's prompts together (each prompt's last output)."""
-    prompt_tokens = sum(o.prompt_tokens for o in lasts)
-    completion_tokens = sum(o.completion_tokens for o in lasts)
+def usage(lasts: list[list[Output]]) -> dict[str, Any]:
+    """The usage of a request's prompts together: each prompt's sequences' last outputs (the
+    prompt counted once, every sequence's tokens)."""
+    prompt_tokens = sum(seqs[0].prompt_tokens for seqs in lasts)
+    completion_tokens = sum(o.completion_tokens for seqs in lasts for o in seqs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in lasts)},
+        "prompt_tokens_details": {"cached_tokens": sum(seqs[0].cached_tokens for seqs in lasts)},
+    }
+
+
+class LegacyLogprobs:
+    """One choice's logprobs in OpenAI's legacy completion shape, built piece by piece as its
+    tokens come (`text_offset` runs on across pieces)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.offset = 0  # where the next token starts in the choice's text
+
+    def text(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
+
+    def piece(self, ids: list[int], entries: list[TokenLogprob | None]) -> dict[str, list[Any]]:
+        """The logprobs of `ids` (entries aligned with them; None: nothing before it)."""
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for token, entry in zip(ids, entries, strict=True):
+            text = self.text(token)
+            out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            top = {self.text(t): logprob for t, logprob in entry.top}
+            top.setdefault(text, entry.logprob)  # the chosen token is always listed
+            out["token_logprobs"].append(entry.logprob)
+            out["top_logprobs"].append(top)
+        return out
+
+    def prompt(
+        self, prompt: Prompt, entries: list[TokenLogprob | None] | None
+    ) -> dict[str, list[Any]]:
+        """The echoed prompt's logprobs (the request's Output.prompt_logprobs; None: unknown);
+        the completion's offsets then start after the prompt's text."""
+        out = self.piece(prompt.ids, entries or [None] * len(prompt.ids))
+        self.offset = len(prompt.text)
+        return out
+
+    def output(self, out: Output) -> dict[str, list[Any]]:
+        """An output's tokens' logprobs, and the end-of-sequence token's that ended it (as
+        OpenAI lists it: a token of no text)."""
+        ids, entries = list(out.token_ids), list[TokenLogprob | None](out.logprobs or [])
+        if out.end_logprob is not None:
+            ids.append(out.end_logprob.token)
+            entries.append(out.end_logprob)
+        offset = self.offset
+        piece = self.piece(ids, entries)
+        if out.end_logprob is not None:
+            self.offset = offset + sum(len(t) for t in piece["tokens"][:-1])
+        return piece
+
+
+def joined(pieces: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {k: [v for piece in pieces for v in piece[k]] for k in keys}
+
+
+def _choice(
+    req: CompletionRequest,
+    prompt: Prompt,
+    outputs: list[Output],
+    prompt_logprobs: list[TokenLogprob | None] | None,
+    tokenizer: Any,
+) -> dict[str, Any]:
+    """One sequence's whole answer as a choice (index left to the caller)."""
+    text = "".join(o.text for o in outputs)
+    logprobs = None
+    if req.logprobs is not None:
+        legacy = LegacyLogprobs(tokenizer)
+        pieces = [legacy.prompt(prompt, prompt_logprobs)] if req.echo else []
+        logprobs = joined(pieces + [legacy.output(o) for o in outputs])
+    return {
+        "text": (prompt.text if req.echo else "") + text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(outputs[-1].finish_reason),
     }
 
 
@@ -102,20 +194,28 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 raise ValueError("best_of: only best_of equal to n (or left out) is supported")
             asked = prompts(engine.tokenizer, req.prompt)
             params = req.sampling_params(state.defaults)
+            if req.logprobs is not None:
+                echoed = req.logprobs if req.echo else None
+                params = replace(params, logprobs=req.logprobs, prompt_logprobs=echoed)
             max_tokens = req.asked_max_tokens()
             for p in asked:
-                engine.check(p.ids, params, max_tokens)
+                engine.check(p.ids, params, max_tokens, req.n)
         except ValueError as err:
             return openai_error(400, str(err))
         completion_id = f"cmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         streams = [
-            engine.generate(p.ids, params, max_tokens=max_tokens, ignore_eos=req.ignore_eos)
+            engine.generate(
+                p.ids, params, max_tokens=max_tokens, ignore_eos=req.ignore_eos, n=req.n
+            )
             for p in asked
         ]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = _sse(streams, asked, req, completion_id, now, state.model_name, include_usage)
+            chunks = _sse(
+                streams, asked, req, engine.tokenizer, completion_id, now, state.model_name,
+                include_usage,
+            )  # fmt: skip
             return StreamingResponse(chunks, media_type="text/event-stream")
 
         try:
@@ -124,24 +224,21 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return openai_error(503, str(err), "server_error")
         if done is None:  # the client left: its requests are aborted
             return openai_error(499, "client closed the request")
-        choices = []
+        choices, lasts = [], []
         for i, (p, outputs) in enumerate(zip(asked, done, strict=True)):
-            text = "".join(o.text for o in outputs)
-            choices.append(
-                {
-                    "index": i * req.n,
-                    "text": (p.text if req.echo else "") + text,
-                    "logprobs": None,
-                    "finish_reason": finish_reason(outputs[-1].finish_reason),
-                }
-            )
+            sequences = [[o for o in outputs if o.index == j] for j in range(req.n)]
+            lasts.append([seq[-1] for seq in sequences])
+            prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None)
+            for j, seq in enumerate(sequences):
+                choice = _choice(req, p, seq, prompt_logprobs, engine.tokenizer)
+                choices.append({"index": i * req.n + j, **choice})
         return {
             "id": completion_id,
             "object": "text_completion",
             "created": now,
             "model": state.model_name,
             "choices": choices,
-            "usage": usage([outputs[-1] for outputs in done]),
+            "usage": usage(lasts),
         }
 
 
@@ -200,13 +297,14 @@ async def _sse(
     streams: list[AsyncIterator[Output]],
     asked: list[Prompt],
     req: CompletionRequest,
+    tokenizer: Any,
     completion_id: str,
     created: int,
     model_name: str,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's text_completion chunk shape, ending with [DONE]; with
-    `echo`, a choice's first chunk starts with its prompt's text."""
+    `echo`, a choice's first chunk starts with its prompt's text (and logprobs)."""
 
     def chunk(choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> str:
         body: dict[str, Any] = {
@@ -220,25 +318,37 @@ async def _sse(
             body["usage"] = usage_
         return f"data: {json.dumps(body)}\n\n"
 
-    started: set[int] = set()
+    legacy: dict[int, LegacyLogprobs] = {}  # by choice index
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}  # by prompt (sequence 0's)
     lasts: dict[int, Output] = {}
     merged = _merged(streams)
     try:
         async for i, out in merged:
-            text = out.text
-            if req.echo and i not in started:
+            index = i * req.n + out.index
+            text, pieces = out.text, []
+            if out.prompt_logprobs:
+                prompt_logprobs[i] = out.prompt_logprobs
+            first = index not in legacy
+            if first:
+                legacy[index] = LegacyLogprobs(tokenizer)
+            if req.echo and first:
                 text = asked[i].text + text
-            started.add(i)
+                if req.logprobs is not None:
+                    pieces.append(legacy[index].prompt(asked[i], prompt_logprobs.get(i)))
             if out.finish_reason is not None:
-                lasts[i] = out
-            if text or out.finish_reason:
-                choice = {
-                    "index": i * req.n,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": finish_reason(out.finish_reason),
-                }
-                yield chunk([choice])
+                lasts[index] = out
+            if not (text or out.token_ids or out.finish_reason):
+                continue
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = joined([*pieces, legacy[index].output(out)])
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(out.finish_reason),
+            }
+            yield chunk([choice])
     except RuntimeError as err:  # the engine failed or is shutting down
         body = {"error": {"message": str(err), "type": "server_error"}}
         yield f"data: {json.dumps(body)}\n\n"
@@ -246,5 +356,6 @@ async def _sse(
     finally:
         await merged.aclose()  # type: ignore[attr-defined]
     if include_usage:
-        yield chunk([], usage([lasts[i] for i in sorted(lasts)]))
+        by_prompt = [[lasts[i * req.n + j] for j in range(req.n)] for i in range(len(asked))]
+        yield chunk([], usage(by_prompt))
     yield "data: [DONE]\n\n"

@@ -39,7 +39,7 @@ UNSUPPORTED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
         "web_search_options": ((), "web search is not supported"),
     },
     "/v1/completions": {
-        **_SAMPLING,
+        **{k: v for k, v in _SAMPLING.items() if k != "logprobs"},  # logprobs N: returned
         "suffix": (("",), "suffix (fill in the middle) is not supported"),
         "best_of": ((1,), "only best_of = 1 is supported"),
     },

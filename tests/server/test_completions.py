@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
 from uvicorn_thread import serving
 
 from moetier.config import EngineConfig
@@ -155,3 +156,128 @@ def test_errors_are_openai_shaped_400s(server, client):
     resp = httpx.post(server[0] + "/v1/completions", json={"model": MODEL})
     assert resp.status_code == 400
     assert "prompt" in resp.json()["error"]["message"]
+
+
+# -- logprobs: against log_softmax of the HF transformers forward of the same checkpoint --------
+
+TOKEN_PROMPTS = [[5, 17, 33, 2, 90, 41, 41, 8, 250, 12], [77, 3, 19, 19, 140, 6]]
+ENDS = [141, 86, 79]  # the fixed tiny model's greedy next token here is the end of sequence
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny):
+    """(base URL, tokenizer, the HF model): a float32 server beside the checkpoint's HF model."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint("qwen3_moe"), dtype=torch.float32, experts_implementation="eager"
+    ).eval()
+    with serving(create_app(AsyncEngine(Engine(loaded)), MODEL)) as url:
+        yield url, loaded.tokenizer, hf
+
+
+def hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V]: row p is log_softmax of the logits after tokens[: p + 1]."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([tokens])).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def top_texts(tokenizer, row: torch.Tensor, n: int) -> dict[str, float]:
+    """The n most likely tokens of a logprob row: text -> logprob."""
+    top = torch.topk(row, n)
+    pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+    return {tokenizer.decode([t]): v for t, v in pairs}
+
+
+def check_against(ref: torch.Tensor, tokenizer, ids: list[int], lp, first: int, n: int) -> None:
+    """lp's entries first.. (token ids[first..]) equal ref's rows: the token's logprob, its N
+    best alternatives (texts and values), texts and offsets."""
+    for k in range(first, len(ids)):
+        row = ref[k - 1]
+        assert lp.tokens[k] == tokenizer.decode([ids[k]])
+        assert lp.token_logprobs[k] == pytest.approx(float(row[ids[k]]), abs=1e-4)
+        want = top_texts(tokenizer, row, n)
+        got = lp.top_logprobs[k]
+        assert set(got) == set(want) | {lp.tokens[k]}  # the chosen token is always listed
+        for text, value in want.items():
+            assert got[text] == pytest.approx(value, abs=1e-4)
+    for k in range(1, len(ids)):
+        assert lp.text_offset[k] - lp.text_offset[k - 1] == len(lp.tokens[k - 1])
+
+
+def test_echo_logprobs_are_lm_evals_loglikelihood(fp32):
+    url, tokenizer, hf = fp32
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    asked = [*TOKEN_PROMPTS, ENDS]
+    resp = client.completions.create(
+        model=MODEL, prompt=asked, echo=True, logprobs=2, max_tokens=1, temperature=0
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    eos = tokenizer.eos_token_id
+    greedy = [int(hf_logprobs(hf, prompt)[-1].argmax()) for prompt in asked]
+    assert greedy[-1] == eos and eos not in greedy[:-1]  # both cases, on the fixed tiny model
+    for prompt, token, choice in zip(asked, greedy, resp.choices, strict=True):
+        ids = [*prompt, token]  # the generated token is listed, an end of sequence too
+        ref = hf_logprobs(hf, ids)
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids)
+        assert (lp.token_logprobs[0], lp.top_logprobs[0], lp.text_offset[0]) == (None, None, 0)
+        assert lp.tokens[0] == tokenizer.decode([prompt[0]])
+        check_against(ref, tokenizer, ids, lp, 1, 2)
+        completion = "" if token == eos else tokenizer.decode([token])
+        assert choice.text == tokenizer.decode(prompt) + completion
+        assert choice.finish_reason == ("stop" if token == eos else "length")
+        assert lp.text_offset[len(prompt)] == len(tokenizer.decode(prompt))
+        # lm-eval's parse_logprobs: the continuation is the prompt's tail, the last token generated
+        ctxlen = 2
+        tail = lp.token_logprobs[ctxlen:-1]
+        want = sum(float(ref[k - 1, prompt[k]]) for k in range(ctxlen, len(prompt)))
+        assert sum(tail) == pytest.approx(want, abs=1e-4)
+        greedy_tail = all(
+            t == max(top.values()) for t, top in zip(tail, lp.top_logprobs[ctxlen:-1], strict=True)
+        )
+        want_greedy = all(int(ref[k - 1].argmax()) == prompt[k] for k in range(ctxlen, len(prompt)))
+        assert greedy_tail == want_greedy
+
+
+def test_completion_logprobs_match_the_hf_forward(fp32):
+    url, tokenizer, hf = fp32
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    prompt = TOKEN_PROMPTS[0]
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, logprobs=3, max_tokens=6, temperature=0
+    )
+    [choice] = resp.choices
+    lp = choice.logprobs
+    # the tokens the server chose are the HF model's greedy ones: rebuild them step by step
+    ids = list(prompt)
+    for _ in range(len(lp.tokens)):
+        ids.append(int(hf_logprobs(hf, ids)[-1].argmax()))
+    generated = ids[len(prompt) :]
+    assert len(generated) == resp.usage.completion_tokens == 6
+    assert choice.text == tokenizer.decode(generated)
+    ref = hf_logprobs(hf, ids)
+    for k, token in enumerate(generated):
+        row = ref[len(prompt) + k - 1]
+        assert lp.tokens[k] == tokenizer.decode([token])
+        assert lp.token_logprobs[k] == pytest.approx(float(row[token]), abs=1e-4)
+        want = top_texts(tokenizer, row, 3)
+        assert lp.top_logprobs[k] == pytest.approx(want, abs=1e-4)  # greedy: chosen is top
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(generated))]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_logprobs_equal_the_whole_answers(fp32, echo):
+    client = openai.OpenAI(base_url=fp32[0] + "/v1", api_key="unused", max_retries=0)
+    args = {"model": MODEL, "prompt": TOKEN_PROMPTS, "echo": echo, "logprobs": 2}
+    whole = client.completions.create(**args, max_tokens=5, temperature=0)
+    joined: list[dict] = [{}, {}]
+    for chunk in client.completions.create(**args, max_tokens=5, temperature=0, stream=True):
+        for choice in chunk.choices:
+            for key, values in choice.logprobs.model_dump().items():
+                joined[choice.index].setdefault(key, []).extend(values)
+    assert joined == [c.logprobs.model_dump() for c in whole.choices]
+    for got, prompt in zip(joined, TOKEN_PROMPTS, strict=True):
+        assert len(got["tokens"]) == (len(prompt) if echo else 0) + 5
