@@ -3,10 +3,12 @@
 
 Messages become the chat template's messages: `system` (a string or text blocks) first, text
 blocks joined, an assistant's `tool_use` blocks as its `tool_calls`, a user's `tool_result`
-blocks as `tool` messages, thinking blocks of the history dropped (templates drop them too);
-image blocks are refused with a 400. `tools` reach the chat template; the model's tool calls are
-not parsed into `tool_use` blocks yet, and `tool_choice` and `thinking` are accepted without
-effect. Streams send the documented events in order (message_start, content_block_start, ping,
+blocks as `tool` messages, thinking blocks of the history as `reasoning_content` (for the
+templates that keep it); image blocks are refused with a 400. `tools` reach the chat template;
+the model's parser (server/parsers) turns its reasoning and tool calls into `thinking` and
+`tool_use` blocks (streamed as thinking_delta and input_json_delta; stop_reason tool_use);
+`tool_choice` any or tool forces a call by a grammar; `thinking` is accepted without effect.
+Streams send the documented events in order (message_start, content_block_start, ping,
 content_block_delta, content_block_stop, message_delta, message_stop), no `[DONE]`.
 `usage.input_tokens` counts the prompt tokens not read from the prefix cache;
 `cache_read_input_tokens` those that were. Claude Code's per-request billing line is dropped
@@ -29,6 +31,13 @@ from moetier.engine.engine import Output
 from moetier.engine.prompts import chat_prompt_ids
 from moetier.engine.sampler import SamplingParams
 from moetier.server.errors import ANTHROPIC_PREFIX, anthropic_error, stream_error_event
+from moetier.server.parsers.serving import (
+    AnthropicStream,
+    ChatParsing,
+    anthropic_blocks,
+    prepare_chat,
+    template_history,
+)
 from moetier.server.state import ServerState, all_outputs, not_ready
 
 PREFIX = ANTHROPIC_PREFIX
@@ -100,6 +109,7 @@ def chat_messages(
             continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
+        thinking: list[str] = []
         for block in message.content:
             if block.type == "text":
                 texts.append(block.text or "")
@@ -116,7 +126,8 @@ def chat_messages(
                 result = _text(content, "tool_result")
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": result})
             elif block.type in ("thinking", "redacted_thinking") and message.role == "assistant":
-                continue  # the history's reasoning: templates drop it
+                # the history's reasoning, for templates that keep it (interleaved thinking)
+                thinking.append(str(getattr(block, "thinking", None) or ""))
             elif block.type in ("image", "document"):
                 raise ValueError(
                     f"{block.type} content blocks are not supported by this model: send text"
@@ -127,6 +138,8 @@ def chat_messages(
             entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
             if calls:
                 entry["tool_calls"] = calls
+            if any(thinking):
+                entry["reasoning_content"] = "".join(thinking)
             out.append(entry)
     return out
 
@@ -171,9 +184,12 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     ]
 
 
-def _prompt_ids(tokenizer: Any, req: MessagesRequest | CountTokensRequest) -> list[int]:
+def _prompt_ids(
+    tokenizer: Any, req: MessagesRequest | CountTokensRequest, family: str | None = None
+) -> list[int]:
     """The request's prompt through the model's chat template; ValueError if it cannot be."""
-    return chat_prompt_ids(tokenizer, chat_messages(req.system, req.messages), _tools(req.tools))
+    messages = template_history(chat_messages(req.system, req.messages), family)
+    return chat_prompt_ids(tokenizer, messages, _tools(req.tools))
 
 
 def stop_reason(out: Output) -> str | None:
@@ -202,7 +218,6 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if engine is None:
             return error(*not_ready(state), "overloaded_error")
         try:
-            prompt_ids = _prompt_ids(engine.tokenizer, req)
             defaults = state.defaults
             params = SamplingParams(
                 max_new_tokens=req.max_tokens,
@@ -211,6 +226,16 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 top_k=req.top_k if req.top_k is not None else defaults.top_k,
                 stop=tuple(req.stop_sequences or ()),
             )
+            choice = req.tool_choice or {}
+            prompt_ids, params, parsing = prepare_chat(
+                engine,
+                state.parser,
+                chat_messages(req.system, req.messages),
+                params,
+                _tools(req.tools),
+                choice.get("type") if choice.get("type") in ("auto", "none") else choice or None,
+                not choice.get("disable_parallel_tool_use", False),
+            )
             engine.check(prompt_ids, params, req.max_tokens)
         except ValueError as err:
             return error(400, str(err))
@@ -218,7 +243,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         outputs = engine.generate(prompt_ids, params, chat=True, max_tokens=req.max_tokens)
         if req.stream:
             return StreamingResponse(
-                _events(outputs, message_id, state.model_name, len(prompt_ids)),
+                _events(outputs, message_id, state.model_name, len(prompt_ids), parsing),
                 media_type="text/event-stream",
             )
 
@@ -229,13 +254,15 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if done is None:
             return error(499, "client closed the request", "api_error")
         last = done[-1]
+        for out in done:
+            parsing.push(out)
         return {
             "id": message_id,
             "type": "message",
             "role": "assistant",
             "model": state.model_name,
-            "content": [{"type": "text", "text": "".join(o.text for o in done)}],
-            "stop_reason": stop_reason(last),
+            "content": anthropic_blocks(parsing.message),  # thinking, text, tool_use
+            "stop_reason": parsing.stop_reason(stop_reason(last)),
             "stop_sequence": last.stop_sequence,
             "usage": usage(last),
         }
@@ -245,13 +272,18 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if state.engine is None:
             return error(*not_ready(state), "overloaded_error")
         try:
-            return {"input_tokens": len(_prompt_ids(state.engine.tokenizer, req))}
+            family = state.parser.family if state.parser else None
+            return {"input_tokens": len(_prompt_ids(state.engine.tokenizer, req, family))}
         except ValueError as err:
             return error(400, str(err))
 
 
 async def _events(
-    outputs: AsyncIterator[Output], message_id: str, model: str, prompt_tokens: int
+    outputs: AsyncIterator[Output],
+    message_id: str,
+    model: str,
+    prompt_tokens: int,
+    parsing: ChatParsing,
 ) -> AsyncIterator[str]:
     """The stream's server-sent events, in the documented order; closed early (the client
     went away), the request is aborted by `outputs`' own cleanup."""
@@ -270,22 +302,29 @@ async def _events(
         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
     }
     yield event("message_start", {"message": start})
-    yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-    yield event("ping", {})
+    blocks = AnthropicStream()  # thinking, text and tool_use blocks as the parser finds them
+    pinged = False
     last = None
     try:
         async for out in outputs:
             last = out
-            if out.text:
-                delta = {"type": "text_delta", "text": out.text}
-                yield event("content_block_delta", {"index": 0, "delta": delta})
+            for name, data in blocks.events(parsing.push(out)):
+                yield event(name, data)
+                if not pinged:  # after the first block starts, as before
+                    pinged = True
+                    yield event("ping", {})
     except RuntimeError as err:  # the engine failed or is shutting down
         yield stream_error_event(PREFIX, str(err)).decode()
         return
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
-    yield event("content_block_stop", {"index": 0})
+    for name, data in blocks.close():
+        yield event(name, data)
+        if not pinged:
+            pinged = True
+            yield event("ping", {})
     if last is not None:
-        end = {"stop_reason": stop_reason(last), "stop_sequence": last.stop_sequence}
+        reason = parsing.stop_reason(stop_reason(last))
+        end = {"stop_reason": reason, "stop_sequence": last.stop_sequence}
         yield event("message_delta", {"delta": end, "usage": usage(last)})
     yield event("message_stop", {})

@@ -34,6 +34,7 @@ from moetier.server import anthropic, completions, errors, openai, responses, to
 from moetier.server.admission import Admission
 from moetier.server.metrics import ServerCollector, exposition, registry_of
 from moetier.server.options import ServerOptions
+from moetier.server.parsers.serving import check_parser_flags, parser_for_engine
 from moetier.server.sse import EventStreams
 from moetier.server.state import ServerState
 
@@ -49,10 +50,12 @@ def create_app(
     under the model id `model_name`; `telemetry` returns the residency counters `/metrics` shows
     (default: the engine's model's slot pool); `options`: keys, aliases, CORS, limits."""
     options = options or ServerOptions()
+    check_parser_flags(options.tool_parser, options.reasoning_parser)
     state = ServerState(model_name, defaults or SamplingParams(), options=options)
     factory = None
     if isinstance(engine, AsyncEngine):
         state.engine = engine
+        state.parser = parser_for_engine(engine, options.tool_parser, options.reasoning_parser)
     else:
         factory = engine
     created = int(time.time())
@@ -63,7 +66,11 @@ def create_app(
 
             def load() -> None:
                 try:
-                    state.engine = factory()
+                    loaded = factory()
+                    state.parser = parser_for_engine(
+                        loaded, options.tool_parser, options.reasoning_parser
+                    )
+                    state.engine = loaded
                 except Exception as exc:  # reported by /health and every request
                     state.load_error = f"{type(exc).__name__}: {exc}"
                     print(f"moetier serve: loading failed: {state.load_error}", file=sys.stderr)
@@ -115,6 +122,7 @@ def create_app(
                     "owned_by": "moetier",
                     "root": model_name,
                     "max_model_len": context,
+                    **(state.parser.describe() if state.parser else {}),
                 }
                 for name in state.listed_names()
             ],

@@ -1,6 +1,8 @@
 """The OpenAI surface: `POST /v1/chat/completions`, streaming (server-sent
 `chat.completion.chunk` events ending with `[DONE]`; a failure ends it with an error event)
-and not, OpenAI-shaped errors (the checks every route shares are admission.py's)."""
+and not, OpenAI-shaped errors (the checks every route shares are admission.py's). `tools`,
+`tool_choice` and `parallel_tool_calls` as OpenAI's; the model's parser (server/parsers) splits
+its output into `reasoning_content`, `content` and `tool_calls` (finish_reason tool_calls)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from moetier.engine.engine import Output
-from moetier.engine.prompts import chat_prompt_ids
 from moetier.engine.scheduler import ContextLengthError
 from moetier.server.errors import openai_error, stream_error_event
+from moetier.server.parsers.serving import ChatParsing, prepare_chat
 from moetier.server.sampling_fields import SamplingFields
 from moetier.server.state import ServerState, all_outputs, not_ready
 
@@ -30,6 +32,23 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    # tool calls and reasoning of the history (server/parsers/serving.py shapes them)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template gets it."""
+        out: dict[str, Any] = {
+            "role": self.role if self.role != "developer" else "system",
+            "content": self.text(),
+        }
+        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -45,6 +64,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def asked_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -62,13 +84,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return openai_error(*not_ready(state), "server_error")
         defaults, model_name = state.defaults, state.model_name
         try:
-            messages = [
-                {"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                for m in req.messages
-            ]
-            prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
+            messages = [m.template_message() for m in req.messages]
             max_tokens = req.asked_max_tokens()
-            params = req.sampling_params(defaults)
+            prompt_ids, params, parsing = prepare_chat(
+                engine,
+                state.parser,
+                messages,
+                req.sampling_params(defaults),
+                req.tools,
+                req.tool_choice,
+                req.parallel_tool_calls is not False,
+            )
             engine.check(prompt_ids, params, max_tokens)
         except ContextLengthError as err:
             return openai_error(400, str(err), param="messages", code="context_length_exceeded")
@@ -82,7 +108,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _sse(outputs, completion_id, now, model_name, include_usage),
+                _sse(outputs, completion_id, now, model_name, include_usage, parsing),
                 media_type="text/event-stream",
             )
 
@@ -93,6 +119,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if done is None:  # the client left: its request is aborted
             return openai_error(499, "client closed the request")
         last = done[-1]
+        for out in done:
+            parsing.push(out)
         return {
             "id": completion_id,
             "object": "chat.completion",
@@ -101,8 +129,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "".join(o.text for o in done)},
-                    "finish_reason": _finish(last.finish_reason),
+                    "message": parsing.openai_message(),
+                    "finish_reason": parsing.finish_reason(_finish(last.finish_reason)),
                     "logprobs": None,
                 }
             ],
@@ -129,6 +157,7 @@ async def _sse(
     created: int,
     model_name: str,
     include_usage: bool,
+    parsing: ChatParsing,
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chat.completion.chunk shape, ending with [DONE]. Closed
     early (the client went away), the request is aborted by `outputs`' own cleanup."""
@@ -154,9 +183,9 @@ async def _sse(
     try:
         async for out in outputs:
             last = out
-            if out.text or out.finish_reason:
-                finish = _finish(out.finish_reason)
-                yield chunk({"content": out.text} if out.text else {}, finish)
+            delta = parsing.push(out).openai()  # reasoning, content and tool-call deltas
+            if delta or out.finish_reason:
+                yield chunk(delta, parsing.finish_reason(_finish(out.finish_reason)))
     except RuntimeError as err:  # the engine failed or is shutting down
         yield stream_error_event("/v1/chat/completions", str(err)).decode()
         return

@@ -39,6 +39,17 @@ class ServerOptions:
         metadata={"help": "seconds a silent stream waits before an SSE `: keep-alive` comment"},
     )
 
+    tool_parser: str = field(
+        default="",
+        metadata={"help": "the reasoning and tool-call parser family (default: chosen from the "
+                  "chat template and model_type; 'none': plain text; docs/serving.md)"},
+    )  # fmt: skip
+    reasoning_parser: str = field(
+        default="",
+        metadata={"help": "the same choice by its other name: one parser reads reasoning and "
+                  "tool calls together, so it must agree with --tool-parser"},
+    )  # fmt: skip
+
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * (1 << 20))

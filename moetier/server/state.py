@@ -17,6 +17,7 @@ from moetier.engine.engine import Output
 from moetier.engine.sampler import SamplingParams
 from moetier.server.errors import openai_error
 from moetier.server.options import ServerOptions
+from moetier.server.parsers.serving import ParserChoice
 
 T = TypeVar("T")
 
@@ -31,6 +32,7 @@ class ServerState:
     load_error: str | None = None  # why loading failed, if it did
     options: ServerOptions = field(default_factory=ServerOptions)
     generating: int = 0  # generating requests in flight (admitted, not yet answered)
+    parser: ParserChoice | None = None  # the reasoning / tool-call parser, once the model is ready
 
     def serves(self, name: str) -> bool:
         """Whether a request's `model` names this server's model (its name or an alias)."""

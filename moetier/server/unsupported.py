@@ -22,9 +22,6 @@ _SAMPLING: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 _TOOLS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": (([],), "tool calls are not parsed yet"),
-    "tool_choice": (("none", "auto"), "tool calls are not parsed yet"),
-    "parallel_tool_calls": ((True,), "tool calls are not parsed yet"),
     "functions": (([],), "the deprecated `functions` are not supported: use `tools`"),
     "function_call": (("none", "auto"), "the deprecated `function_call` is not supported"),
 }

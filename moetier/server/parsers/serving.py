@@ -14,12 +14,16 @@ family fits, or `--tool-parser none`, is served as plain text: the engine's text
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from moetier.engine.detokenizer import StreamingDetokenizer
+from moetier.engine.grammar import tool_call_grammar
+from moetier.engine.prompts import chat_prompt_ids
+from moetier.engine.sampler import SamplingParams
 from moetier.server.parsers.base import Delta, Message, Parser
 from moetier.server.parsers.hermes import HermesParser
 from moetier.server.parsers.registry import FAMILIES, choose_family, family_name
@@ -51,10 +55,12 @@ def choose_parser(
     chat_template: Any,
     tool_parser: str = "",
     reasoning_parser: str = "",
+    quiet: bool = False,
 ) -> ParserChoice:
-    """The family for a model, logged: `--tool-parser` / `--reasoning-parser` (one family reads
-    both, so they must agree; "none": plain text), else the chat template's markers, else the
-    model_type; none fits: plain text and one warning. ValueError for an unknown name."""
+    """The family for a model, logged (unless quiet): `--tool-parser` / `--reasoning-parser`
+    (one family reads both, so they must agree; "none": plain text), else the chat template's
+    markers, else the model_type; none fits: plain text and one warning. ValueError for an
+    unknown name."""
     given = {name.strip().lower() for name in (tool_parser, reasoning_parser) if name.strip()}
     if given:
         families = {None if g == "none" else family_name(g) for g in given}
@@ -72,15 +78,84 @@ def choose_parser(
         family, why = choose_family(model_type, template if isinstance(template, str) else None)
         choice = ParserChoice(family, why)
         if family is None:
-            log.warning(
-                "no reasoning / tool-call parser for this model (%s): serving plain text; "
-                "choose one with --tool-parser (%s)",
-                why,
-                ", ".join(sorted(FAMILIES)),
-            )
+            if not quiet:
+                log.warning(
+                    "no reasoning / tool-call parser for this model (%s): serving plain text; "
+                    "choose one with --tool-parser (%s)",
+                    why,
+                    ", ".join(sorted(FAMILIES)),
+                )
             return choice
-    log.info("reasoning and tool-call parser: %s (%s)", choice.family or "none", choice.reason)
+    if not quiet:
+        log.info("reasoning and tool-call parser: %s (%s)", choice.family or "none", choice.reason)
     return choice
+
+
+def check_parser_flags(tool_parser: str, reasoning_parser: str) -> None:
+    """ValueError now (before the model loads) for a parser name no family has."""
+    if tool_parser or reasoning_parser:
+        choose_parser(None, None, tool_parser, reasoning_parser, quiet=True)
+
+
+def parser_for_engine(
+    engine: Any, tool_parser: str = "", reasoning_parser: str = ""
+) -> ParserChoice:
+    """The choice for a loaded AsyncEngine: its store's model_type and chat template."""
+    loaded = engine.engine.loaded
+    return choose_parser(
+        getattr(loaded.model_config, "model_type", None),
+        getattr(engine.tokenizer, "chat_template", None),
+        tool_parser,
+        reasoning_parser,
+    )
+
+
+def prepare_chat(
+    engine: Any,
+    choice: ParserChoice | None,
+    messages: list[dict[str, Any]],
+    params: SamplingParams,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool = True,
+) -> tuple[list[int], SamplingParams, ChatParsing]:
+    """A chat request's prompt ids (its history in the family's shapes, its tools unless
+    tool_choice is none), its sampling params (a forced tool_choice adds the call's grammar) and
+    its parsing; ValueError for what cannot be served (a 400)."""
+    choice = choice or ParserChoice(None, "no parser chosen")
+    tool_choice = "auto" if tool_choice is None else tool_choice
+    messages = template_history(messages, choice.family)
+    offered = tools if tools and tool_choice != "none" else None
+    prompt_ids = chat_prompt_ids(engine.tokenizer, messages, offered)
+    if forced_tool_choice(tool_choice):
+        # a named tool is called once (as vLLM does); required / any: as parallel_tool_calls
+        if isinstance(tool_choice, dict) and tool_choice.get("type") in ("function", "tool"):
+            parallel_tool_calls = False
+        if params.grammar is not None:
+            raise ValueError(
+                "tool_choice that forces a call cannot be combined with response_format"
+            )
+        grammar = tool_call_grammar(
+            tools or [],
+            tool_choice,
+            FORCED_BEGIN,
+            FORCED_END,
+            parallel=parallel_tool_calls,
+            tokenizer=engine.tokenizer,
+        )
+        params = dataclasses.replace(params, grammar=grammar)
+    parsing = ChatParsing(
+        choice,
+        engine.tokenizer,
+        prompt_ids,
+        tools=offered,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
+        call_offset=count_calls(messages),
+        stop=params.stop,
+        end_ids=frozenset(engine.engine.chat_end_ids),
+    )
+    return prompt_ids, params, parsing
 
 
 def forced_tool_choice(tool_choice: Any) -> bool:
@@ -106,6 +181,8 @@ def template_history(messages: list[dict[str, Any]], family: str | None) -> list
         calls = message.get("tool_calls")
         if calls:
             message["tool_calls"] = [_template_call(c, family) for c in calls]
+            if family == "deepseek_v3" and not message.get("content"):
+                message["content"] = None  # its template renders calls only for null content
         out.append(message)
     return out
 
@@ -213,6 +290,18 @@ class ChatParsing:
                 self.message.warnings = list(self.parser.warnings)
         self.message.apply(delta)
         return delta
+
+    def openai_message(self) -> dict[str, Any]:
+        """The whole answer as an OpenAI chat message (content null beside tool calls)."""
+        message = self.message
+        out: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if message.content is None and not message.tool_calls:
+            out["content"] = ""
+        if message.reasoning_content is not None:
+            out["reasoning_content"] = message.reasoning_content
+        if message.tool_calls:
+            out["tool_calls"] = message.tool_calls
+        return out
 
     def finish_reason(self, reason: str | None) -> str | None:
         """OpenAI's finish_reason: tool_calls when the answer made calls and ended by itself."""

@@ -1,0 +1,218 @@
+"""Reasoning and tool calls through the real server (uvicorn, a tiny random qwen3_moe model whose
+family is hermes) with the official clients: tool_choice named and required make the grammar
+force a call whose arguments validate against the tool's schema, in OpenAI's streamed delta shape
+and as Anthropic tool_use blocks; short agent loops with two tool round trips on both APIs; the
+parser shown in /v1/models and chosen by --tool-parser."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+from uvicorn_thread import serving  # noqa: E402
+
+from moetier.config import EngineConfig  # noqa: E402
+from moetier.engine.async_engine import AsyncEngine  # noqa: E402
+from moetier.engine.engine import Engine  # noqa: E402
+from moetier.loader.load import load_model  # noqa: E402
+from moetier.server.app import create_app  # noqa: E402
+from moetier.server.options import ServerOptions  # noqa: E402
+
+MODEL = "tiny"
+WEATHER = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["c", "f"]}, "metric": {"type": "boolean"}},
+    "required": ["unit", "metric"],
+    "additionalProperties": False,
+}
+EMPTY = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "list_files", "parameters": EMPTY}},
+]
+CLAUDE_TOOLS = [
+    {"name": "get_weather", "description": "weather", "input_schema": WEATHER},
+    {"name": "list_files", "description": "files", "input_schema": EMPTY},
+]
+SCHEMAS = {"get_weather": WEATHER, "list_files": EMPTY}
+USER = [{"role": "user", "content": "What is the weather?"}]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny):
+    return load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True))
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    with serving(create_app(AsyncEngine(Engine(loaded)), MODEL)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0)
+
+
+def _valid(name: str, arguments: str | dict) -> dict:
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    jsonschema.validate(args, SCHEMAS[name])
+    return args
+
+
+def test_models_shows_the_parser(server):
+    [entry] = httpx.get(server + "/v1/models").json()["data"]
+    assert entry["tool_parser"] == entry["reasoning_parser"] == "hermes"  # model_type qwen3_moe
+
+
+def test_named_tool_choice_gives_a_valid_call(oai):
+    reply = oai.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=160,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    _valid("get_weather", call.function.arguments)
+    assert choice.message.content is None
+
+
+def test_named_tool_choice_streams_openai_deltas(oai):
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=160,
+        temperature=0.8,
+        seed=3,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for piece in choice.delta.tool_calls or []:
+            if piece.index not in calls:  # the first delta of a call: id, type and name
+                assert piece.id and piece.type == "function" and piece.function.name
+                calls[piece.index] = {"name": piece.function.name, "arguments": ""}
+            else:  # later ones: argument fragments only
+                assert piece.id is None and piece.function.name is None
+            calls[piece.index]["arguments"] += piece.function.arguments or ""
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == "get_weather"
+    _valid("get_weather", calls[0]["arguments"])
+
+
+def test_required_with_parallel_calls_off_gives_one_call(oai):
+    reply = oai.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=160,
+        temperature=0,
+    )
+    [call] = reply.choices[0].message.tool_calls
+    _valid(call.function.name, call.function.arguments)
+
+
+def test_openai_agent_loop_two_round_trips(oai):
+    messages: list[dict] = [*USER]
+    for name in ("get_weather", "list_files"):
+        reply = oai.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": name}},
+            max_tokens=160,
+            temperature=0,
+        )
+        message = reply.choices[0].message
+        [call] = message.tool_calls
+        assert call.function.name == name
+        _valid(name, call.function.arguments)
+        messages.append(message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "done"})
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8
+    )
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].message.content is not None
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_anthropic_agent_loop_two_round_trips(claude):
+    messages: list[dict] = [*USER]
+    for name in ("get_weather", "list_files"):
+        reply = claude.messages.create(
+            model=MODEL,
+            max_tokens=160,
+            messages=messages,
+            tools=CLAUDE_TOOLS,
+            tool_choice={"type": "tool", "name": name},
+        )
+        assert reply.stop_reason == "tool_use"
+        [block] = [b for b in reply.content if b.type == "tool_use"]
+        assert block.name == name
+        _valid(name, block.input)
+        messages.append({"role": "assistant", "content": [b.model_dump() for b in reply.content]})
+        messages.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "done"}],
+            }  # fmt: skip
+        )
+    reply = claude.messages.create(
+        model=MODEL, max_tokens=8, messages=messages, tools=CLAUDE_TOOLS,
+        tool_choice={"type": "none"},
+    )  # fmt: skip
+    assert [b.type for b in reply.content] == ["text"]
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_anthropic_stream_tool_use_accumulates(claude):
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=160,
+        messages=USER,
+        tools=CLAUDE_TOOLS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    ) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert "input_json" in events
+    [block] = final.content
+    assert block.type == "tool_use"
+    _valid(block.name, block.input)
+    assert final.stop_reason == "tool_use"
+
+
+def test_tool_parser_flag_overrides_and_unknown_is_refused(loaded):
+    app = create_app(AsyncEngine(Engine(loaded)), MODEL, options=ServerOptions(tool_parser="none"))
+    with serving(app) as url:
+        [entry] = httpx.get(url + "/v1/models").json()["data"]
+        assert entry["tool_parser"] is None
+    with pytest.raises(ValueError, match="unknown parser family 'qwen9'"):
+        create_app(AsyncEngine(Engine(loaded)), MODEL, options=ServerOptions(tool_parser="qwen9"))
