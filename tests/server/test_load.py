@@ -110,7 +110,8 @@ async def anthropic_request(client, prompt: str, leave: bool) -> tuple[str, str 
 def test_64_streaming_clients_some_leaving(loaded):
     want = expected(loaded)
     engine = AsyncEngine(Engine(loaded, EngineLimits(num_pages=512, max_num_seqs=64)))
-    with serving(create_app(engine, MODEL)) as url:
+    app = create_app(engine, MODEL)
+    with serving(app) as url:
 
         async def client(i: int) -> list:
             if i % 4 == 3:
@@ -165,6 +166,10 @@ def test_64_streaming_clients_some_leaving(loaded):
         inner = engine.engine
         assert not inner.scheduler.running and not inner.scheduler.waiting
         assert inner.pool.used_pages == 0 and inner.streams == {}
+        deadline = time.time() + 10
+        while app.state.server.generating:  # the server's own count of requests in flight
+            assert time.time() < deadline, app.state.server.generating
+            time.sleep(0.01)
         # a departed request ends by abort unless its last tokens were already computed
         assert 0 < engine.stats.aborted - aborted <= departed
         again = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
