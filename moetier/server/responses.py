@@ -5,8 +5,9 @@ with `sequence_number`s, no `[DONE]`) and not.
 `function_call_output` items) and `instructions` become the chat template's messages; function
 `tools` reach the template. Nothing is stored: `previous_response_id` and `conversation` are
 refused with a 400 (send the whole history in `input`), `store` is accepted and answered
-`false`. The model's text becomes output items in one place, `output_items` (today one
-assistant message; reasoning and tool-call items come with the model's parser).
+`false`. `text.format` is enforced as `response_format` is. The model's text becomes output
+items in one place, `output_items` (today one assistant message; reasoning and tool-call items
+come with the model's parser).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moetier.engine.engine import Output
 from moetier.engine.prompts import chat_prompt_ids
-from moetier.server.sampling_fields import SamplingFields
+from moetier.server.sampling_fields import JsonSchemaFormat, ResponseFormat, SamplingFields
 from moetier.server.state import ServerState, all_outputs, not_ready, openai_error
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -51,6 +52,30 @@ class InputItem(BaseModel):
     output: str | list[ContentPart] | None = None
 
 
+class TextFormat(BaseModel):
+    """`text.format`: the Responses API's response_format, its json_schema fields flat."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def response_format(self) -> ResponseFormat:
+        if self.type != "json_schema":
+            return ResponseFormat(type=self.type)
+        fields = {"name": self.name, "description": self.description, "strict": self.strict}
+        schema = JsonSchemaFormat.model_validate({**fields, "schema": self.json_schema})
+        return ResponseFormat(type="json_schema", json_schema=schema)
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(SamplingFields):
     input: str | list[InputItem]
     instructions: str | None = None
@@ -65,6 +90,14 @@ class ResponsesRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     reasoning: dict[str, Any] | None = None
     user: str | None = None
+    text: TextOptions | None = None
+
+    @model_validator(mode="after")
+    def _text_format(self) -> ResponsesRequest:
+        """`text.format` is this API's response_format (enforced alike)."""
+        if self.text is not None and self.text.format is not None:
+            self.response_format = self.text.format.response_format()
+        return self
 
     def asked_max_tokens(self) -> int | None:
         return self.max_output_tokens if self.max_output_tokens is not None else self.max_tokens
@@ -175,6 +208,12 @@ def _usage(last: Output) -> dict[str, Any]:
     }
 
 
+def _text_format(req: ResponsesRequest) -> dict[str, Any]:
+    if req.text is None or req.text.format is None:
+        return {"type": "text"}
+    return req.text.format.model_dump(by_alias=True, exclude_none=True)
+
+
 class _Envelope:
     """What a response object carries besides its output, status and usage."""
 
@@ -194,7 +233,7 @@ class _Envelope:
             "store": False,
             "temperature": req.temperature,
             "top_p": req.top_p,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _text_format(req)},
             "tool_choice": req.tool_choice,
             "tools": req.tools or [],
             "truncation": "disabled",

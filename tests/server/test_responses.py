@@ -5,7 +5,10 @@ items with tool history, and the stateless server's 400s."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
+import jsonschema
 import openai
 import pytest
 from uvicorn_thread import serving
@@ -230,3 +233,33 @@ def test_stateless_and_unsupported_input_are_400s(client):
         with pytest.raises(openai.BadRequestError, match=match) as info:
             client.responses.create(**body)
         assert info.value.body["type"] == "invalid_request_error"
+
+
+PET = {
+    "type": "object",
+    "properties": {"kind": {"type": "string", "maxLength": 5}, "legs": {"type": "integer"}},
+    "required": ["kind", "legs"],
+    "additionalProperties": False,
+}
+
+
+def test_text_format_json_schema_is_enforced(client):
+    fmt = {"type": "json_schema", "name": "pet", "schema": PET, "strict": True}
+    resp = client.responses.create(
+        model=MODEL,
+        input="A pet as JSON",
+        max_output_tokens=120,
+        temperature=0,
+        text={"format": fmt},
+    )
+    assert resp.status == "completed"
+    jsonschema.validate(json.loads(resp.output_text), PET)
+    assert resp.text.format.type == "json_schema"
+    obj = client.responses.create(
+        model=MODEL, input="JSON", max_output_tokens=120, text={"format": {"type": "json_object"}}
+    )
+    assert isinstance(json.loads(obj.output_text), dict)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(
+            model=MODEL, input="x", text={"format": {"type": "json_schema", "schema": {"type": 5}}}
+        )
