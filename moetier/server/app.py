@@ -32,6 +32,7 @@ from moetier.engine.sampler import SamplingParams
 from moetier.residency.telemetry import ResidencyTelemetry
 from moetier.server import anthropic, completions, errors, openai, responses, tokenize
 from moetier.server.admission import Admission
+from moetier.server.auth import OPEN_PATHS
 from moetier.server.metrics import ServerCollector, exposition, registry_of
 from moetier.server.options import ServerOptions
 from moetier.server.parsers.serving import check_parser_flags, parser_for_engine
@@ -134,6 +135,7 @@ def create_app(
     responses.add_routes(app, state)
     tokenize.add_routes(app, state)
 
+    errors.document(app, OPEN_PATHS)
     # outermost last: CORS answers preflights before the gate asks for a key
     app.add_middleware(EventStreams, keep_alive_s=options.keep_alive_s)
     app.add_middleware(Admission, fastapi_app=app, state=state)

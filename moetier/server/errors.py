@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
@@ -152,3 +153,80 @@ def install(app: FastAPI) -> None:
         traceback.print_exception(exc, file=sys.stderr)
         message = f"internal error ({type(exc).__name__}); see the server's log"
         return error_response(request.url.path, 500, message)
+
+
+_NULLABLE_STRING = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+ERROR_SCHEMAS: dict[str, dict[str, Any]] = {
+    "OpenAIError": {
+        "type": "object",
+        "required": ["error"],
+        "additionalProperties": False,
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "additionalProperties": False,
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": _NULLABLE_STRING,
+                    "code": _NULLABLE_STRING,
+                },
+            }
+        },
+    },
+    "AnthropicError": {
+        "type": "object",
+        "required": ["type", "error"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"const": "error"},
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "additionalProperties": False,
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            },
+        },
+    },
+}
+# the errors a route may answer, by method (GET routes read no body)
+_DOCUMENTED = {
+    "post": {
+        400: "invalid request (never 422)",
+        401: "missing or wrong API key",
+        404: "model not served",
+        413: "body over --max-body-mb",
+        429: "queue full (Retry-After)",
+        503: "model loading or failed (Retry-After)",
+    },
+    "get": {401: "missing or wrong API key"},
+}
+
+
+def document(app: FastAPI, open_paths: frozenset[str]) -> None:
+    """Make `app`'s OpenAPI schema say what the handlers do: no 422, the error statuses each
+    route may answer, with its API's error body (`open_paths` need no key)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        components.update(ERROR_SCHEMAS)
+        for path, operations in schema.get("paths", {}).items():
+            ref = "AnthropicError" if is_anthropic(path) else "OpenAIError"
+            body = {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
+            for method, operation in operations.items():
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                for status, description in _DOCUMENTED.get(method, {}).items():
+                    if status == 401 and path in open_paths:
+                        continue
+                    responses[str(status)] = {"description": description, "content": body}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

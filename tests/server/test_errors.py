@@ -446,3 +446,17 @@ def test_keep_alive_comments_while_a_stream_is_silent(loaded, monkeypatch):
         assert ": keep-alive" in raw
         monkeypatch.undo()
     assert engine.wait_idle(timeout=20)
+
+
+def test_openapi_documents_the_errors_it_answers(server):
+    """The schema (what schemathesis and client generators read) says 400, not FastAPI's 422,
+    with each API's error body."""
+    schema = httpx.get(server[0] + "/openapi.json").json()
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            assert "422" not in operation["responses"], (method, path)
+            if method == "post":
+                ref = operation["responses"]["400"]["content"]["application/json"]["schema"]
+                kind = "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError"
+                assert ref == {"$ref": f"#/components/schemas/{kind}"}, path
+    assert "HTTPValidationError" not in schema["components"]["schemas"]

@@ -1,8 +1,9 @@
 """schemathesis against the server's own OpenAPI schema, on a real uvicorn over the tiny native
 model: every operation gets valid requests (the schema's own examples) and invalid ones (wrong
 types, missing fields, out-of-range values), over 1,000 in all. Whatever they send: no response
->= 500, every error body in its API's documented shape (docs/serving.md, "Errors"), no stream
-that ends in an error event, and the engine idle afterwards with every KV page free.
+>= 500, every error body in its API's shape (docs/serving.md, "Errors") with a status and a
+body the schema documents for its route, no stream that ends in an error event, and the engine
+idle afterwards with every KV page free.
 
 Output caps between 5 and 4,096 are cut to a few tokens so the run stays short; larger and
 invalid ones are sent as generated (they must be 400s). A string `model` is the served name (an
@@ -17,6 +18,10 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.core import NotSet
+from schemathesis.specs.openapi.checks import (
+    response_schema_conformance,
+    status_code_conformance,
+)
 from uvicorn_thread import serving
 
 from moetier.config import EngineConfig
@@ -68,13 +73,17 @@ def small_caps(body):
     return body
 
 
-def check(response, path: str) -> None:
+def check(case, response, path: str) -> None:
     status = response.status_code
     assert status < 500, f"{status} on {path}: {response.text[:500]}"
     if status >= 400:
         body = response.json()
         shaped = anthropic_error(body) if is_anthropic(path) else openai_error(body)
         assert shaped, f"{status} on {path} in the wrong shape: {body}"
+        # and as the schema documents it: that status, that body
+        case.validate_response(
+            response, checks=[status_code_conformance, response_schema_conformance]
+        )
         return
     content_type = (response.headers.get("content-type") or [""])[0]
     if content_type.startswith("text/event-stream"):
@@ -113,7 +122,7 @@ def test_fuzz_the_openapi_schema(tiny):
             statuses[(operation.path, response.status_code)] = (
                 statuses.get((operation.path, response.status_code), 0) + 1
             )
-            check(response, operation.path)
+            check(case, response, operation.path)
 
         run()
 
