@@ -53,6 +53,7 @@ class Admission:
         self.fastapi_app = fastapi_app
         self.state = state
         self._post_paths: frozenset[str] | None = None
+        self._route_paths: frozenset[str] | None = None
 
     def post_paths(self) -> frozenset[str]:
         """The paths with a POST route (read once, after every module registered its routes)."""
@@ -64,10 +65,33 @@ class Admission:
             )
         return self._post_paths
 
+    def route_paths(self) -> frozenset[str]:
+        """Every path with a route (the label of /metrics' response counts; others: "other")."""
+        if self._route_paths is None:
+            self._route_paths = frozenset(
+                getattr(route, "path", "") for route in self.fastapi_app.routes
+            )
+        return self._route_paths
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        status = 0
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._admit(scope, receive, counted)
+        finally:
+            route = scope["path"] if scope["path"] in self.route_paths() else "other"
+            self.state.responses[(route, status or 500)] += 1
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         options = self.state.options

@@ -100,7 +100,9 @@ def create_app(
         return None
 
     registry = registry_of(
-        ServerCollector(model_name, lambda: state.engine.stats if state.engine else None, residency)
+        ServerCollector(
+            model_name, lambda: state.engine.stats if state.engine else None, residency, state
+        )
     )
 
     @app.get("/metrics")
@@ -136,8 +138,12 @@ def create_app(
     tokenize.add_routes(app, state)
 
     errors.document(app, OPEN_PATHS)
+
     # outermost last: CORS answers preflights before the gate asks for a key
-    app.add_middleware(EventStreams, keep_alive_s=options.keep_alive_s)
+    def stream_failed(path: str) -> None:
+        state.stream_errors[path] += 1
+
+    app.add_middleware(EventStreams, keep_alive_s=options.keep_alive_s, on_error=stream_failed)
     app.add_middleware(Admission, fastapi_app=app, state=state)
     if options.allowed_origins:
         app.add_middleware(

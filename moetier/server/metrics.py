@@ -1,7 +1,8 @@
 """`/metrics` through prometheus_client: a collector that reads, at each scrape, the engine's
 queues, pages, prefix-cache tokens, steps, preemptions and aborts (`moetier_engine_*`) and the
-residency counters per tier (`moetier_residency_*`, residency/telemetry.py's METRICS), each
-sample labelled with the model's name; the exposition format follows the scraper's Accept
+residency counters per tier (`moetier_residency_*`, residency/telemetry.py's METRICS), and the
+server's answers by route and status and its failed streams (`moetier_http_*`), each sample
+labelled with the model's name; the exposition format follows the scraper's Accept
 header."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from moetier.engine.async_engine import EngineStats
 from moetier.residency.telemetry import METRICS, ResidencyTelemetry
+from moetier.server.state import ServerState
 
 # (name, kind, help, the EngineStats field)
 ENGINE_METRICS = (
@@ -47,10 +49,12 @@ class ServerCollector(Collector):
         model_name: str,
         stats: Callable[[], EngineStats | None],
         telemetry: Callable[[], ResidencyTelemetry | None],
+        http: ServerState | None = None,
     ) -> None:
         self.model_name = model_name
         self.stats = stats
         self.telemetry = telemetry
+        self.http = http  # its answers by route and status, and failed streams
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats()
@@ -59,6 +63,23 @@ class ServerCollector(Collector):
                 family = _family(f"moetier_engine_{name}", kind, help_text, ["model"])
                 family.add_metric([self.model_name], float(getattr(stats, attr)))
                 yield family
+        if self.http is not None:
+            answered = CounterMetricFamily(
+                "moetier_http_responses_total",
+                "HTTP answers by route and status (routes the app does not have: other)",
+                labels=["route", "status", "model"],
+            )
+            for (route, status), count in sorted(self.http.responses.items()):
+                answered.add_metric([route, str(status), self.model_name], count)
+            yield answered
+            failed = CounterMetricFamily(
+                "moetier_http_stream_errors_total",
+                "event streams that ended in an error event (answered 200, then failed)",
+                labels=["route", "model"],
+            )
+            for route, count in sorted(self.http.stream_errors.items()):
+                failed.add_metric([route, self.model_name], count)
+            yield failed
         counters = self.telemetry()
         if counters is not None:
             for name, kind, help_text, value in METRICS:

@@ -13,6 +13,7 @@ import contextlib
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 from moetier.server.admission import ASGIApp, Message, Receive, Scope, Send
 from moetier.server.errors import stream_error_event
@@ -21,9 +22,12 @@ KEEP_ALIVE = b": keep-alive\n\n"
 
 
 class EventStreams:
-    def __init__(self, app: ASGIApp, keep_alive_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, keep_alive_s: float, on_error: Callable[[str], None] | None = None
+    ) -> None:
         self.app = app
         self.keep_alive_s = keep_alive_s
+        self.on_error = on_error  # told the path of each stream that ends in an error event
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,8 +63,10 @@ class EventStreams:
                     streaming = content_type.startswith(b"text/event-stream")
                     if streaming and self.keep_alive_s > 0:
                         ticker = asyncio.ensure_future(keep_alive())
-                elif message["type"] == "http.response.body" and not message.get("more_body"):
-                    ended = True
+                elif message["type"] == "http.response.body":
+                    if streaming and _is_error_event(message.get("body", b"")):
+                        self._failed(scope["path"])
+                    ended = not message.get("more_body", False)
                 await send(message)
                 last_sent = time.monotonic()
 
@@ -70,6 +76,7 @@ class EventStreams:
             if not (started and streaming) or ended:
                 raise
             traceback.print_exception(exc, file=sys.stderr)
+            self._failed(scope["path"])
             async with lock:
                 ended = True
                 message = f"the stream failed ({type(exc).__name__}); see the server's log"
@@ -86,3 +93,13 @@ class EventStreams:
                 ticker.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await ticker
+
+    def _failed(self, path: str) -> None:
+        if self.on_error is not None:
+            self.on_error(path)
+
+
+def _is_error_event(chunk: bytes) -> bool:
+    """Whether a body chunk is an error event (OpenAI's `data: {"error": ...}`, Anthropic's and
+    the Responses API's `event: error`)."""
+    return chunk.startswith((b'data: {"error"', b"event: error\n"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -32,6 +33,9 @@ class ServerState:
     load_error: str | None = None  # why loading failed, if it did
     options: ServerOptions = field(default_factory=ServerOptions)
     generating: int = 0  # generating requests in flight (admitted, not yet answered)
+    # answers by (route, HTTP status), and streams that ended in an error event, by route
+    responses: Counter[tuple[str, int]] = field(default_factory=Counter)
+    stream_errors: Counter[str] = field(default_factory=Counter)
     parser: ParserChoice | None = None  # the reasoning / tool-call parser, once the model is ready
 
     def serves(self, name: str) -> bool:

@@ -15,6 +15,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from uvicorn_thread import serving
 
 from moetier.config import EngineConfig
@@ -386,6 +387,14 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event(loaded, monkeypatch):
         assert openai_shaped(json.loads(lines[-2][6:]))["type"] == "server_error"
         monkeypatch.undo()
         assert engine.wait_idle(timeout=20)
+        # counted: such streams were answered 200, so the server counts them apart
+        failed = {
+            s.labels["route"]: s.value
+            for family in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+            for s in family.samples
+            if s.name == "moetier_http_stream_errors_total"
+        }
+        assert failed == {"/v1/chat/completions": 2, "/v1/messages": 1}
 
 
 def test_a_bug_mid_stream_ends_it_with_an_error_event(server, oai, monkeypatch):

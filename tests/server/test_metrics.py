@@ -71,3 +71,26 @@ def test_serve_wires_the_slot_pool(tiny):
     assert misses > 0
     host = ("moetier_residency_misses_total", (("model", "tiny-qwen3"), ("tier", "host")))
     assert samples(text)[host] == misses
+
+
+def test_http_answers_counted_by_route_and_status(tiny):
+    app = create_app(engine(tiny), "tiny-qwen3")
+    chat = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with TestClient(app) as http:
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        assert http.post("/v1/chat/completions", json={**chat, "top_p": 5}).status_code == 400
+        assert http.post("/v1/chat/completions", json={**chat, "model": "x"}).status_code == 404
+        assert http.get("/v1/nowhere/at/all").status_code == 404
+        assert http.get("/v1/chat/completions").status_code == 405
+        scraped = samples(http.get("/metrics").text)
+    model = ("model", "tiny-qwen3")
+
+    def answered(route: str, status: int) -> float:
+        key = (model, ("route", route), ("status", str(status)))
+        return scraped[("moetier_http_responses_total", key)]
+
+    assert answered("/v1/chat/completions", 200) == 1
+    assert answered("/v1/chat/completions", 400) == 1
+    assert answered("/v1/chat/completions", 404) == 1
+    assert answered("/v1/chat/completions", 405) == 1
+    assert answered("other", 404) == 1  # an unknown path is not a label of its own
