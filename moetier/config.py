@@ -321,10 +321,11 @@ class EngineConfig:
         },
     )
     native: bool = field(
-        default=False,
+        default=True,
         metadata={
-            "help": "run the native model file (static KV cache, CUDA-graph friendly) instead of "
-            "the transformers model class; only for model types with one (qwen3_moe, deepseek_v3)"
+            "help": "run the native model file (paged KV cache, compiled CUDA-graph decode) where "
+            "the model type has one (qwen3_moe, deepseek_v3); --no-native runs the transformers "
+            "model class (every family, slower)"
         },
     )
     cuda_graph: bool = field(
@@ -336,10 +337,11 @@ class EngineConfig:
         },
     )
     compile_decode: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "with the CUDA graph: compile the decode step with torch.compile first "
-            "(faster steps, ~1 min of compilation per context-length bucket on first use)"
+            "(faster steps; the serving engine compiles at load, kept in "
+            "~/.cache/moetier/inductor; --no-compile-decode skips it)"
         },
     )
     delta: str = field(

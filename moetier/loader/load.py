@@ -9,7 +9,7 @@ from pathlib import Path
 from moetier.config import EngineConfig
 from moetier.loader.hf_model import load_transformers
 from moetier.loader.loaded_model import LoadedModel, kv_plan_arguments
-from moetier.loader.native import load_native
+from moetier.loader.native import has_native_file, load_native
 from moetier.quant.store import Store
 from moetier.residency.slot_pool import make_policy
 
@@ -19,12 +19,13 @@ def load_model(
     engine_config: EngineConfig | None = None,
     kv_positions: int | None = None,
 ) -> LoadedModel:
-    """The model of a store: the transformers model class, or with `engine_config.native` the
-    native model file of its model_type (loader/native.py). kv_positions: the KV cache the
-    --gpu-memory plan sets aside (default: one 4096-token sequence; the server's page pool)."""
+    """The model of a store: with `engine_config.native` (the default) the native model file of
+    its model_type where it has one (loader/native.py), else the transformers model class.
+    kv_positions: the KV cache the --gpu-memory plan sets aside (default: one 4096-token
+    sequence; the server's page pool)."""
     engine_config = engine_config or EngineConfig()
     check_engine_config(store_path, engine_config, kv_positions)
-    if engine_config.native:
+    if engine_config.native and has_native_file(store_path):
         return load_native(store_path, engine_config, kv_positions)
     return load_transformers(store_path, engine_config, kv_positions)
 

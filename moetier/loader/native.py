@@ -3,7 +3,8 @@
 The model is built on the meta device from the normalised DecoderConfig; its parameters are
 assigned by name from the store's memory-mapped dense.safetensors (HF names verbatim; on CPU at
 the checkpoint's dtype they stay views of the mapping); routed experts run through the same
-ExpertsRuntime and SlotPool as the transformers path. Opt-in with `EngineConfig.native`.
+ExpertsRuntime and SlotPool as the transformers path. The default where a family has one
+(`EngineConfig.native`; --no-native opts out).
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ NATIVE_FAMILIES = {
 }
 
 
+def has_native_file(store_path: str | Path) -> bool:
+    """Whether the store's model_type has a native model file."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(Store(store_path).path).model_type in NATIVE_FAMILIES
+
+
 def load_native(
     store_path: str | Path, engine_config: EngineConfig, kv_positions: int | None = None
 ) -> LoadedModel:
@@ -62,7 +70,7 @@ def load_native(
     if family is None:
         raise ValueError(
             f"no native model file for {hf_config.model_type!r} (native: "
-            f"{', '.join(NATIVE_FAMILIES)}): run it without --native"
+            f"{', '.join(NATIVE_FAMILIES)}): run it with --no-native"
         )
     config = DecoderConfig.from_transformers(hf_config)
     if set(config.moe_layers) != set(store.moe_layers):

@@ -45,7 +45,9 @@ def check_figures(line: dict, batch: int, prompt: int, new: int) -> None:
 
 
 def test_bench_json_on_the_demo_model(capsys):
-    lines, _ = bench_lines(capsys, "--batch", "1,2", "--prompt-tokens", "12", "--new-tokens", "5")
+    lines, _ = bench_lines(
+        capsys, "--no-native", "--batch", "1,2", "--prompt-tokens", "12", "--new-tokens", "5"
+    )
     assert [line["batch"] for line in lines] == [1, 2]
     for line in lines:
         check_figures(line, line["batch"], 12, 5)
@@ -57,7 +59,7 @@ def test_bench_json_on_the_demo_model(capsys):
         assert line["cache_tier"] == "host" and line["floor_bytes_per_step"]["missed"] == 0
         assert line["bytes_per_token"]["host"] > 0 and line["bytes_per_token"]["gpu"] == 0
     # every dense weight (fp32 on CPU; the tied embedding is the head) and 4 experts a layer
-    loaded = load_model(DEFAULT_STORE, EngineConfig(device="cpu"))
+    loaded = load_model(DEFAULT_STORE, EngineConfig(native=False, device="cpu"))
     dense = sum(p.numel() * 4 for p in loaded.model.parameters())
     blob = next(iter(loaded.store.blobs.values())).nbytes
     assert lines[0]["floor_bytes_per_step"]["active"] == dense + 5 * 4 * blob
@@ -67,7 +69,8 @@ def test_bench_native_batches_through_the_static_decoder(capsys):
     lines, _ = bench_lines(capsys, "--native", "--batch", "3", "--prompt-tokens", "6",
                         "--new-tokens", "4", "--warmup", "0")  # fmt: skip
     assert len(lines) == 1 and lines[0]["path"] == "native"
-    assert lines[0]["engine"] == {"device": "cpu", "native": True} and lines[0]["warmup_runs"] == 0
+    # the flags that differ from the defaults (--native is one)
+    assert lines[0]["engine"] == {"device": "cpu"} and lines[0]["warmup_runs"] == 0
     check_figures(lines[0], 3, 6, 4)
 
 
@@ -122,7 +125,7 @@ def test_generate_prints_its_speed_to_stderr(capsys):
         last,
     )
     assert found, last
-    generator = Generator(load_model(DEFAULT_STORE, EngineConfig(device="cpu")))
+    generator = Generator(load_model(DEFAULT_STORE, EngineConfig(native=False, device="cpu")))
     ids = generator.prompt_ids("Once upon a time")
     done = generator.generate(ids, SamplingParams(max_new_tokens=6, temperature=0))
     assert captured.out == done.text + "\n"

@@ -35,7 +35,7 @@ def test_convert_then_generate(tiny, tmp_path):
         "cpu",
     )
     assert gen.returncode == 0, gen.stderr
-    generator = Generator(load_model(out, EngineConfig(device="cpu")))
+    generator = Generator(load_model(out, EngineConfig(native=False, device="cpu")))
     expected = generator.generate(
         generator.prompt_ids("Hello world"), SamplingParams(max_new_tokens=10, temperature=0)
     )

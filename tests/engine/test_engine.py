@@ -225,7 +225,9 @@ def test_the_transformers_path_serves_concurrent_requests(tiny):
     """Without a native model file the engine runs the transformers class, each request its own
     DynamicCache (no prefix cache): the same tokens as each request alone, chunked prefill and
     preemption included."""
-    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    loaded = load_model(
+        tiny.store("qwen3_moe"), EngineConfig(native=False, device="cpu", dtype="float32")
+    )
     engine = Engine(loaded, EngineLimits(num_pages=7, page_size=4, max_num_batched_tokens=8))
     assert type(engine.runner).__name__ == "TransformersRunner" and not engine.pool.prefix_caching
     requests = random_requests(loaded.model_config.vocab_size, 6, seed=4, max_prompt=14)

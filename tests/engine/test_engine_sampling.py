@@ -29,7 +29,9 @@ def setup(request, tiny):
 
     family = "qwen3_moe" if request.param == "transformers" else request.param
     config = (
-        EngineConfig(device="cpu", dtype="float32") if request.param == "transformers" else FP32
+        EngineConfig(native=False, device="cpu", dtype="float32")
+        if request.param == "transformers"
+        else FP32
     )
     loaded = load_model(tiny.store(family), config)
     hf = AutoModelForCausalLM.from_pretrained(

@@ -17,7 +17,7 @@ from moetier.loader.load import load_model
 
 @pytest.fixture(scope="module")
 def generator(tiny):
-    return Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu")))
+    return Generator(load_model(tiny.store("qwen3_moe"), EngineConfig(native=False, device="cpu")))
 
 
 def test_detokenizer_streams_exact_text_and_honours_stop():

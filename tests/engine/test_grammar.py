@@ -444,7 +444,9 @@ def test_every_token_the_mask_allows_is_accepted(backend, tokenizer, kind, spec,
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny):
-    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    loaded = load_model(
+        tiny.store("qwen3_moe"), EngineConfig(native=False, device="cpu", dtype="float32")
+    )
     return Engine(loaded, EngineLimits(num_pages=64, page_size=16))
 
 

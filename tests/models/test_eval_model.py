@@ -18,7 +18,7 @@ def test_eval_model_loss_matches_transformers(eval_model, tmp_path):
     store = convert(eval_model, tmp_path / "eval-store", progress=False)
     tokens = np.load(eval_model / "heldout_tokens.npz")["tokens"][: 4 * 512].astype(np.int64)
     ids = torch.from_numpy(tokens).view(4, 512)
-    loaded = load_model(store, EngineConfig(device="cpu", dtype="float32"))
+    loaded = load_model(store, EngineConfig(native=False, device="cpu", dtype="float32"))
     with torch.no_grad():
         ours = loaded.model(ids, labels=ids).loss.item()
         del loaded

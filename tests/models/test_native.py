@@ -133,7 +133,9 @@ def test_pinned_experts_are_bit_identical(tiny, native):
     misses = pinned.runtime.residency.stats.misses
     assert torch.equal(full_logits(pinned, ids), expected)
     assert pinned.runtime.residency.stats.misses == misses  # nothing fetched after pinning
-    hf_path = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    hf_path = load_model(
+        tiny.store("qwen3_moe"), EngineConfig(native=False, device="cpu", dtype="float32")
+    )
     with torch.no_grad():
         before = hf_path.model(ids).logits
         hf_path.runtime.pin_all()

@@ -40,7 +40,9 @@ def moetier_greedy(loaded, ids: torch.Tensor) -> list[int]:
 
 
 def check_against_hf(tiny, model_type: str, fused: bool) -> None:
-    loaded = load_model(tiny.store(model_type, fused), EngineConfig(device="cpu", dtype="float32"))
+    loaded = load_model(
+        tiny.store(model_type, fused), EngineConfig(native=False, device="cpu", dtype="float32")
+    )
     ref = hf_reference(tiny.checkpoint(model_type, fused))
     ids = prompt(loaded.model_config.vocab_size)
     with torch.no_grad():
@@ -66,8 +68,10 @@ def test_fused_3d_checkpoint_matches_hf(tiny, model_type):
 
 def test_two_slot_budget_is_bit_identical(tiny, model_type):
     store = tiny.store(model_type)
-    full = load_model(store, EngineConfig(device="cpu", dtype="float32"))
-    small = load_model(store, EngineConfig(device="cpu", dtype="float32", expert_cache_slots=2))
+    full = load_model(store, EngineConfig(native=False, device="cpu", dtype="float32"))
+    small = load_model(
+        store, EngineConfig(native=False, device="cpu", dtype="float32", expert_cache_slots=2)
+    )
     assert small.runtime.residency.capacity == 2
     ids = prompt(full.model_config.vocab_size)
     with torch.no_grad():
@@ -79,7 +83,7 @@ def test_two_slot_budget_is_bit_identical(tiny, model_type):
 
 
 def test_expert_parameters_never_materialised(tiny):
-    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu"))
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(native=False, device="cpu"))
     names = [n for n, _ in loaded.model.named_parameters()]
     assert not any("experts.gate_up_proj" in n or "experts.down_proj" in n for n in names)
     assert not any(p.is_meta for p in loaded.model.parameters())
@@ -98,7 +102,9 @@ def test_cuda_matches_hf(tiny, model_type, dtype):
     """Under CUDA: fp32 within 1e-4; bf16 (HF also in bf16) within 2% of the logit range + 0.02,
     since the two sum expert outputs in a different order and precision."""
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    loaded = load_model(tiny.store(model_type), EngineConfig(device="cuda", dtype=dtype_name))
+    loaded = load_model(
+        tiny.store(model_type), EngineConfig(native=False, device="cuda", dtype=dtype_name)
+    )
     ref = hf_reference(tiny.checkpoint(model_type), dtype=dtype, device="cuda")
     ids = prompt(loaded.model_config.vocab_size, device="cuda")
     with torch.no_grad():
@@ -114,7 +120,8 @@ def test_cuda_matches_hf(tiny, model_type, dtype):
     if dtype == torch.float32:
         assert moetier_greedy(loaded, ids) == hf_greedy(ref, ids[:1])
     small = load_model(
-        tiny.store(model_type), EngineConfig(device="cuda", dtype=dtype_name, expert_cache_slots=2)
+        tiny.store(model_type),
+        EngineConfig(native=False, device="cuda", dtype=dtype_name, expert_cache_slots=2),
     )
     with torch.no_grad():
         assert torch.equal(small.model(ids).logits, loaded.model(ids).logits)

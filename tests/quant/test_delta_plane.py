@@ -28,7 +28,7 @@ def stores(tiny, tmp_path_factory):
 
 
 def logits(store, **engine) -> tuple[torch.Tensor, object]:
-    loaded = load_model(store, EngineConfig(device="cpu", dtype="float32", **engine))
+    loaded = load_model(store, EngineConfig(native=False, device="cpu", dtype="float32", **engine))
     with torch.no_grad():
         return loaded.model(IDS).logits, loaded
 

@@ -85,7 +85,7 @@ def test_mixed_store_decodes_per_layer_and_matrix(tiny, tmp_path):
                     decoded = expert_matrix(store.blob(layer, e), store.blob_format(layer), name)
                     assert torch.equal(decoded, fake)
                     param[e] = fake
-        loaded = load_model(store.path, EngineConfig(device="cpu", dtype="float32"))
+        loaded = load_model(store.path, EngineConfig(native=False, device="cpu", dtype="float32"))
         ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(6))
         assert (loaded.model(ids).logits - ref(ids).logits).abs().max() < 1e-4
 

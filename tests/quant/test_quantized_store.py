@@ -48,7 +48,7 @@ def test_store_decodes_to_the_quantiser_output(tiny, tmp_path):
             for e in range(mod.gate_up_proj.shape[0]):
                 mod.gate_up_proj[e] = quantize_q2s(mod.gate_up_proj[e], None, group=32).dequantize()
                 mod.down_proj[e] = quantize_q2s(mod.down_proj[e], None, group=16).dequantize()
-        loaded = load_model(store.path, EngineConfig(device="cpu", dtype="float32"))
+        loaded = load_model(store.path, EngineConfig(native=False, device="cpu", dtype="float32"))
         ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(0))
         assert (loaded.model(ids).logits - ref(ids).logits).abs().max() < 1e-4
 
@@ -69,7 +69,7 @@ def test_calibrated_rounding_fits_the_calibration_text_better(tiny, tmp_path):
     )
     assert Store(gptq).index["quantization"]["rounding"] == "gptq"
     full = tiny.store("mixtral")
-    cfg = EngineConfig(device="cpu", dtype="float32")
+    cfg = EngineConfig(native=False, device="cpu", dtype="float32")
     models = {
         name: load_model(path, cfg) for name, path in (("full", full), ("rtn", rtn), ("gptq", gptq))
     }
@@ -84,8 +84,8 @@ def test_calibrated_rounding_fits_the_calibration_text_better(tiny, tmp_path):
 def test_two_slot_budget_bit_identical_with_q2s(tiny, tmp_path):
     store = convert_quantized(tiny.checkpoint("gpt_oss"), tmp_path / "q2s", progress=False)
     ids = torch.randint(1, 320, (1, 10), generator=torch.Generator().manual_seed(1))
-    full = load_model(store, EngineConfig(device="cpu"))
-    small = load_model(store, EngineConfig(device="cpu", expert_cache_slots=2))
+    full = load_model(store, EngineConfig(native=False, device="cpu"))
+    small = load_model(store, EngineConfig(native=False, device="cpu", expert_cache_slots=2))
     with torch.no_grad():
         assert torch.equal(full.model(ids).logits, small.model(ids).logits)
 
@@ -146,8 +146,8 @@ def test_q2s_store_on_cuda_matches_cpu(tiny, tmp_path, monkeypatch):
 
     store = convert_quantized(tiny.checkpoint("deepseek_v3"), tmp_path / "q2s", progress=False)
     ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(2))
-    cpu = load_model(store, EngineConfig(device="cpu", dtype="float32"))
-    gpu = load_model(store, EngineConfig(device="cuda", dtype="float32"))
+    cpu = load_model(store, EngineConfig(native=False, device="cpu", dtype="float32"))
+    gpu = load_model(store, EngineConfig(native=False, device="cuda", dtype="float32"))
     with torch.no_grad():
         a = cpu.model(ids).logits
         # the default decode kernel rounds activations to int8 per 16 columns (the CPU path
@@ -201,7 +201,7 @@ def test_coded_store_equals_fake_quant(tiny, tmp_path, kind, bpw):
                     decoded = expert_matrix(store.blob(layer, e), store.blob_format(layer), name)
                     assert torch.equal(decoded, fake)
                     param[e] = fake
-        loaded = load_model(store.path, EngineConfig(device="cpu", dtype="float32"))
+        loaded = load_model(store.path, EngineConfig(native=False, device="cpu", dtype="float32"))
         ids = torch.randint(1, 320, (2, 12), generator=torch.Generator().manual_seed(4))
         assert (loaded.model(ids).logits - ref(ids).logits).abs().max() < 1e-4
 

@@ -148,7 +148,9 @@ def test_store_holds_the_reference_dequantisation(sources, name):
 
 @pytest.mark.parametrize("name", list(FIXTURES))
 def test_logits_match_hf_dequantised_forward(sources, name):
-    loaded = load_model(sources.store(name), EngineConfig(device="cpu", dtype="float32"))
+    loaded = load_model(
+        sources.store(name), EngineConfig(native=False, device="cpu", dtype="float32")
+    )
     ref = sources.hf_reference(name).float().eval()
     with torch.no_grad():
         ours, theirs = loaded.model(IDS).logits, ref(IDS).logits
@@ -194,8 +196,10 @@ def test_fp4_codes_kept_and_nested_is_bit_exact(sources, name):
                 nested.blob(layer, e), nested.blob_format(layer).tensor("down.codes")
             )
             assert torch.equal(unpack_nibbles(codes) >> 2, _unpack2(base_codes))
-    both = load_model(nested.path, EngineConfig(device="cpu", dtype="float32", delta="all"))
-    same = load_model(fp4.path, EngineConfig(device="cpu", dtype="float32"))
+    both = load_model(
+        nested.path, EngineConfig(native=False, device="cpu", dtype="float32", delta="all")
+    )
+    same = load_model(fp4.path, EngineConfig(native=False, device="cpu", dtype="float32"))
     with torch.no_grad():
         assert torch.equal(both.model(IDS).logits, same.model(IDS).logits)
 

@@ -69,7 +69,8 @@ def test_host_tier_from_the_engine_config(tiny):
 
     def run(**engine):
         loaded = load_model(
-            tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32", **engine)
+            tiny.store("qwen3_moe"),
+            EngineConfig(native=False, device="cpu", dtype="float32", **engine),
         )
         with torch.no_grad():
             return loaded.model(ids).logits, loaded.runtime.residency

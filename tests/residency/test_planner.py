@@ -83,12 +83,13 @@ def test_gpu_memory_sizes_the_cache_and_keeps_numerics(store, capsys):
     p = plan(store, WORKSPACE_BYTES + 8 * MIB)
     budget = p.dense_bytes + p.kv_bytes + WORKSPACE_BYTES + 4 * p.slot_bytes
     loaded = load_model(
-        store.path, EngineConfig(device="cpu", dtype="float32", gpu_memory=f"{budget}b")
+        store.path,
+        EngineConfig(native=False, device="cpu", dtype="float32", gpu_memory=f"{budget}b"),
     )
     assert loaded.runtime.residency.capacity == 4
     assert "expert slots" in capsys.readouterr().err
     ids = torch.randint(1, 300, (1, 12), generator=torch.Generator().manual_seed(1))
-    full = load_model(store.path, EngineConfig(device="cpu", dtype="float32"))
+    full = load_model(store.path, EngineConfig(native=False, device="cpu", dtype="float32"))
     with torch.no_grad():
         assert torch.equal(loaded.model(ids).logits, full.model(ids).logits)
 
@@ -101,7 +102,7 @@ def test_bad_engine_settings_fail_before_loading(store):
     with pytest.raises(ValueError, match="not a memory size"):
         check_engine_config(store.path, EngineConfig(gpu_memory="plenty"))
     with pytest.raises(ValueError, match="raise --gpu-memory"):
-        load_model(store.path, EngineConfig(device="cpu", gpu_memory="64MiB"))
+        load_model(store.path, EngineConfig(native=False, device="cpu", gpu_memory="64MiB"))
 
 
 def test_the_servers_kv_pages_come_out_of_the_gpu_budget(store):
@@ -112,7 +113,7 @@ def test_the_servers_kv_pages_come_out_of_the_gpu_budget(store):
 
     small = plan(store, WORKSPACE_BYTES + 8 * MIB, max_context=256, batch=1)
     budget = small.dense_bytes + small.kv_bytes + WORKSPACE_BYTES + 6 * small.slot_bytes
-    config = EngineConfig(device="cpu", dtype="float32", gpu_memory=f"{budget}b")
+    config = EngineConfig(native=False, device="cpu", dtype="float32", gpu_memory=f"{budget}b")
     few = load_model(store.path, config, kv_positions=256)
     per_position = small.kv_bytes // 256
     more = 2 * small.slot_bytes // per_position + 256  # two slots' worth of positions more

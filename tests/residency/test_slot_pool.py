@@ -95,7 +95,9 @@ def test_policies_never_change_numerics(tiny, policy):
     store = tiny.store("qwen3_moe")
 
     def logits(**engine):
-        loaded = load_model(store, EngineConfig(device="cpu", dtype="float32", **engine))
+        loaded = load_model(
+            store, EngineConfig(native=False, device="cpu", dtype="float32", **engine)
+        )
         with torch.no_grad():
             return loaded.model(ids).logits
 
@@ -118,7 +120,9 @@ def test_residency_configurations_are_bit_identical(tiny, tmp_path):
     ids = torch.randint(1, 300, (2, 12), generator=torch.Generator().manual_seed(4))
 
     def run(**engine):
-        loaded = load_model(store, EngineConfig(device="cpu", dtype="float32", **engine))
+        loaded = load_model(
+            store, EngineConfig(native=False, device="cpu", dtype="float32", **engine)
+        )
         with torch.no_grad():
             return loaded.model(ids).logits, loaded.runtime.residency
 

@@ -30,7 +30,9 @@ def run_configs(store, device: str) -> dict[str, tuple[torch.Tensor, object]]:
     ids = torch.randint(1, 300, (2, 12), generator=torch.Generator().manual_seed(8)).to(device)
     results = {}
     for name, engine in {"every expert resident": {}, **CONFIGS}.items():
-        loaded = load_model(store, EngineConfig(device=device, dtype="float32", **engine))
+        loaded = load_model(
+            store, EngineConfig(native=False, device=device, dtype="float32", **engine)
+        )
         runtime = loaded.runtime
         if name.startswith("zero-copy"):
             runtime.enable_zero_copy(hot=[] if "every blob" in name else None)

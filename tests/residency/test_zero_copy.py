@@ -13,7 +13,7 @@ from moetier.loader.load import load_model
 
 def load(tiny, **engine):
     return load_model(
-        tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32", **engine)
+        tiny.store("qwen3_moe"), EngineConfig(native=False, device="cpu", dtype="float32", **engine)
     )
 
 
