@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 ANTHROPIC_PREFIX = "/v1/messages"
+RESPONSES_PATH = "/v1/responses"  # its streams are typed events, errors too
 
 # status -> (OpenAI type, OpenAI code, Anthropic type)
 _KINDS: dict[int, tuple[str, str | None, str]] = {
@@ -108,10 +109,13 @@ def anthropic_error(
 
 def stream_error_event(path: str, message: str, status: int = 503) -> bytes:
     """The event that ends a failed stream in `path`'s API: OpenAI's `data: {"error": ...}`
-    then `[DONE]`, Anthropic's `event: error`."""
+    then `[DONE]`, Anthropic's `event: error`, the Responses API's typed `error` event."""
     body = error_body(path, status, message)
     if is_anthropic(path):
         return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+    if path == RESPONSES_PATH:
+        typed = {"type": "error", "code": body["error"]["type"], "message": message, "param": None}
+        return f"event: error\ndata: {json.dumps(typed)}\n\n".encode()
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 

@@ -24,7 +24,6 @@ from moetier.engine.engine import Engine, EngineLimits
 from moetier.engine.generate import Generator
 from moetier.engine.sampler import SamplingParams
 from moetier.loader.load import load_model
-from moetier.server import openai as openai_module
 from moetier.server.app import create_app
 from moetier.server.options import ServerOptions
 from moetier.server.unsupported import UNSUPPORTED
@@ -397,24 +396,39 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event(loaded, monkeypatch):
         assert failed == {"/v1/chat/completions": 2, "/v1/messages": 1}
 
 
-def test_a_bug_mid_stream_ends_it_with_an_error_event(server, oai, monkeypatch):
-    """Not the engine's failure but the route's own (any exception): the app's stream guard
-    (sse.py) ends the stream in the API's shape; the request is aborted."""
+def test_a_bug_mid_stream_ends_it_with_an_error_event(server, oai, claude, monkeypatch):
+    """Not the engine's failure but an unexpected exception in the request's stream (a bug):
+    the app's stream guard (sse.py) ends every API's stream in that API's error event, and the
+    request is aborted."""
     url, engine, _ = server
-    real = openai_module._finish
+    real_generate = engine.generate
 
-    def broken(reason):
-        if reason is not None:
-            raise ZeroDivisionError("a bug")
-        return real(reason)
+    def broken_generate(*args, **kwargs):
+        async def outputs():
+            inner = real_generate(*args, **kwargs)
+            try:
+                async for out in inner:
+                    yield out
+                    raise ZeroDivisionError("a bug")
+            finally:
+                await inner.aclose()
 
-    monkeypatch.setattr(openai_module, "_finish", broken)
+        return outputs()
+
+    monkeypatch.setattr(engine, "generate", broken_generate)
+    extra = {"ignore_eos": True}
     stream = oai.chat.completions.create(
-        model=MODEL, messages=USER, max_tokens=6, stream=True, extra_body={"ignore_eos": True}
+        model=MODEL, messages=USER, max_tokens=6, stream=True, extra_body=extra
     )
     with pytest.raises(openai.APIError, match="ZeroDivisionError"):
         for _ in stream:
             pass
+    with pytest.raises(anthropic.APIStatusError, match="ZeroDivisionError"):
+        with claude.messages.stream(model=MODEL, max_tokens=6, messages=USER) as events:
+            for _ in events:
+                pass
+    events = list(oai.responses.create(model=MODEL, input="Hello", stream=True))
+    assert events[-1].type == "error" and "ZeroDivisionError" in events[-1].message
     monkeypatch.undo()
     assert engine.wait_idle(timeout=20)
     assert engine.engine.pool.used_pages == 0
