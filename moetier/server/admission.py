@@ -177,7 +177,8 @@ class Admission:
         engine = self.state.engine
         if engine is None:
             status, message = not_ready(self.state)
-            await reject(status, message, retry_after=RETRY_LOADING_S)
+            loading = self.state.load_error is None  # a failed load does not come back
+            await reject(status, message, retry_after=RETRY_LOADING_S if loading else None)
             return
         room = engine.engine.scheduler.max_num_seqs + options.max_queued_requests
         if self.state.generating >= room:

@@ -198,7 +198,7 @@ def test_harmless_defaults_and_unknown_fields_are_accepted(server, oai, claude):
         )
 
 
-def test_n_times_max_tokens_cap(server, monkeypatch):
+def test_n_times_max_tokens_cap(server):
     """n x max_tokens over --max-request-tokens is refused before anything else looks at n."""
     body = {"model": MODEL, "messages": USER, "n": 4, "max_tokens": 300}
     reply = httpx.post(server[0] + "/v1/chat/completions", json=body)
@@ -342,6 +342,22 @@ def test_loading_is_503_with_retry_after(loaded):
             assert anthropic_shaped(info.value.response.json())["type"] == "overloaded_error"
         finally:
             release.set()
+
+
+def test_a_failed_load_is_503_without_retry_after():
+    def factory() -> AsyncEngine:
+        raise OSError("no such store")
+
+    with serving(create_app(factory, MODEL)) as url:
+        deadline = time.time() + 10
+        while httpx.get(url + "/health").json()["status"] == "loading":
+            assert time.time() < deadline
+            time.sleep(0.02)
+        assert httpx.get(url + "/health").json() == {"status": "failed"}
+        body = {"model": MODEL, "messages": USER}
+        reply = httpx.post(url + "/v1/chat/completions", json=body)
+        assert reply.status_code == 503 and "retry-after" not in reply.headers
+        assert "no such store" in openai_shaped(reply.json())["message"]
 
 
 def fail_steps_after(engine: AsyncEngine, good: int, monkeypatch) -> None:
