@@ -91,3 +91,10 @@ def test_xml_args_stream_string_values_and_hold_typed_ones():
     assert out == '{"s": "a\\"b\\n"'
     assert args.begin("n") == "" and args.chunk("4") == "" and args.end() == ', "n": 4'
     assert json.loads(out + ', "n": 4' + args.close()) == {"s": 'a"b\n', "n": 4}
+
+
+def test_raw_newlines_in_strings_are_escaped():
+    args = JsonArgs()
+    out = args.push('{"code": "a\n\tb"}')
+    last, complete = args.close()
+    assert complete and json.loads(out + last) == {"code": "a\n\tb"}

@@ -448,6 +448,10 @@ class ThinkParser(Parser):
         if not self.content_started:
             markers += (self.think_start,)
         text, marker = self._scan(markers, final)
+        if marker == self.think_start and text.strip():
+            # content came first: this is text (as it is when that content was fed before)
+            self._emit_content(text + marker)
+            return True
         self._emit_content(text)
         if marker is None:
             return False
@@ -466,6 +470,9 @@ class ThinkParser(Parser):
         if not self._reasoning.started:
             markers += (self.think_start,)
         text, marker = self._scan(markers, final)
+        if marker == self.think_start and text.strip():
+            self._emit_reasoning(text + marker)  # reasoning came first: this is text
+            return True
         self._emit_reasoning(text)
         if marker is None:
             return False

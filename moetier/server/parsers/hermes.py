@@ -20,6 +20,14 @@ _HEAD = re.compile(
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
+def _name(quoted: str) -> str:
+    """A JSON string's contents as text (raw control characters allowed)."""
+    try:
+        return str(json.loads(f'"{quoted}"', strict=False))
+    except ValueError:
+        return quoted
+
+
 class HermesParser(ThinkParser):
     family = "hermes"
     calls_in_reasoning = True
@@ -32,7 +40,7 @@ class HermesParser(ThinkParser):
             head = _HEAD.match(self.buf)
             if head and (end == -1 or head.end() <= end):
                 self.buf = self.buf[head.end() :]
-                self._open_json_call(json.loads(f'"{head.group(1)}"'))
+                self._open_json_call(_name(head.group(1)))
                 self.sub = "args"
                 return True
             body = self._wait_for(_CLOSE, final)
@@ -53,7 +61,7 @@ class HermesParser(ThinkParser):
         """A call read at its end: `{"name": …}` with `arguments` (or `parameters`) an object,
         a JSON string of one, or absent."""
         try:
-            call = json.loads(body)
+            call = json.loads(body, strict=False)
         except ValueError:
             call = None
         args = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None

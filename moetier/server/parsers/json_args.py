@@ -4,13 +4,15 @@
 still become valid JSON by appending closers alone (a quote, brackets, braces): inside a string
 value every character is such a point, so long string arguments stream as they come. The object's
 end is found by its own braces, so text after it (a wrapper's `}`, a code fence) is left over.
-At the end of the call, a complete object is passed on as written; anything else (cut off by
+At the end of the call, a complete object is passed on as written (a raw control character
+inside a string, as models write newlines in code, is escaped); anything else (cut off by
 max_tokens, a syntax error) is closed at the last such point, which is valid JSON, and the
 parser records a warning: arguments that are not JSON are never passed on.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 _NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
@@ -42,6 +44,12 @@ class JsonArgs:
                 break
             if self.state == "start" and ch in " \t\r\n":
                 continue  # whitespace before the object is not part of the arguments
+            if self.state in ("str", "key") and not self.unicode and ch < " ":
+                # a raw control character inside a string (models write raw newlines in code):
+                # unambiguous, so repaired to its escape
+                self.text += json.dumps(ch)[1:-1]
+                self._mark()
+                continue
             if not self._char(ch):
                 self.error = True
                 self.rest += text[i:]
