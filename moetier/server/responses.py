@@ -3,11 +3,12 @@ with `sequence_number`s, no `[DONE]`) and not.
 
 `input` (a string, or items: messages with text parts, and the history's `function_call` and
 `function_call_output` items) and `instructions` become the chat template's messages; function
-`tools` reach the template. Nothing is stored: `previous_response_id` and `conversation` are
-refused with a 400 (send the whole history in `input`), `store` is accepted and answered
-`false`. `text.format` is enforced as `response_format` is. The model's text becomes output
-items in one place, `output_items` (today one assistant message; reasoning and tool-call items
-come with the model's parser).
+`tools` reach the template, `tool_choice` required or a named function forces a call by a
+grammar. Nothing is stored: `previous_response_id` and `conversation` are refused with a 400
+(send the whole history in `input`), `store` is accepted and answered `false`. `text.format` is
+enforced as `response_format` is. The model's parser (server/parsers) splits the answer into
+output items, in order: `reasoning`, `message` (one output_text part) and `function_call`
+(`OutputItems`, the same for streamed and whole answers).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moetier.engine.engine import Output
-from moetier.engine.prompts import chat_prompt_ids
+from moetier.server.parsers.base import Delta
+from moetier.server.parsers.serving import ChatParsing, prepare_chat
 from moetier.server.sampling_fields import JsonSchemaFormat, ResponseFormat, SamplingFields
 from moetier.server.state import ServerState, all_outputs, not_ready, openai_error
 
@@ -157,13 +159,8 @@ def chat_messages(instructions: str | None, items: str | list[InputItem]) -> lis
     return out
 
 
-def template_tools(
-    tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any]
-) -> list[dict[str, Any]] | None:
-    """Responses function tools as the chat template's; ValueError for other tool types or a
-    tool_choice that is not "auto" or "none" ("none": the template gets no tools)."""
-    if tool_choice not in ("auto", "none"):
-        raise ValueError(f"tool_choice: {tool_choice!r} is not supported: use 'auto' or 'none'")
+def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools as the chat template's; ValueError for other tool types."""
     out = []
     for n, tool in enumerate(tools or ()):
         if tool.get("type") != "function" or not tool.get("name"):
@@ -173,14 +170,121 @@ def template_tools(
             )
         function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": function})
-    return out if out and tool_choice == "auto" else None
+    return out or None
 
 
-def output_items(text: str, finish_reason: str | None, message_id: str) -> list[dict[str, Any]]:
-    """The model's answer as Responses output items: the seam where the model family's parser
-    will split reasoning (`reasoning` items) and tool calls (`function_call` items) out of the
-    text. Today: one assistant message holding the whole text."""
-    return [_message(message_id, text, "incomplete" if finish_reason == "length" else "completed")]
+Event = tuple[str, dict[str, Any]]  # a stream event's name and fields (less type, sequence)
+
+
+class OutputItems:
+    """The answer's output items, built from the parser's deltas in order: reasoning text as a
+    `reasoning` item, content as a `message` item with one `output_text` part, each tool call as
+    a `function_call` item. `push` returns the stream events a delta makes (an item's added,
+    content part and delta events); `close` ends the last item (incomplete when
+    max_output_tokens cut it) and returns its done events; `items` is the output so far."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+        self.text = ""  # the open item's text (a call's arguments)
+        self.call = -1  # the open function_call's tool-call index
+
+    def push(self, delta: Delta) -> list[Event]:
+        events: list[Event] = []
+        for kind, value in delta.parts:
+            if kind == "tool_call":
+                same_call = self._kind() == "function_call" and value.index == self.call
+                if value.id is not None or not same_call:
+                    events += self._end("completed")
+                    events += self._begin_call(value.id, value.name, value.index)
+                events += self._grow(value.arguments)
+                continue
+            wanted = "reasoning" if kind == "reasoning" else "message"
+            if self._kind() != wanted:
+                events += self._end("completed")
+                events += self._begin(wanted)
+            events += self._grow(value)
+        return events
+
+    def close(self, finish_reason: str | None) -> list[Event]:
+        """End the last item; an answer of no item at all gets an empty message."""
+        events = [] if self.items else self._begin("message")
+        return events + self._end("incomplete" if finish_reason == "length" else "completed")
+
+    def _kind(self) -> str | None:
+        return None if self.open is None else str(self.open["type"])
+
+    def _where(self, content: bool = True) -> dict[str, Any]:
+        assert self.open is not None
+        where = {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+        return {**where, "content_index": 0} if content else where
+
+    def _begin(self, kind: str) -> list[Event]:
+        if kind == "reasoning":
+            item = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": []}
+            item.update(content=[], status="in_progress")
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            item = _message(f"msg_{uuid.uuid4().hex}", None, "in_progress")
+            part = _text_part("")
+        self.open, self.text = item, ""
+        self.items.append(item)
+        added = {"output_index": len(self.items) - 1, "item": item}
+        return [
+            ("response.output_item.added", added),
+            ("response.content_part.added", {**self._where(), "part": part}),
+        ]
+
+    def _begin_call(self, call_id: str | None, name: str | None, index: int) -> list[Event]:
+        item = {
+            "id": f"fc_{uuid.uuid4().hex}",
+            "type": "function_call",
+            "call_id": call_id or f"call_{uuid.uuid4().hex[:24]}",
+            "name": name or "",
+            "arguments": "",
+            "status": "in_progress",
+        }
+        self.open, self.text, self.call = item, "", index
+        self.items.append(item)
+        return [("response.output_item.added", {"output_index": len(self.items) - 1, "item": item})]
+
+    def _grow(self, piece: str) -> list[Event]:
+        if not piece or self.open is None:
+            return []
+        self.text += piece
+        kind = self.open["type"]
+        if kind == "function_call":
+            call_delta = {**self._where(False), "delta": piece}
+            return [("response.function_call_arguments.delta", call_delta)]
+        if kind == "reasoning":
+            return [("response.reasoning_text.delta", {**self._where(), "delta": piece})]
+        text_delta = {**self._where(), "delta": piece, "logprobs": []}
+        return [("response.output_text.delta", text_delta)]
+
+    def _end(self, status: str) -> list[Event]:
+        item = self.open
+        if item is None:
+            return []
+        kind, text = item["type"], self.text
+        events: list[Event] = []
+        if kind == "function_call":
+            item.update(arguments=text, status=status)
+            done = {**self._where(False), "name": item["name"], "arguments": text}
+            events.append(("response.function_call_arguments.done", done))
+        else:
+            if kind == "reasoning":
+                part: dict[str, Any] = {"type": "reasoning_text", "text": text}
+                events.append(("response.reasoning_text.done", {**self._where(), "text": text}))
+            else:
+                part = _text_part(text)
+                done = {**self._where(), "text": text, "logprobs": []}
+                events.append(("response.output_text.done", done))
+            events.append(("response.content_part.done", {**self._where(), "part": part}))
+            item.update(content=[part], status=status)
+        index = len(self.items) - 1
+        events.append(("response.output_item.done", {"output_index": index, "item": item}))
+        self.open = None
+        return events
 
 
 def _message(message_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -278,10 +382,16 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             if req.background:
                 raise ValueError("background: background responses are not supported")
             messages = chat_messages(req.instructions, req.input)
-            tools = template_tools(req.tools, req.tool_choice)
-            prompt_ids = chat_prompt_ids(engine.tokenizer, messages, tools)
+            prompt_ids, params, parsing = prepare_chat(
+                engine,
+                state.parser,
+                messages,
+                req.sampling_params(state.defaults),
+                template_tools(req.tools),
+                req.tool_choice,
+                req.parallel_tool_calls,
+            )
             max_tokens = req.asked_max_tokens()
-            params = req.sampling_params(state.defaults)
             engine.check(prompt_ids, params, max_tokens)
         except ValueError as err:
             return openai_error(400, str(err))
@@ -290,7 +400,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             prompt_ids, params, chat=True, max_tokens=max_tokens, ignore_eos=req.ignore_eos
         )
         if req.stream:
-            return StreamingResponse(_events(outputs, envelope), media_type="text/event-stream")
+            events = _events(outputs, envelope, parsing)
+            return StreamingResponse(events, media_type="text/event-stream")
 
         try:
             done = await all_outputs(http, outputs)
@@ -298,16 +409,18 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return openai_error(503, str(err), "server_error")
         if done is None:  # the client left: its request is aborted
             return openai_error(499, "client closed the request")
-        last = done[-1]
-        text = "".join(o.text for o in done)
-        items = output_items(text, last.finish_reason, f"msg_{uuid.uuid4().hex}")
-        return envelope.response("completed", items, last)
+        items = OutputItems()
+        for out in done:
+            items.push(parsing.push(out))
+        items.close(done[-1].finish_reason)
+        return envelope.response("completed", items.items, done[-1])
 
 
-async def _events(outputs: AsyncIterator[Output], envelope: _Envelope) -> AsyncIterator[str]:
-    """The documented event sequence: response.created, response.in_progress, then the message
-    item (output_item.added, content_part.added, output_text.delta..., output_text.done,
-    content_part.done, output_item.done), then response.completed (response.incomplete when
+async def _events(
+    outputs: AsyncIterator[Output], envelope: _Envelope, parsing: ChatParsing
+) -> AsyncIterator[str]:
+    """The documented event sequence: response.created, response.in_progress, each output
+    item's events (OutputItems), then response.completed (response.incomplete when
     max_output_tokens cut it short). Closed early (the client went away), the request is
     aborted by `outputs`' own cleanup."""
     sequence = 0
@@ -320,31 +433,20 @@ async def _events(outputs: AsyncIterator[Output], envelope: _Envelope) -> AsyncI
 
     yield event("response.created", {"response": envelope.response("in_progress", [])})
     yield event("response.in_progress", {"response": envelope.response("in_progress", [])})
-    message_id = f"msg_{uuid.uuid4().hex}"
-    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
-    yield event(
-        "response.output_item.added",
-        {"output_index": 0, "item": _message(message_id, None, "in_progress")},
-    )
-    yield event("response.content_part.added", {**where, "part": _text_part("")})
-    text, last = "", None
+    items, last = OutputItems(), None
     try:
         async for out in outputs:
             last = out
-            if out.text:
-                text += out.text
-                delta = {**where, "delta": out.text, "logprobs": []}
-                yield event("response.output_text.delta", delta)
+            for name, data in items.push(parsing.push(out)):
+                yield event(name, data)
     except RuntimeError as err:  # the engine failed or is shutting down
         yield event("error", {"code": "server_error", "message": str(err), "param": None})
         return
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
     assert last is not None  # a finished request has a last output
-    yield event("response.output_text.done", {**where, "text": text, "logprobs": []})
-    yield event("response.content_part.done", {**where, "part": _text_part(text)})
-    items = output_items(text, last.finish_reason, message_id)
-    yield event("response.output_item.done", {"output_index": 0, "item": items[0]})
-    final = envelope.response("completed", items, last)
+    for name, data in items.close(last.finish_reason):
+        yield event(name, data)
+    final = envelope.response("completed", items.items, last)
     name = "response.completed" if final["status"] == "completed" else "response.incomplete"
     yield event(name, {"response": final})

@@ -39,6 +39,16 @@ TOOL = {
     "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
+# a call the grammar writes to its end within a few tokens, whatever the random model wants
+SHORT_TOOL = {
+    **TOOL,
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +229,7 @@ def test_stateless_and_unsupported_input_are_400s(client):
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "function tools"),
-        ({"tool_choice": "required", "tools": [TOOL]}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "nope"),
         ({"input": [{"type": "message", "role": "user",
                      "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
          "input_image"),
@@ -256,10 +266,84 @@ def test_text_format_json_schema_is_enforced(client):
     jsonschema.validate(json.loads(resp.output_text), PET)
     assert resp.text.format.type == "json_schema"
     obj = client.responses.create(
-        model=MODEL, input="JSON", max_output_tokens=120, text={"format": {"type": "json_object"}}
+        model=MODEL,
+        input="JSON",
+        max_output_tokens=200,
+        temperature=0,
+        text={"format": {"type": "json_object"}},
     )
+    assert obj.status == "completed"
     assert isinstance(json.loads(obj.output_text), dict)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(
             model=MODEL, input="x", text={"format": {"type": "json_schema", "schema": {"type": 5}}}
         )
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_a_forced_call_is_a_function_call_item(client, tool_choice):
+    args = {
+        "model": MODEL,
+        "input": "Rome?",
+        "tools": [SHORT_TOOL],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,  # one call, then the answer ends
+    }
+    resp = client.responses.create(**args, max_output_tokens=100, temperature=0)
+    assert resp.status == "completed"
+    [call] = [item for item in resp.output if item.type == "function_call"]
+    assert (call.name, call.status) == ("get_weather", "completed")
+    assert call.call_id and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), SHORT_TOOL["parameters"])
+    events = list(
+        client.responses.create(**args, max_output_tokens=100, temperature=0, stream=True)
+    )
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+
+    def shape(output):  # what greedy makes the same each time (ids are fresh per response)
+        return [(i.type, getattr(i, "name", None), getattr(i, "arguments", None)) for i in output]
+
+    assert shape(final.output) == shape(resp.output)
+    for index, item in enumerate(final.output):
+        mine = [e for e in events if getattr(e, "output_index", None) == index]
+        assert mine[0].type == "response.output_item.added"
+        assert mine[-1].type == "response.output_item.done"
+        if item.type == "function_call":
+            deltas = [e.delta for e in mine if e.type == "response.function_call_arguments.delta"]
+            [done] = [e for e in mine if e.type == "response.function_call_arguments.done"]
+            assert "".join(deltas) == done.arguments == item.arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with client.responses.stream(**args, max_output_tokens=100, temperature=0) as stream:
+        accumulated = stream.get_final_response()
+    assert shape(accumulated.output) == shape(resp.output)
+
+
+def test_reasoning_is_a_reasoning_item(server, client):
+    """A prompt that opens the model's reasoning (as Qwen3's thinking templates end): the
+    hermes parser the tiny qwen3_moe gets reads the answer as reasoning, a `reasoning` item."""
+    generator = server[1]
+    tokenizer = generator.tokenizer
+    tiny_template = tokenizer.chat_template
+    tokenizer.chat_template = tiny_template.replace("assistant\\n", "assistant\\n<think>\\n")
+    assert tokenizer.chat_template != tiny_template
+    try:
+        want = greedy(generator, [{"role": "user", "content": "Hi"}], 8)
+        args = {"model": MODEL, "input": "Hi", "max_output_tokens": 8, "temperature": 0}
+        resp = client.responses.create(**args)
+        events = list(client.responses.create(**args, stream=True))
+    finally:
+        tokenizer.chat_template = tiny_template
+    [item] = resp.output
+    assert (item.type, item.status) == ("reasoning", "incomplete")
+    assert item.content[0].type == "reasoning_text"
+    assert item.content[0].text == want.text
+    assert resp.output_text == ""
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == want.text
+    assert [e.type for e in events if e.type.endswith(".done")] == [
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert events[-1].response.output[0].content[0].text == want.text
