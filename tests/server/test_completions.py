@@ -4,6 +4,10 @@ token-id prompts, streaming equal to not, OpenAI-shaped errors."""
 
 from __future__ import annotations
 
+import json
+import socket
+import time
+
 import httpx
 import openai
 import pytest
@@ -12,7 +16,7 @@ from uvicorn_thread import serving
 
 from moetier.config import EngineConfig
 from moetier.engine.async_engine import AsyncEngine
-from moetier.engine.engine import Engine
+from moetier.engine.engine import Engine, EngineLimits
 from moetier.engine.generate import Generator
 from moetier.engine.sampler import SamplingParams
 from moetier.loader.load import load_model
@@ -281,3 +285,74 @@ def test_streamed_logprobs_equal_the_whole_answers(fp32, echo):
     assert joined == [c.logprobs.model_dump() for c in whole.choices]
     for got, prompt in zip(joined, TOKEN_PROMPTS, strict=True):
         assert len(got["tokens"]) == (len(prompt) if echo else 0) + 5
+
+
+# -- clients that leave: every prompt's request aborted, the engine idle ----------------------
+
+
+@pytest.fixture(scope="module")
+def native(tiny):
+    """The tiny native model over paged KV, prompts read 8 positions a step."""
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", native=True))
+    engine = AsyncEngine(Engine(loaded, EngineLimits(num_pages=256, max_num_batched_tokens=8)))
+    with serving(create_app(engine, MODEL)) as url:
+        yield url, engine
+
+
+def long_body(stream: bool) -> dict:
+    """Two prompts that would run to 200 tokens each (ignore_eos)."""
+    return {
+        "model": MODEL,
+        "prompt": PROMPTS,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def assert_all_aborted_and_idle(engine: AsyncEngine, aborted: int) -> None:
+    deadline = time.time() + 20
+    while engine.stats.aborted < aborted + len(PROMPTS):  # a departure reaches it asynchronously
+        assert time.time() < deadline, f"{engine.stats.aborted - aborted} aborted, not 2"
+        time.sleep(0.01)
+    assert engine.wait_idle(timeout=20), "the engine did not return to idle"
+    time.sleep(0.05)  # the loop thread's stats of its last step
+    inner = engine.engine
+    assert not inner.scheduler.running and not inner.scheduler.waiting
+    assert inner.pool.used_pages == 0 and inner.streams == {}
+
+
+def test_a_client_gone_mid_stream_aborts_every_prompt(native):
+    url, engine = native
+    aborted = engine.stats.aborted
+    with httpx.stream("POST", url + "/v1/completions", json=long_body(True), timeout=30) as resp:
+        indexes: set[int] = set()
+        for line in resp.iter_lines():  # until both prompts are under way
+            if line.startswith("data: {"):
+                indexes.update(c["index"] for c in json.loads(line[6:])["choices"])
+            if indexes == {0, 1}:
+                break
+        assert indexes == {0, 1}
+    assert_all_aborted_and_idle(engine, aborted)
+
+
+def test_a_client_gone_before_the_whole_answers_aborts_every_prompt(native):
+    url, engine = native
+    aborted = engine.stats.aborted
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(long_body(False)).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    deadline = time.time() + 20
+    while engine.stats.running < len(PROMPTS):
+        assert time.time() < deadline
+        time.sleep(0.005)
+    sock.close()
+    assert_all_aborted_and_idle(engine, aborted)
+    after = httpx.post(url + "/v1/completions", json={**long_body(False), "max_tokens": 2})
+    assert after.status_code == 200 and len(after.json()["choices"]) == 2
