@@ -87,6 +87,30 @@ def test_several_prompts_and_token_id_prompts(server, client):
     assert [c.text for c in one.choices] == [wants[1].text]
 
 
+@pytest.mark.xfail(
+    raises=openai.BadRequestError,
+    strict=True,
+    reason="n > 1 waits for SamplingFields.n (le=1) and unsupported.py's n entry to go",
+)
+def test_n_sequences_of_several_prompts(server, client):
+    generator = server[1]
+    ids = [generator.prompt_ids(p) for p in PROMPTS]
+    wants = [greedy(generator, i, 5) for i in ids]
+    resp = client.completions.create(model=MODEL, prompt=PROMPTS, n=2, max_tokens=5, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]  # prompt i's are i*n .. i*n+n-1
+    assert [c.text for c in resp.choices] == [w.text for w in wants for _ in range(2)]
+    assert resp.usage.prompt_tokens == sum(len(i) for i in ids)  # each prompt counted once
+    assert resp.usage.completion_tokens == 2 * sum(generated(w) for w in wants)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS, n=2, max_tokens=5, temperature=0, stream=True
+    )
+    texts = ["", "", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in resp.choices]
+
+
 def test_echo_puts_the_prompt_first(server, client):
     generator = server[1]
     ids = generator.prompt_ids(PROMPTS[0])
