@@ -14,6 +14,7 @@ from moetier.server.parsers.base import ThinkParser
 from moetier.server.parsers.xml_args import dumps
 
 TOOL_CALLS = "[TOOL_CALLS]"
+_TAGS = ("[ARGS]", "[CALL_ID]")
 
 
 def mistral_id() -> str:
@@ -34,9 +35,11 @@ class MistralParser(ThinkParser):
         sub = self.sub
         if sub == "start":
             stripped = self.buf.lstrip()
-            if not stripped:
-                return False
-            if stripped[0] in "[{" and not stripped.startswith("[ARGS]"):
+            if not stripped or (
+                not final and any(m.startswith(stripped) and m != stripped for m in _TAGS)
+            ):
+                return False  # nothing yet, or what may still become a tag
+            if stripped[0] in "[{" and not stripped.startswith(_TAGS):
                 self.sub = "list"
                 return True
             ends = [(self.buf.find(m), m) for m in ("[ARGS]", "[CALL_ID]") if m in self.buf]
