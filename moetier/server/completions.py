@@ -32,8 +32,10 @@ from pydantic import Field
 
 from moetier.engine.engine import Output
 from moetier.engine.sampler import MAX_LOGPROBS, TokenLogprob
+from moetier.engine.scheduler import ContextLengthError
+from moetier.server.errors import openai_error, stream_error_event
 from moetier.server.sampling_fields import SamplingFields
-from moetier.server.state import ServerState, not_ready, openai_error, unless_disconnected
+from moetier.server.state import ServerState, not_ready, unless_disconnected
 from moetier.server.tokenize import check_ids
 
 
@@ -200,6 +202,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             max_tokens = req.asked_max_tokens()
             for p in asked:
                 engine.check(p.ids, params, max_tokens, req.n)
+        except ContextLengthError as err:
+            return openai_error(400, str(err), param="prompt", code="context_length_exceeded")
         except ValueError as err:
             return openai_error(400, str(err))
         completion_id = f"cmpl-{uuid.uuid4().hex}"
@@ -350,8 +354,7 @@ async def _sse(
             }
             yield chunk([choice])
     except RuntimeError as err:  # the engine failed or is shutting down
-        body = {"error": {"message": str(err), "type": "server_error"}}
-        yield f"data: {json.dumps(body)}\n\n"
+        yield stream_error_event("/v1/completions", str(err)).decode()
         return
     finally:
         await merged.aclose()  # type: ignore[attr-defined]

@@ -24,10 +24,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from moetier.engine.engine import Output
+from moetier.engine.scheduler import ContextLengthError
+from moetier.server.errors import openai_error
 from moetier.server.parsers.base import Delta
 from moetier.server.parsers.serving import ChatParsing, prepare_chat
 from moetier.server.sampling_fields import JsonSchemaFormat, ResponseFormat, SamplingFields
-from moetier.server.state import ServerState, all_outputs, not_ready, openai_error
+from moetier.server.state import ServerState, all_outputs, not_ready
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
@@ -393,6 +395,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             )
             max_tokens = req.asked_max_tokens()
             engine.check(prompt_ids, params, max_tokens)
+        except ContextLengthError as err:
+            return openai_error(400, str(err), param="input", code="context_length_exceeded")
         except ValueError as err:
             return openai_error(400, str(err))
         envelope = _Envelope(req, state.model_name, max_tokens)

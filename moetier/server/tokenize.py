@@ -12,8 +12,10 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, Field, model_validator
 
 from moetier.engine.async_engine import AsyncEngine
+from moetier.server.errors import openai_error
 from moetier.server.openai import ChatMessage
-from moetier.server.state import ServerState, not_ready, openai_error
+from moetier.server.parsers.serving import template_history
+from moetier.server.state import ServerState, not_ready
 
 
 class TokenizeRequest(BaseModel):
@@ -58,17 +60,15 @@ def check_ids(tokenizer: Any, ids: list[int], where: str) -> None:
         raise ValueError(f"{where}: token id {bad[0]} is not in the vocabulary [0, {vocab})")
 
 
-def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
-    """The request's token ids; ValueError if the chat template refuses its messages."""
+def tokenize(tokenizer: Any, req: TokenizeRequest, family: str | None = None) -> list[int]:
+    """The request's token ids (messages as /v1/chat/completions renders them for the parser
+    `family`); ValueError if the chat template refuses its messages."""
     if req.messages is None:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         return list(tokenizer.encode(req.prompt or "", add_special_tokens=special))
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: send a prompt instead of messages")
-    messages = [
-        {"role": m.role if m.role != "developer" else "system", "content": m.text()}
-        for m in req.messages
-    ]
+    messages = template_history([m.template_message() for m in req.messages], family)
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -89,7 +89,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if engine is None:
             return openai_error(*not_ready(state), "server_error")
         try:
-            ids = tokenize(engine.tokenizer, req)
+            ids = tokenize(engine.tokenizer, req, state.parser.family if state.parser else None)
         except ValueError as err:
             return openai_error(400, str(err))
         return {

@@ -181,6 +181,8 @@ def test_errors_are_openai_shaped_400s(server, client):
         with pytest.raises(openai.BadRequestError, match=match) as info:
             client.completions.create(model=MODEL, **extra)
         assert info.value.body["type"] == "invalid_request_error"
+        if match == "context length":
+            assert info.value.code == "context_length_exceeded"
     resp = httpx.post(server[0] + "/v1/completions", json={"model": MODEL})
     assert resp.status_code == 400
     assert "prompt" in resp.json()["error"]["message"]

@@ -237,12 +237,15 @@ def test_stateless_and_unsupported_input_are_400s(client):
         ({"input": [{"type": "function_call", "name": "f"}]}, "call_id"),
         ({"input": []}, "empty"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 10**6}, "context length"),
     ]  # fmt: skip
     for extra, match in cases:
         body = {"model": MODEL, "input": "Hi", **extra}
         with pytest.raises(openai.BadRequestError, match=match) as info:
             client.responses.create(**body)
         assert info.value.body["type"] == "invalid_request_error"
+        if match == "context length":
+            assert info.value.code == "context_length_exceeded"
 
 
 PET = {

@@ -89,3 +89,18 @@ def test_models_lists_the_context_length(server):
     [model] = client.models.list().data
     assert model.id == MODEL
     assert model.max_model_len == server[2]  # type: ignore[attr-defined]
+
+
+def test_tokenize_counts_what_chat_completions_reads(server):
+    """Messages with tool history: /tokenize's count is the prompt /v1/chat/completions reads."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        {"role": "developer", "content": "Answer now."},
+    ]
+    count = post(server, "/tokenize", {"messages": messages}).json()["count"]
+    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == count
