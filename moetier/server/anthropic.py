@@ -7,7 +7,8 @@ blocks as `tool` messages, thinking blocks of the history as `reasoning_content`
 templates that keep it); image blocks are refused with a 400. `tools` reach the chat template;
 the model's parser (server/parsers) turns its reasoning and tool calls into `thinking` and
 `tool_use` blocks (streamed as thinking_delta and input_json_delta; stop_reason tool_use);
-`tool_choice` any or tool forces a call by a grammar; `thinking` is accepted without effect.
+`tool_choice` any or tool forces a call by a grammar; `thinking` enabled / disabled sets the
+hybrid templates' `enable_thinking` / `thinking`.
 Streams send the documented events in order (message_start, content_block_start, ping,
 content_block_delta, content_block_stop, message_delta, message_stop), no `[DONE]`.
 `usage.input_tokens` counts the prompt tokens not read from the prefix cache;
@@ -35,8 +36,10 @@ from moetier.server.parsers.serving import (
     AnthropicStream,
     ChatParsing,
     anthropic_blocks,
+    anthropic_thinking,
     prepare_chat,
     template_history,
+    template_kwargs,
 )
 from moetier.server.state import ServerState, all_outputs, not_ready
 
@@ -235,6 +238,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 _tools(req.tools),
                 choice.get("type") if choice.get("type") in ("auto", "none") else choice or None,
                 not choice.get("disable_parallel_tool_use", False),
+                template_kwargs(state.template_defaults, anthropic_thinking(req.thinking)),
             )
             engine.check(prompt_ids, params, req.max_tokens)
         except ValueError as err:

@@ -35,7 +35,11 @@ from moetier.server.admission import Admission
 from moetier.server.auth import OPEN_PATHS
 from moetier.server.metrics import ServerCollector, exposition, registry_of
 from moetier.server.options import ServerOptions
-from moetier.server.parsers.serving import check_parser_flags, parser_for_engine
+from moetier.server.parsers.serving import (
+    check_parser_flags,
+    parse_template_kwargs,
+    parser_for_engine,
+)
 from moetier.server.sse import EventStreams
 from moetier.server.state import ServerState
 
@@ -53,6 +57,7 @@ def create_app(
     options = options or ServerOptions()
     check_parser_flags(options.tool_parser, options.reasoning_parser)
     state = ServerState(model_name, defaults or SamplingParams(), options=options)
+    state.template_defaults = parse_template_kwargs(options.default_chat_template_kwargs)
     factory = None
     if isinstance(engine, AsyncEngine):
         state.engine = engine

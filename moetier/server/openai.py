@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from moetier.engine.engine import Output
 from moetier.engine.scheduler import ContextLengthError
 from moetier.server.errors import openai_error, stream_error_event
-from moetier.server.parsers.serving import ChatParsing, prepare_chat
+from moetier.server.parsers.serving import ChatParsing, prepare_chat, template_kwargs
 from moetier.server.sampling_fields import SamplingFields
 from moetier.server.state import ServerState, all_outputs, not_ready
 
@@ -67,6 +67,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: enable_thinking, thinking, ...
 
     def asked_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -94,6 +95,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 req.tools,
                 req.tool_choice,
                 req.parallel_tool_calls is not False,
+                template_kwargs(state.template_defaults, req.chat_template_kwargs),
             )
             engine.check(prompt_ids, params, max_tokens)
         except ContextLengthError as err:

@@ -44,6 +44,11 @@ class ServerOptions:
         metadata={"help": "the reasoning and tool-call parser family (default: chosen from the "
                   "chat template and model_type; 'none': plain text; docs/serving.md)"},
     )  # fmt: skip
+    default_chat_template_kwargs: str = field(
+        default="",
+        metadata={"help": "chat template variables as a JSON object, e.g. "
+                  "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win"},
+    )  # fmt: skip
     reasoning_parser: str = field(
         default="",
         metadata={"help": "the same choice by its other name: one parser reads reasoning and "

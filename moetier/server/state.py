@@ -9,7 +9,7 @@ import fnmatch
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -37,6 +37,7 @@ class ServerState:
     responses: Counter[tuple[str, int]] = field(default_factory=Counter)
     stream_errors: Counter[str] = field(default_factory=Counter)
     parser: ParserChoice | None = None  # the reasoning / tool-call parser, once the model is ready
+    template_defaults: dict[str, Any] = field(default_factory=dict)  # chat template variables
 
     def serves(self, name: str) -> bool:
         """Whether a request's `model` names this server's model (its name or an alias)."""

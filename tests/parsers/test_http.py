@@ -216,3 +216,19 @@ def test_tool_parser_flag_overrides_and_unknown_is_refused(loaded):
         assert entry["tool_parser"] is None
     with pytest.raises(ValueError, match="unknown parser family 'qwen9'"):
         create_app(AsyncEngine(Engine(loaded)), MODEL, options=ServerOptions(tool_parser="qwen9"))
+
+
+def test_chat_template_kwargs_pass_and_bad_defaults_are_refused(oai, loaded):
+    reply = oai.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert reply.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="may not set tools"):
+        oai.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=2,
+            extra_body={"chat_template_kwargs": {"tools": []}},
+        )  # fmt: skip
+    bad = ServerOptions(default_chat_template_kwargs="{not json")
+    with pytest.raises(ValueError, match="default-chat-template-kwargs"):
+        create_app(AsyncEngine(Engine(loaded)), MODEL, options=bad)

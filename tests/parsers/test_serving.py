@@ -240,3 +240,56 @@ def test_markers_name_what_each_family_reads():
         think = [getattr(cls, "think_start", None), getattr(cls, "think_end", None)]
         for marker in [*cls.call_markers, *(t for t in think if t)]:
             assert marker in cls.markers, (cls.family, marker)
+
+
+QWEN35_PROMPT = (  # Qwen3.5's generation prompt (chat-templates/qwen3.5.jinja)
+    "{% for m in messages %}<|im_end|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_end|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("kwargs", [None, {"enable_thinking": True}, {"enable_thinking": False}])
+def test_template_kwargs_set_the_reasoning_state(kimi_tokenizer, kwargs):
+    """c5: enable_thinking reaches the template, and the rendered prompt decides whether the
+    output begins as reasoning."""
+    from moetier.engine.sampler import SamplingParams
+    from moetier.server.parsers.serving import prepare_chat
+
+    kimi_tokenizer.chat_template = QWEN35_PROMPT
+    engine = SimpleNamespace(
+        tokenizer=kimi_tokenizer,
+        engine=SimpleNamespace(chat_end_ids={kimi_tokenizer.eos_token_id}),
+    )
+    _, _, parsing = prepare_chat(
+        engine,
+        ParserChoice("qwen3_coder", "t"),
+        [{"role": "user", "content": "hi"}],
+        SamplingParams(),
+        template_kwargs=kwargs,
+    )
+    for out in _outputs(kimi_tokenizer, "Four.</think>4"):
+        parsing.push(out)
+    thinking = kwargs is None or kwargs["enable_thinking"]
+    if thinking:
+        assert (parsing.message.reasoning_content, parsing.message.content) == ("Four.", "4")
+    else:  # the stray </think> is dropped, never shown
+        assert (parsing.message.reasoning_content, parsing.message.content) == (None, "Four.4")
+    with pytest.raises(ValueError, match="may not set tools"):
+        prepare_chat(engine, None, [], SamplingParams(), template_kwargs={"tools": []})
+
+
+def test_template_kwargs_defaults_and_anthropic_thinking():
+    from moetier.server.parsers.serving import (
+        anthropic_thinking,
+        parse_template_kwargs,
+        template_kwargs,
+    )
+
+    defaults = parse_template_kwargs('{"enable_thinking": false, "x": 1}')
+    assert template_kwargs(defaults, {"enable_thinking": True}) == {"enable_thinking": True, "x": 1}
+    assert anthropic_thinking({"type": "disabled"}) == {"enable_thinking": False, "thinking": False}
+    assert anthropic_thinking(None) == {}
+    with pytest.raises(ValueError, match="JSON object"):
+        parse_template_kwargs("[1]")

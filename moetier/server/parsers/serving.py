@@ -118,15 +118,22 @@ def prepare_chat(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: Any = None,
     parallel_tool_calls: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], SamplingParams, ChatParsing]:
     """A chat request's prompt ids (its history in the family's shapes, its tools unless
-    tool_choice is none), its sampling params (a forced tool_choice adds the call's grammar) and
-    its parsing; ValueError for what cannot be served (a 400)."""
+    tool_choice is none, `template_kwargs` such as enable_thinking as template variables), its
+    sampling params (a forced tool_choice adds the call's grammar) and its parsing (its reasoning
+    state from the rendered prompt); ValueError for what cannot be served (a 400)."""
     choice = choice or ParserChoice(None, "no parser chosen")
     tool_choice = "auto" if tool_choice is None else tool_choice
     messages = template_history(messages, choice.family)
     offered = tools if tools and tool_choice != "none" else None
-    prompt_ids = chat_prompt_ids(engine.tokenizer, messages, offered)
+    reserved = {"messages", "tools", "add_generation_prompt", "tokenize"} & set(
+        template_kwargs or {}
+    )
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    prompt_ids = chat_prompt_ids(engine.tokenizer, messages, offered, template_kwargs)
     if forced_tool_choice(tool_choice):
         # a named tool is called once (as vLLM does); required / any: as parallel_tool_calls
         if isinstance(tool_choice, dict) and tool_choice.get("type") in ("function", "tool"):
@@ -389,3 +396,34 @@ class AnthropicStream:
 
     def _delta(self, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         return ("content_block_delta", {"index": self.index, "delta": delta})
+
+
+def template_kwargs(
+    defaults: dict[str, Any] | None, request: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The chat template's variables: the request's `chat_template_kwargs` over the server's
+    `--default-chat-template-kwargs`."""
+    return {**(defaults or {}), **(request or {})}
+
+
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """`--default-chat-template-kwargs`: a JSON object; ValueError otherwise."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"--default-chat-template-kwargs is not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    return value
+
+
+def anthropic_thinking(thinking: dict[str, Any] | None) -> dict[str, Any]:
+    """Anthropic's `thinking` ({"type": "enabled"} or "disabled") as the template variables the
+    hybrid templates read (Qwen3 and GLM `enable_thinking`, DeepSeek `thinking`)."""
+    kind = (thinking or {}).get("type")
+    if kind not in ("enabled", "disabled"):
+        return {}
+    on = kind == "enabled"
+    return {"enable_thinking": on, "thinking": on}
