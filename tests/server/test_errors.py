@@ -499,3 +499,16 @@ def test_openapi_documents_the_errors_it_answers(server):
                 kind = "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError"
                 assert ref == {"$ref": f"#/components/schemas/{kind}"}, path
     assert "HTTPValidationError" not in schema["components"]["schemas"]
+
+
+def test_docs_list_the_unsupported_fields_as_the_table_has_them():
+    """docs/serving.md's table of known-but-unsupported fields is unsupported.py's, row for row
+    (when support lands, both lose the entry)."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    section = doc[doc.index("## Known fields not supported yet") :]
+    rows = set(re.findall(r"^\| `(/[^`]+)` \| `([^`]+)` \|", section, re.MULTILINE))
+    table = {(path, field) for path, fields in UNSUPPORTED.items() for field in fields}
+    assert rows == table, (sorted(rows - table), sorted(table - rows))
