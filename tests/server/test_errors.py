@@ -8,8 +8,10 @@ silent stream."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -504,9 +506,6 @@ def test_openapi_documents_the_errors_it_answers(server):
 def test_docs_list_the_unsupported_fields_as_the_table_has_them():
     """docs/serving.md's table of known-but-unsupported fields is unsupported.py's, row for row
     (when support lands, both lose the entry)."""
-    import re
-    from pathlib import Path
-
     doc = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
     section = doc[doc.index("## Known fields not supported yet") :]
     rows = set(re.findall(r"^\| `(/[^`]+)` \| `([^`]+)` \|", section, re.MULTILINE))
