@@ -121,8 +121,9 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
 def chat_messages(instructions: str | None, items: str | list[InputItem]) -> list[dict[str, Any]]:
     """The request's instructions and input as the chat template's messages: a function call
     joins the assistant message before it (or starts one), a call's output is a `tool` message,
-    reasoning items are dropped (templates drop the history's reasoning); ValueError for an
-    item that cannot be sent."""
+    a reasoning item's text is the `reasoning_content` of the assistant message it comes with
+    (templates that keep the history's reasoning render it); ValueError for an item that
+    cannot be sent."""
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
@@ -130,6 +131,13 @@ def chat_messages(instructions: str | None, items: str | list[InputItem]) -> lis
         return [*out, {"role": "user", "content": items}]
     if not items:
         raise ValueError("input: the input is empty: send a string or at least one item")
+    reasoning: list[str] = []  # reasoning items' text, for the assistant message that follows
+
+    def assistant(entry: dict[str, Any]) -> None:
+        if reasoning:
+            entry["reasoning_content"] = entry.get("reasoning_content", "") + "".join(reasoning)
+            reasoning.clear()
+
     for n, item in enumerate(items):
         where = f"input.{n}"
         if item.type == "message":
@@ -137,6 +145,8 @@ def chat_messages(instructions: str | None, items: str | list[InputItem]) -> lis
                 raise ValueError(f"{where}: a message needs a role")
             role = "system" if item.role == "developer" else item.role
             out.append({"role": role, "content": _text(item.content, where)})
+            if role == "assistant":
+                assistant(out[-1])
         elif item.type == "function_call":
             if item.name is None or item.call_id is None:
                 raise ValueError(f"{where}: a function_call needs name and call_id")
@@ -145,20 +155,29 @@ def chat_messages(instructions: str | None, items: str | list[InputItem]) -> lis
                 "type": "function",
                 "function": {"name": item.name, "arguments": item.arguments or "{}"},
             }
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append(call)
+            assistant(out[-1])
         elif item.type == "function_call_output":
             if item.call_id is None:
                 raise ValueError(f"{where}: a function_call_output needs call_id")
             content = _text(item.output, where)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
         elif item.type == "reasoning":
-            continue
+            reasoning.append(_reasoning_text(item))
         else:
             raise ValueError(f"{where}: {item.type!r} items are not supported by this server")
     return out
+
+
+def _reasoning_text(item: InputItem) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary's text (an
+    encrypted_content alone, which only OpenAI can read, gives none)."""
+    if isinstance(item.content, list) and item.content:
+        return "".join(part.text or "" for part in item.content)
+    summary = (item.model_extra or {}).get("summary") or []
+    return "\n".join(str(p.get("text", "")) for p in summary if isinstance(p, dict))
 
 
 def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

@@ -22,14 +22,19 @@ from moetier.loader.load import load_model
 from moetier.server.app import create_app
 
 MODEL = "tiny-qwen3"
-# renders tools, an assistant's tool calls and a tool message's call id (the tiny model's own
-# template renders none of them, and a real one's tool preamble outgrows its 256-token context)
+# renders tools, an assistant's reasoning and tool calls (arguments a JSON string or a mapping,
+# as real templates take them) and a tool message's call id: the tiny model's own template
+# renders none of them, and a real one's tool preamble outgrows its 256-token context
 TOOL_TEMPLATE = (
     "{%- for t in tools or [] %}{{ t.function.name }}{{ t.function.parameters | tojson }}\n"
-    "{%- endfor %}{%- for m in messages %}{{ m.role }}: {{ m.content }}"
+    "{%- endfor %}{%- for m in messages %}{{ m.role }}: "
+    "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{%- endif %}"
+    "{{ m.content }}"
     "{%- for c in m.tool_calls or [] %} [{{ c.id }} {{ c.function.name }} "
-    "{{ c.function.arguments }}]{%- endfor %}{%- if m.tool_call_id %} ({{ m.tool_call_id }})"
-    "{%- endif %}\n{%- endfor %}{%- if add_generation_prompt %}assistant:{%- endif %}"
+    "{%- if c.function.arguments is string %}{{ c.function.arguments }}"
+    "{%- else %}{{ c.function.arguments | tojson }}{%- endif %}]{%- endfor %}"
+    "{%- if m.tool_call_id %} ({{ m.tool_call_id }}){%- endif %}\n{%- endfor %}"
+    "{%- if add_generation_prompt %}assistant:{%- endif %}"
 )
 # the fixed tiny qwen3_moe ends its greedy answer to this prompt by itself (44 tokens)
 STOPS = "Say yes"
@@ -113,9 +118,12 @@ def test_input_items_with_tool_history(server, client):
     items = [
         {"role": "developer", "content": "Use tools."},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Rome?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Look it up."}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather",
          "arguments": '{"city": "Rome"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Say"}]},
         {"role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]},
         {"role": "user", "content": "And tomorrow?"},
     ]  # fmt: skip
@@ -127,9 +135,14 @@ def test_input_items_with_tool_history(server, client):
     messages = [
         {"role": "system", "content": "Use tools."},
         {"role": "user", "content": "Rome?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [call],
+            "reasoning_content": "Look it up.",
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-        {"role": "assistant", "content": "It is sunny."},
+        {"role": "assistant", "content": "It is sunny.", "reasoning_content": "Say"},
         {"role": "user", "content": "And tomorrow?"},
     ]
     template_tool = {
@@ -142,7 +155,8 @@ def test_input_items_with_tool_history(server, client):
     tokenizer.chat_template = TOOL_TEMPLATE
     try:
         rendered = tokenizer.decode(generator.chat_prompt_ids(messages, [template_tool]))
-        for part in ("get_weather", "call_1 get_weather", '{"city": "Rome"}', "sunny, 21 C"):
+        parts = ("get_weather", "call_1 get_weather", '{"city": "Rome"}', "sunny, 21 C")
+        for part in (*parts, "<think>Look it up.</think>", "<think>Say</think>It is sunny."):
             assert part in rendered
         want = greedy(generator, messages, 6, [template_tool])
         resp = client.responses.create(
