@@ -293,3 +293,46 @@ def test_template_kwargs_defaults_and_anthropic_thinking():
     assert anthropic_thinking(None) == {}
     with pytest.raises(ValueError, match="JSON object"):
         parse_template_kwargs("[1]")
+
+
+@pytest.mark.parametrize(
+    ("prefill", "reasoning", "content"),
+    [
+        ("<think>\nI should", " add.", None),  # open reasoning: the continuation is reasoning
+        ("<think>Sum.</think>The answer", None, " is 4."),  # closed: content (ds4 #897)
+        ("The answer", None, " is 4."),  # no markers: as the template left it (content)
+    ],
+)
+def test_assistant_prefill_is_continued_in_its_state(kimi_tokenizer, prefill, reasoning, content):
+    from moetier.server.parsers.serving import prepare_chat
+
+    kimi_tokenizer.chat_template = QWEN35_PROMPT
+    engine = SimpleNamespace(
+        tokenizer=kimi_tokenizer,
+        engine=SimpleNamespace(chat_end_ids={kimi_tokenizer.eos_token_id}),
+    )
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": prefill}]
+    ids, _, parsing = prepare_chat(engine, ParserChoice("qwen3_coder", "t"), messages, _params())
+    rendered = kimi_tokenizer.decode(ids)
+    assert rendered.endswith(prefill) and "assistant\n<think>" not in rendered  # no new turn
+    raw = " add.</think>4" if reasoning else " is 4."
+    for out in _outputs(kimi_tokenizer, raw):
+        parsing.push(out)
+    assert parsing.message.reasoning_content == reasoning  # " add.": it goes on mid-sentence
+    assert parsing.message.content == ("4" if reasoning else content)
+
+
+def _params():
+    from moetier.engine.sampler import SamplingParams
+
+    return SamplingParams()
+
+
+def test_template_type_errors_are_request_errors(kimi_tokenizer):
+    """c6: a template that fails on what it is given (`'…' + none`) is a 400, not a 500."""
+    from moetier.server.parsers.serving import prepare_chat
+
+    kimi_tokenizer.chat_template = "{{ '<|im_end|>' + messages[0]['content'] }}"
+    engine = SimpleNamespace(tokenizer=kimi_tokenizer, engine=SimpleNamespace(chat_end_ids=set()))
+    with pytest.raises(ValueError, match="chat template refused"):
+        prepare_chat(engine, None, [{"role": "user", "content": None}], _params())

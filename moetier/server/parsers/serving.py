@@ -133,7 +133,11 @@ def prepare_chat(
     )
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
-    prompt_ids = chat_prompt_ids(engine.tokenizer, messages, offered, template_kwargs)
+    continuing = bool(messages) and messages[-1].get("role") == "assistant"
+    prompt_ids = chat_prompt_ids(
+        engine.tokenizer, messages, offered, template_kwargs, continue_final=continuing
+    )
+    prefill = messages[-1].get("content") if continuing else None
     if forced_tool_choice(tool_choice):
         # a named tool is called once (as vLLM does); required / any: as parallel_tool_calls
         if isinstance(tool_choice, dict) and tool_choice.get("type") in ("function", "tool"):
@@ -161,6 +165,7 @@ def prepare_chat(
         call_offset=count_calls(messages),
         stop=params.stop,
         end_ids=frozenset(engine.engine.chat_end_ids),
+        prefill=prefill if isinstance(prefill, str) else None,
     )
     return prompt_ids, params, parsing
 
@@ -228,6 +233,20 @@ def special_ids(tokenizer: Any, keep: tuple[str, ...]) -> frozenset[int]:
     return frozenset(i for i in ids if tokenizer.convert_ids_to_tokens(i) not in wanted)
 
 
+def prefill_in_reasoning(cls: type[Parser], prefill: str, rendered: bool) -> bool:
+    """Whether the model continues an assistant message inside its reasoning: its last reasoning
+    marker decides (`<think>` open: yes; `</think>` last: no, ds4 #897), else what the template
+    rendered before it (`rendered`)."""
+    start = getattr(cls, "think_start", None)
+    end = getattr(cls, "think_end", None)
+    if not start or not end:
+        return rendered
+    opened, closed = prefill.rfind(start), prefill.rfind(end)
+    if opened == closed == -1:
+        return rendered
+    return opened > closed
+
+
 @dataclass
 class ChatParsing:
     """One request's parsing of engine outputs.
@@ -247,6 +266,7 @@ class ChatParsing:
     call_offset: int = 0
     stop: tuple[str, ...] = ()
     end_ids: frozenset[int] = frozenset()
+    prefill: str | None = None  # the assistant message the model continues, if it does
     message: Message = field(default_factory=Message)
 
     def __post_init__(self) -> None:
@@ -259,13 +279,19 @@ class ChatParsing:
         elif self.choice.family is not None:
             cls = FAMILIES[self.choice.family]
             tail = self.tokenizer.decode(self.prompt_ids[-32:], skip_special_tokens=False)
+            starts = bool(cls.prompt_ends_in_reasoning(tail))  # type: ignore[attr-defined]
+            if self.prefill is not None:  # a continued message: where its own markers leave it
+                starts = prefill_in_reasoning(cls, self.prefill, starts)
             self.parser = cls(
                 self.tools,
-                starts_in_reasoning=bool(cls.prompt_ends_in_reasoning(tail)),  # type: ignore[attr-defined]
+                starts_in_reasoning=starts,
                 parallel_tool_calls=self.parallel_tool_calls,
                 call_offset=self.call_offset,
                 calls=calls,
             )
+            start = getattr(cls, "think_start", "")
+            if starts and self.prefill and not self.prefill.rstrip().endswith(start):
+                self.parser._reasoning.after_marker = False  # it goes on mid-sentence
         if self.parser is not None:
             hidden = special_ids(self.tokenizer, type(self.parser).markers) | self.end_ids
             self.detok = StreamingDetokenizer(
