@@ -65,6 +65,28 @@ def test_greedy_completion_equals_the_generator(server, client):
     assert resp.usage.total_tokens == len(ids) + generated(want)
 
 
+def test_stop_strings_and_seeds(server, client):
+    generator = server[1]
+    prompt = "Once upon a time"
+    want = greedy(generator, generator.prompt_ids(prompt), 12)
+    stop = "ou"  # in the fixed tiny model's greedy answer, after its start
+    assert 0 < want.text.find(stop)
+    cut = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == want.text[: want.text.index(stop)]  # never emitted
+    assert cut.choices[0].finish_reason == "stop"
+    sampled = [
+        client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0, seed=seed
+        )
+        .choices[0]
+        .text
+        for seed in (11, 11, 12)
+    ]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
 def test_max_tokens_defaults_to_16_as_openai(server, client):
     generator = server[1]
     want = greedy(generator, generator.prompt_ids(PROMPTS[1]), 16)
