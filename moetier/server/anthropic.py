@@ -29,7 +29,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from moetier.engine.engine import Output
-from moetier.engine.prompts import chat_prompt_ids
 from moetier.engine.sampler import SamplingParams
 from moetier.server.errors import ANTHROPIC_PREFIX, anthropic_error, stream_error_event
 from moetier.server.parsers.serving import (
@@ -38,7 +37,6 @@ from moetier.server.parsers.serving import (
     anthropic_blocks,
     anthropic_thinking,
     prepare_chat,
-    template_history,
     template_kwargs,
 )
 from moetier.server.state import ServerState, all_outputs, not_ready
@@ -187,12 +185,14 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     ]
 
 
-def _prompt_ids(
-    tokenizer: Any, req: MessagesRequest | CountTokensRequest, family: str | None = None
-) -> list[int]:
-    """The request's prompt through the model's chat template; ValueError if it cannot be."""
-    messages = template_history(chat_messages(req.system, req.messages), family)
-    return chat_prompt_ids(tokenizer, messages, _tools(req.tools))
+def _prompt_ids(state: ServerState, req: CountTokensRequest) -> list[int]:
+    """The request's prompt as /v1/messages renders it; ValueError if it cannot be."""
+    messages = chat_messages(req.system, req.messages)
+    relaxed = state.options.relaxed_chat_template
+    ids, _, _ = prepare_chat(
+        state.engine, state.parser, messages, SamplingParams(), _tools(req.tools), relaxed=relaxed
+    )
+    return ids
 
 
 def stop_reason(out: Output) -> str | None:
@@ -239,6 +239,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 choice.get("type") if choice.get("type") in ("auto", "none") else choice or None,
                 not choice.get("disable_parallel_tool_use", False),
                 template_kwargs(state.template_defaults, anthropic_thinking(req.thinking)),
+                state.options.relaxed_chat_template,
             )
             engine.check(prompt_ids, params, req.max_tokens)
         except ValueError as err:
@@ -276,8 +277,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if state.engine is None:
             return error(*not_ready(state), "overloaded_error")
         try:
-            family = state.parser.family if state.parser else None
-            return {"input_tokens": len(_prompt_ids(state.engine.tokenizer, req, family))}
+            return {"input_tokens": len(_prompt_ids(state, req))}
         except ValueError as err:
             return error(400, str(err))
 

@@ -96,6 +96,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 req.tool_choice,
                 req.parallel_tool_calls is not False,
                 template_kwargs(state.template_defaults, req.chat_template_kwargs),
+                state.options.relaxed_chat_template,
             )
             engine.check(prompt_ids, params, max_tokens)
         except ContextLengthError as err:

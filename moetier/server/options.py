@@ -49,6 +49,12 @@ class ServerOptions:
         metadata={"help": "chat template variables as a JSON object, e.g. "
                   "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win"},
     )  # fmt: skip
+    relaxed_chat_template: bool = field(
+        default=False,
+        metadata={"help": "a conversation the chat template refuses is tried once more with its "
+                  "system messages joined into one at the front (else: a 400 with the "
+                  "template's message)"},
+    )  # fmt: skip
     reasoning_parser: str = field(
         default="",
         metadata={"help": "the same choice by its other name: one parser reads reasoning and "

@@ -336,3 +336,30 @@ def test_template_type_errors_are_request_errors(kimi_tokenizer):
     engine = SimpleNamespace(tokenizer=kimi_tokenizer, engine=SimpleNamespace(chat_end_ids=set()))
     with pytest.raises(ValueError, match="chat template refused"):
         prepare_chat(engine, None, [{"role": "user", "content": None}], _params())
+
+
+STRICT_SYSTEM = (  # as Qwen3.5's and Mistral's templates insist (llama.cpp #20733)
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+    "<|im_end|>{{ m.role }}:{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_end|>assistant:{% endif %}"
+)
+
+
+def test_relaxed_template_moves_system_messages_first(kimi_tokenizer):
+    """c6: a template's raise_exception is a 400 with its message; --relaxed-chat-template
+    retries with the system messages joined at the front."""
+    from moetier.server.parsers.serving import prepare_chat
+
+    kimi_tokenizer.chat_template = STRICT_SYSTEM
+    engine = SimpleNamespace(tokenizer=kimi_tokenizer, engine=SimpleNamespace(chat_end_ids=set()))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "Reminder."},
+    ]
+    with pytest.raises(ValueError, match="System message must be at the beginning"):
+        prepare_chat(engine, None, messages, _params())
+    ids, _, _ = prepare_chat(engine, None, messages, _params(), relaxed=True)
+    text = kimi_tokenizer.decode(ids)
+    assert text == "<|im_end|>system:Be brief.\n\nReminder.<|im_end|>user:Hi<|im_end|>assistant:"

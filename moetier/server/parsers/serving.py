@@ -119,11 +119,14 @@ def prepare_chat(
     tool_choice: Any = None,
     parallel_tool_calls: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    relaxed: bool = False,
 ) -> tuple[list[int], SamplingParams, ChatParsing]:
     """A chat request's prompt ids (its history in the family's shapes, its tools unless
     tool_choice is none, `template_kwargs` such as enable_thinking as template variables), its
     sampling params (a forced tool_choice adds the call's grammar) and its parsing (its reasoning
-    state from the rendered prompt); ValueError for what cannot be served (a 400)."""
+    state from the rendered prompt); ValueError for what cannot be served (a 400). `relaxed`
+    (--relaxed-chat-template): a conversation the template refuses is tried once more with its
+    system messages joined into one at the front."""
     choice = choice or ParserChoice(None, "no parser chosen")
     tool_choice = "auto" if tool_choice is None else tool_choice
     messages = template_history(messages, choice.family)
@@ -134,9 +137,17 @@ def prepare_chat(
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     continuing = bool(messages) and messages[-1].get("role") == "assistant"
-    prompt_ids = chat_prompt_ids(
-        engine.tokenizer, messages, offered, template_kwargs, continue_final=continuing
-    )
+    try:
+        prompt_ids = chat_prompt_ids(
+            engine.tokenizer, messages, offered, template_kwargs, continue_final=continuing
+        )
+    except ValueError:
+        moved = system_first(messages)
+        if not relaxed or moved == messages:
+            raise
+        prompt_ids = chat_prompt_ids(
+            engine.tokenizer, moved, offered, template_kwargs, continue_final=continuing
+        )
     prefill = messages[-1].get("content") if continuing else None
     if forced_tool_choice(tool_choice):
         # a named tool is called once (as vLLM does); required / any: as parallel_tool_calls
@@ -215,6 +226,17 @@ def _template_call(call: dict[str, Any], family: str | None) -> dict[str, Any]:
             function["arguments"] = loaded
     call["function"] = function
     return call
+
+
+def system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with its system messages joined (blank line between) into one at the
+    front: what templates that insist on "system message first" accept (Claude Code sends
+    system reminders mid-conversation)."""
+    systems = [m for m in messages if m.get("role") == "system"]
+    if not systems:
+        return messages
+    text = "\n\n".join(str(m.get("content") or "") for m in systems)
+    return [{"role": "system", "content": text}] + [m for m in messages if m not in systems]
 
 
 def count_calls(messages: list[dict[str, Any]]) -> int:
