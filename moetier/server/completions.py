@@ -224,6 +224,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
         try:
             done = await unless_disconnected(http, _collect_all(streams))
+        except ValueError as err:  # a request the engine refused when it came to add it
+            return openai_error(400, str(err))
         except RuntimeError as err:
             return openai_error(503, str(err), "server_error")
         if done is None:  # the client left: its requests are aborted
@@ -266,14 +268,15 @@ _END = object()
 
 async def _merged(streams: list[AsyncIterator[Output]]) -> AsyncIterator[tuple[int, Output]]:
     """(prompt index, output) of several streams as they come. Closed early, every stream is
-    closed (its request aborted); a stream's RuntimeError is raised here."""
+    closed (its request aborted); a stream's error (RuntimeError: the engine failed or shuts
+    down; ValueError: it refused the request) is raised here."""
     inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[Output]) -> None:
         try:
             async for out in stream:
                 await inbox.put((i, out))
-        except RuntimeError as err:
+        except Exception as err:  # raised by the consumer, not lost with this task
             await inbox.put((i, err))
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
@@ -353,7 +356,7 @@ async def _sse(
                 "finish_reason": finish_reason(out.finish_reason),
             }
             yield chunk([choice])
-    except RuntimeError as err:  # the engine failed or is shutting down
+    except (RuntimeError, ValueError) as err:  # the engine failed, shuts down or refused
         yield stream_error_event("/v1/completions", str(err)).decode()
         return
     finally:

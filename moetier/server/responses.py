@@ -428,6 +428,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
         try:
             done = await all_outputs(http, outputs)
+        except ValueError as err:  # a request the engine refused when it came to add it
+            return openai_error(400, str(err))
         except RuntimeError as err:
             return openai_error(503, str(err), "server_error")
         if done is None:  # the client left: its request is aborted
@@ -462,7 +464,7 @@ async def _events(
             last = out
             for name, data in items.push(parsing.push(out)):
                 yield event(name, data)
-    except RuntimeError as err:  # the engine failed or is shutting down
+    except (RuntimeError, ValueError) as err:  # the engine failed, shuts down or refused
         yield event("error", {"code": "server_error", "message": str(err), "param": None})
         return
     finally:

@@ -4,6 +4,7 @@ token-id prompts, streaming equal to not, OpenAI-shaped errors."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -404,3 +405,36 @@ def test_a_client_gone_before_the_whole_answers_aborts_every_prompt(native):
     assert_all_aborted_and_idle(engine, aborted)
     after = httpx.post(url + "/v1/completions", json={**long_body(False), "max_tokens": 2})
     assert after.status_code == 200 and len(after.json()["choices"]) == 2
+
+
+# -- several prompts' streams merged -------------------------------------------------------------
+
+
+def test_merged_streams_keep_order_and_close_on_an_error():
+    from moetier.server.completions import _merged
+
+    closed: list[str] = []
+
+    async def stream(name: str, items: list, error: Exception | None = None, end: bool = True):
+        try:
+            for item in items:
+                await asyncio.sleep(0)
+                yield item
+            if error is not None:
+                raise error
+            if not end:
+                await asyncio.sleep(60)  # a request that would go on
+        finally:
+            closed.append(name)
+
+    async def run(streams):
+        return [pair async for pair in _merged(streams)]
+
+    got = asyncio.run(run([stream("a", [1, 2, 3]), stream("b", [4, 5])]))
+    assert [o for i, o in got if i == 0] == [1, 2, 3] and [o for i, o in got if i == 1] == [4, 5]
+    assert sorted(closed) == ["a", "b"]
+    for error in (ValueError("refused"), RuntimeError("failed")):
+        closed.clear()
+        with pytest.raises(type(error), match=str(error)):
+            asyncio.run(run([stream("a", [1], end=False), stream("b", [2], error)]))
+        assert sorted(closed) == ["a", "b"]  # the other request is closed (aborted) too
