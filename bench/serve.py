@@ -26,6 +26,7 @@ from moetier.core.provenance import run_info
 from moetier.engine.engine import Engine, EngineLimits
 from moetier.engine.sampler import SamplingParams
 from moetier.loader.load import load_model
+from moetier.quant.store import Store
 from moetier.quant.synthetic import shape, write_synthetic_store
 from moetier.residency.links import copy_bandwidth
 
@@ -85,6 +86,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument(
+        "--gpu-fraction",
+        type=float,
+        default=1.0,
+        help="share of the experts' base blobs in GPU slots (1: all pinned; less: the rest read "
+        "from pinned host RAM, zero-copy)",
+    )
+    parser.add_argument(
         "--compile", default="on", choices=("on", "off"), help="torch.compile the decode step"
     )
     args = parser.parse_args()
@@ -94,7 +102,15 @@ def main() -> None:
         store = write_synthetic_store(
             Path(tmp) / "store", shape(args.shape, args.layers), "q2s", DEFAULT_STORE
         )
-        config = EngineConfig(device=args.device, native=True, compile_decode=args.compile == "on")
+        blobs = sum(1 for k in Store(store).blobs if k[2] == "base")
+        slots = max(1, round(args.gpu_fraction * blobs)) if args.gpu_fraction < 1 else 0
+        config = EngineConfig(
+            device=args.device,
+            native=True,
+            compile_decode=args.compile == "on",
+            expert_cache_slots=slots,
+            host_memory="1TiB" if slots else "",
+        )
         began = time.perf_counter()
         loaded = load_model(store, config)
         pages = max(concurrencies) * -(-(args.prompt_tokens + args.new_tokens) // 16) + 16
@@ -113,6 +129,8 @@ def main() -> None:
                     "layers": args.layers,
                     "experts": "q2s",
                     "compile": args.compile,
+                    "gpu_fraction": args.gpu_fraction,
+                    "zero_copy": loaded.runtime.zero_copy is not None,
                     "load_s": round(load_s, 1),
                     "warm_up_s": round(getattr(engine.runner, "warm_up_seconds", 0.0), 1),
                     **record,

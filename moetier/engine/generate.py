@@ -10,7 +10,6 @@ engine/timing.py).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,22 +17,18 @@ from typing import Any
 import torch
 
 from moetier.engine.detokenizer import StreamingDetokenizer, end_token_ids
+from moetier.engine.graph_placement import ZeroCopyRebalance, place_for_graphs
 from moetier.engine.prompts import chat_prompt_ids
 from moetier.engine.sampler import SamplingParams, sample
 from moetier.engine.static_decode import StaticDecoder
 from moetier.engine.timing import GenerationTiming, TokenClock
 from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
-from moetier.models.experts import ExpertsRuntime, router_weights
-from moetier.residency.zero_copy import staging_slots
 
 # CUDA-graph decode: context-length buckets are powers of two from this size; the decoders
 # (each with its own KV cache) of this many buckets are kept between requests.
 GRAPH_MIN_BUCKET = 256
 GRAPH_BUCKETS_KEPT = 2
-# Zero-copy decode: tokens between two moves of the GPU-resident hot set (a host read of the
-# device-side counts and copies of the promoted blobs, between graph replays).
-ZERO_COPY_REBALANCE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -69,64 +64,14 @@ class Generator:
             tuple[int, int], tuple[StaticDecoder, Callable[[], torch.Tensor] | None]
         ] = {}
         self._busy = False  # a graphed stream is running (its decoder's cache is in use)
-        self._tokens = 0  # decoded by graphed streams (zero-copy rebalances every N)
+        self._rebalance = ZeroCopyRebalance(loaded.runtime)
         self.timing = GenerationTiming(rows=1, prompt_tokens=0)  # the last stream's, as it runs
 
     def _can_graph(self) -> bool:
         engine = self.loaded.engine_config
         if not (engine.cuda_graph and self.loaded.device.type == "cuda"):
             return False
-        return hasattr(self.model, "new_cache") and self._capturable_experts()
-
-    def _capturable_experts(self) -> bool:
-        """Put the experts where a captured step can read them without host syncs: all pinned
-        in GPU slots when they fit; else, with a host tier (--host-memory), the hot ones in GPU
-        slots and the rest read by the kernel from pinned host RAM (zero-copy, rebalanced every
-        ZERO_COPY_REBALANCE_TOKENS tokens). False (eager decode, misses fetched) otherwise."""
-        runtime = self.loaded.runtime
-        if runtime.pinned or runtime.zero_copy is not None:
-            return True
-        try:
-            runtime.pin_all()
-        except ValueError as exc:
-            if runtime.residency.host is None:
-                hint = "--host-memory would read the others from host RAM without host syncs"
-                print(f"moetier: decoding without CUDA graphs ({exc}; {hint})", file=sys.stderr)
-                return False
-            try:
-                stage, guesses = self._staging(runtime)
-                runtime.enable_zero_copy(stage=stage)
-            except ValueError as zc_exc:
-                print(f"moetier: decoding without CUDA graphs ({zc_exc})", file=sys.stderr)
-                return False
-            if guesses is not None:
-                # guesses from each layer's output where the layers hand it over (native
-                # models): on the H200 decode bench 621-626 tok/s against 595 from the input
-                runtime.enable_prefetch(
-                    *guesses, guess_from="output" if runtime.layer_outputs else "input"
-                )
-            note = "the most used stay in GPU slots, the others are read from pinned host RAM"
-            print(f"moetier: the experts do not all fit the GPU cache: {note}", file=sys.stderr)
-            return True
-        runtime.residency.host = None  # every blob is on the GPU: free the pinned host copies
-        return True
-
-    def _staging(
-        self, runtime: ExpertsRuntime
-    ) -> tuple[int, tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None]:
-        """Zero-copy staging slots per MoE layer (--zero-copy-stage, at most a quarter of the
-        expert cache; 0 where the routers cannot guess) and the routers and norms to guess
-        with."""
-        layers = sorted(runtime.formats)
-        stage = staging_slots(
-            self.loaded.engine_config.zero_copy_stage, runtime.residency.capacity, len(layers)
-        )
-        if stage <= 0:
-            return 0, None
-        try:
-            return stage, router_weights(self.model, layers)
-        except ValueError:
-            return 0, None
+        return hasattr(self.model, "new_cache") and place_for_graphs(self.loaded)
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ValueError for a prompt the model cannot take (empty, or no room to generate)."""
@@ -224,17 +169,12 @@ class Generator:
             self._busy = False
 
     def _after_step(self, tokens: int, tokens_per_row: int) -> None:
-        """Bookkeeping after a forward of `tokens` tokens in all: the pinned path's pairs
-        (its captured step counts nothing itself) and, in graphed zero-copy decode, the moves
-        of the hot set, which between replays follows routing: after each prefill (its many
-        tokens' counts) and every ZERO_COPY_REBALANCE_TOKENS decode steps."""
-        runtime = self.loaded.runtime
-        runtime.count_pinned(tokens)  # no-op unless every expert is pinned
-        zero_copy = runtime.zero_copy
-        if self.graphs and zero_copy is not None:
-            self._tokens += 1
-            if tokens_per_row > 1 or self._tokens % ZERO_COPY_REBALANCE_TOKENS == 0:
-                zero_copy.rebalance()
+        """Bookkeeping after a forward of `tokens` tokens in all (graph_placement.py): the
+        pinned path's pairs and, in graphed zero-copy decode, the moves of the hot set."""
+        if self.graphs:
+            self._rebalance.after_step(tokens, prefill=tokens_per_row > 1)
+        else:
+            self.loaded.runtime.count_pinned(tokens)
 
     def _forward_fn(self, max_len: int, rows: int = 1) -> Callable[[list[list[int]]], torch.Tensor]:
         """A function that takes each row's prompt, then one token per row per call -> logits

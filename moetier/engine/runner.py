@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moetier.engine.graph_placement import ZeroCopyRebalance, place_for_graphs
 from moetier.engine.sampler import to_device
 from moetier.engine.scheduler import Scheduled, Step
 from moetier.engine.step_sampler import Sampled, StepSampler
@@ -71,8 +72,9 @@ class PagedRunner(StepSampler):
             self.device.type == "cuda"
             and loaded.engine_config.cuda_graph
             and gqa
-            and self._pin_experts()
+            and place_for_graphs(loaded)  # experts pinned, or zero-copy from host RAM
         )
+        self._rebalance = ZeroCopyRebalance(loaded.runtime)
         # the graphed step through torch.compile (inductor fuses the norms, rotary and residual
         # adds): one compilation per batch bucket, at warm-up, kept in inductor's disk cache
         self._step_fn: Callable[..., torch.Tensor] = self._graph_step
@@ -97,20 +99,6 @@ class PagedRunner(StepSampler):
                 break
         return time.perf_counter() - began
 
-    def _pin_experts(self) -> bool:
-        """Every expert in a GPU slot for good (fixed slot tables): what a captured step needs.
-        False (eager decode steps) when they do not fit."""
-        runtime = self.loaded.runtime
-        if runtime.pinned:
-            return True
-        try:
-            runtime.pin_all()
-        except ValueError as exc:
-            print(f"moetier: decode steps without CUDA graphs ({exc})", file=sys.stderr)
-            return False
-        runtime.residency.host = None  # every blob is on the GPU: free the pinned host copies
-        return True
-
     @torch.inference_mode()
     def run(self, step: Step) -> Sampled:
         """Compute the step's positions; -> the token sampled for each item that samples (and
@@ -119,10 +107,12 @@ class PagedRunner(StepSampler):
         if not items:
             return Sampled()
         self.positions_run += step.num_tokens
-        self.loaded.runtime.count_pinned(step.num_tokens)  # no-op unless every expert is pinned
+        decoding = all(item.count == 1 for item in items)
+        # the pinned path's pairs; zero-copy: the hot set moves between steps
+        self._rebalance.before_step(step.num_tokens, prefill=not decoding)
         sampling = [i for i, item in enumerate(items) if item.samples]
         spans = self.prompt_spans(items)
-        if all(item.count == 1 for item in items):
+        if decoding:
             logits = self._decode_logits(items)  # [R, V]
             if not sampling and not spans:
                 return Sampled()

@@ -8,8 +8,10 @@ from tiny_models import TEXT, build_tokenizer
 
 from moetier.config import EngineConfig, replace
 from moetier.engine import generate as generate_module
+from moetier.engine import graph_placement
 from moetier.engine.detokenizer import StreamingDetokenizer
 from moetier.engine.generate import Generator
+from moetier.engine.graph_placement import place_for_graphs
 from moetier.engine.sampler import SamplingParams
 from moetier.engine.static_decode import StaticDecoder
 from moetier.loader.load import load_model
@@ -144,11 +146,11 @@ def test_zero_copy_when_experts_do_not_fit(tiny, generator, monkeypatch):
 
     monkeypatch.setattr(StaticDecoder, "capture", eager_capture)
     monkeypatch.setattr(generate_module, "GRAPH_MIN_BUCKET", 32)
-    monkeypatch.setattr(generate_module, "ZERO_COPY_REBALANCE_TOKENS", 3)
+    monkeypatch.setattr(graph_placement, "ZERO_COPY_REBALANCE_TOKENS", 3)
     config = EngineConfig(device="cpu", native=True, expert_cache_slots=4, host_memory="64MiB")
     native = Generator(load_model(tiny.store("qwen3_moe"), config))
     assert not native.graphs  # CPU
-    native.graphs = native._capturable_experts()
+    native.graphs = place_for_graphs(native.loaded)
     zero_copy = native.loaded.runtime.zero_copy
     assert native.graphs and zero_copy is not None and not native.loaded.runtime.pinned
     ids = native.prompt_ids(TEXT[:40])[:20]
@@ -173,7 +175,7 @@ def test_zero_copy_staging_in_the_generator(tiny, generator, monkeypatch):
         config = EngineConfig(device="cpu", native=True, expert_cache_slots=slots,
                               host_memory="64MiB", zero_copy_stage=stage)  # fmt: skip
         native = Generator(load_model(store, config))
-        native.graphs = native._capturable_experts()
+        native.graphs = place_for_graphs(native.loaded)
         zero_copy = native.loaded.runtime.zero_copy
         assert zero_copy is not None and zero_copy.stage == staged  # 12 // (4 * 2 layers) = 1
         assert native.generate(ids, params).token_ids == want
