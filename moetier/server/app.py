@@ -55,7 +55,7 @@ def create_app(
     under the model id `model_name`; `telemetry` returns the residency counters `/metrics` shows
     (default: the engine's model's slot pool); `options`: keys, aliases, CORS, limits."""
     options = options or ServerOptions()
-    check_parser_flags(options.tool_parser, options.reasoning_parser)
+    check_parser_flags(options.tool_parser, options.reasoning_parser, options.reasoning_field)
     state = ServerState(model_name, defaults or SamplingParams(), options=options)
     state.template_defaults = parse_template_kwargs(options.default_chat_template_kwargs)
     factory = None

@@ -19,7 +19,12 @@ from pydantic import BaseModel, Field
 from moetier.engine.engine import Output
 from moetier.engine.scheduler import ContextLengthError
 from moetier.server.errors import openai_error, stream_error_event
-from moetier.server.parsers.serving import ChatParsing, prepare_chat, template_kwargs
+from moetier.server.parsers.serving import (
+    ChatParsing,
+    prepare_chat,
+    reasoning_fields,
+    template_kwargs,
+)
 from moetier.server.sampling_fields import SamplingFields
 from moetier.server.state import ServerState, all_outputs, not_ready
 
@@ -103,6 +108,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return openai_error(400, str(err), param="messages", code="context_length_exceeded")
         except ValueError as err:
             return openai_error(400, str(err))
+        fields = reasoning_fields(state.options.reasoning_field)  # reasoning_content / reasoning
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         outputs = engine.generate(
@@ -111,7 +117,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _sse(outputs, completion_id, now, model_name, include_usage, parsing),
+                _sse(outputs, completion_id, now, model_name, include_usage, parsing, fields),
                 media_type="text/event-stream",
             )
 
@@ -132,7 +138,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             "choices": [
                 {
                     "index": 0,
-                    "message": parsing.openai_message(),
+                    "message": parsing.openai_message(fields),
                     "finish_reason": parsing.finish_reason(_finish(last.finish_reason)),
                     "logprobs": None,
                 }
@@ -161,6 +167,7 @@ async def _sse(
     model_name: str,
     include_usage: bool,
     parsing: ChatParsing,
+    fields: tuple[str, ...] = ("reasoning_content",),
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chat.completion.chunk shape, ending with [DONE]. Closed
     early (the client went away), the request is aborted by `outputs`' own cleanup."""
@@ -186,7 +193,7 @@ async def _sse(
     try:
         async for out in outputs:
             last = out
-            delta = parsing.push(out).openai()  # reasoning, content and tool-call deltas
+            delta = parsing.push(out).openai(fields)  # reasoning, content and tool-call deltas
             if delta or out.finish_reason:
                 yield chunk(delta, parsing.finish_reason(_finish(out.finish_reason)))
     except RuntimeError as err:  # the engine failed or is shutting down

@@ -49,6 +49,11 @@ class ServerOptions:
         metadata={"help": "chat template variables as a JSON object, e.g. "
                   "'{\"enable_thinking\": false}'; a request's chat_template_kwargs win"},
     )  # fmt: skip
+    reasoning_field: str = field(
+        default="reasoning_content",
+        metadata={"help": "where OpenAI chat answers put the reasoning: reasoning_content "
+                  "(DeepSeek, SGLang, llama.cpp), reasoning (vLLM, OpenRouter) or both"},
+    )  # fmt: skip
     relaxed_chat_template: bool = field(
         default=False,
         metadata={"help": "a conversation the chat template refuses is tried once more with its "

@@ -232,3 +232,40 @@ def test_chat_template_kwargs_pass_and_bad_defaults_are_refused(oai, loaded):
     bad = ServerOptions(default_chat_template_kwargs="{not json")
     with pytest.raises(ValueError, match="default-chat-template-kwargs"):
         create_app(AsyncEngine(Engine(loaded)), MODEL, options=bad)
+
+
+def test_prefilled_think_is_continued_as_reasoning_under_the_chosen_field(server, loaded):
+    """An assistant message ending in <think> is continued as reasoning, cut by max_tokens it
+    stays reasoning (c5), and --reasoning-field names where it goes."""
+    body = {
+        "model": MODEL,
+        "messages": [*USER, {"role": "assistant", "content": "<think>"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    plain_app = create_app(
+        AsyncEngine(Engine(loaded)), MODEL, options=ServerOptions(tool_parser="none")
+    )
+    with serving(plain_app) as url:
+        plain = httpx.post(url + "/v1/chat/completions", json=body).json()
+    raw = plain["choices"][0]["message"]["content"]
+    assert raw.strip()  # the tiny model said something
+    reply = httpx.post(server + "/v1/chat/completions", json=body).json()["choices"][0]
+    assert reply["finish_reason"] == "length"
+    assert reply["message"]["reasoning_content"] == raw.lstrip()
+    assert reply["message"]["content"] == ""
+    both_app = create_app(
+        AsyncEngine(Engine(loaded)), MODEL, options=ServerOptions(reasoning_field="both")
+    )
+    with serving(both_app) as url:
+        message = httpx.post(url + "/v1/chat/completions", json=body).json()["choices"][0]
+        chunks = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:])["choices"])
+    assert message["message"]["reasoning"] == message["message"]["reasoning_content"]
+    streamed = "".join(c[0]["delta"].get("reasoning", "") for c in chunks if c)
+    assert streamed == message["message"]["reasoning"]
+    with pytest.raises(ValueError, match="reasoning-field"):
+        create_app(AsyncEngine(Engine(loaded)), MODEL, options=ServerOptions(reasoning_field="x"))

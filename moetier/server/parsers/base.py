@@ -88,11 +88,13 @@ class Delta:
     def __bool__(self) -> bool:
         return bool(self.parts)
 
-    def openai(self) -> dict[str, Any]:
-        """The delta as an OpenAI chat.completion.chunk `delta` (without role)."""
+    def openai(self, reasoning_fields: tuple[str, ...] = ("reasoning_content",)) -> dict[str, Any]:
+        """The delta as an OpenAI chat.completion.chunk `delta` (without role); the reasoning
+        under each of `reasoning_fields` (`reasoning_content`, vLLM's newer `reasoning`)."""
         out: dict[str, Any] = {}
         if self.reasoning:
-            out["reasoning_content"] = self.reasoning
+            for name in reasoning_fields:
+                out[name] = self.reasoning
         if self.content:
             out["content"] = self.content
         if self.tool_calls:

@@ -91,10 +91,27 @@ def choose_parser(
     return choice
 
 
-def check_parser_flags(tool_parser: str, reasoning_parser: str) -> None:
-    """ValueError now (before the model loads) for a parser name no family has."""
+REASONING_FIELDS = {
+    "reasoning_content": ("reasoning_content",),
+    "reasoning": ("reasoning",),
+    "both": ("reasoning_content", "reasoning"),
+}
+
+
+def check_parser_flags(tool_parser: str, reasoning_parser: str, reasoning_field: str = "") -> None:
+    """ValueError now (before the model loads) for a parser name no family has, or a
+    --reasoning-field that is not one of REASONING_FIELDS."""
     if tool_parser or reasoning_parser:
         choose_parser(None, None, tool_parser, reasoning_parser, quiet=True)
+    if reasoning_field and reasoning_field not in REASONING_FIELDS:
+        raise ValueError(
+            f"--reasoning-field {reasoning_field!r}: use one of {', '.join(REASONING_FIELDS)}"
+        )
+
+
+def reasoning_fields(option: str) -> tuple[str, ...]:
+    """The OpenAI chat fields that carry reasoning, for --reasoning-field."""
+    return REASONING_FIELDS.get(option or "reasoning_content", ("reasoning_content",))
 
 
 def parser_for_engine(
@@ -346,14 +363,18 @@ class ChatParsing:
         self.message.apply(delta)
         return delta
 
-    def openai_message(self) -> dict[str, Any]:
-        """The whole answer as an OpenAI chat message (content null beside tool calls)."""
+    def openai_message(
+        self, reasoning_fields: tuple[str, ...] = ("reasoning_content",)
+    ) -> dict[str, Any]:
+        """The whole answer as an OpenAI chat message (content null beside tool calls), the
+        reasoning under each of `reasoning_fields`."""
         message = self.message
         out: dict[str, Any] = {"role": "assistant", "content": message.content}
         if message.content is None and not message.tool_calls:
             out["content"] = ""
         if message.reasoning_content is not None:
-            out["reasoning_content"] = message.reasoning_content
+            for name in reasoning_fields:
+                out[name] = message.reasoning_content
         if message.tool_calls:
             out["tool_calls"] = message.tool_calls
         return out
