@@ -5,8 +5,9 @@
 prompt is its own request to the engine, its choices indexed in prompt order. No chat template:
 the text is tokenized as it is (the tokenizer's special tokens added), the model's
 end-of-sequence tokens end it. `echo` puts the prompt's text before the completion's; `max_tokens`
-defaults to 16 as OpenAI's does (null: what the context leaves). `suffix` (insertion) is refused
-with a 400. With `n`, prompt i's sequences are choices i*n ... i*n + n-1.
+defaults to 16 as OpenAI's does (null: what the context leaves); 0, with `echo`, answers the
+prompt alone (to score it: its logprobs). `suffix` (insertion) is refused with a 400. With
+`n`, prompt i's sequences are choices i*n ... i*n + n-1.
 
 `logprobs` N gives OpenAI's legacy shape per choice: `tokens` (each token's text),
 `token_logprobs`, `top_logprobs` (a dict of the N most likely tokens' texts, the chosen token
@@ -41,7 +42,7 @@ from moetier.server.tokenize import check_ids
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: the prompt alone (with echo)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -79,6 +80,20 @@ def prompts(tokenizer: Any, prompt: str | list[str] | list[int] | list[list[int]
         if not out[-1].ids:
             raise ValueError("prompt: the prompt is empty")
     return out
+
+
+def prompt_only(out: Output) -> Output:
+    """An output with what was generated taken out (max_tokens 0: the engine generates one
+    token, the answer is the echoed prompt alone, cut by its length)."""
+    return replace(
+        out,
+        text="",
+        token_ids=[],
+        logprobs=None if out.logprobs is None else [],
+        end_logprob=None,
+        completion_tokens=0,
+        finish_reason=None if out.finish_reason is None else "length",
+    )
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -200,6 +215,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 echoed = req.logprobs if req.echo else None
                 params = replace(params, logprobs=req.logprobs, prompt_logprobs=echoed)
             max_tokens = req.asked_max_tokens()
+            if max_tokens == 0:
+                if not req.echo:
+                    raise ValueError("max_tokens: 0 needs echo (it answers the prompt alone)")
+                max_tokens = 1  # the engine generates at least one token: left out below
             for p in asked:
                 engine.check(p.ids, params, max_tokens, req.n)
         except ContextLengthError as err:
@@ -232,6 +251,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return openai_error(499, "client closed the request")
         choices, lasts = [], []
         for i, (p, outputs) in enumerate(zip(asked, done, strict=True)):
+            if req.max_tokens == 0:
+                outputs = [prompt_only(o) for o in outputs]
             sequences = [[o for o in outputs if o.index == j] for j in range(req.n)]
             lasts.append([seq[-1] for seq in sequences])
             prompt_logprobs = next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None)
@@ -331,6 +352,8 @@ async def _sse(
     merged = _merged(streams)
     try:
         async for i, out in merged:
+            if req.max_tokens == 0:
+                out = prompt_only(out)
             index = i * req.n + out.index
             text, pieces = out.text, []
             if out.prompt_logprobs:

@@ -438,3 +438,28 @@ def test_merged_streams_keep_order_and_close_on_an_error():
         with pytest.raises(type(error), match=str(error)):
             asyncio.run(run([stream("a", [1], end=False), stream("b", [2], error)]))
         assert sorted(closed) == ["a", "b"]  # the other request is closed (aborted) too
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(fp32, stream):
+    url, tokenizer, hf = fp32
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    args = {"model": MODEL, "prompt": TOKEN_PROMPTS, "echo": True, "logprobs": 2}
+    resp = client.completions.create(**args, max_tokens=0)
+    if stream:  # the streamed pieces joined must be the same answer
+        chunks = list(client.completions.create(**args, max_tokens=0, stream=True))
+        for choice in resp.choices:
+            mine = [c for chunk in chunks for c in chunk.choices if c.index == choice.index]
+            assert "".join(c.text for c in mine) == choice.text
+            assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+            assert [t for c in mine for t in c.logprobs.tokens] == choice.logprobs.tokens
+    for prompt, choice in zip(TOKEN_PROMPTS, resp.choices, strict=True):
+        assert choice.text == tokenizer.decode(prompt)
+        assert choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt)
+        check_against(hf_logprobs(hf, prompt), tokenizer, prompt, lp, 1, 2)
+    assert resp.usage.completion_tokens == 0
+    assert resp.usage.prompt_tokens == sum(len(p) for p in TOKEN_PROMPTS)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=MODEL, prompt=TOKEN_PROMPTS, max_tokens=0)
