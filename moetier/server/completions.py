@@ -125,14 +125,16 @@ class LegacyLogprobs:
         return str(self.tokenizer.decode([token]))
 
     def piece(self, ids: list[int], entries: list[TokenLogprob | None]) -> dict[str, list[Any]]:
-        """The logprobs of `ids` (entries aligned with them; None: nothing before it)."""
+        """The logprobs of `ids` (entries aligned with them; None, or none left: unknown, as
+        the first prompt token's)."""
+        entries = entries + [None] * (len(ids) - len(entries))
         out: dict[str, list[Any]] = {
             "tokens": [],
             "token_logprobs": [],
             "top_logprobs": [],
             "text_offset": [],
         }
-        for token, entry in zip(ids, entries, strict=True):
+        for token, entry in zip(ids, entries, strict=False):
             text = self.text(token)
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
