@@ -250,7 +250,7 @@ class OutputItems:
             part = _text_part("")
         self.open, self.text = item, ""
         self.items.append(item)
-        added = {"output_index": len(self.items) - 1, "item": item}
+        added = {"output_index": len(self.items) - 1, "item": dict(item)}  # as it is now
         return [
             ("response.output_item.added", added),
             ("response.content_part.added", {**self._where(), "part": part}),
@@ -267,7 +267,8 @@ class OutputItems:
         }
         self.open, self.text, self.call = item, "", index
         self.items.append(item)
-        return [("response.output_item.added", {"output_index": len(self.items) - 1, "item": item})]
+        added = {"output_index": len(self.items) - 1, "item": dict(item)}  # as it is now
+        return [("response.output_item.added", added)]
 
     def _grow(self, piece: str) -> list[Event]:
         if not piece or self.open is None:

@@ -291,10 +291,10 @@ def test_text_format_json_schema_is_enforced(client):
     )
     assert obj.status == "completed"
     assert isinstance(json.loads(obj.output_text), dict)
-    with pytest.raises(openai.BadRequestError):
-        client.responses.create(
-            model=MODEL, input="x", text={"format": {"type": "json_schema", "schema": {"type": 5}}}
-        )
+    for bad in ({"type": "json_schema", "schema": {"type": 5}}, {"type": "json_schema",
+                "name": "no spaces", "schema": PET}, {"type": "grammar"}):  # fmt: skip
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model=MODEL, input="x", text={"format": bad})
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
@@ -364,3 +364,63 @@ def test_reasoning_is_a_reasoning_item(server, client):
         "response.output_item.done",
     ]
     assert events[-1].response.output[0].content[0].text == want.text
+
+
+def test_output_items_from_parser_deltas():
+    """Every kind of part in one delta, then a call's arguments in pieces and a second call:
+    the items in order, each event as the item was then, the arguments joined."""
+    from moetier.server.parsers.base import Delta, ToolCallDelta
+    from moetier.server.responses import OutputItems
+
+    items = OutputItems()
+    first = Delta(
+        [
+            ("reasoning", "think"),
+            ("content", "Hello"),
+            ("tool_call", ToolCallDelta(0, "call_a", "f", '{"x"')),
+        ]
+    )
+    events = items.push(first)
+    events += items.push(Delta([("tool_call", ToolCallDelta(0, arguments=": 1}"))]))
+    events += items.push(Delta([("tool_call", ToolCallDelta(1, "call_b", "g", "{}"))]))
+    events += items.close("stop")
+    assert [(i["type"], i["status"]) for i in items.items] == [
+        ("reasoning", "completed"),
+        ("message", "completed"),
+        ("function_call", "completed"),
+        ("function_call", "completed"),
+    ]
+    assert items.items[0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    assert items.items[1]["content"][0]["text"] == "Hello"
+    assert [(c["call_id"], c["name"], c["arguments"]) for c in items.items[2:]] == [
+        ("call_a", "f", '{"x": 1}'),
+        ("call_b", "g", "{}"),
+    ]
+    added = [data["item"] for name, data in events if name == "response.output_item.added"]
+    assert [a["status"] for a in added] == ["in_progress"] * 4
+    assert all(a.get("content", []) == [] and a.get("arguments", "") == "" for a in added)
+    by_item: dict[int, list[str]] = {}
+    for name, data in events:
+        by_item.setdefault(data["output_index"], []).append(name)
+    assert by_item[0] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    assert by_item[2] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    cut = OutputItems()
+    cut.push(Delta([("content", "Hel")]))
+    cut.close("length")
+    assert cut.items[0]["status"] == "incomplete"
+    empty = OutputItems()
+    assert [name for name, _ in empty.close("stop")][-1] == "response.output_item.done"
+    assert empty.items[0]["content"][0]["text"] == ""
