@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,9 +262,25 @@ def count_calls(messages: list[dict[str, Any]]) -> int:
     return sum(len(m.get("tool_calls") or ()) for m in messages if m.get("role") == "assistant")
 
 
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def special_ids(tokenizer: Any, keep: tuple[str, ...]) -> frozenset[int]:
     """The tokenizer's special tokens, less those whose text is one of `keep` (a family's
-    markers): what the parser's detokenization leaves out, as the engine's does."""
+    markers): what the parser's detokenization leaves out, as the engine's does. Computed once
+    per tokenizer and family."""
+    try:
+        known = _SPECIAL_IDS.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable: no cache
+        return _special_ids(tokenizer, keep)
+    if keep not in known:
+        known[keep] = _special_ids(tokenizer, keep)
+    return known[keep]
+
+
+def _special_ids(tokenizer: Any, keep: tuple[str, ...]) -> frozenset[int]:
     ids = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
     for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
         if getattr(token, "special", False):
