@@ -217,12 +217,14 @@ TOKEN_PROMPTS = [[5, 17, 33, 2, 90, 41, 41, 8, 250, 12], [77, 3, 19, 19, 140, 6]
 ENDS = [141, 86, 79]  # the fixed tiny model's greedy next token here is the end of sequence
 
 
-@pytest.fixture(scope="module")
-def fp32(tiny):
-    """(base URL, tokenizer, the HF model): a float32 server beside the checkpoint's HF model."""
+@pytest.fixture(scope="module", params=["transformers", "native"])
+def fp32(tiny, request):
+    """(base URL, tokenizer, the HF model): a float32 server (the transformers model class, or
+    the native model over paged KV) beside the checkpoint's HF model."""
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32"))
+    config = EngineConfig(device="cpu", dtype="float32", native=request.param == "native")
+    loaded = load_model(tiny.store("qwen3_moe"), config)
     hf = AutoModelForCausalLM.from_pretrained(
         tiny.checkpoint("qwen3_moe"), dtype=torch.float32, experts_implementation="eager"
     ).eval()
