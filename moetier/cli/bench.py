@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from moetier.cli.flags import dataclass_from_args
     from moetier.core.provenance import run_info
     from moetier.engine.benchmark import decode_path
-    from moetier.engine.generate import Generator
+    from moetier.engine.engine import Engine
     from moetier.loader.load import load_model
 
     cases = _cases(args)
@@ -95,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
     with _store(args) as store_path:
         speeds, links = _links(device, store_path)
         _say(f"loading {store_path.name}")
-        generator = Generator(load_model(store_path, engine_config))
-        loaded = generator.loaded
+        limits = _limits(cases)
+        loaded = load_model(store_path, engine_config, limits.num_pages * limits.page_size)
+        engine = Engine(loaded, limits)  # compiles and captures its decode steps now
         info = run_info()
         config = {
             "store": loaded.name,
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             "experts_format": sorted(loaded.store.formats),
             "device_kind": loaded.device.type,
             "dtype": str(loaded.dtype).removeprefix("torch."),
-            "path": decode_path(generator),
+            "path": decode_path(engine),
             "engine": _changed(engine_config),
             "sampling": "greedy",
             "prompt": "random token ids",
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             _header(info, config, links, args)
         progress = sys.stderr.isatty()
         for case in cases:
-            record = _timed(generator, case, speeds, args.warmup, progress)
+            record = _timed(engine, case, speeds, args.warmup, progress)
             if args.json:
                 print(json.dumps({**info, "case": "bench", **config, **record, **links}))
             else:
@@ -147,16 +148,28 @@ def _links(device: str, store_path: Path) -> tuple[Any, dict[str, Any]]:
     return speeds, link_gbps(speeds)
 
 
-def _timed(generator: Any, case: Any, speeds: Any, warmup: int, progress: bool) -> dict[str, Any]:
+def _limits(cases: list[Any]) -> Any:
+    """The engine's limits for these cases: KV pages for the largest case's rows, as many rows
+    a step, and room to read a case's prompts in few steps."""
+    from moetier.engine.engine import EngineLimits
+
+    page = EngineLimits().page_size
+    pages = max(c.rows * -(-(c.prompt_tokens + c.new_tokens) // page) for c in cases)
+    rows = max(c.rows for c in cases)
+    tokens = max(EngineLimits().max_num_batched_tokens, max(c.prompt_tokens for c in cases))
+    return EngineLimits(num_pages=pages, max_num_seqs=rows, max_num_batched_tokens=tokens)
+
+
+def _timed(engine: Any, case: Any, speeds: Any, warmup: int, progress: bool) -> dict[str, Any]:
     """run_case with a progress bar on stderr (a terminal only) over its steps."""
     from tqdm import tqdm
 
     from moetier.engine.benchmark import run_case
 
-    total = (warmup + 1) * case.new_tokens
+    total = (warmup + 1) * case.new_tokens  # steps, when the prompts take one
     with tqdm(total=total, desc=f"batch {case.rows}", unit="step", leave=False,
               disable=not progress) as bar:  # fmt: skip
-        return run_case(generator, case, speeds, warmup, on_step=bar.update)
+        return run_case(engine, case, speeds, warmup, on_step=bar.update)
 
 
 def _cases(args: argparse.Namespace) -> list[Any]:

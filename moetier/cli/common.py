@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from moetier.cli.flags import add_dataclass_arguments, dataclass_from_args
+from moetier.cli.flags import add_dataclass_arguments
 from moetier.config import DEFAULT_STORE, EngineConfig
 from moetier.engine.sampler import SamplingParams
 
@@ -21,12 +20,3 @@ def add_model_arguments(parser: argparse.ArgumentParser, sampling: bool = True) 
     add_dataclass_arguments(parser, EngineConfig, "engine")
     if sampling:
         add_dataclass_arguments(parser, SamplingParams, "sampling")
-
-
-def load(args: argparse.Namespace) -> tuple[Any, SamplingParams]:
-    from moetier.engine.generate import Generator
-    from moetier.loader.load import load_model
-
-    engine_config = dataclass_from_args(EngineConfig, args)
-    params = dataclass_from_args(SamplingParams, args)
-    return Generator(load_model(args.store, engine_config)), params

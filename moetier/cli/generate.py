@@ -1,12 +1,14 @@
 """`moetier generate STORE --prompt TEXT | --chat TEXT`: stream a completion to stdout, then a
-line of speed figures to stderr."""
+line of speed figures to stderr. One request through the serving engine (engine/engine.py), the
+path `moetier serve` and `moetier bench` run: the same compiled, graphed decode step."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from moetier.cli.common import add_model_arguments, load
+from moetier.cli.common import add_model_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,17 +20,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    generator, params = load(args)
+    from moetier.cli.flags import dataclass_from_args
+    from moetier.config import EngineConfig
+    from moetier.engine.engine import Engine, EngineLimits
+    from moetier.engine.prompts import chat_prompt_ids
+    from moetier.engine.sampler import SamplingParams
+    from moetier.engine.timing import GenerationTiming
+    from moetier.loader.load import load_model
+
+    engine_config = dataclass_from_args(EngineConfig, args)
+    params = dataclass_from_args(SamplingParams, args)
+    loaded = load_model(args.store, engine_config)
+    tokenizer = loaded.tokenizer
     if args.chat is not None:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.chat})
-        prompt_ids = generator.chat_prompt_ids(messages)
+        prompt_ids = chat_prompt_ids(tokenizer, messages)
     else:
-        prompt_ids = generator.prompt_ids(args.prompt)
-    for delta in generator.stream(prompt_ids, params, chat=args.chat is not None):
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
+        prompt_ids = tokenizer.encode(args.prompt)
+    context = int(loaded.model.config.max_position_embeddings)
+    positions = min(context, len(prompt_ids) + params.max_new_tokens)
+    page = EngineLimits().page_size
+    engine = Engine(loaded, EngineLimits(num_pages=-(-positions // page) + 1, max_num_seqs=1))
+    timing = GenerationTiming(rows=1, prompt_tokens=len(prompt_ids))
+    start = time.perf_counter()
+    request = engine.add("generate", prompt_ids, params, chat=args.chat is not None)
+    first: float | None = None
+    while engine.has_work:
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+        now = time.perf_counter()
+        if first is None and request.output:
+            first = now
+            timing.prefill_seconds = now - start
+        elif first is not None:
+            timing.decode_seconds = now - first
+    timing.new_tokens = len(request.output)
+    timing.steps = timing.new_tokens
     sys.stdout.write("\n")
     sys.stdout.flush()
-    print(f"moetier: {generator.timing.summary()}", file=sys.stderr)
+    print(f"moetier: {timing.summary()}", file=sys.stderr)
     return 0

@@ -1,12 +1,14 @@
-"""`moetier bench`'s measurement: one case per batch size, run through the Generator the way
-`moetier generate` runs (same engine config, same decode path), with the floor of the decode
-step from link speeds measured in the same run.
+"""`moetier bench`'s measurement: one case per batch size, run through the serving engine
+(engine/engine.py) the way `moetier serve` and `moetier generate` run (same engine config, same
+decode path: the compiled, graphed step where it applies), with the floor of the decode step
+from link speeds measured in the same run.
 
-A case: `warmup` untimed runs of the same shape on other prompts (they compile kernels,
-capture the CUDA graphs and fill the expert cache), then one timed run of `rows` random prompts
-of `prompt_tokens` tokens each, greedy, for exactly `new_tokens` tokens a row, all rows in one
-batch (`Generator.stream_rows`). Prefill and decode are timed by the Generator itself
-(engine/timing.py); the residency counters are read where the decode starts and where it ends.
+A case: `warmup` untimed runs of the same shape on other prompts (they fill the expert cache
+and move the zero-copy hot set; the engine compiled and captured its decode steps when it was
+built), then one timed run of `rows` random prompts of `prompt_tokens` tokens each, greedy, for
+exactly `new_tokens` tokens a row (end-of-sequence tokens included), every row queued at once
+(`time_rows`). The prefill runs until every row has its first token; the decode from there to
+the end. The residency counters are read where the decode starts and where it ends.
 
 The floor of a decode step (residency/cost.py `floor_seconds`): the bytes it must read under
 uniform routing, at the measured link speeds: every dense weight (an untied embedding: one row
@@ -18,6 +20,8 @@ speed. KV-cache reads are left out. On CPU the memory figures are host memcpys.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetier.engine.generate import Generator
+from moetier.engine.engine import Engine
+from moetier.engine.runner import PagedRunner
+from moetier.engine.sampler import SamplingParams
+from moetier.engine.timing import GenerationTiming
+from moetier.loader.loaded_model import LoadedModel
 from moetier.residency.cost import LinkSpeeds, TokenTraffic, distinct_experts, floor_seconds
 from moetier.residency.telemetry import served_bytes
 
@@ -49,15 +57,57 @@ def random_prompts(rows: int, tokens: int, vocab_size: int, seed: int) -> list[l
     return torch.randint(0, vocab_size, (rows, tokens), generator=generator).tolist()
 
 
-def decode_path(generator: Generator) -> str:
-    """How the Generator decodes: the transformers model class, or the native model file
-    eagerly or replayed from CUDA graphs (experts pinned, or zero-copy from host RAM)."""
-    if not hasattr(generator.model, "new_cache"):
+def decode_path(engine: Engine) -> str:
+    """How the engine decodes: the transformers model class, or the native model file eagerly
+    or replayed from CUDA graphs (compiled or not; experts pinned, or zero-copy from host
+    RAM)."""
+    runner = engine.runner
+    if not isinstance(runner, PagedRunner):
         return "transformers"
-    if not generator.graphs:
+    if not runner.use_graphs:
         return "native"
-    zero_copy = generator.loaded.runtime.zero_copy is not None
-    return "native, CUDA graphs, " + ("zero-copy" if zero_copy else "experts pinned")
+    compiled = ", compiled" if engine.loaded.engine_config.compile_decode else ""
+    zero_copy = engine.loaded.runtime.zero_copy is not None
+    return f"native, CUDA graphs{compiled}, " + ("zero-copy" if zero_copy else "experts pinned")
+
+
+_RUNS = itertools.count()
+
+
+def time_rows(
+    engine: Engine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    on_step: Callable[[], object] = lambda: None,
+    on_decode: Callable[[], object] = lambda: None,
+) -> GenerationTiming:
+    """Queue every prompt at once, greedy, exactly `new_tokens` tokens each, and step the
+    engine to the end; -> the timing (engine/timing.py's figures). `on_step` after each step;
+    `on_decode` once, when every row has its first token (the decode starts)."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=new_tokens)
+    run = next(_RUNS)
+    timing = GenerationTiming(len(prompts), sum(len(p) for p in prompts))
+    start = time.perf_counter()
+    requests = [
+        engine.add(f"bench-{run}-{i}", prompt, greedy, max_tokens=new_tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts)
+    ]
+    decode_began: float | None = None
+    while engine.has_work:
+        engine.step()  # its sampled tokens are on the host when it returns
+        on_step()
+        now = time.perf_counter()
+        if decode_began is None:
+            if all(r.output for r in requests):
+                decode_began = now
+                timing.prefill_seconds = now - start
+                timing.steps = 1
+                on_decode()
+        else:
+            timing.steps += 1
+            timing.decode_seconds = now - decode_began
+    timing.new_tokens = sum(len(r.output) for r in requests)
+    return timing
 
 
 def dense_step_bytes(model: nn.Module, rows: int) -> int:
@@ -80,10 +130,9 @@ def dense_step_bytes(model: nn.Module, rows: int) -> int:
     return total
 
 
-def decode_traffic(generator: Generator, rows: int) -> TokenTraffic:
+def decode_traffic(loaded: LoadedModel, rows: int) -> TokenTraffic:
     """The bytes of one decode step of `rows` rows by tier, under uniform routing and the best
     placement this budget allows (the floor's traffic; see the module docstring)."""
-    loaded = generator.loaded
     runtime, store, cfg = loaded.runtime, loaded.store, loaded.model_config
     planes = runtime.planes() if runtime.delta_threshold == 0 else ["base"]
     keys = [k for k in store.blobs if k[2] in planes]
@@ -103,7 +152,7 @@ def decode_traffic(generator: Generator, rows: int) -> TokenTraffic:
 
 
 def run_case(
-    generator: Generator,
+    engine: Engine,
     case: BenchCase,
     speeds: LinkSpeeds | None,
     warmup: int = 1,
@@ -112,23 +161,22 @@ def run_case(
     """Time one case (module docstring); the figures of its JSON line. `speeds`: the link
     speeds for the floor (None: no floor). `on_step` is called after every step, warm-up
     included (a progress bar)."""
-    loaded = generator.loaded
+    loaded = engine.loaded
     runtime = loaded.runtime
     vocab = loaded.model_config.vocab_size
     for i in range(warmup):
         prompts = random_prompts(case.rows, case.prompt_tokens, vocab, seed=1000 + i)
-        for _ in generator.stream_rows(prompts, case.new_tokens):
-            on_step()
-    steps = generator.stream_rows(
-        random_prompts(case.rows, case.prompt_tokens, vocab, seed=0), case.new_tokens
+        time_rows(engine, prompts, case.new_tokens, on_step)
+    marks: list[Any] = []
+    timing = time_rows(
+        engine,
+        random_prompts(case.rows, case.prompt_tokens, vocab, seed=0),
+        case.new_tokens,
+        on_step,
+        on_decode=lambda: marks.append(runtime.telemetry()),
     )
-    next(steps)  # the prefill's tokens are out: the decode's counters start here
-    decode_start = runtime.telemetry()
-    on_step()
-    for _ in steps:
-        on_step()
+    decode_start = marks[0]
     counters = runtime.telemetry().since(decode_start)
-    timing = generator.timing
     decode_steps = timing.steps - 1
     cache = runtime.residency.tier_name
     requests = counters[cache].hits + counters[cache].misses
@@ -154,7 +202,7 @@ def run_case(
         "hit_rate": round(counters[cache].hits / requests, 4) if requests else None,
         "bytes_per_token": {tier: round(n / tokens) for tier, n in served.items()},
     }
-    record.update(floor_fields(generator, case.rows, speeds, ms_per_step))
+    record.update(floor_fields(loaded, case.rows, speeds, ms_per_step))
     return record
 
 
@@ -164,13 +212,13 @@ def _sig(x: float, digits: int = 5) -> float:
 
 
 def floor_fields(
-    generator: Generator, rows: int, speeds: LinkSpeeds | None, ms_per_step: float | None
+    loaded: LoadedModel, rows: int, speeds: LinkSpeeds | None, ms_per_step: float | None
 ) -> dict[str, Any]:
     """The floor of a decode step of `rows` rows, its tok/s and the measured step's ratio to it
     (None without link speeds)."""
     if speeds is None:
         return {"floor_ms_per_step": None, "floor_tok_s": None, "ratio_to_floor": None}
-    traffic = decode_traffic(generator, rows)
+    traffic = decode_traffic(loaded, rows)
     floor_ms = floor_seconds(traffic, speeds) * 1e3
     return {
         "floor_ms_per_step": _sig(floor_ms),
