@@ -135,6 +135,13 @@ CASES = [
         "</tool_call>",
         calls=[("get_weather", {"city": "Rome"})],
     ),
+    Case(
+        "hermes",
+        "arguments-as-json-string-in-order",
+        '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}\n'
+        "</tool_call>",
+        calls=[("get_weather", {"city": "Rome"})],
+    ),
     # -- qwen3_coder (Qwen3-Coder, Qwen3.5) -----------------------------------------------------
     Case(
         "qwen3_coder",

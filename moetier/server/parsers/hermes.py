@@ -2,8 +2,8 @@
 `<tool_call>\\n{"name": NAME, "arguments": {…}}\\n</tool_call>`, one block per call.
 
 Qwen3 models sometimes open `<tool_call>` before `</think>`: the call ends the reasoning.
-The arguments stream once `"arguments":` has been read; a call written some other way (keys in
-another order, no arguments) is read whole at its `</tool_call>`.
+The arguments stream once `"arguments": {` has been read; a call written some other way (keys in
+another order, no arguments, arguments as a JSON string) is read whole at its `</tool_call>`.
 """
 
 from __future__ import annotations
@@ -38,11 +38,16 @@ class HermesParser(ThinkParser):
         if self.sub == "start":
             end = self.buf.find(_CLOSE)
             head = _HEAD.match(self.buf)
-            if head and (end == -1 or head.end() <= end):
-                self.buf = self.buf[head.end() :]
-                self._open_json_call(_name(head.group(1)))
-                self.sub = "args"
-                return True
+            if head and (end == -1 or head.end() < end):
+                after = self.buf[head.end() : head.end() + 1]
+                if not after and not final:
+                    return False  # what the arguments are is not known yet
+                if after == "{":  # an object: streamed as it comes
+                    self.buf = self.buf[head.end() :]
+                    self._open_json_call(_name(head.group(1)))
+                    self.sub = "args"
+                    return True
+                # anything else (arguments as a JSON string): read whole at </tool_call>
             body = self._wait_for(_CLOSE, final)
             if body is None:
                 return False
