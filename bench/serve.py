@@ -6,7 +6,13 @@ peak, and the per-step figure of a decode step (ms) beside HBM copy speed measur
 run. Synthetic q2s store of a bench shape (quant/synthetic.py), every expert pinned, the native
 model over the paged KV cache (decode steps replayed from CUDA graphs per batch bucket).
 
+With --agent-turns N, instead: one conversation of N turns as an agent sends it, each turn
+the whole conversation so far plus --turn-tokens new tokens, answered with --answer-tokens
+tokens; per turn its TTFT with the earlier turns' pages in the prefix cache, beside the cold TTFT
+of a prompt of the same length whose first token differs (no prefix hit), and the prefix hit.
+
   python bench/serve.py --layers 8 --concurrency 1,4,16,64
+  python bench/serve.py --layers 8 --agent-turns 8 --turn-tokens 800 --answer-tokens 200
   python bench/serve.py --device cpu --shape tiny --layers 2 --concurrency 1,4   # smoke test
 """
 
@@ -76,6 +82,48 @@ def run_case(engine: Engine, concurrency: int, prompt: int, new: int, seed: int)
     }
 
 
+def ttft(engine: Engine, request_id: str, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    """Run one request alone to the end -> (seconds to its first token, its output tokens)."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=new)
+    start = time.perf_counter()
+    request = engine.add(request_id, prompt, greedy, max_tokens=new, ignore_eos=True)
+    first = None
+    while engine.has_work:
+        engine.step()
+        if first is None and request.output:
+            first = time.perf_counter() - start
+    assert first is not None
+    return first, list(request.output)
+
+
+def agent_turns(engine: Engine, turns: int, turn_tokens: int, answer: int, seed: int) -> list:
+    """The agent shape (module docstring): one record per turn."""
+    vocab = engine.loaded.model_config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    conversation: list[int] = []
+    records = []
+    for turn in range(1, turns + 1):
+        conversation += torch.randint(10, vocab, (turn_tokens,), generator=gen).tolist()
+        prompt = list(conversation)
+        hits_before = engine.pool.stats.hit_tokens
+        warm, output = ttft(engine, f"turn-{turn}", prompt, answer)
+        cached = engine.pool.stats.hit_tokens - hits_before
+        cold_prompt = [(prompt[0] + 1) % vocab or 10, *prompt[1:]]  # no page of it is cached
+        cold, _ = ttft(engine, f"cold-{turn}", cold_prompt, 1)
+        conversation += output
+        records.append(
+            {
+                "turn": turn,
+                "prompt_tokens": len(prompt),
+                "cached_tokens": cached,
+                "ttft_ms": round(1e3 * warm, 2),
+                "cold_ttft_ms": round(1e3 * cold, 2),
+                "ttft_ratio": round(warm / cold, 4),
+            }
+        )
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b")
@@ -92,6 +140,9 @@ def main() -> None:
         help="share of the experts' base blobs in GPU slots (1: all pinned; less: the rest read "
         "from pinned host RAM, zero-copy)",
     )
+    parser.add_argument("--agent-turns", type=int, default=0, help="the agent shape's turns")
+    parser.add_argument("--turn-tokens", type=int, default=800, help="agent: new tokens a turn")
+    parser.add_argument("--answer-tokens", type=int, default=200, help="agent: answer tokens")
     parser.add_argument(
         "--compile", default="on", choices=("on", "off"), help="torch.compile the decode step"
     )
@@ -114,10 +165,30 @@ def main() -> None:
         began = time.perf_counter()
         loaded = load_model(store, config)
         pages = max(concurrencies) * -(-(args.prompt_tokens + args.new_tokens) // 16) + 16
+        if args.agent_turns:  # the conversation's pages stay cached beside a cold copy
+            longest = args.agent_turns * (args.turn_tokens + args.answer_tokens)
+            pages = 3 * -(-longest // 16) + 16
         limits = EngineLimits(num_pages=pages, max_num_seqs=max(concurrencies))
         engine = Engine(loaded, limits)
         load_s = time.perf_counter() - began  # load, compile and capture: until ready
         copy = copy_bandwidth() if args.device == "cuda" else None
+        common = {
+            **info,
+            "shape": args.shape,
+            "layers": args.layers,
+            "experts": "q2s",
+            "compile": args.compile,
+            "gpu_fraction": args.gpu_fraction,
+            "zero_copy": loaded.runtime.zero_copy is not None,
+            "load_s": round(load_s, 1),
+        }
+        if args.agent_turns:
+            ttft(engine, "warm-up", list(range(10, 10 + args.turn_tokens)), 8)
+            for record in agent_turns(
+                engine, args.agent_turns, args.turn_tokens, args.answer_tokens, seed=3
+            ):
+                emit({**common, "case": "serve-agent", **record})
+            return
         for concurrency in concurrencies:
             run_case(engine, concurrency, args.prompt_tokens, 8, seed=1)  # warm-up and capture
             record = run_case(engine, concurrency, args.prompt_tokens, args.new_tokens, seed=2)
