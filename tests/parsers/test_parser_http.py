@@ -269,3 +269,34 @@ def test_prefilled_think_is_continued_as_reasoning_under_the_chosen_field(server
     assert streamed == message["message"]["reasoning"]
     with pytest.raises(ValueError, match="reasoning-field"):
         create_app(AsyncEngine(Engine(loaded)), MODEL, options=ServerOptions(reasoning_field="x"))
+
+
+@pytest.mark.parametrize(
+    "family", ["deepseek_v3", "deepseek_v31", "kimi_k2", "harmony", "mistral", "glm47"]
+)
+def test_forced_call_in_each_family_syntax(loaded, family):
+    """tool_choice named forces the call in the family's own syntax (forced.py; XML-style
+    families in the Hermes form) and the family's parser reads a call valid against the
+    schema (a call in another syntax would not be a call to that parser)."""
+    from moetier.server.parsers.forced import NATIVE
+
+    app = create_app(AsyncEngine(Engine(loaded)), MODEL, options=ServerOptions(tool_parser=family))
+    body = {
+        "model": MODEL,
+        "messages": USER,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 200,
+        "temperature": 0,
+    }
+    with serving(app) as url:
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    _valid("get_weather", call["function"]["arguments"])
+    if family == "kimi_k2":
+        assert call["id"] == "functions.get_weather:0"
+    if family not in NATIVE:
+        assert call["id"].startswith("call_")

@@ -5,7 +5,7 @@
 
 Kimi opens calls before closing its reasoning. Ids are `functions.NAME:IDX`, IDX counting the
 calls of the whole conversation (`call_offset`): the model's own id is kept when it has this
-form, else one is made (an OpenAI-style id in history sends Kimi astray).
+form and is not a repeat, else one is made (an OpenAI-style id in history sends Kimi astray).
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ class KimiK2Parser(ThinkParser):
         CALL_END,
     )
 
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self._ids: set[str] = set()  # ids given out: a repeated one is replaced
+
     def _enter_tool(self, marker: str) -> None:
         self.sub = "head" if marker == CALL_BEGIN else "start"
 
@@ -55,11 +59,12 @@ class KimiK2Parser(ThinkParser):
                 return False
             raw = head.strip()
             match = _KIMI_ID.fullmatch(raw)
-            if match:
+            if match and raw not in self._ids:
                 name, call_id = match.group(1), raw
             else:
                 name = raw.removeprefix("functions.").rsplit(":", 1)[0]
                 call_id = f"functions.{name}:{self.call_offset + self.calls}"
+            self._ids.add(call_id)
             self._open_json_call(name, call_id)
             self.sub = "args"
             return True

@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moetier.engine.detokenizer import StreamingDetokenizer
-from moetier.engine.grammar import tool_call_grammar
 from moetier.engine.prompts import chat_prompt_ids
 from moetier.engine.sampler import SamplingParams
 from moetier.server.parsers.base import Delta, Message, Parser
-from moetier.server.parsers.hermes import HermesParser
+from moetier.server.parsers.forced import forced_call_grammar
 from moetier.server.parsers.registry import FAMILIES, choose_family, family_name
 
 log = logging.getLogger("moetier.parsers")
@@ -34,9 +33,6 @@ log = logging.getLogger("moetier.parsers")
 # Families whose templates write a call's arguments as they are given (a JSON string); the
 # others iterate them (`arguments|items`) or write them with `tojson`: those get a mapping.
 STRING_ARGUMENTS = {"deepseek_v3", "deepseek_v31"}
-# The text a forced tool call (tool_choice required or named) is written in, whatever the
-# family: the grammar (engine/grammar.py tool_call_grammar) and the parser agree on it.
-FORCED_BEGIN, FORCED_END = "<tool_call>\n", "\n</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -167,6 +163,7 @@ def prepare_chat(
             engine.tokenizer, moved, offered, template_kwargs, continue_final=continuing
         )
     prefill = messages[-1].get("content") if continuing else None
+    forced_reader = None
     if forced_tool_choice(tool_choice):
         # a named tool is called once (as vLLM does); required / any: as parallel_tool_calls
         if isinstance(tool_choice, dict) and tool_choice.get("type") in ("function", "tool"):
@@ -175,13 +172,14 @@ def prepare_chat(
             raise ValueError(
                 "tool_choice that forces a call cannot be combined with response_format"
             )
-        grammar = tool_call_grammar(
+        # in the family's own call syntax where its arguments are one JSON object (forced.py)
+        grammar, forced_reader = forced_call_grammar(
+            choice.family,
             tools or [],
             tool_choice,
-            FORCED_BEGIN,
-            FORCED_END,
-            parallel=parallel_tool_calls,
-            tokenizer=engine.tokenizer,
+            parallel_tool_calls,
+            engine.tokenizer,
+            count_calls(messages),
         )
         params = dataclasses.replace(params, grammar=grammar)
     parsing = ChatParsing(
@@ -195,6 +193,7 @@ def prepare_chat(
         stop=params.stop,
         end_ids=frozenset(engine.engine.chat_end_ids),
         prefill=prefill if isinstance(prefill, str) else None,
+        forced_family=forced_reader,
     )
     return prompt_ids, params, parsing
 
@@ -323,6 +322,7 @@ class ChatParsing:
     stop: tuple[str, ...] = ()
     end_ids: frozenset[int] = frozenset()
     prefill: str | None = None  # the assistant message the model continues, if it does
+    forced_family: str | None = None  # the parser of a grammar-forced call (forced.py)
     message: Message = field(default_factory=Message)
 
     def __post_init__(self) -> None:
@@ -330,8 +330,12 @@ class ChatParsing:
         self.detok: StreamingDetokenizer | None = None
         calls = bool(self.tools) and self.tool_choice != "none"
         if forced_tool_choice(self.tool_choice):
-            # the grammar writes the call in hermes form from the first token on
-            self.parser = HermesParser(self.tools, parallel_tool_calls=self.parallel_tool_calls)
+            # the grammar writes the call from the first token on, in this family's syntax
+            self.parser = FAMILIES[self.forced_family or "hermes"](
+                self.tools,
+                parallel_tool_calls=self.parallel_tool_calls,
+                call_offset=self.call_offset,
+            )
         elif self.choice.family is not None:
             cls = FAMILIES[self.choice.family]
             tail = self.tokenizer.decode(self.prompt_ids[-32:], skip_special_tokens=False)
