@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -17,8 +18,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from moetier.engine.engine import Output
+from moetier.engine.sampler import MAX_LOGPROBS
 from moetier.engine.scheduler import ContextLengthError
 from moetier.server.errors import openai_error, stream_error_event
+from moetier.server.parsers.base import Message
 from moetier.server.parsers.serving import (
     ChatParsing,
     prepare_chat,
@@ -73,6 +76,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: enable_thinking, thinking, ...
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def asked_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -92,6 +97,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             messages = [m.template_message() for m in req.messages]
             max_tokens = req.asked_max_tokens()
+            if req.top_logprobs and not req.logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
             prompt_ids, params, parsing = prepare_chat(
                 engine,
                 state.parser,
@@ -103,7 +110,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 template_kwargs(state.template_defaults, req.chat_template_kwargs),
                 state.options.relaxed_chat_template,
             )
-            engine.check(prompt_ids, params, max_tokens)
+            if req.logprobs:
+                params = replace(params, logprobs=req.top_logprobs or 0)
+            engine.check(prompt_ids, params, max_tokens, req.n)
         except ContextLengthError as err:
             return openai_error(400, str(err), param="messages", code="context_length_exceeded")
         except ValueError as err:
@@ -112,12 +121,29 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         outputs = engine.generate(
-            prompt_ids, params, chat=True, max_tokens=max_tokens, ignore_eos=req.ignore_eos
+            prompt_ids,
+            params,
+            chat=True,
+            max_tokens=max_tokens,
+            ignore_eos=req.ignore_eos,
+            n=req.n,
         )
+        # one parser and one logprobs list per sequence
+        choices = [_Choice(parsing if i == 0 else _fresh(parsing)) for i in range(req.n)]
+        tokenizer = engine.tokenizer if req.logprobs else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _sse(outputs, completion_id, now, model_name, include_usage, parsing, fields),
+                _sse(
+                    outputs,
+                    completion_id,
+                    now,
+                    model_name,
+                    include_usage,
+                    choices,
+                    fields,
+                    tokenizer,
+                ),  # fmt: skip
                 media_type="text/event-stream",
             )
 
@@ -127,9 +153,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             return openai_error(503, str(err), "server_error")
         if done is None:  # the client left: its request is aborted
             return openai_error(499, "client closed the request")
-        last = done[-1]
         for out in done:
-            parsing.push(out)
+            choice = choices[out.index]
+            choice.parsing.push(out)
+            choice.last = out
+            if tokenizer is not None:
+                choice.logprobs += chat_logprobs(tokenizer, out)
         return {
             "id": completion_id,
             "object": "chat.completion",
@@ -137,26 +166,69 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             "model": model_name,
             "choices": [
                 {
-                    "index": 0,
-                    "message": parsing.openai_message(fields),
-                    "finish_reason": parsing.finish_reason(_finish(last.finish_reason)),
-                    "logprobs": None,
+                    "index": i,
+                    "message": c.parsing.openai_message(fields),
+                    "finish_reason": c.parsing.finish_reason(_finish(c.finish_reason)),
+                    "logprobs": None if tokenizer is None else {"content": c.logprobs},
                 }
+                for i, c in enumerate(choices)
             ],
-            "usage": _usage(last),
+            "usage": _usage(choices),
         }
+
+
+def _fresh(parsing: ChatParsing) -> ChatParsing:
+    """Another sequence's parsing of the same request (its own parser and message)."""
+    return replace(parsing, message=Message())
+
+
+@dataclass
+class _Choice:
+    """One of a request's n sequences as the answer builds it."""
+
+    parsing: ChatParsing
+    last: Output | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.last is None else self.last.finish_reason
+
+
+def chat_logprobs(tokenizer: Any, out: Output) -> list[dict[str, Any]]:
+    """An output's tokens' logprobs in the chat shape: token text, logprob, its UTF-8 bytes,
+    and the top alternatives (a token alone may be part of a character: its text is then the
+    replacement character, its bytes what it decodes to)."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for item in out.logprobs or []:
+        if item is None:
+            continue
+        top = [entry(t, lp) for t, lp in item.top]
+        content.append({**entry(item.token, item.logprob), "top_logprobs": top})
+    return content
 
 
 def _finish(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def _usage(last: Output) -> dict[str, Any]:
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    """The prompt counted once; the completion tokens of every sequence."""
+    last = [c.last for c in choices if c.last is not None]
+    if not last:
+        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    prompt = last[0].prompt_tokens
+    completion = sum(out.completion_tokens for out in last)
     return {
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "total_tokens": last.prompt_tokens + last.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": last[0].cached_tokens},
     }
 
 
@@ -166,41 +238,60 @@ async def _sse(
     created: int,
     model_name: str,
     include_usage: bool,
-    parsing: ChatParsing,
+    choices: list[_Choice],
     fields: tuple[str, ...] = ("reasoning_content",),
+    tokenizer: Any = None,
 ) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chat.completion.chunk shape, ending with [DONE]. Closed
-    early (the client went away), the request is aborted by `outputs`' own cleanup."""
+    """Server-sent events in OpenAI's chat.completion.chunk shape, ending with [DONE]; each
+    chunk carries one sequence's delta (its `index`). Closed early (the client went away), the
+    request is aborted by `outputs`' own cleanup."""
 
     def chunk(
-        delta: dict[str, Any], finish: str | None, usage: dict[str, Any] | None = None
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None,
+        logprobs: list[dict[str, Any]] | None = None,
     ) -> str:
         body: dict[str, Any] = {
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model_name,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-            if usage is None
-            else [],
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "finish_reason": finish,
+                    "logprobs": None if logprobs is None else {"content": logprobs},
+                }
+            ],
         }
-        if usage is not None:
-            body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    last = None
+    for index in range(len(choices)):
+        yield chunk(index, {"role": "assistant", "content": ""}, None)
     try:
         async for out in outputs:
-            last = out
-            delta = parsing.push(out).openai(fields)  # reasoning, content and tool-call deltas
-            if delta or out.finish_reason:
-                yield chunk(delta, parsing.finish_reason(_finish(out.finish_reason)))
+            choice = choices[out.index]
+            choice.last = out
+            delta = choice.parsing.push(out).openai(fields)  # reasoning, content, tool calls
+            logprobs = None if tokenizer is None else chat_logprobs(tokenizer, out)
+            if delta or out.finish_reason or logprobs:
+                finish = choice.parsing.finish_reason(_finish(out.finish_reason))
+                yield chunk(out.index, delta, finish, logprobs)
     except RuntimeError as err:  # the engine failed or is shutting down
         yield stream_error_event("/v1/chat/completions", str(err)).decode()
         return
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
-    if include_usage and last is not None:
-        yield chunk({}, None, _usage(last))
+    if include_usage and any(c.last is not None for c in choices):
+        body = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model_name,
+            "choices": [],
+            "usage": _usage(choices),
+        }
+        yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"

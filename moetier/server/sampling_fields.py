@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from moetier.engine.grammar import check_grammar
 from moetier.engine.sampler import SamplingParams
 
+MAX_N = 128  # sequences a request may ask for (the n x max_tokens cap applies too)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -69,7 +71,12 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extension
+    min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens through end tokens
     response_format: ResponseFormat | None = None
 
@@ -87,6 +94,12 @@ class SamplingFields(BaseModel):
                 check_grammar(*grammar)
             except ValueError as err:
                 raise ValueError(f"response_format: {err}") from err
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias.append((int(key), float(value)))
+            except ValueError:
+                raise ValueError(f'logit_bias key {key!r}: use a token id, e.g. "1234"') from None
         return SamplingParams(
             max_new_tokens=defaults.max_new_tokens,
             temperature=self.temperature if self.temperature is not None else defaults.temperature,
@@ -95,4 +108,9 @@ class SamplingFields(BaseModel):
             seed=self.seed,
             stop=stop,
             grammar=grammar,
+            min_p=self.min_p if self.min_p is not None else defaults.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=tuple(bias),
         )

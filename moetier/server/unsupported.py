@@ -10,17 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-_SAMPLING: dict[str, tuple[tuple[Any, ...], str]] = {
-    "logprobs": ((False, 0), "log probabilities are not returned yet"),
-    "top_logprobs": ((0,), "log probabilities are not returned yet"),
-    "presence_penalty": ((0,), "penalties are not supported yet"),
-    "frequency_penalty": ((0,), "penalties are not supported yet"),
-    "repetition_penalty": ((1,), "penalties are not supported yet"),
-    "logit_bias": (({},), "logit_bias is not supported yet"),
-    "min_p": ((0,), "min_p is not supported yet"),
-    "n": ((1,), "only n = 1 is supported yet"),
-}
-
 _TOOLS: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": (([],), "the deprecated `functions` are not supported: use `tools`"),
     "function_call": (("none", "auto"), "the deprecated `function_call` is not supported"),
@@ -28,7 +17,6 @@ _TOOLS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 UNSUPPORTED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
     "/v1/chat/completions": {
-        **_SAMPLING,
         **_TOOLS,
         "audio": ((), "audio output is not supported"),
         "modalities": ((["text"],), "only text output is supported"),
@@ -36,7 +24,6 @@ UNSUPPORTED: dict[str, dict[str, tuple[tuple[Any, ...], str]]] = {
         "web_search_options": ((), "web search is not supported"),
     },
     "/v1/completions": {
-        **{k: v for k, v in _SAMPLING.items() if k != "logprobs"},  # logprobs N: returned
         "suffix": (("",), "suffix (fill in the middle) is not supported"),
         "best_of": ((1,), "only best_of = 1 is supported"),
     },

@@ -110,11 +110,6 @@ def test_several_prompts_and_token_id_prompts(server, client):
     assert [c.text for c in one.choices] == [wants[1].text]
 
 
-@pytest.mark.xfail(
-    raises=openai.BadRequestError,
-    strict=True,
-    reason="n > 1 waits for SamplingFields.n (le=1) and unsupported.py's n entry to go",
-)
 def test_n_sequences_of_several_prompts(server, client):
     generator = server[1]
     ids = [generator.prompt_ids(p) for p in PROMPTS]
