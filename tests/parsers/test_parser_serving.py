@@ -363,3 +363,16 @@ def test_relaxed_template_moves_system_messages_first(kimi_tokenizer):
     ids, _, _ = prepare_chat(engine, None, messages, _params(), relaxed=True)
     text = kimi_tokenizer.decode(ids)
     assert text == "<|im_end|>system:Be brief.\n\nReminder.<|im_end|>user:Hi<|im_end|>assistant:"
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    ["sometimes", {"type": "function"}, {"type": "function", "function": {"name": 3}},
+     {"type": "function", "function": {"name": "nope"}}, ["required"]],
+)  # fmt: skip
+@pytest.mark.parametrize("family", ["kimi_k2", "glm47", None])
+def test_bad_tool_choice_is_a_request_error(tool_choice, family):
+    from moetier.server.parsers.forced import forced_call_grammar
+
+    with pytest.raises(ValueError, match="tool_choice"):
+        forced_call_grammar(family, TOOLS, tool_choice, False, None)

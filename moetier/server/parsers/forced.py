@@ -80,7 +80,10 @@ def _chosen(tools: list[dict[str, Any]], tool_choice: Any) -> dict[str, dict[str
         if not named:
             raise ValueError("tool_choice forces a tool call, but the request has no tools")
         return named
-    name = (tool_choice.get("function") or tool_choice).get("name")
+    fn = (tool_choice.get("function") or tool_choice) if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ValueError(f"tool_choice {tool_choice!r}: use auto, none, required or a named tool")
     if name not in named:
         raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
     return {name: named[name]}
