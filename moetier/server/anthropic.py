@@ -18,6 +18,7 @@ from `system` (BILLING_LINE), so its prompts share their prefix in the prefix ca
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
@@ -230,7 +231,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 stop=tuple(req.stop_sequences or ()),
             )
             choice = req.tool_choice or {}
-            prompt_ids, params, parsing = prepare_chat(
+            # rendering and tokenizing a long conversation takes a while: off the event loop
+            prompt_ids, params, parsing = await asyncio.to_thread(
+                prepare_chat,
                 engine,
                 state.parser,
                 chat_messages(req.system, req.messages),

@@ -6,6 +6,7 @@ its output into `reasoning_content`, `content` and `tool_calls` (finish_reason t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -99,7 +100,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             max_tokens = req.asked_max_tokens()
             if req.top_logprobs and not req.logprobs:
                 raise ValueError("top_logprobs needs logprobs: true")
-            prompt_ids, params, parsing = prepare_chat(
+            # rendering and tokenizing a long conversation takes a while: off the event loop
+            prompt_ids, params, parsing = await asyncio.to_thread(
+                prepare_chat,
                 engine,
                 state.parser,
                 messages,

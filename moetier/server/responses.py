@@ -13,6 +13,7 @@ output items, in order: `reasoning`, `message` (one output_text part) and `funct
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -404,7 +405,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             if req.background:
                 raise ValueError("background: background responses are not supported")
             messages = chat_messages(req.instructions, req.input)
-            prompt_ids, params, parsing = prepare_chat(
+            # rendering and tokenizing a long conversation takes a while: off the event loop
+            prompt_ids, params, parsing = await asyncio.to_thread(
+                prepare_chat,
                 engine,
                 state.parser,
                 messages,

@@ -7,12 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "parsers"))
-from cases import CASES, TOOLS  # noqa: E402
+from parser_cases import CASES, TOOLS
 
 from moetier.server.parsers import make_parser  # noqa: E402
 

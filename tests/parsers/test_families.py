@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from cases import CASES, FILE, TOOLS, Case
+from parser_cases import CASES, FILE, TOOLS, Case
 
 from moetier.server.parsers import FAMILIES, make_parser
 

@@ -9,9 +9,9 @@ import itertools
 import json
 
 import pytest
-from cases import TOOLS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from parser_cases import TOOLS
 
 from moetier.server.parsers import FAMILIES, Message, make_parser
 
@@ -77,7 +77,7 @@ def test_garbled_output_is_split_invariant_and_calls_are_objects(family):
 def test_mutated_real_outputs_are_split_invariant(family):
     """Near-valid outputs reach the deep states: a real case with a slice cut out, a piece put
     in, or cut short."""
-    from cases import CASES
+    from parser_cases import CASES
 
     raws = [c.raw for c in CASES if c.family == family]
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
-from cases import CASES, TOOLS
+from parser_cases import CASES, TOOLS
 from pydantic import TypeAdapter
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast

@@ -10,9 +10,9 @@ import codecs
 import itertools
 
 import pytest
-from cases import CASES, TOOLS, Case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from parser_cases import CASES, TOOLS, Case
 
 from moetier.server.parsers import FAMILIES, Message, make_parser
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cases import TOOLS
+from parser_cases import TOOLS
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from moetier.server.parsers import choose_family, make_parser
