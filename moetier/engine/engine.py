@@ -23,6 +23,7 @@ from typing import Any
 
 from moetier.engine.detokenizer import StreamingDetokenizer, end_token_ids
 from moetier.engine.kv_pages import PagePool
+from moetier.engine.reasoning_budget import ReasoningBudget
 from moetier.engine.runner import PagedRunner, TransformersRunner
 from moetier.engine.sampler import SamplingParams, TokenLogprob
 from moetier.engine.scheduler import Request, Scheduler
@@ -173,9 +174,11 @@ class Engine:
         ids = [request_id] + [f"{request_id}{SIBLING_MARK}{i}" for i in range(1, n)]
         if request_id in self.requests or any(sid in self.streams for sid in ids):
             raise ValueError(f"request id {request_id!r} is already queued or running")
-        matchers = [None] * n
+        matchers: list[Any] = [None] * n
         if params.grammar is not None:
             matchers = [self.grammars.matcher(*params.grammar) for _ in range(n)]
+        elif params.reasoning_budget is not None:  # a matcher too: the same hook applies it
+            matchers = [ReasoningBudget(*params.reasoning_budget) for _ in range(n)]
         end_ids = self.chat_end_ids if chat else self.eos_ids
         if params.grammar is not None:  # the grammar's document ends at any of its end tokens
             end_ids = self.eos_ids | self.chat_end_ids

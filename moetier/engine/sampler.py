@@ -55,6 +55,10 @@ class SamplingParams:
     logprobs: int | None = field(default=None, metadata={"flag": False})  # None / 0 / top N
     prompt_logprobs: int | None = field(default=None, metadata={"flag": False})
     grammar: tuple[str, str] | None = field(default=None, metadata={"flag": False})
+    # (budget tokens, the end-of-reasoning marker's ids): engine/reasoning_budget.py
+    reasoning_budget: tuple[int, tuple[int, ...]] | None = field(
+        default=None, metadata={"flag": False}
+    )
 
     def __post_init__(self) -> None:
         def refuse(name: str, value: object, allowed: str) -> None:
@@ -91,6 +95,12 @@ class SamplingParams:
             len(self.grammar) != 2 or self.grammar[0] not in GRAMMAR_KINDS
         ):
             refuse("grammar", self.grammar, f"(kind, spec) with kind one of {GRAMMAR_KINDS}")
+        if self.reasoning_budget is not None:
+            budget, end_ids = self.reasoning_budget
+            if budget < 1 or not end_ids:
+                refuse("reasoning budget", budget, "at least 1 token, with an end marker")
+            if self.grammar is not None:
+                refuse("grammar", self.grammar[0], "none with a reasoning budget (not both)")
 
     @property
     def penalized(self) -> bool:
@@ -108,6 +118,7 @@ class SamplingParams:
             and not self.penalized
             and not self.logit_bias
             and self.grammar is None
+            and self.reasoning_budget is None
             and self.logprobs is None
         )
 

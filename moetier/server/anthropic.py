@@ -23,6 +23,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from moetier.engine.engine import Output
 from moetier.engine.sampler import SamplingParams
 from moetier.server.errors import ANTHROPIC_PREFIX, anthropic_error, stream_error_event
+from moetier.server.parsers.registry import FAMILIES
 from moetier.server.parsers.serving import (
     AnthropicStream,
     ChatParsing,
@@ -196,6 +198,26 @@ def _prompt_ids(state: ServerState, req: CountTokensRequest) -> list[int]:
     return ids
 
 
+def _reasoning_budget(
+    state: ServerState, tokenizer: Any, thinking: dict[str, Any] | None, params: SamplingParams
+) -> SamplingParams:
+    """`thinking: {type: enabled, budget_tokens: N}`: at most N tokens before the family's
+    end-of-reasoning marker (forced after that: engine/reasoning_budget.py). Families without
+    such a marker (harmony's channels), a forced tool call (its grammar), or no budget: as is."""
+    if not thinking or thinking.get("type") != "enabled" or "budget_tokens" not in thinking:
+        return params
+    budget = thinking["budget_tokens"]
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"thinking.budget_tokens = {budget!r}: use a whole number of tokens >= 1")
+    name = state.parser.family if state.parser is not None else None
+    family = FAMILIES.get(name) if name is not None else None
+    marker = getattr(family, "think_end", None)
+    if not marker or params.grammar is not None:
+        return params
+    end_ids = tuple(tokenizer.encode(marker, add_special_tokens=False))
+    return replace(params, reasoning_budget=(budget, end_ids))
+
+
 def stop_reason(out: Output) -> str | None:
     if out.finish_reason == "length":
         return "max_tokens"
@@ -244,6 +266,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 template_kwargs(state.template_defaults, anthropic_thinking(req.thinking)),
                 state.options.relaxed_chat_template,
             )
+            params = _reasoning_budget(state, engine.tokenizer, req.thinking, params)
             engine.check(prompt_ids, params, req.max_tokens)
         except ValueError as err:
             return error(400, str(err))

@@ -190,3 +190,40 @@ def test_billing_line_does_not_defeat_the_prefix_cache(server, client):
             model=MODEL, system=system_of("x"), messages=[{"role": "user", "content": USER}]
         )
         assert counted.input_tokens == len(ids)
+
+
+def test_thinking_budget_reaches_the_engine_as_a_reasoning_budget(server, client, monkeypatch):
+    """`thinking: {type: enabled, budget_tokens: N}` asks the engine for at most N tokens before
+    the family's end-of-reasoning marker (`</think>` for the tiny model's hermes parser, as its
+    tokenizer splits it); a budget that is not a whole number >= 1 is a 400."""
+    seen = []
+    real = AsyncEngine.generate
+
+    def spy(self, prompt_ids, params, **kwargs):
+        seen.append(params)
+        return real(self, prompt_ids, params, **kwargs)
+
+    monkeypatch.setattr(AsyncEngine, "generate", spy)
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Hello"}],
+        thinking={"type": "enabled", "budget_tokens": 3},
+    )
+    assert reply.usage.output_tokens > 0
+    tokenizer = server[1].tokenizer
+    assert seen[-1].reasoning_budget == (
+        3,
+        tuple(tokenizer.encode("</think>", add_special_tokens=False)),
+    )
+    client.messages.create(
+        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello"}]
+    )
+    assert seen[-1].reasoning_budget is None
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            messages=[{"role": "user", "content": "Hello"}],
+            thinking={"type": "enabled", "budget_tokens": 0},
+        )
