@@ -397,7 +397,13 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event(loaded, monkeypatch):
         monkeypatch.undo()
         # on the wire: the error event, then [DONE]
         fail_steps_after(engine, 3, monkeypatch)
-        body = {"model": MODEL, "messages": USER, "max_tokens": 50, "stream": True}
+        body = {
+            "model": MODEL,
+            "messages": USER,
+            "max_tokens": 50,
+            "stream": True,
+            "ignore_eos": True,
+        }
         with httpx.stream("POST", url + "/v1/chat/completions", json=body) as reply:
             lines = [line for line in reply.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
