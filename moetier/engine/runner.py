@@ -76,7 +76,7 @@ class PagedRunner(StepSampler):
         )
         self._rebalance = ZeroCopyRebalance(loaded.runtime)
         # the graphed step through torch.compile (inductor fuses the norms, rotary and residual
-        # adds): one compilation per batch bucket, at warm-up, kept in inductor's disk cache
+        # adds), compiled at warm-up and kept in inductor's disk cache
         self._step_fn: Callable[..., torch.Tensor] = self._graph_step
         if self.use_graphs and loaded.engine_config.compile_decode:
             use_compile_cache()
