@@ -1,5 +1,5 @@
 """Raw model outputs per family, written from each family's chat template format
-(/work/shared/chat-templates), with the message a parser must make of them. Each case names the
+(../shared/chat-templates), with the message a parser must make of them. Each case names the
 complaint class of research/serving.md §5 it covers (c1 calls inside reasoning, c3 argument types,
 c4 edge syntax, c5 truncated or pre-filled reasoning, c8 ids, c10 markup leaking into content)."""
 
