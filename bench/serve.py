@@ -194,15 +194,8 @@ def main() -> None:
             record = run_case(engine, concurrency, args.prompt_tokens, args.new_tokens, seed=2)
             emit(
                 {
-                    **info,
+                    **common,
                     "case": "serve-engine",
-                    "shape": args.shape,
-                    "layers": args.layers,
-                    "experts": "q2s",
-                    "compile": args.compile,
-                    "gpu_fraction": args.gpu_fraction,
-                    "zero_copy": loaded.runtime.zero_copy is not None,
-                    "load_s": round(load_s, 1),
                     "warm_up_s": round(getattr(engine.runner, "warm_up_seconds", 0.0), 1),
                     **record,
                     "copy_GB/s": round(copy / 1e9, 1) if copy else None,

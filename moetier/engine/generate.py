@@ -171,10 +171,7 @@ class Generator:
     def _after_step(self, tokens: int, tokens_per_row: int) -> None:
         """Bookkeeping after a forward of `tokens` tokens in all (graph_placement.py): the
         pinned path's pairs and, in graphed zero-copy decode, the moves of the hot set."""
-        if self.graphs:
-            self._rebalance.after_step(tokens, prefill=tokens_per_row > 1)
-        else:
-            self.loaded.runtime.count_pinned(tokens)
+        self._rebalance.step(tokens, prefill=tokens_per_row > 1)
 
     def _forward_fn(self, max_len: int, rows: int = 1) -> Callable[[list[list[int]]], torch.Tensor]:
         """A function that takes each row's prompt, then one token per row per call -> logits

@@ -75,27 +75,19 @@ def _staging(
 
 
 class ZeroCopyRebalance:
-    """Between captured steps: count the pinned path's pairs (a captured step counts nothing
-    itself) and, in zero-copy mode, move the hot set after a step of many tokens a sequence
-    (a prefill: its counts show where the decode goes) and every ZERO_COPY_REBALANCE_TOKENS
-    steps. `after_step` right after a step, or `before_step` just before the next (the serving
-    engine's runner, whose steps return from several places)."""
+    """Between steps: count the pinned path's pairs (a captured step counts nothing itself)
+    and, in zero-copy mode, move the hot set after a step of many tokens a sequence (a
+    prefill: its counts show where the decode goes) and every ZERO_COPY_REBALANCE_TOKENS
+    steps. `step` is told of each forward (its tokens, whether it was a prefill) just before or
+    just after it runs: a move happens between two of them."""
 
     def __init__(self, runtime: ExpertsRuntime) -> None:
         self.runtime = runtime
         self.steps = 0
         self._prefill_before = False
 
-    def after_step(self, tokens: int, prefill: bool) -> None:
+    def step(self, tokens: int, prefill: bool) -> None:
         self.runtime.count_pinned(tokens)  # no-op unless every expert is pinned
-        if self.runtime.zero_copy is None:
-            return
-        self.steps += 1
-        if prefill or self.steps % ZERO_COPY_REBALANCE_TOKENS == 0:
-            self.runtime.zero_copy.rebalance()
-
-    def before_step(self, tokens: int, prefill: bool) -> None:
-        self.runtime.count_pinned(tokens)
         zero_copy = self.runtime.zero_copy
         if zero_copy is None:
             return

@@ -109,7 +109,7 @@ class PagedRunner(StepSampler):
         self.positions_run += step.num_tokens
         decoding = all(item.count == 1 for item in items)
         # the pinned path's pairs; zero-copy: the hot set moves between steps
-        self._rebalance.before_step(step.num_tokens, prefill=not decoding)
+        self._rebalance.step(step.num_tokens, prefill=not decoding)
         sampling = [i for i, item in enumerate(items) if item.samples]
         spans = self.prompt_spans(items)
         if decoding:

@@ -35,7 +35,7 @@ def test_detokenizer_streams_exact_text_and_honours_stop():
         out += piece
         if stopped:
             break
-    assert stopped and out == "naïve café — the quick "
+    assert stopped and out == "naïve café — the quick " and detok.matched == "brown fox"
 
 
 def test_stream_equals_generate_and_counts_tokens(generator):

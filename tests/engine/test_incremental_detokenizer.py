@@ -43,15 +43,3 @@ def test_random_ids_stream_to_the_whole_decode(tokenizer, seed):
     kept = [t for t in ids if t not in hidden]
     want = tokenizer.decode(kept, skip_special_tokens=False)
     assert streamed(tokenizer, ids, keep_special=True, hidden=hidden) == want
-
-
-def test_stop_string_split_across_tokens(tokenizer):
-    ids = tokenizer.encode("alpha beta STOP gamma", add_special_tokens=False)
-    detok = StreamingDetokenizer(tokenizer, ("STOP",))
-    out, stopped = "", False
-    for t in ids:
-        piece, stopped = detok.push(t)
-        out += piece
-        if stopped:
-            break
-    assert stopped and out == "alpha beta " and detok.matched == "STOP"
