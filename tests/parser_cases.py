@@ -58,6 +58,7 @@ class Case:
     warns: bool = False
     parallel_tool_calls: bool = True
     call_offset: int = 0
+    withdrawn: int = 0  # calls announced in the stream, then found broken (base.py)
 
     @property
     def id(self) -> str:
@@ -116,9 +117,17 @@ CASES = [
     ),
     Case(
         "hermes",
-        "truncated-arguments-repaired",
+        "c4-cut-string-becomes-content",
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
-        calls=[("get_weather", {"city": "Par"})],
+        content='<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        warns=True,
+        withdrawn=1,
+    ),
+    Case(
+        "hermes",
+        "c4-missing-closing-brace-repaired",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2',
+        calls=[("get_weather", {"city": "Paris", "days": 2})],
         warns=True,
     ),
     Case(
@@ -180,6 +189,23 @@ CASES = [
     ),
     Case(
         "qwen3_coder",
+        "c4-cut-inside-a-value-becomes-content",
+        "Writing.\n<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n"
+        "<parameter=content>\ndef f(",
+        content="Writing.<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n"
+        "</parameter>\n<parameter=content>\ndef f(",
+        warns=True,
+        withdrawn=1,
+    ),
+    Case(
+        "qwen3_coder",
+        "c4-cut-between-parameters-repaired",
+        "<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n",
+        calls=[("write_file", {"path": "a.py"})],
+        warns=True,
+    ),
+    Case(
+        "qwen3_coder",
         "c4-missing-parameter-close",
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=days>\n2\n"
         "</function>\n</tool_call>",
@@ -218,6 +244,15 @@ CASES = [
         "<｜tool▁calls▁end｜>",
         content="Sure.",
         calls=[("get_weather", WEATHER), ("list_files", {})],
+    ),
+    Case(
+        "deepseek_v31",
+        "c4-not-json-before-the-first-byte-is-content",
+        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>city=Oslo"
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        content="Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>city=Oslo"
+        "<｜tool▁call▁end｜>",
+        warns=True,
     ),
     Case(
         "deepseek_v31",
@@ -310,6 +345,20 @@ CASES = [
         calls=[("get_weather", WEATHER), ("call_x1", {})],
         ids=["functions.get_weather:4", "functions.call_x1:5"],
         call_offset=4,
+    ),
+    Case(
+        "kimi_k2",
+        "c4-syntax-error-after-streaming-then-a-good-call",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Oslo", "days": three}<|tool_call_end|>'
+        "<|tool_call_begin|>functions.list_files:1<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|><|tool_calls_section_end|>",
+        content="<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Oslo", "days": three}<|tool_call_end|>',
+        calls=[("list_files", {})],
+        ids=["functions.list_files:1"],
+        warns=True,
+        withdrawn=1,
     ),
     Case(
         "kimi_k2",

@@ -214,6 +214,9 @@ class OutputItems:
     def push(self, delta: Delta) -> list[Event]:
         events: list[Event] = []
         for kind, value in delta.parts:
+            if kind == "tool_call" and value.withdrawn:
+                self._withdraw(value.index)
+                continue
             if kind == "tool_call":
                 same_call = self._kind() == "function_call" and value.index == self.call
                 if value.id is not None or not same_call:
@@ -232,6 +235,13 @@ class OutputItems:
         """End the last item; an answer of no item at all gets an empty message."""
         events = [] if self.items else self._begin("message")
         return events + self._end("incomplete" if finish_reason == "length" else "completed")
+
+    def _withdraw(self, index: int) -> None:
+        """The parser found the open call broken (its markup follows as text): the item leaves
+        the output; its events were sent and stay sent (a stream cannot take them back)."""
+        if self._kind() == "function_call" and self.call == index and self.open is not None:
+            self.items.remove(self.open)
+            self.open, self.text, self.call = None, "", -1
 
     def _kind(self) -> str | None:
         return None if self.open is None else str(self.open["type"])

@@ -1,9 +1,11 @@
 """JsonArgs against Python's json module: a complete object passes through as written, in any
-split; cut anywhere, what it hands out is a prefix of the text and closes into valid JSON.
+split; cut anywhere, what it hands out is a prefix of the text and closes into valid JSON, and
+it is "repaired" exactly where closers alone complete it, "broken" otherwise.
 xml_args.coerce: values typed by the tool schema, strings where the schema is ambiguous."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -38,28 +40,79 @@ def test_complete_objects_pass_through_in_any_split(obj, ascii_only, data):
     args, out = JsonArgs(), ""
     for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
         out += args.push(text[a:b])
-    last, complete = args.close()
-    assert complete and out + last == text and json.loads(out + last) == obj
+    last, status = args.close()
+    assert status == "complete" and out + last == text and json.loads(out + last) == obj
+
+
+def _closes_with_closers_alone(text: str) -> bool:
+    """Reference: some run of `]` and `}` after `text` (nothing else) makes valid JSON."""
+    if not text.strip():
+        return True
+    for n in range(9):
+        for bits in itertools.product("]}", repeat=n):
+            try:
+                json.loads(text + "".join(bits))
+            except ValueError:
+                continue
+            return True
+    return False
 
 
 @settings(max_examples=300, deadline=None)
 @given(objects, st.data())
-def test_cut_objects_close_into_valid_json(obj, data):
+def test_cut_objects_repaired_only_where_closers_alone_complete_them(obj, data):
     text = json.dumps(obj, ensure_ascii=False)
     cut = data.draw(st.integers(0, len(text) - 1))
     args = JsonArgs()
     out = args.push(text[:cut])
     assert text.startswith(out)
-    last, complete = args.close()
-    assert not complete
-    assert isinstance(json.loads(out + last), dict)
+    last, status = args.close()
+    assert status == ("repaired" if _closes_with_closers_alone(text[:cut]) else "broken")
+    assert isinstance(json.loads(out + last), dict)  # closed at the last valid point either way
+
+
+@pytest.mark.parametrize(
+    ("text", "status"),
+    [
+        ("", "repaired"),  # no arguments at all: {}
+        ("{", "repaired"),
+        ('{"city": "Paris"', "repaired"),  # the closing brace missing at the end
+        ('{"days": 12', "repaired"),
+        ('{"hours": [6, 12]', "repaired"),
+        ('{"city": "Par', "broken"),  # a string cut: its value is not known
+        ('{"metric": tr', "broken"),
+        ('{"days": 1.', "broken"),
+        ('{"city": "Paris",', "broken"),
+        ('{"city"', "broken"),
+        ("{'city': 'Paris'}", "broken"),
+        ('{"city": "Paris"}', "complete"),
+    ],
+)
+def test_status(text, status):
+    args = JsonArgs()
+    args.push(text)
+    assert args.close()[1] == status
+
+
+def test_committed_after_the_first_bytes_of_an_object():
+    args = JsonArgs()
+    args.push(" {")
+    assert not args.committed
+    args.push(' "')
+    assert args.committed
+    broken = JsonArgs()
+    broken.push("{'")
+    assert not broken.committed
+    empty = JsonArgs()
+    empty.push("{}")
+    assert empty.committed
 
 
 def test_broken_json_is_closed_and_rest_kept():
     args = JsonArgs()
     out = args.push('{"a": 1, "b": oops}')
-    last, complete = args.close()
-    assert not complete and json.loads(out + last) == {"a": 1} and args.rest == "oops}"
+    last, status = args.close()
+    assert status == "broken" and json.loads(out + last) == {"a": 1} and args.rest == "oops}"
 
 
 @pytest.mark.parametrize(
@@ -96,5 +149,5 @@ def test_xml_args_stream_string_values_and_hold_typed_ones():
 def test_raw_newlines_in_strings_are_escaped():
     args = JsonArgs()
     out = args.push('{"code": "a\n\tb"}')
-    last, complete = args.close()
-    assert complete and json.loads(out + last) == {"code": "a\n\tb"}
+    last, status = args.close()
+    assert status == "complete" and json.loads(out + last) == {"code": "a\n\tb"}

@@ -6,6 +6,15 @@ call carries its index, id and name, later ones argument fragments as they are g
 the whole text at once and feeding it in any split gives the same accumulated `Message`: every
 decision waits until the text that settles it has arrived (a tail that could still grow into a
 marker is held back).
+
+Tool calls whose arguments are not valid JSON are never passed on as calls: a call is announced
+(its first delta) only once its name and first argument bytes are known good (for JSON
+arguments: `{"` or `{}`); arguments that end where only closing brackets are missing are
+repaired, with a warning; any other broken call is returned as content (its markup as the model
+wrote it), with a warning. When that is found after the call was announced and fragments were
+streamed, a `withdrawn` part says so: the accumulated `Message` (the non-streamed answer) drops
+the call and has its markup as content; a stream cannot take back what it sent, so it sends the
+markup as content and no closing fragment (the call's arguments stay unparseable JSON).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+    withdrawn: bool = False  # the call at this index turned out broken: not a call after all
 
     def openai(self) -> dict[str, Any]:
         out: dict[str, Any] = {"index": self.index}
@@ -57,7 +67,11 @@ class Delta:
                 self.parts.append((kind, value))
                 return
             last: ToolCallDelta = self.parts[-1][1]
-            if last.index == value.index and value.id is None:
+            if (
+                last.index == value.index
+                and value.id is None
+                and not (value.withdrawn or last.withdrawn)
+            ):
                 last.arguments += value.arguments
                 return
             self.parts.append((kind, value))
@@ -83,7 +97,7 @@ class Delta:
 
     @property
     def tool_calls(self) -> list[ToolCallDelta]:
-        return [v for k, v in self.parts if k == "tool_call"]
+        return [v for k, v in self.parts if k == "tool_call" and not v.withdrawn]
 
     def __bool__(self) -> bool:
         return bool(self.parts)
@@ -110,6 +124,8 @@ class Message:
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # streamed call index -> the call's dict (indices of withdrawn calls leave gaps)
+    _calls: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     def apply(self, delta: Delta) -> None:
         for kind, value in delta.parts:
@@ -117,16 +133,20 @@ class Message:
                 self.content = (self.content or "") + value
             elif kind == "reasoning":
                 self.reasoning_content = (self.reasoning_content or "") + value
+            elif value.withdrawn:
+                call = self._calls.pop(value.index, None)
+                if call is not None:
+                    self.tool_calls.remove(call)
             else:
-                if value.index == len(self.tool_calls):
-                    self.tool_calls.append(
-                        {
-                            "id": value.id,
-                            "type": "function",
-                            "function": {"name": value.name, "arguments": ""},
-                        }
-                    )
-                self.tool_calls[value.index]["function"]["arguments"] += value.arguments
+                if value.id is not None:
+                    call = {
+                        "id": value.id,
+                        "type": "function",
+                        "function": {"name": value.name, "arguments": ""},
+                    }
+                    self._calls[value.index] = call
+                    self.tool_calls.append(call)
+                self._calls[value.index]["function"]["arguments"] += value.arguments
 
     def openai(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -166,6 +186,10 @@ def held_back(text: str, markers: tuple[str, ...] | list[str]) -> int:
                 best = n
                 break
     return best
+
+
+def _marker_prefix(text: str, markers: tuple[str, ...]) -> bool:
+    return any(m.startswith(text) for m in markers)
 
 
 class _Stripped:
@@ -242,7 +266,8 @@ class Parser:
         self.parallel_tool_calls = parallel_tool_calls
         self.call_offset = call_offset
         self.new_id = new_id or self.default_id
-        self.buf = ""
+        self._buf = ""
+        self.raw = ""  # the markup of the call being read, as the model wrote it
         self.state = "reasoning" if starts_in_reasoning else "content"
         self.content_started = False  # any non-whitespace content or tool call yet
         self.calls = 0  # tool calls begun (including dropped ones)
@@ -252,10 +277,25 @@ class Parser:
         self._xml: XmlArgs | None = None
         self._param_open = False
         self._index = 0
+        self._sent = 0  # calls announced (their first delta sent): the next call's index
+        self._header: ToolCallDelta | None = None  # the open call's first delta, until sent
+        self._held = ""  # argument fragments waiting for the header
         self.warnings: list[str] = []
         self._out = Delta()
         self._content = _Stripped()
         self._reasoning = _Stripped(after_marker=True)
+
+    @property
+    def buf(self) -> str:
+        """Text fed but not consumed yet; what is consumed is also added to `raw`."""
+        return self._buf
+
+    @buf.setter
+    def buf(self, value: str) -> None:
+        old = self._buf
+        if len(value) < len(old):  # consumed: the new buffer is a suffix of the old one
+            self.raw += old[: len(old) - len(value)]
+        self._buf = value
 
     # -- public -------------------------------------------------------------------------------
 
@@ -294,15 +334,24 @@ class Parser:
         raise NotImplementedError
 
     def _finish(self) -> None:
-        if self.buf.strip():
-            self._warn(f"the output ended inside a tool call's markup, dropped: {self.buf!r}")
-        self.buf = ""
         if self.call_open:
             # A call whose JSON arguments are complete may end the output (Mistral, harmony's
             # <|call|> is an end token); anything else open was cut off.
-            if (self._json is None or not self._json.done) and not self.dropping:
-                self._warn("the output ended inside a tool call")
-            self._close_call()
+            left = self.buf.strip()
+            if self._json is not None:
+                self._json_args(self.buf)
+            elif self._param_open:
+                self._param_text(self.buf)
+            elif left and not left.startswith("</") and not _marker_prefix(left, self.markers):
+                self._param_open = True  # cut inside a parameter's markup: as if in its value
+            self.buf = ""
+            self._close_call(cut=True)
+        elif self.state == "tool" and (self.buf + self.raw).strip():
+            # call markup that never became a call: text
+            self.buf = ""
+            self._warn(f"the output ended in tool-call markup, kept as content: {self.raw!r}")
+            self._emit_raw()
+        self.buf = ""
 
     def _run(self, final: bool) -> None:
         while self._step(final):
@@ -343,36 +392,58 @@ class Parser:
         self._content.end()
         self._reasoning.end()
 
-    def _open_call(self, name: str, call_id: str | None = None) -> bool:
-        """Begin a tool call; False (and the call's text is dropped) when parallel calls are off
-        and one was already made."""
+    def _open_call(self, name: str, call_id: str | None = None, announce: bool = True) -> bool:
+        """Begin a tool call (announced now, or with `_announce` once its arguments start
+        well); False (and the call's text is dropped) when parallel calls are off and one was
+        already made."""
         self._end_segment()
         self.content_started = True
         self.calls += 1
         self.call_open = True
-        if not self.parallel_tool_calls and self.calls > 1:
+        if not self.parallel_tool_calls and self._sent > 0:
             self.dropping = True
             return False
-        index = self.calls - 1
-        self._index = index
-        self._out.add("tool_call", ToolCallDelta(index, call_id or self.new_id(), name, ""))
+        self._index = self._sent
+        self._header = ToolCallDelta(self._index, call_id or self.new_id(), name, "")
+        self._held = ""
+        if announce:
+            self._announce()
         return True
 
+    def _announce(self) -> None:
+        """Send the open call's first delta and the argument fragments held for it."""
+        if self._header is None or self.dropping:
+            return
+        self._out.add("tool_call", self._header)
+        self._header = None
+        self._sent += 1
+        if self._held:
+            self._out.add("tool_call", ToolCallDelta(self._index, arguments=self._held))
+            self._held = ""
+
     def _call_args(self, fragment: str) -> None:
-        if fragment and not self.dropping:
+        if not fragment or self.dropping:
+            return
+        if self._header is not None:
+            self._held += fragment
+        else:
             self._out.add("tool_call", ToolCallDelta(self._index, arguments=fragment))
 
     def _open_json_call(self, name: str, call_id: str | None = None) -> None:
-        """A call whose arguments the model writes as one JSON object (`_json_args`)."""
-        self._open_call(name, call_id)
+        """A call whose arguments the model writes as one JSON object (`_json_args`): announced
+        once they start an object (`{"` or `{}`)."""
+        self._open_call(name, call_id, announce=False)
         self._json = JsonArgs()
 
     def _json_args(self, text: str) -> None:
         assert self._json is not None
         self._call_args(self._json.push(text))
+        if self._header is not None and self._json.committed:
+            self._announce()
 
     def _open_xml_call(self, name: str, call_id: str | None = None) -> None:
-        """A call whose arguments come one parameter at a time (`_param_*`)."""
+        """A call whose arguments come one parameter at a time (`_param_*`): always valid JSON,
+        so announced at once."""
         self._open_call(name, call_id)
         self._xml = XmlArgs(self.schemas.get(name))
 
@@ -392,28 +463,58 @@ class Parser:
         self._param_open = False
         self._call_args(self._xml.end())
 
-    def _close_call(self, trailer: str = "") -> None:
-        """End the open call: its arguments closed (repaired, with a warning, when the JSON the
-        model wrote is cut off or broken); `trailer`: characters the format puts after the
-        arguments (a wrapper's brace, a code fence), ignored."""
+    def _close_call(self, trailer: str = "", carry: str = "", cut: bool = False) -> None:
+        """End the open call. JSON arguments: complete ones pass; ones that only lack closing
+        brackets are closed (a warning); any others make the call content (a warning). XML-style
+        arguments: a parameter left open by a later marker is closed; one the end of the output
+        cut (`cut`) makes the call content. `trailer`: characters the format puts after the
+        arguments (a wrapper's brace, a code fence), ignored; `carry`: the end of `raw` that
+        already begins the next call."""
+        raw = self.raw[: len(self.raw) - len(carry)] if carry else self.raw
+        status = "complete"
         if self._json is not None:
-            fragment, complete = self._json.close()
-            self._call_args(fragment)
-            if not complete and not self.dropping:
-                self._warn(
-                    "tool call arguments were not a complete JSON object; passed on closed at "
-                    f"the last valid point (left out: {self._json.rest[:80]!r})"
-                )
-            elif self._json.rest.strip().strip(trailer).strip() and not self.dropping:
+            fragment, status = self._json.close()
+            if status != "broken":
+                self._call_args(fragment)
+            rest = self._json.rest.strip().strip(trailer).strip()
+            if status == "complete" and rest and not self.dropping:
                 self._warn(f"text after a tool call's arguments ignored: {self._json.rest[:80]!r}")
         if self._xml is not None:
-            if self._param_open:
-                self._param_end()
-            self._call_args(self._xml.close())
+            if self._param_open and cut:
+                status = "broken"
+            else:
+                if self._param_open:
+                    self._param_end()
+                self._call_args(self._xml.close())
+                status = "repaired" if cut else "complete"
+        if self.dropping:
+            pass
+        elif status == "broken":
+            what = "cut off" if cut else "not valid JSON"
+            self._warn(f"tool call arguments {what}; the call is passed on as content: {raw!r}")
+            if self._header is None:  # announced: the stream has it, the message drops it
+                self._out.add("tool_call", ToolCallDelta(self._index, withdrawn=True))
+            self._header = None
+            self._held = ""
+            self._emit_raw(raw)
+        else:
+            if status == "repaired":
+                self._warn("tool call arguments ended early; closed (only closers were missing)")
+            self._announce()
         self._json = None
         self._xml = None
+        self._param_open = False
+        self._header = None
         self.call_open = False
         self.dropping = False
+        self.raw = carry
+
+    def _emit_raw(self, raw: str | None = None) -> None:
+        """Markup that is not a call after all, as content."""
+        self._end_segment()
+        self._emit_content(self.raw if raw is None else raw)
+        self._end_segment()
+        self.raw = ""
 
     def _warn(self, text: str) -> None:
         self.warnings.append(text)
@@ -462,6 +563,7 @@ class ThinkParser(Parser):
             self.state = "reasoning"
         elif marker in self.call_markers:
             self.state = "tool"
+            self.raw = marker
             self._enter_tool(marker)
         return True
 
@@ -485,6 +587,7 @@ class ThinkParser(Parser):
             self.state = "content"
         else:
             self.state = "tool"
+            self.raw = marker
             self._enter_tool(marker)
         return True
 

@@ -41,6 +41,7 @@ class HarmonyParser(Parser):
             channel = _CHANNEL.search(header)
             recipient = _RECIPIENT.search(header)
             if recipient and recipient.group(1) != "all" and self.calls_enabled:
+                self.raw = header + _MESSAGE
                 self._open_json_call(recipient.group(1).removeprefix("functions."))
                 self.state = "call"
             elif channel and channel.group(1) == "analysis":

@@ -4,10 +4,14 @@
 still become valid JSON by appending closers alone (a quote, brackets, braces): inside a string
 value every character is such a point, so long string arguments stream as they come. The object's
 end is found by its own braces, so text after it (a wrapper's `}`, a code fence) is left over.
-At the end of the call, a complete object is passed on as written (a raw control character
-inside a string, as models write newlines in code, is escaped); anything else (cut off by
-max_tokens, a syntax error) is closed at the last such point, which is valid JSON, and the
-parser records a warning: arguments that are not JSON are never passed on.
+At the end of the call `close` says what the arguments were: "complete" (passed on as written;
+a raw control character inside a string, as models write newlines in code, is escaped),
+"repaired" (only closing brackets and braces were missing: the text ends after a complete value,
+a number counting as complete, or right after an opening bracket, or there was no text at all,
+read as `{}`; the closers are appended, which changes no value) or "broken" (a string or literal
+cut off, a dangling key, colon or comma, a syntax error): the parser then returns the call as
+content (base.py). `committed` says when the first argument bytes are known to start an object,
+so the parser can announce the call.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class JsonArgs:
         self.done = False
         self.error = False
         self.rest = ""  # what followed the object
+        self._solid = 0  # non-whitespace characters accepted (up to 2)
 
     # -- the scanner --------------------------------------------------------------------------
 
@@ -55,16 +60,39 @@ class JsonArgs:
                 self.rest += text[i:]
                 break
             self.text += ch
+            if self._solid < 2 and ch not in " \t\r\n":
+                self._solid += 1
             self._mark()
         return self._take()
 
-    def close(self) -> tuple[str, bool]:
-        """(the last fragment, True when the arguments were complete as written)."""
+    @property
+    def committed(self) -> bool:
+        """Whether the text begins an object past its opening brace (`{"` or `{}`)."""
+        return self.done or (not self.error and self._solid >= 2)
+
+    @property
+    def status(self) -> str:
+        """ "complete", "repaired" (closers alone make it whole) or "broken"."""
         if self.done:
-            return self._take(), True
+            return "complete"
+        if self.error:
+            return "broken"
+        if self.state in ("start", "after", "obj_first", "arr_first"):
+            return "repaired"
+        if self.state == "num" and _NUMBER.fullmatch(self.number):
+            return "repaired"
+        return "broken"
+
+    def close(self) -> tuple[str, str]:
+        """(the last fragment, `status`): for "complete" and "repaired" the fragment completes
+        valid JSON; for "broken" it closes what was handed out at the last valid point (for a
+        caller that must still end the JSON it streamed)."""
+        status = self.status
+        if status == "complete":
+            return self._take(), status
         fragment = self.text[self.emitted : self.safe] + self.safe_closers
         self.emitted = len(self.text)
-        return fragment, False
+        return fragment, status
 
     def _take(self) -> str:
         out = self.text[self.emitted : self.safe]

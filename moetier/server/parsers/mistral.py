@@ -64,7 +64,7 @@ class MistralParser(ThinkParser):
             self._json_args(text)
             if marker is None:
                 return False
-            self._close_call()
+            self._close_call(carry=marker)
             self.sub = "start"
             return True
         # the older form: a JSON list, read whole
