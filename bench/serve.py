@@ -46,6 +46,7 @@ def run_case(engine: Engine, concurrency: int, prompt: int, new: int, seed: int)
         ids = torch.randint(10, vocab, (prompt,), generator=gen).tolist()
         engine.add(f"c{concurrency}-{i}", ids, greedy, max_tokens=new, ignore_eos=True)
     first: dict[str, float] = {}
+    last: dict[str, float] = {}
     decode_began = None
     decode_tokens = 0
     steps = 0
@@ -58,6 +59,7 @@ def run_case(engine: Engine, concurrency: int, prompt: int, new: int, seed: int)
         now = time.perf_counter()
         for out in outputs:
             first.setdefault(out.request_id, now - start)
+            last[out.request_id] = now - start
         if decode_began is None and len(first) == concurrency:
             sync()
             decode_began = time.perf_counter()
@@ -67,6 +69,8 @@ def run_case(engine: Engine, concurrency: int, prompt: int, new: int, seed: int)
     sync()
     decode_s = time.perf_counter() - (decode_began or start)
     ttft = sorted(first.values())
+    # time per output token of each request: from its first token to its last
+    tpot = sorted((last[r] - first[r]) / max(1, new - 1) for r in first)
     decode_steps = new - 1
     return {
         "concurrency": concurrency,
@@ -76,10 +80,17 @@ def run_case(engine: Engine, concurrency: int, prompt: int, new: int, seed: int)
         "decode_tok_s": round(decode_tokens / decode_s, 1) if decode_s > 0 else None,
         "ms_per_decode_step": round(1e3 * decode_s / max(1, decode_steps), 4),
         "ttft_ms_p50": round(1e3 * statistics.median(ttft), 2),
-        "ttft_ms_p99": round(1e3 * ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 2),
+        "ttft_ms_p99": round(1e3 * _p99(ttft), 2),
+        "tpot_ms_p50": round(1e3 * statistics.median(tpot), 4),
+        "tpot_ms_p99": round(1e3 * _p99(tpot), 4),
         "peak_kv_pages": peak_pages,
         "graphs": sorted(getattr(engine.runner, "graphs", {})),
+        "steps_ahead_taken": getattr(engine.runner, "ahead_taken", 0),
     }
+
+
+def _p99(values: list[float]) -> float:
+    return values[min(len(values) - 1, int(0.99 * len(values)))]
 
 
 def ttft(engine: Engine, request_id: str, prompt: list[int], new: int) -> tuple[float, list[int]]:
@@ -140,6 +151,12 @@ def main() -> None:
         help="share of the experts' base blobs in GPU slots (1: all pinned; less: the rest read "
         "from pinned host RAM, zero-copy)",
     )
+    parser.add_argument(
+        "--lookahead",
+        default="on",
+        choices=("on", "off"),
+        help="launch the next decode step before the host handles this one's tokens",
+    )
     parser.add_argument("--agent-turns", type=int, default=0, help="the agent shape's turns")
     parser.add_argument("--turn-tokens", type=int, default=800, help="agent: new tokens a turn")
     parser.add_argument("--answer-tokens", type=int, default=200, help="agent: answer tokens")
@@ -159,6 +176,7 @@ def main() -> None:
             device=args.device,
             native=True,
             compile_decode=args.compile == "on",
+            lookahead=args.lookahead == "on",
             expert_cache_slots=slots,
             host_memory="1TiB" if slots else "",
         )
@@ -178,6 +196,7 @@ def main() -> None:
             "layers": args.layers,
             "experts": "q2s",
             "compile": args.compile,
+            "lookahead": args.lookahead,
             "gpu_fraction": args.gpu_fraction,
             "zero_copy": loaded.runtime.zero_copy is not None,
             "load_s": round(load_s, 1),

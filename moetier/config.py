@@ -344,6 +344,14 @@ class EngineConfig:
             "~/.cache/moetier/inductor; --no-compile-decode skips it)"
         },
     )
+    lookahead: bool = field(
+        default=True,
+        metadata={
+            "help": "with the CUDA graph: launch the next decode step of the running requests "
+            "before the host has handled this step's tokens (the GPU never waits for the "
+            "scheduler and detokenizer); --no-lookahead runs one step at a time"
+        },
+    )
     delta: str = field(
         default="all",
         metadata={

@@ -26,7 +26,7 @@ from moetier.engine.kv_pages import PagePool
 from moetier.engine.reasoning_budget import ReasoningBudget
 from moetier.engine.runner import PagedRunner, TransformersRunner
 from moetier.engine.sampler import SamplingParams, TokenLogprob
-from moetier.engine.scheduler import Request, Scheduler
+from moetier.engine.scheduler import Request, Scheduler, Step
 from moetier.loader.loaded_model import LoadedModel
 
 DEFAULT_PAGE_SIZE = 16
@@ -267,7 +267,10 @@ class Engine:
         for request in step.preempted:
             self.runner.forget_kv(request.id)
         sampled = [item.request.id for item in step.items if item.samples]  # before update
-        result = self.runner.run(step)
+        lookahead = self.runner.lookahead and self._steady(step)
+        if lookahead:  # the next step's positions in pages already, where pages are free
+            self.scheduler.reserve_next(step)
+        result = self.runner.run(step, lookahead)
         outputs = []
         for sid, by_position in result.prompt_logprobs.items():
             if sid in self.streams:
@@ -297,6 +300,18 @@ class Engine:
             if stream is not None:
                 outputs.append(self._advance(stream, sid in finished))
         return outputs
+
+    def _steady(self, step: Step) -> bool:
+        """Whether the next step is likely this one's rows decoding again: every item a
+        decode that samples, none waiting to be admitted, and some row not at its last
+        token (the runner then launches that step ahead)."""
+        if self.scheduler.waiting or not step.items:
+            return False
+        if any(item.count != 1 or not item.samples for item in step.items):
+            return False
+        return any(
+            len(item.request.output) + 1 < (item.request.max_tokens or 0) for item in step.items
+        )
 
     def _advance(self, stream: _Stream, finished: bool) -> Output:
         request = stream.request

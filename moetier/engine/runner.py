@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,11 @@ class PagedRunner(StepSampler):
         # the graphed step through torch.compile (inductor fuses the norms, rotary and residual
         # adds), compiled at warm-up and kept in inductor's disk cache
         self._step_fn: Callable[..., torch.Tensor] = self._graph_step
+        # launch the next decode step before the host handles this one's tokens (run's
+        # `lookahead`): where steps are CUDA graphs (eager steps: tests set it)
+        self.lookahead = self.use_graphs and loaded.engine_config.lookahead
+        self._ahead: _Ahead | None = None
+        self.ahead_launched = self.ahead_taken = 0  # steps launched ahead, and those used
         if self.use_graphs and loaded.engine_config.compile_decode:
             use_compile_cache()
             # automatic dynamic shapes: bucket 1 compiles as is, the second bucket recompiles
@@ -100,11 +106,20 @@ class PagedRunner(StepSampler):
         return time.perf_counter() - began
 
     @torch.inference_mode()
-    def run(self, step: Step) -> Sampled:
+    def run(self, step: Step, lookahead: bool = False) -> Sampled:
         """Compute the step's positions; -> the token sampled for each item that samples (and
-        the logprobs asked for, prompt logprobs from every prompt position that gives one)."""
+        the logprobs asked for, prompt logprobs from every prompt position that gives one).
+
+        lookahead (the engine expects the same rows to decode next): with `self.lookahead`, a
+        decode step whose every row samples launches the next step of the same rows (each
+        row's sampled token at its next position, where its pages already hold it) before its
+        tokens come back to the host, so the device computes step N + 1 while the engine
+        handles step N. The next `run` takes that step's logits if its rows are among the
+        launched ones (a row that finished meanwhile is dropped), else discards them: what
+        the launched step wrote is the KV of tokens already sampled, at their positions."""
         items = step.items
         if not items:
+            self._ahead = None
             return Sampled()
         self.positions_run += step.num_tokens
         decoding = all(item.count == 1 for item in items)
@@ -113,9 +128,14 @@ class PagedRunner(StepSampler):
         sampling = [i for i, item in enumerate(items) if item.samples]
         spans = self.prompt_spans(items)
         if decoding:
-            logits = self._decode_logits(items)  # [R, V]
+            logits, launch = self._decode_logits(items)  # [R, V]
             if not sampling and not spans:
                 return Sampled()
+            if lookahead and self.lookahead and launch is not None and not spans:
+                if len(sampling) == len(items):
+                    pending = self._sample_start(logits, items)
+                    self._launch_ahead(items, launch, pending.tokens)
+                    return self._sample_finish(pending)
             picked = logits
             if len(sampling) < len(items):
                 picked = logits.index_select(0, to_device(sampling, self.device))
@@ -123,6 +143,7 @@ class PagedRunner(StepSampler):
             if spans:  # a one-position prompt chunk: its row gives that prompt logprob
                 prompt = logits.index_select(0, to_device([s.item for s in spans], self.device))
             return self._sample(picked, [items[i] for i in sampling], prompt, spans)
+        self._ahead = None
         hidden = self._packed(items)  # [N, H]
         if not sampling and not spans:
             return Sampled()
@@ -138,24 +159,77 @@ class PagedRunner(StepSampler):
         picked, prompt = logits[: len(sampling)], logits[len(sampling) :]
         return self._sample(picked, [items[i] for i in sampling], prompt, spans)
 
-    def _decode_logits(self, items: list[Scheduled]) -> torch.Tensor:
+    def _decode_logits(self, items: list[Scheduled]) -> tuple[torch.Tensor, _Launch | None]:
+        """-> the logits [R, V] of the decode rows, and the inputs they ran on where those are
+        exactly the rows (None: they came from a step launched ahead with more rows)."""
         rows = len(items)
+        pages = [len(item.request.pages) for item in items]  # each row's in its page table
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            taken = ahead.rows_of(items)
+            self.ahead_taken += taken is not None
+            if taken == list(range(ahead.count)):
+                return ahead.logits[:rows], ahead.launch
+            if taken is not None:
+                return ahead.logits.index_select(0, to_device(taken, self.device)), None
         bucket = next((b for b in GRAPH_BUCKETS if b >= rows), None)
         if self.use_graphs and bucket is not None:
             graph = self.graphs.get(bucket)
             if graph is not None or self._capture(bucket):
                 graph = self.graphs[bucket]
                 self._decode_inputs(items, *graph.host_inputs())
-                return graph.replay()[:rows]
+                graph.stage()
+                launch = _Launch(graph.ids, graph.positions, graph.table, graph.replay, pages)
+                return launch.run()[:rows], launch
         width = max(len(item.request.pages) for item in items)
         ids, positions = torch.empty(2, rows, 1, dtype=torch.int64).unbind(0)
         table = torch.empty(rows, width, dtype=torch.int32)
         self._decode_inputs(items, ids.numpy(), positions.numpy(), table.numpy())
         ids, positions, table = (t.to(self.device) for t in (ids, positions, table))
+        step = functools.partial(self._eager_step, ids, positions, table)
+        launch = _Launch(ids, positions, table, step, pages)
+        return launch.run(), launch
+
+    def _eager_step(
+        self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
+    ) -> torch.Tensor:
         batch = AttentionBatch.decode(
             positions, table, self.page_size, with_keys=self.gather_decode_keys
         )
         return self.model.lm_head(self.model.model(ids, positions, self.cache, batch)[:, 0])
+
+    def _launch_ahead(self, items: list[Scheduled], launch: _Launch, tokens: torch.Tensor) -> None:
+        """Launch the next decode step of `items`' rows on `launch`'s inputs (which hold this
+        step's): each row's `tokens` (on the device) at its next position, a page entered in
+        its table where that position starts one; not when a row's next position has no page
+        yet (the engine reserves them where it can: Scheduler.reserve_next)."""
+        size, width = self.page_size, launch.table.shape[1]
+        entries: list[int] = []  # (row, column, page) of the pages the tables lack
+        for row, item in enumerate(items):
+            needed = (item.start + 1) // size + 1  # pages the next position needs
+            pages = item.request.pages
+            if needed > len(pages) or needed > width:
+                return
+            for column in range(launch.pages[row], needed):
+                entries += (row, column, pages[column])
+        rows = len(items)
+        if entries:
+            at = torch.tensor(entries, dtype=torch.int64).view(-1, 3)
+            if self.device.type == "cuda":
+                at = at.pin_memory()
+            at = at.to(self.device, non_blocking=True)
+            launch.table[at[:, 0], at[:, 1]] = at[:, 2].to(launch.table.dtype)
+            for row, item in enumerate(items):
+                launch.pages[row] = max(launch.pages[row], (item.start + 1) // size + 1)
+        launch.ids[:rows, 0].copy_(tokens)
+        launch.positions[:rows] += 1
+        self.ahead_launched += 1
+        self._ahead = _Ahead(
+            {item.request.id: (row, item.start + 1) for row, item in enumerate(items)},
+            rows,
+            launch.run(),
+            launch,
+        )
 
     def _capture(self, bucket: int) -> bool:
         """Capture the decode graph of `bucket` rows (every row padding: the scratch page);
@@ -240,12 +314,50 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = step(self.ids, self.positions, self.table)
 
-    def replay(self) -> torch.Tensor:
+    def stage(self) -> None:
+        """Copy the staged host inputs in (asynchronously; queued before the next replay)."""
         for static, staged in zip(self.inputs, self.staged, strict=True):
             static.copy_(staged, non_blocking=True)
+
+    def replay(self) -> torch.Tensor:
+        """Replay on the static inputs as they are -> the logits (the graph's own buffer)."""
         self.graph.replay()
         assert self.logits is not None
         return self.logits
+
+
+@dataclass
+class _Launch:
+    """A decode step's device inputs ([B, 1] ids and positions, [B, W] page tables: a graph's
+    static inputs or an eager step's) and how to run the step on them -> logits [B, V]."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    table: torch.Tensor
+    run: Callable[[], torch.Tensor]
+    pages: list[int]  # per row: the entries of its page table that hold its pages
+
+
+@dataclass
+class _Ahead:
+    """A decode step launched before the host saw its tokens: request id -> (row, position),
+    its row count, its logits (still being computed), the inputs it ran on."""
+
+    rows: dict[str, tuple[int, int]]
+    count: int
+    logits: torch.Tensor
+    launch: _Launch
+
+    def rows_of(self, items: list[Scheduled]) -> list[int] | None:
+        """The launched rows of a step's items in order; None unless every item is a decode
+        row launched at the position it computes."""
+        taken = []
+        for item in items:
+            row = self.rows.get(item.request.id)
+            if row is None or row[1] != item.start or item.count != 1:
+                return None
+            taken.append(row[0])
+        return taken
 
 
 def use_compile_cache() -> None:
@@ -264,6 +376,7 @@ class TransformersRunner(StepSampler):
     a request's KV is in its own cache, not in pages."""
 
     prefix_caching = False
+    lookahead = False  # its steps run one after another
 
     def __init__(self, loaded: LoadedModel) -> None:
         super().__init__()
@@ -274,7 +387,7 @@ class TransformersRunner(StepSampler):
         self.cache_arg = cache_argument(self.model)
 
     @torch.inference_mode()
-    def run(self, step: Step) -> Sampled:
+    def run(self, step: Step, lookahead: bool = False) -> Sampled:
         from transformers import DynamicCache
 
         sampling: list[Scheduled] = []

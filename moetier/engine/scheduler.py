@@ -246,6 +246,14 @@ class Scheduler:
                 done.append(request)
         return done
 
+    def reserve_next(self, step: Step) -> None:
+        """Give each item's request the page of its next position now where a page is free
+        (no preemption): the runner may launch that step before this one's tokens are seen."""
+        for item in step.items:
+            following = item.start + item.count + 1  # positions with the next one
+            if item.request.state is State.RUNNING and following <= self.max_model_len:
+                self._grow(item.request, following)
+
     # -- pages -------------------------------------------------------------------------------
 
     def _grow(self, request: Request, positions: int) -> bool:

@@ -45,6 +45,45 @@ class Sampled:
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
 
 
+class _HostCopy:
+    """A tensor's copy to the host, under way: `get()` waits for it alone (an event after the
+    copy), not for work queued on the stream since."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def get(self) -> list[Any]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
+class PendingSample:
+    """A step's sampling whose device work is queued (`_sample_start`): the tokens on the
+    device [S] (in the items' order) and the copy coming back (the tokens alone, or with
+    `width` > 0 or prompt spans the [rows, 3 + 2 * width] table of `_logprob_rows`)."""
+
+    items: list[Scheduled]
+    spans: list[PromptSpan]
+    params: list[SamplingParams]
+    tokens: torch.Tensor
+    copy: _HostCopy
+    failed: set[int]
+    width: int
+    table: bool = False  # the copy is the logprob table, not the tokens alone
+
+    def host(self) -> list[Any]:
+        return self.copy.get()
+
+
 @dataclass(frozen=True)
 class PromptSpan:
     """Positions [start, start + count) of `request` (the step's item number `item`) whose
@@ -102,12 +141,24 @@ class StepSampler:
         """logits [S, V], one row per sampling item (in order); prompt_logits [P, V], the rows
         of `spans`' positions in order -> what the step sampled. A row whose sampling fails
         (its grammar matcher raised) is left out: the engine ends that request alone."""
+        return self._sample_finish(self._sample_start(logits, items, prompt_logits, spans))
+
+    def _sample_start(
+        self,
+        logits: torch.Tensor,
+        items: list[Scheduled],
+        prompt_logits: torch.Tensor | None = None,
+        spans: list[PromptSpan] | None = None,
+    ) -> PendingSample:
+        """The device half of `_sample`: every read of `logits` queued, the rows' tokens on
+        the device (`PendingSample.tokens`) and their copy to the host under way. Work queued
+        after this (the next step launched ahead) does not delay `_sample_finish`."""
         spans = spans or []
         params = [item.request.params or DEFAULT_PARAMS for item in items]
         if not spans and all(p.plain_greedy for p in params):
             # the common path: one argmax and one device-to-host copy for every row
-            tokens = logits.float().argmax(dim=-1).tolist() if items else []
-            return Sampled({item.request.id: t for item, t in zip(items, tokens, strict=True)})
+            chosen = logits.argmax(dim=-1)  # [S]
+            return PendingSample(items, spans, params, chosen, _HostCopy(chosen), set(), 0)
         failed: set[int] = set()
         raw = logits.float()
         chosen, ok = self._choose(raw, items, params, failed)
@@ -127,10 +178,20 @@ class StepSampler:
             ]
             target_ids = to_device(targets, prompt_logits.device, torch.int64)
             blocks.append(_logprob_rows(prompt_logits.float(), target_ids, None, width, True))
-        host = torch.cat(blocks).tolist() if len(blocks) > 1 else blocks[0].tolist()
+        table = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+        copy = _HostCopy(table)
+        return PendingSample(items, spans, params, chosen, copy, failed, width, table=True)
+
+    def _sample_finish(self, pending: PendingSample) -> Sampled:
+        """The host half of `_sample`: wait for the copy, feed grammars, -> what was sampled."""
+        items, params = pending.items, pending.params
+        host = pending.host()
+        if not pending.table:
+            return Sampled({item.request.id: t for item, t in zip(items, host, strict=True)})
         out = Sampled()
+        width = pending.width
         for row, item in enumerate(items):
-            if row in failed:
+            if row in pending.failed:
                 continue
             request_id, p = item.request.id, params[row]
             values = host[row]
@@ -146,7 +207,7 @@ class StepSampler:
             if p.logprobs is not None:
                 out.logprobs[request_id] = _token_logprob(values, p.logprobs, width)
         row = len(items)
-        for s in spans:
+        for s in pending.spans:
             wanted = s.request.params.prompt_logprobs
             mine = out.prompt_logprobs.setdefault(s.request.id, {})
             for position in range(s.start + 1, s.start + 1 + s.count):

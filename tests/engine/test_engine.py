@@ -21,7 +21,7 @@ FP32 = EngineConfig(device="cpu", dtype="float32", native=True)
 GREEDY = SamplingParams(temperature=0)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm_moe_dsa"])
 def native(request, tiny):
     return load_model(tiny.store(request.param), FP32)
 
@@ -238,7 +238,7 @@ def test_the_transformers_path_serves_concurrent_requests(tiny):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "glm_moe_dsa"])
 def test_batched_greedy_equals_alone_on_cuda(tiny, model_type):
     """On CUDA decode rows read their pages in the decode kernel (GQA, steps replayed from CUDA
     graphs, padding rows on the scratch page) and packed steps run SDPA over gathered pages;
@@ -250,3 +250,59 @@ def test_batched_greedy_equals_alone_on_cuda(tiny, model_type):
     check_against_alone(loaded, engine, random_requests(loaded.model_config.vocab_size, 8, 3))
     if model_type == "qwen3_moe":  # GQA: decode steps replayed from graphs per batch bucket
         assert engine.runner.use_graphs and engine.runner.graphs
+        assert engine.runner.ahead_taken > 0  # steps launched ahead of the host, and used
+
+
+def _looking_ahead(native, limits: EngineLimits) -> Engine:
+    """An engine whose runner launches each steady decode step ahead (the CUDA-graph default;
+    on CPU the eager step runs ahead: the same bookkeeping)."""
+    engine = Engine(native, limits)
+    engine.runner.lookahead = True
+    return engine
+
+
+def test_steps_launched_ahead_equal_each_request_alone(native):
+    """Staggered arrivals, finishes at different steps (the launched step then has a row
+    too many), page boundaries (page_size 4), chunked prefill: tokens as each alone."""
+    engine = _looking_ahead(
+        native, EngineLimits(num_pages=64, page_size=4, max_num_batched_tokens=8)
+    )
+    requests = random_requests(native.model_config.vocab_size, 8, seed=5, max_new=20)
+    check_against_alone(native, engine, requests)
+    runner = engine.runner
+    assert runner.ahead_launched > 0 and 0 < runner.ahead_taken <= runner.ahead_launched
+
+
+def test_steps_launched_ahead_under_preemption_and_abort(native):
+    engine = _looking_ahead(native, EngineLimits(num_pages=12, page_size=4))
+    requests = random_requests(native.model_config.vocab_size, 6, seed=2, max_prompt=14)
+    requests = [(rid, p, SamplingParams(temperature=0, max_new_tokens=16), 0)
+                for rid, p, _, _ in requests]  # fmt: skip
+    check_against_alone(native, engine, requests)
+    assert engine.scheduler.preemptions > 0 and engine.runner.ahead_taken > 0
+    engine.add("a", list(range(3, 20)), SamplingParams(temperature=0, max_new_tokens=30))
+    engine.add("b", list(range(5, 9)), SamplingParams(temperature=0, max_new_tokens=12))
+    b_tokens = []
+    for _ in range(4):
+        b_tokens += [t for out in engine.step() if out.request_id == "b" for t in out.token_ids]
+    engine.abort("a")  # a step launched ahead still has a's row: b's must be taken from it
+    taken = engine.runner.ahead_taken
+    while engine.has_work:
+        b_tokens += [t for out in engine.step() for t in out.token_ids]
+    assert engine.runner.ahead_taken > taken
+    short = SamplingParams(temperature=0, max_new_tokens=12)
+    assert b_tokens == alone(native, list(range(5, 9)), short)[0]
+    assert engine.pool.used_pages == 0
+
+
+def test_seeded_sampling_with_steps_launched_ahead(native):
+    """A launched step draws nothing: seeded rows sample as without it, whatever the batch."""
+    prompt = list(range(3, 12))
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=123)
+    limits = EngineLimits(num_pages=64, page_size=4)
+    lone = run(Engine(native, limits), {0: [("s", prompt, params)]})
+    others = [(f"o{i}", [5 + i] * (3 + i), SamplingParams(temperature=1.0, max_new_tokens=8))
+              for i in range(4)]  # fmt: skip
+    engine = _looking_ahead(native, limits)
+    shared = run(engine, {0: others[:2], 1: [("s", prompt, params)], 3: others[2:]})
+    assert shared["s"][0] == lone["s"][0] and engine.runner.ahead_taken > 0
