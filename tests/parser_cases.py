@@ -287,6 +287,41 @@ CASES = [
         '<｜DSML｜invoke name="list_files">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
         calls=[("get_weather", {"city": "10"}), ("list_files", {})],
     ),
+    # -- deepseek_v4 (DSML in a tool_calls block; DeepSeek's encoding/encoding_dsv4.py) ----------
+    Case(
+        "deepseek_v4",
+        "thinking-content-calls",
+        "The user wants weather.</think>Checking.\n\n<｜DSML｜tool_calls>\n"
+        '<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">São Paulo</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="metric" string="false">true</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="hours" string="false">[6, 12]</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="ratio" string="false">0.5</｜DSML｜parameter>\n'
+        '</｜DSML｜invoke>\n<｜DSML｜invoke name="list_files">\n\n</｜DSML｜invoke>\n'
+        "</｜DSML｜tool_calls>",
+        content="Checking.",
+        reasoning="The user wants weather.",
+        calls=[("get_weather", WEATHER), ("list_files", {})],
+        starts_in_reasoning=True,
+    ),
+    Case(
+        "deepseek_v4",
+        "c3-chat-mode-string-flag-decides",
+        '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="city" string="true">10</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="note" string="false">null</｜DSML｜parameter>\n'
+        f'<｜DSML｜parameter name="extra" string="true">{FILE}</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+        calls=[("get_weather", {"city": "10", "note": None, "extra": FILE})],
+    ),
+    Case(
+        "deepseek_v4",
+        "c5-cut-in-reasoning",
+        "Still weighing <｜DSML｜tool_calls> against an answer",
+        reasoning="Still weighing <｜DSML｜tool_calls> against an answer",
+        starts_in_reasoning=True,
+    ),
     # -- glm45 ----------------------------------------------------------------------------------
     Case(
         "glm45",

@@ -55,6 +55,10 @@ def test_case(case: Case):
     assert bool(message.warnings) == case.warns
 
 
+# cut inside reasoning that talks about tool syntax: it stays reasoning
+PROSE = {"glm47-c5-cut-in-reasoning": "<tool_call>", "deepseek_v4-c5-cut-in-reasoning": "｜"}
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_no_markup_leaks(case: Case):
     """c10: none of the format's markers reach content or reasoning."""
@@ -75,7 +79,7 @@ def test_no_markup_leaks(case: Case):
         "<function=",
         "[THINK]",
     ):
-        if marker == "<tool_call>" and case.id == "glm47-c5-cut-in-reasoning":
+        if PROSE.get(case.id) == marker:
             continue  # prose about tool syntax inside reasoning stays reasoning
         assert marker not in text, marker
 
@@ -128,3 +132,12 @@ def test_parallel_tool_calls_false_drops_later_calls_for_every_family():
         )
         message = parser.parse(case.raw)
         assert [c["function"]["name"] for c in message.tool_calls] == [case.calls[0][0]], case.id
+
+
+def test_deepseek_v4_by_model_type():
+    """DeepSeek-V4 ships no chat template (DeepSeek's encoding_dsv4.py renders it): the store's
+    model_type picks its parser; a V3.2 template (DSML `function_calls`) still picks V3.2's."""
+    from moetier.server.parsers import choose_family
+
+    assert choose_family("deepseek_v4", None)[0] == "deepseek_v4"
+    assert choose_family("deepseek_v4", "{{ '<｜DSML｜' }}function_calls")[0] == "deepseek_v32"

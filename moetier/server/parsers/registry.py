@@ -8,6 +8,7 @@ import re
 
 from moetier.server.parsers.base import Parser
 from moetier.server.parsers.deepseek_v3 import DeepSeekV3Parser
+from moetier.server.parsers.deepseek_v4 import DeepSeekV4Parser
 from moetier.server.parsers.deepseek_v31 import DeepSeekV31Parser
 from moetier.server.parsers.deepseek_v32 import DeepSeekV32Parser
 from moetier.server.parsers.glm45 import Glm45Parser, Glm47Parser
@@ -26,6 +27,7 @@ FAMILIES: dict[str, type[Parser]] = {
         DeepSeekV3Parser,
         DeepSeekV31Parser,
         DeepSeekV32Parser,
+        DeepSeekV4Parser,
         Glm45Parser,
         Glm47Parser,
         KimiK2Parser,
@@ -46,6 +48,8 @@ ALIASES = {
     "deepseekv3": "deepseek_v3",
     "deepseekv31": "deepseek_v31",
     "deepseekv32": "deepseek_v32",
+    "deepseekv4": "deepseek_v4",
+    "deepseek-v4": "deepseek_v4",
     "glm": "glm45",
     "glm5": "glm47",
     "kimi": "kimi_k2",
@@ -58,6 +62,8 @@ ALIASES = {
 
 # Template fingerprints, most specific first: (family, a regex the template contains).
 _FINGERPRINTS = (
+    # V4 ships no template (encoding_dsv4.py); one written for it names the `tool_calls` block
+    ("deepseek_v4", re.escape("｜DSML｜tool_calls") + r"|dsml_token\s*\}\}\s*tool_calls"),
     ("deepseek_v32", re.escape("｜DSML｜")),
     ("harmony", re.escape("<|channel|>")),
     ("kimi_k2", re.escape("<|tool_calls_section_begin|>")),
@@ -80,6 +86,7 @@ MODEL_TYPES = {
     "qwen3_5_moe": "qwen3_coder",
     "deepseek_v3": "deepseek_v3",
     "deepseek_v32": "deepseek_v32",
+    "deepseek_v4": "deepseek_v4",
     "kimi_k2": "kimi_k2",
     "glm4_moe": "glm45",
     "glm4_moe_lite": "glm47",
