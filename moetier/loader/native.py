@@ -10,6 +10,7 @@ ExpertsRuntime and SlotPool as the transformers path. The default where a family
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from moetier.loader.loaded_model import (
     experts_runtime,
     loaded_model,
 )
+from moetier.models import glm_moe_dsa
 from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 from moetier.models.layers import Attention, RotaryEmbedding
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
@@ -37,6 +39,8 @@ class NativeFamily:
     moe_block_class: type[nn.Module]  # its MoE blocks, whose `experts` the loader wires
     # parameter names ending so stay fp32 at any --dtype (transformers' keep-in-fp32 list)
     keep_fp32: tuple[str, ...] = ()
+    # keyword arguments of the model class beside (DecoderConfig, rotary), from the HF config
+    model_kwargs: Callable[[Any], dict[str, Any]] | None = None
 
 
 NATIVE_FAMILIES = {
@@ -46,6 +50,13 @@ NATIVE_FAMILIES = {
         "DeepseekV3RotaryEmbedding",
         DeepseekV3MoE,
         keep_fp32=("e_score_correction_bias",),
+    ),
+    "glm_moe_dsa": NativeFamily(
+        glm_moe_dsa.GlmMoeDsaForCausalLM,
+        "GlmMoeDsaRotaryEmbedding",
+        DeepseekV3MoE,
+        keep_fp32=("e_score_correction_bias", "mlp.gate.weight", "indexer.weights_proj.weight"),
+        model_kwargs=glm_moe_dsa.model_kwargs,
     ),
 }
 
@@ -79,8 +90,9 @@ def load_native(
             f"{store.moe_layers}: convert the model again"
         )
     rotary = RotaryEmbedding(*_rope(hf_config, family)).to(device)
+    kwargs = family.model_kwargs(hf_config) if family.model_kwargs else {}
     with torch.device("meta"):
-        model = family.model_class(config, rotary)
+        model = family.model_class(config, rotary, **kwargs)
     model.get_submodule(
         "model"
     ).rotary_emb = rotary  # built off meta: it holds the computed frequencies

@@ -18,7 +18,7 @@ FP32 = EngineConfig(device="cpu", dtype="float32", native=True)
 PAGE = 4
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm_moe_dsa"])
 def native(request, tiny):
     return load_model(tiny.store(request.param), FP32)
 

@@ -1,0 +1,96 @@
+"""The DeepSeek Sparse Attention (DSA) indexer as transformers implements it for GLM-5
+(`GlmMoeDsaIndexer`): per query token, a cheap score over every visible key picks the
+`index_topk` keys the layer's attention may see.
+
+Per layer the indexer keeps one key per token (`wk`, LayerNorm `k_norm`, the first rope dims
+rotated with interleaved pairs): `index_head_dim` values cached beside the MLA latent (the native
+model stores them in the same paged cache entry). A query token's score of key t is
+sum_h w_h * relu(q_h . k_t / sqrt(D)), with q_h = wq_b(q_resid) per index head and w = the
+(fp32) `weights_proj` of the hidden state times n_heads^-1/2; scores are computed in fp32 with
+the same matmuls as transformers, masked to the keys the token may see, and the top-k of them
+become a boolean mask (`top_k_mask`). Where scores tie at the k-th place (several keys scoring
+exactly 0 in every head) the earliest keys win; transformers leaves that to torch.topk, so on
+such ties the keys chosen may differ from its. Shape-static (a top-k of a fixed width, masks,
+a cumsum): a decode step with it captures into a CUDA graph.
+
+Parameter names are the checkpoint's (`indexer.wq_b.weight`, `indexer.wk.weight`,
+`indexer.k_norm.weight` / `.bias`, `indexer.weights_proj.weight`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetier.models.layers import apply_rotary_interleaved
+
+
+class DsaIndexer(nn.Module):
+    """transformers' GlmMoeDsaIndexer over keys laid out by an AttentionBatch."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        q_lora_rank: int,
+        n_heads: int,
+        head_dim: int,
+        rope_dim: int,
+        topk: int,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim, self.topk = n_heads, head_dim, rope_dim, topk
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)  # kept fp32 (as HF)
+        self.softmax_scale = head_dim**-0.5
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, D]: the first rope dims rotated (interleaved pairs), the rest kept."""
+        rot, keep = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        return torch.cat((apply_rotary_interleaved(rot, cos, sin), keep), dim=-1)
+
+    def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H] -> each token's index key [B, T, head_dim] (what the cache holds)."""
+        k = self.k_norm(self.wk(x))[:, None]  # [B, 1, T, D]
+        return self._rotate(k, cos, sin)[:, 0]
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [B, T, H], q_resid [B, T, q_lora_rank] (q_a_layernorm's output), keys [B, Lk, D]
+        (every key of the batch's layout), visible [B, 1, T, Lk] bool (the causal / sequence
+        mask) -> [B, 1, T, Lk] bool: the visible keys among each token's top-k index scores
+        (all visible keys where there are at most k)."""
+        rows, tokens, _ = x.shape
+        q = self.wq_b(q_resid).view(rows, tokens, self.n_heads, self.head_dim)
+        q = self._rotate(q.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, h, D]
+        # transformers' ops in its order: [B, T, h, D] @ [B, 1, D, Lk] -> [B, T, h, Lk]
+        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float()[:, None])
+        scores = F.relu(scores * self.softmax_scale)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+        weights = weights * self.n_heads**-0.5  # [B, T, h]
+        index = torch.matmul(weights[:, :, None], scores)[:, :, 0]  # [B, T, Lk]
+        index = index.masked_fill(~visible[:, 0], float("-inf"))
+        return (top_k_mask(index, self.topk) & visible[:, 0])[:, None]
+
+
+def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., L] -> bool [..., L]: the k largest of each row (every entry if L <= k),
+    ties at the k-th value broken towards the lower index. torch.topk breaks them as it likes
+    (and differently for another row length), so that the keys chosen do not depend on where a
+    sequence's keys sit in the batch (static cache, packed prefill, decode pages), which all
+    keep a sequence's keys in position order. Shape-static, no host sync."""
+    k = min(k, scores.shape[-1])
+    kth = scores.topk(k, dim=-1).values[..., -1:]  # [..., 1]
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(-1, keepdim=True)  # how many of the tied ones fit
+    return above | (tied & (tied.cumsum(-1) <= room))
