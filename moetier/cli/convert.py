@@ -57,6 +57,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'layers=0-1:nvfp4' --override 'layers=3,5:down=int2-g16'",
     )
     parser.add_argument(
+        "--dense",
+        default="bf16",
+        metavar="FORMAT",
+        help="format of the dense weights (attention, shared experts, dense MLPs, lm_head): bf16 "
+        "(as the checkpoint has them, FP8 dequantised), fp8 (E4M3, 128x128 tile scales; an FP8 "
+        "checkpoint's own tensors kept bit for bit), int4 / int4-gN (weight-only, group N, "
+        "default 128) or nvfp4; embeddings, norms, routers and biases stay as they are "
+        "(default: bf16)",
+    )
+    parser.add_argument(
+        "--dense-override",
+        action="append",
+        default=[],
+        metavar="CLASS=FORMAT",
+        help="another dense format for one class (attention, shared, mlp, lm_head); repeatable, "
+        "e.g. --dense int4 --dense-override lm_head=fp8",
+    )
+    parser.add_argument(
         "--calibration",
         help="text file or folder of .txt for GPTQ rounding (without it q2s rounds to nearest)",
     )
@@ -70,10 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moetier.quant.convert import convert
+    from moetier.quant.dense_formats import DensePolicy
     from moetier.quant.store import Store
 
     start = time.perf_counter()
     progress = sys.stderr.isatty()
+    dense = DensePolicy.parse(args.dense, args.dense_override)
     if args.delta == "nested":  # the bit-plane split of FP4 weights: its own expert format
         if args.experts not in ("source", "nvfp4", "mxfp4", "nested"):
             raise ValueError(
@@ -96,11 +116,12 @@ def run(args: argparse.Namespace) -> int:
             overrides=args.override,
             force=args.force,
             progress=progress,
+            dense=dense,
         )
     else:
         if args.calibration or args.delta != "none" or args.override:
             raise ValueError("--calibration, --delta and --override apply to low-bit --experts")
-        out = convert(args.hf_dir, args.out_dir, force=args.force, progress=progress)
+        out = convert(args.hf_dir, args.out_dir, force=args.force, progress=progress, dense=dense)
     store = Store(out)
     cfg = store.model_config
     print(
@@ -109,7 +130,23 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in bits_report(store, *store.dense_size):
         print("  " + line)
+    print("  " + dense_report(store))
     return 0
+
+
+def dense_report(store: Store) -> str:
+    """The dense tensors' bytes per class (quant/dense_formats.py), with each class's formats."""
+    formats: dict[str, set[str]] = {}
+    for name, fmt in store.dense_formats.items():
+        klass = store.index["dense"]["tensors"][name]["class"]
+        formats.setdefault(klass, set()).add(fmt.name)
+    by_class = store.dense_bytes_by_class()
+    parts = []
+    for klass, nbytes in sorted(by_class.items(), key=lambda kv: -kv[1]):
+        how = f" ({', '.join(sorted(formats[klass]))})" if klass in formats else ""
+        parts.append(f"{klass} {nbytes / 2**20:,.2f} MiB{how}")
+    total = sum(by_class.values()) / 2**20
+    return f"dense {total:,.2f} MiB: " + ", ".join(parts)
 
 
 def bits_report(store: Store, dense_params: int, dense_bytes: int) -> list[str]:

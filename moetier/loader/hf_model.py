@@ -22,6 +22,7 @@ from moetier.loader.loaded_model import (
     experts_runtime,
     loaded_model,
 )
+from moetier.models.dense_linear import quantize_linears
 from moetier.models.experts import (
     IMPLEMENTATION_NAME,
     ExpertsHandle,
@@ -56,6 +57,7 @@ def load_transformers(
     model.eval()
 
     experts_modules = _detach_experts(model, store)
+    quantize_linears(model, store.dense_formats)  # quantized dense weights, stored dtypes (#52)
     _assign_dense(model, store.path / DENSE_FILE, device, dtype)
     _init_non_persistent_buffers(model, device)
     _check_nothing_on_meta(model)

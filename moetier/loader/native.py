@@ -27,6 +27,7 @@ from moetier.loader.loaded_model import (
 )
 from moetier.models import glm_moe_dsa
 from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
+from moetier.models.dense_linear import quantize_linears
 from moetier.models.layers import Attention, RotaryEmbedding
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from moetier.quant.store import DENSE_FILE, Store
@@ -96,6 +97,7 @@ def load_native(
     model.get_submodule(
         "model"
     ).rotary_emb = rotary  # built off meta: it holds the computed frequencies
+    stored = quantize_linears(model, store.dense_formats)  # quantized dense weights (#52)
     _assign_by_name(
         model,
         store.path / DENSE_FILE,
@@ -103,10 +105,11 @@ def load_native(
         dtype,
         config.tie_word_embeddings,
         family.keep_fp32,
+        stored=frozenset(stored),
     )
     for module in model.modules():
-        if isinstance(module, Attention):
-            module.fuse_qkv()
+        if isinstance(module, Attention) and isinstance(module.q_proj, nn.Linear):
+            module.fuse_qkv()  # quantized q/k/v (DenseLinear) run as three GEMVs
     model.eval()
 
     runtime = experts_runtime(store, engine_config, device, kv_positions)
@@ -135,9 +138,11 @@ def _assign_by_name(
     dtype: torch.dtype,
     tied: bool,
     keep_fp32: tuple[str, ...] = (),
+    stored: frozenset[str] = frozenset(),
 ) -> None:
     """Every parameter from the file tensor of the same name (cast to `dtype` if floating, to
-    fp32 if its name ends with one of `keep_fp32`); ValueError for a file tensor the model lacks
+    fp32 if its name ends with one of `keep_fp32`; those in `stored`, quantized dense weights
+    and their scales, as they are); ValueError for a file tensor the model lacks
     or a parameter the file lacks."""
     from safetensors import safe_open
 
@@ -151,7 +156,7 @@ def _assign_by_name(
                     "convert the model again with this moetier version"
                 )
             tensor = f.get_tensor(key)  # a view of the memory-mapped file
-            if tensor.is_floating_point():
+            if tensor.is_floating_point() and key not in stored:
                 tensor = tensor.to(torch.float32 if key.endswith(keep_fp32) else dtype)
             _set_param(model, key, nn.Parameter(tensor.to(device), requires_grad=False))
             done.add(key)

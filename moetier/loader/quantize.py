@@ -15,6 +15,7 @@ from moetier.core.layout import blob_view
 from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix
 from moetier.loader.load import load_model
 from moetier.quant.convert import convert
+from moetier.quant.dense_formats import DensePolicy
 from moetier.quant.requantize import Hessians, Override, base_codecs, requantize_experts
 from moetier.quant.sources import detect_quantization
 from moetier.quant.store import Store
@@ -110,6 +111,7 @@ def convert_quantized(
     overrides: Sequence[str] = (),
     force: bool = False,
     progress: bool = True,
+    dense: DensePolicy | None = None,
 ) -> Path:
     """`moetier convert --experts KIND`: the store at `dst` holds `kind` experts (q2s, int2,
     affine2, nvfp4, mxfp4, nested), with `overrides` (`--override` strings, quant/requantize.py)
@@ -143,5 +145,11 @@ def convert_quantized(
         requantize_experts(tmp, kind, hessians, group, down_group, progress, delta, parsed)
 
     return convert(
-        src, dst, force=force, progress=progress, finish=finish, keep_fp4_codes=keep_codes
+        src,
+        dst,
+        force=force,
+        progress=progress,
+        finish=finish,
+        keep_fp4_codes=keep_codes,
+        dense=dense,
     )

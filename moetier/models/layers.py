@@ -28,6 +28,7 @@ from torch import nn
 from moetier.kernels.attention import decode_attention
 from moetier.kernels.router import router_topk
 from moetier.models.attention_batch import AttentionBatch
+from moetier.models.dense_linear import dense_weight
 
 
 class Experts(Protocol):
@@ -388,7 +389,7 @@ class MLAttention(nn.Module):
         q_rot, k_rot = rotate(q_rot, cos, sin), rotate(k_rot[:, None], cos, sin)[:, 0]
         entry = torch.cat((self.kv_a_layernorm(latent), k_rot), dim=-1)  # [B, T, lora + rope]
         batch.write(cache, self.layer, -1, entry)
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, nope + v_dim, lora)
+        w_kv = dense_weight(self.kv_b_proj, x.dtype).view(self.num_heads, nope + v_dim, lora)
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]  # [h, nope, lora], [h, v, lora]
         query = torch.cat((q_nope @ w_k, q_rot), dim=-1)  # [B, h, T, lora + rope]
         keys = batch.keys(cache[self.layer])[:, None]  # [B, 1, Lk, lora + rope]: all heads'

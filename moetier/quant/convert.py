@@ -37,6 +37,7 @@ from moetier.core.layout import (
     fp4_expert_format,
     raw_expert_format,
 )
+from moetier.quant.dense_formats import DenseFormat, DensePolicy, dense_class
 from moetier.quant.sources import (
     ConvertError,
     SourceQuantization,
@@ -484,13 +485,16 @@ def convert(
     progress: bool = True,
     finish: Callable[[Path], None] | None = None,
     keep_fp4_codes: bool = True,
+    dense: DensePolicy | None = None,
 ) -> Path:
     """Convert the HF checkpoint in `src` into a moetier store at `dst`; returns `dst`.
 
     Experts of an FP4 checkpoint (NVFP4, MXFP4) keep their codes and block scales (store format
     nvfp4 / mxfp4) unless `keep_fp4_codes` is False; other quantized weights are dequantised.
     `finish(tmp_store)` runs on the complete store before it is renamed into place (e.g.
-    re-encoding the experts in a low-bit format); a failure there leaves nothing behind."""
+    re-encoding the experts in a low-bit format); a failure there leaves nothing behind.
+    `dense` chooses the format of each dense class (quant/dense_formats.py; default: as the
+    checkpoint has them, FP8 dequantised)."""
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise ConvertError(
@@ -510,7 +514,7 @@ def convert(
     tmp.mkdir(parents=True)
     try:
         _copy_aux_files(src, tmp)
-        _write_dense(plan, tmp / DENSE_FILE, progress)
+        dense_tensors = _write_dense(plan, tmp / DENSE_FILE, progress, dense or DensePolicy())
         blobs = _write_experts(plan, fmt, tmp / EXPERTS_FILE, progress)
         index: dict[str, Any] = {
             "version": STORE_VERSION,
@@ -522,6 +526,7 @@ def convert(
             "skipped_source_tensors": plan.skipped,
             "blobs": blobs,
         }
+        index["dense"] = {"policy": (dense or DensePolicy()).to_json(), "tensors": dense_tensors}
         if plan.quantization is not None:
             index["source_quantization"] = plan.quantization.to_json()
         if fp4 is not None:
@@ -551,18 +556,57 @@ def _copy_aux_files(src: Path, dst: Path) -> None:
             shutil.copyfile(path, dst / path.name)
 
 
-def _write_dense(plan: ConversionPlan, path: Path, progress: bool) -> None:
-    names = sorted(plan.dense)
-    writer = _SafetensorsWriter(
-        path, [(n, plan.dense[n].dtype, plan.dense[n].shape) for n in names]
-    )
+def _write_dense(
+    plan: ConversionPlan, path: Path, progress: bool, policy: DensePolicy
+) -> dict[str, Any]:
+    """dense.safetensors: each tensor as the checkpoint has it (FP8 dequantised), or in the
+    format `policy` gives its class, with its scales; an FP8 source's weight and scales are
+    copied bit for bit where its class asks for fp8. Returns the index's record of the
+    quantized weights: module name -> format, class and [N, K]."""
+    block = plan.quantization.block if plan.quantization is not None else None
+    formats: dict[str, DenseFormat] = {}
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    for name in sorted(plan.dense):
+        t = plan.dense[name]
+        fmt = policy.choose(name, t.shape, block if t.quant == "fp8" else None)
+        if fmt is None or not name.endswith(".weight"):
+            specs.append((name, t.dtype, t.shape))
+            continue
+        formats[name] = fmt
+        specs += fmt.tensors(name, t.shape)
+    writer = _SafetensorsWriter(path, specs)
     read = TensorReader(plan.quantization)
     try:
-        for name in tqdm(names, desc="dense tensors", disable=not progress, unit="tensor"):
-            writer.write(name, read(plan.dense[name]))
+        for name in tqdm(sorted(plan.dense), desc="dense tensors", disable=not progress,
+                         unit="tensor"):  # fmt: skip
+            t, fmt = plan.dense[name], formats.get(name)
+            if fmt is None:
+                writer.write(name, read(t))
+                continue
+            if fmt.source:  # the checkpoint's own FP8 weight and tile scales
+                parts = [read.raw(t.parts["weight"]), read.raw(t.parts["scale"]).float()]
+            else:
+                parts = fmt.quantize(read(t))
+            for (part_name, dtype, shape), tensor in zip(
+                fmt.tensors(name, t.shape), parts, strict=True
+            ):
+                if tensor.dtype != DTYPES[dtype] or tuple(tensor.shape) != shape:
+                    raise ConvertError(
+                        f"{name}: {part_name} is {tensor.dtype} {tuple(tensor.shape)}, the "
+                        f"{fmt.name} format needs {dtype} {shape}"
+                    )
+                writer.write(part_name, tensor)
     finally:
         read.close()
     writer.close()
+    return {
+        name[: -len(".weight")]: {
+            "format": fmt.to_json(),
+            "class": dense_class(name),
+            "shape": list(plan.dense[name].shape),
+        }
+        for name, fmt in formats.items()
+    }
 
 
 def _write_experts(

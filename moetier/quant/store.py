@@ -5,7 +5,8 @@
       dense.safetensors   every tensor that is not a routed expert, under the HF module names
       experts.bin         one contiguous, 4 KiB-aligned blob per (layer, expert, plane)
       experts.json        the index: formats, and per blob layer, expert, plane, offset, bytes,
-                          format, shape, crc32 checksum
+                          format, shape, crc32 checksum; under "dense" the quantized dense
+                          weights (module name -> format, class, [N, K]; quant/dense_formats.py)
 
 A blob holds all tensors of one expert for one plane ("base"; an optional "delta" plane after
 all base blobs) back to back, each sub-tensor 256-byte aligned. Unquantized blobs use the
@@ -32,6 +33,7 @@ import torch
 
 from moetier.config import ModelConfig
 from moetier.core.layout import BlobFormat
+from moetier.quant.dense_formats import DenseFormat, dense_class
 
 STORE_VERSION = 1
 BLOB_ALIGN = 4096
@@ -140,17 +142,60 @@ class Store:
         return per_expert * cfg.num_experts * len(self.moe_layers)
 
     @property
+    def dense_formats(self) -> dict[str, DenseFormat]:
+        """Module name -> format of each quantized dense weight (none: all as the checkpoint)."""
+        tensors = self.index.get("dense", {}).get("tensors", {})
+        return {name: DenseFormat.from_json(info["format"]) for name, info in tensors.items()}
+
+    def _dense_header(self) -> dict[str, Any]:
+        with open(self.path / DENSE_FILE, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header: dict[str, Any] = json.loads(f.read(header_len))
+        return {k: v for k, v in header.items() if k != "__metadata__"}
+
+    @property
     def dense_size(self) -> tuple[int, int]:
-        """(parameters, bytes) of dense.safetensors, from its header alone."""
+        """(parameters, bytes) of dense.safetensors, from its header and the index alone; a
+        quantized weight counts its [N, K] parameters, its scales none."""
+        quantized = self.index.get("dense", {}).get("tensors", {})
+        params = nbytes = 0
+        for key, info in self._dense_header().items():
+            nbytes += info["data_offsets"][1] - info["data_offsets"][0]
+            module, _, leaf = key.rpartition(".")
+            if module not in quantized:
+                params += math.prod(info["shape"])
+            elif leaf == "weight":
+                params += math.prod(quantized[module]["shape"])
+        return params, nbytes
+
+    @property
+    def mtp_dense_size(self) -> tuple[int, int]:
+        """(parameters, bytes) of the MTP layers' tensors in dense.safetensors."""
         with open(self.path / DENSE_FILE, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(header_len))
-        params = nbytes = 0
-        for key, info in header.items():
-            if key != "__metadata__":
-                params += math.prod(info["shape"])
-                nbytes += info["data_offsets"][1] - info["data_offsets"][0]
-        return params, nbytes
+        infos = [info for key, info in header.items() if key in self.mtp_dense]
+        params = sum(math.prod(info["shape"]) for info in infos)
+        return params, sum(info["data_offsets"][1] - info["data_offsets"][0] for info in infos)
+
+    def dense_bytes_by_class(self, dtype_bytes: int | None = None) -> dict[str, int]:
+        """Bytes of the dense tensors per class (dense_formats.dense_class), as stored, or with
+        `dtype_bytes` set, floating tensors that are not quantized counted at that width (what
+        the loader casts them to)."""
+        quantized = self.index.get("dense", {}).get("tensors", {})
+        out: dict[str, int] = {}
+        for key, info in self._dense_header().items():
+            module = key.rpartition(".")[0]
+            if module in quantized:
+                klass = quantized[module]["class"]
+                size = info["data_offsets"][1] - info["data_offsets"][0]
+            else:
+                klass = dense_class(key, len(info["shape"]))
+                size = info["data_offsets"][1] - info["data_offsets"][0]
+                if dtype_bytes is not None and info["dtype"] in ("F32", "BF16", "F16"):
+                    size = math.prod(info["shape"]) * dtype_bytes
+            out[klass] = out.get(klass, 0) + size
+        return out
 
     @property
     def expert_bytes(self) -> int:

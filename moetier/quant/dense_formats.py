@@ -1,0 +1,277 @@
+"""Dense (non-expert) weight formats of the store, chosen per tensor class (docs/formats.md,
+"Dense formats"; the kernels in kernels/dense_gemv.py read them).
+
+Classes (`dense_class`, by the HF module name): `attention` (the attention block's projections),
+`shared` (shared experts), `mlp` (dense MLP layers), `lm_head`; everything else — embeddings,
+norms, routers, biases, 1-D tensors — stays as the checkpoint has it (`embed`, `router`,
+`other` in the byte report).
+
+Formats (`DenseFormat`), each stored under the weight's own name plus its scales:
+  bf16        unquantized: the checkpoint's float dtype (FP8 source weights dequantised to the
+              config's dtype), the store's default
+  fp8         `weight` float8_e4m3fn [N, K] + `weight_scale_inv` float32 [ceil(N/128), ceil(K/128)],
+              DeepSeek-V3's layout: an FP8 checkpoint's tensors are kept bit for bit (with its
+              own tile), other weights get one absmax/448 scale per 128 x 128 tile
+  int4-g{G}   `weight` uint8 [N, K/2] (two codes a byte, even element low; q + 8) +
+              `weight_scale` bfloat16 [N, K/G]: symmetric, W = q * scale, q in -8..7, the scale of
+              each group chosen among a few clip ratios for the least squared error (default G 128)
+  nvfp4       `weight` uint8 [N, K/2] E2M1 + `weight_scale` float8_e4m3fn [N, K/16] +
+              `weight_scale_2` float32 [1] (ModelOpt's names; quant/fp4.quantize_nvfp4)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moetier.kernels.dense_gemv import dense_dequant_ref
+from moetier.quant.fp4 import E4M3_MAX, pack_nibbles, quantize_nvfp4
+
+CLASSES = ("attention", "shared", "mlp", "lm_head")
+KINDS = ("bf16", "fp8", "int4", "nvfp4")
+FP8_BLOCK = (128, 128)
+INT4_GROUP = 128
+# clip ratios tried per int4 group (scale = ratio * absmax / 7); 8/7 lets -8 take the extreme
+_INT4_CLIPS = (8 / 7, 1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+_PROJECTION = re.compile(r"(_proj|_proj_with_mqa|\.w[123]|\.wq\w*|\.wkv\w*|\.wo)\.weight$")
+_ATTENTION = re.compile(r"\.(self_attn|attention|attn|self_attention)\.")
+
+
+def dense_class(key: str, ndim: int = 2) -> str:
+    """The class of a dense tensor by its model name: one of CLASSES (quantizable), or
+    'embed', 'router', 'other' (kept as they are)."""
+    if key == "lm_head.weight" or key.endswith(".lm_head.weight"):
+        return "lm_head"
+    if "embed" in key:
+        return "embed"
+    if ndim != 2 or not _PROJECTION.search(key):
+        return (
+            "router" if re.search(r"\.(gate|router|shared_expert_gate)\.weight$", key) else "other"
+        )
+    if _ATTENTION.search(key):
+        return "attention"
+    if "shared_expert" in key:
+        return "shared"
+    if ".mlp." in key or ".feed_forward." in key:
+        return "mlp"
+    return "other"
+
+
+@dataclass(frozen=True)
+class DenseFormat:
+    kind: str  # one of KINDS
+    block: tuple[int, int] = FP8_BLOCK  # fp8: the scale tile (rows, columns)
+    group: int = INT4_GROUP  # int4: weights per scale along K
+    source: bool = False  # fp8 tensors kept bit for bit from an FP8 checkpoint
+
+    @classmethod
+    def parse(cls, text: str) -> DenseFormat:
+        """'bf16', 'fp8', 'int4', 'int4-g64', 'nvfp4'."""
+        match = re.fullmatch(r"(bf16|fp8|nvfp4)|int4(?:-g(\d+))?", text.strip())
+        if match is None:
+            raise ValueError(
+                f"dense format {text!r}: one of bf16, fp8, int4, int4-gN (N a power of two "
+                ">= 2), nvfp4"
+            )
+        if match.group(1):
+            return cls(match.group(1))
+        group = int(match.group(2) or INT4_GROUP)
+        if group < 2 or group & (group - 1):
+            raise ValueError(f"dense format {text!r}: the int4 group must be a power of two >= 2")
+        return cls("int4", group=group)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "int4":
+            return f"int4-g{self.group}"
+        if self.kind == "fp8":
+            name = f"fp8-b{self.block[0]}x{self.block[1]}"
+            return name + ("-source" if self.source else "")
+        return self.kind
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "bf16"
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether a [N, K] weight can be stored so (int4 and nvfp4 need K in whole groups)."""
+        if len(shape) != 2:
+            return False
+        if self.kind == "int4":
+            return shape[1] % self.group == 0
+        if self.kind == "nvfp4":
+            return shape[1] % 16 == 0
+        return True
+
+    def tensors(self, key: str, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of what the store holds for weight `key` ([N, K], '....weight')."""
+        n, k = shape
+        prefix = key[: -len("weight")]
+        if self.kind == "fp8":
+            grid = (-(-n // self.block[0]), -(-k // self.block[1]))
+            return [(key, "float8_e4m3fn", (n, k)), (prefix + "weight_scale_inv", "float32", grid)]
+        if self.kind == "int4":
+            return [
+                (key, "uint8", (n, k // 2)),
+                (prefix + "weight_scale", "bfloat16", (n, k // self.group)),
+            ]
+        if self.kind == "nvfp4":
+            return [
+                (key, "uint8", (n, k // 2)),
+                (prefix + "weight_scale", "float8_e4m3fn", (n, k // 16)),
+                (prefix + "weight_scale_2", "float32", (1,)),
+            ]
+        raise ValueError(f"{self.kind} is not a quantized dense format")
+
+    def kernel_args(self) -> tuple[str, int, int]:
+        """(kind, block_n, block_k) as kernels/dense_gemv.py takes them."""
+        if self.kind == "fp8":
+            return "fp8", self.block[0], self.block[1]
+        if self.kind == "int4":
+            return "int4", 1, self.group
+        return "nvfp4", 1, 16
+
+    def quantize(self, w: torch.Tensor) -> list[torch.Tensor]:
+        """A float weight [N, K] -> the stored tensors, in the order of `tensors`."""
+        if self.kind == "fp8":
+            return list(quantize_fp8_block(w, self.block))
+        if self.kind == "int4":
+            return list(quantize_int4(w, self.group))
+        if self.kind == "nvfp4":
+            q = quantize_nvfp4(w)
+            return [pack_nibbles(q.codes), q.scales, q.tensor_scale.float().reshape(1)]
+        raise ValueError(f"{self.kind} is not a quantized dense format")
+
+    def dequantize(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The stored tensors -> the float32 weight [N, K]."""
+        kind, bn, bk = self.kernel_args()
+        return dense_dequant_ref(parts[0], parts[1], parts[2] if len(parts) > 2 else None,
+                                 kind, bn, bk)  # fmt: skip
+
+    def bits_per_weight(self, shape: tuple[int, int]) -> float:
+        nbytes = sum(
+            torch.empty(0, dtype=getattr(torch, dtype)).element_size() * _prod(s)
+            for _, dtype, s in self.tensors("x.weight", shape)
+        )
+        return 8 * nbytes / _prod(shape)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.kind == "fp8":
+            out.update(block=list(self.block), source=self.source)
+        if self.kind == "int4":
+            out["group"] = self.group
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DenseFormat:
+        return cls(
+            data["kind"],
+            tuple(data.get("block", FP8_BLOCK)),  # type: ignore[arg-type]
+            int(data.get("group", INT4_GROUP)),
+            bool(data.get("source", False)),
+        )
+
+
+@dataclass(frozen=True)
+class DensePolicy:
+    """`--dense FORMAT` and `--dense-override CLASS=FORMAT`: the format of each class."""
+
+    default: DenseFormat = field(default_factory=lambda: DenseFormat("bf16"))
+    overrides: tuple[tuple[str, DenseFormat], ...] = ()
+
+    @classmethod
+    def parse(
+        cls, default: str = "bf16", overrides: tuple[str, ...] | list[str] = ()
+    ) -> DensePolicy:
+        parsed = []
+        for text in overrides:
+            klass, sep, fmt = text.partition("=")
+            if not sep or klass.strip() not in CLASSES:
+                raise ValueError(
+                    f"--dense-override {text!r}: write CLASS=FORMAT, CLASS one of "
+                    f"{', '.join(CLASSES)}"
+                )
+            parsed.append((klass.strip(), DenseFormat.parse(fmt)))
+        return cls(DenseFormat.parse(default), tuple(parsed))
+
+    def format_of(self, klass: str) -> DenseFormat:
+        fmt = self.default
+        for name, override in self.overrides:
+            if name == klass:
+                fmt = override
+        return fmt
+
+    def choose(
+        self, key: str, shape: tuple[int, ...], source_fp8: tuple[int, int] | None = None
+    ) -> DenseFormat | None:
+        """The format of dense tensor `key` (None: stored as the checkpoint has it, or
+        dequantised for an FP8 source). source_fp8: the tile of an FP8 source tensor, kept as
+        it is when its class asks for fp8."""
+        klass = dense_class(key, len(shape))
+        if klass not in CLASSES:
+            return None
+        fmt = self.format_of(klass)
+        if not fmt.quantized or not fmt.fits(shape):
+            return None
+        if fmt.kind == "fp8" and source_fp8 is not None:
+            return DenseFormat("fp8", source_fp8, source=True)
+        return fmt
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "default": self.default.name,
+            "overrides": {k: f.name for k, f in self.overrides},
+        }
+
+
+def quantize_fp8_block(
+    w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8_e4m3fn [N, K], float32 scale_inv [ceil(N/bn), ceil(K/bk)]):
+    each tile scaled so its absmax is 448, rounded to nearest (DeepSeek-V3's layout)."""
+    w = w.float()
+    n, k = w.shape
+    rows, cols = -(-n // block[0]), -(-k // block[1])
+    padded = torch.zeros(rows * block[0], cols * block[1])
+    padded[:n, :k] = w
+    amax = padded.view(rows, block[0], cols, block[1]).abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    full = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+    q = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale_inv
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (uint8 [N, K/2] codes q + 8, bfloat16 scales [N, K/group]): symmetric
+    round to nearest on -8..7; per group the clip ratio (of _INT4_CLIPS) with the least squared
+    error, the scale rounded to bf16 before the codes are chosen."""
+    w = w.float()
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4-g{group} needs K divisible by {group}, got {tuple(w.shape)}")
+    groups = w.view(n, k // group, group)
+    amax = groups.abs().amax(-1, keepdim=True)
+    best_err = torch.full_like(amax, float("inf"))
+    best_scale = torch.ones_like(amax)
+    for clip in _INT4_CLIPS:
+        scale = (amax * clip / 7).to(torch.bfloat16).float()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = (groups / scale).round().clamp(-8, 7)
+        err = (q * scale - groups).pow(2).sum(-1, keepdim=True)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+    q = (groups / best_scale).round().clamp(-8, 7).to(torch.int16) + 8
+    codes = pack_nibbles(q.view(n, k).to(torch.uint8))
+    return codes, best_scale[..., 0].to(torch.bfloat16)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
