@@ -39,8 +39,13 @@ SPECS = {
     "minimax-m2.jinja": ("minimax_m2", "map", "]~b]ai\n", "[e~[", 2),
     "mistral.jinja": ("mistral", "map", "[/INST]", "</s>", 2),
 }
-# transformers renders templates in an immutable sandbox: this Kimi-K2-Instruct revision calls
-# list.append (its queue of tool-call ids), which that sandbox refuses
+# transformers renders templates in jinja2's ImmutableSandboxedEnvironment (vLLM and SGLang
+# render through it too). This Kimi-K2-Instruct copy (an ik_llama.cpp mirror; llama.cpp's own
+# Jinja engine allows it) keeps a queue of call ids in namespace(ids=[]) and calls .append on
+# it for every tool call and .pop(0) for every tool result, whatever the arguments' shape, so
+# no shaping of the history avoids it; allowing it would mean a mutable sandbox. Moonshot's
+# Kimi-K2-Thinking template (kimi-k2-thinking.jinja) reads message.tool_call_id instead and
+# renders. Its history with tool calls is therefore a 400 with the template's error.
 REFUSED = {"kimi-k2.jinja": "transformers' immutable sandbox refuses the template's list.append"}
 TOOLS_DESCRIBED = [
     {**t, "function": {**t["function"], "description": "a tool"}} for t in TOOLS
@@ -175,3 +180,136 @@ def test_generation_prompt_sets_the_reasoning_state(name, thinking):
         "deepseek-v3.1.jinja",
     }
     assert starts == (name in opens and (thinking or name not in hybrid))
+
+
+# Templates that render the reasoning of the turn after the last user message (an agent's tool
+# loop): read from their sources (reasoning_content / gpt-oss's thinking, last_user_index /
+# last_query_index / Kimi's suffix); the others never render the history's reasoning.
+KEEPS_CURRENT_TURN = {
+    "qwen3.jinja",
+    "qwen3.5.jinja",
+    "deepseek-v3.2.jinja",
+    "glm-4.5.jinja",
+    "glm-4.6.jinja",
+    "glm-4.7.jinja",
+    "glm-5.jinja",
+    "kimi-k2-thinking.jinja",
+    "minimax-m2.jinja",
+    "gpt-oss.jinja",
+}
+THOUGHT = "Need the tool, thought 7."
+
+
+def _tool_loop(form: str, family: str) -> list[dict]:
+    """user, assistant (reasoning + a call), tool result: as each API hands it to the server."""
+    from moetier.server import anthropic, responses
+
+    call_id = "abcdefgh1" if family == "mistral" else "functions.get_weather:0"
+    args = {"city": "Oslo"}
+    if form == "anthropic":
+        return anthropic.chat_messages(
+            "You are helpful.",
+            [
+                anthropic.Message(role="user", content="Weather in Oslo?"),
+                anthropic.Message(
+                    role="assistant",
+                    content=[
+                        {"type": "thinking", "thinking": THOUGHT, "signature": ""},
+                        {"type": "tool_use", "id": call_id, "name": "get_weather", "input": args},
+                    ],
+                ),
+                anthropic.Message(
+                    role="user",
+                    content=[{"type": "tool_result", "tool_use_id": call_id, "content": "Sunny."}],
+                ),
+            ],
+        )
+    if form == "responses":
+        items = [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "reasoning", "content": [{"type": "reasoning_text", "text": THOUGHT}]},
+            {
+                "type": "function_call",
+                "call_id": call_id,
+                "name": "get_weather",
+                "arguments": json.dumps(args),
+            },
+            {"type": "function_call_output", "call_id": call_id, "output": "Sunny."},
+        ]
+        return responses.chat_messages(
+            "You are helpful.", [responses.InputItem(**i) for i in items]
+        )
+    return [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            form: THOUGHT,  # reasoning_content, or vLLM's newer `reasoning`
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps(args)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "name": "get_weather", "content": "Sunny."},
+    ]
+
+
+def _served_render(name: str, messages: list[dict], kwargs: dict | None = None) -> str:
+    """The prompt as prepare_chat renders it: reasoning_history applied, history shaped."""
+    from moetier.server.parsers.serving import reasoning_history_kwargs, template_history
+
+    family = SPECS[name][0]
+    kwargs = reasoning_history_kwargs(kwargs, family)
+    keep = kwargs.pop("reasoning_history") != "drop"
+    return _render(name, template_history(messages, family, reasoning=keep), True, **kwargs)
+
+
+@pytest.mark.parametrize("name", _params(sorted(SPECS)))
+@pytest.mark.parametrize("form", ["reasoning_content", "reasoning", "anthropic", "responses"])
+def test_history_reasoning_reaches_templates_that_keep_it(name, form):
+    """#44 rendering: the history's reasoning, in each API's form, reaches the template; it is in
+    the prompt exactly where the family's own template keeps it (the default)."""
+    prompt = _served_render(name, _tool_loop(form, SPECS[name][0]))
+    assert "Sunny." in prompt
+    assert (THOUGHT in prompt) == (name in KEEPS_CURRENT_TURN), prompt
+
+
+@pytest.mark.parametrize("name", _params(sorted(SPECS)))
+def test_reasoning_history_drop(name):
+    messages = _tool_loop("reasoning_content", SPECS[name][0])
+    prompt = _served_render(name, messages, {"reasoning_history": "drop"})
+    assert "Sunny." in prompt and THOUGHT not in prompt
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))  # no tool calls: Kimi-K2's renders too
+def test_reasoning_history_keep(name):
+    """ "keep" sets the family's switch for every turn's reasoning (GLM-4.7 / 5 clear_thinking);
+    a turn before the last user message keeps its reasoning there, elsewhere the template's own
+    choice stands (the prompt is the default's)."""
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": THOUGHT},
+        {"role": "user", "content": "Weather in Oslo?"},
+    ]
+    kept = _served_render(name, messages, {"reasoning_history": "keep"})
+    default = _served_render(name, messages)
+    assert THOUGHT not in default
+    if name in ("glm-4.7.jinja", "glm-5.jinja"):
+        assert THOUGHT in kept
+    else:
+        assert kept == default
+
+
+def test_reasoning_history_is_checked():
+    from moetier.server.parsers.serving import reasoning_history_kwargs
+
+    with pytest.raises(ValueError, match="reasoning_history 'all'"):
+        reasoning_history_kwargs({"reasoning_history": "all"}, "hermes")
+    assert reasoning_history_kwargs({"clear_thinking": True, "reasoning_history": "keep"}, "glm47")[
+        "clear_thinking"
+    ]  # the request's own switch wins

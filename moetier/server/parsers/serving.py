@@ -34,6 +34,18 @@ log = logging.getLogger("moetier.parsers")
 # others iterate them (`arguments|items`) or write them with `tojson`: those get a mapping.
 STRING_ARGUMENTS = {"deepseek_v3", "deepseek_v31"}
 
+# The history's reasoning (reasoning_content, vLLM's `reasoning`, Anthropic thinking blocks,
+# Responses reasoning items) and the chat template: the `reasoning_history` key of
+# chat_template_kwargs (server-wide: --default-chat-template-kwargs) says
+#   "template" (the default): handed to the template, which keeps what the family keeps (most
+#       keep the turns after the last user message: the reasoning of an agent's tool loop);
+#   "keep": also the family's own switch for keeping every turn's, where its template has one;
+#   "drop": not handed to the template.
+REASONING_HISTORY = ("template", "keep", "drop")
+KEEP_ALL_REASONING: dict[str, dict[str, Any]] = {
+    "glm47": {"clear_thinking": False},  # GLM-4.7 / 5 "preserved thinking"
+}
+
 
 @dataclass(frozen=True)
 class ParserChoice:
@@ -143,13 +155,15 @@ def prepare_chat(
     system messages joined into one at the front."""
     choice = choice or ParserChoice(None, "no parser chosen")
     tool_choice = "auto" if tool_choice is None else tool_choice
-    messages = template_history(messages, choice.family)
     offered = tools if tools and tool_choice != "none" else None
     reserved = {"messages", "tools", "add_generation_prompt", "tokenize"} & set(
         template_kwargs or {}
     )
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    template_kwargs = reasoning_history_kwargs(template_kwargs, choice.family)
+    keep = template_kwargs.pop("reasoning_history") != "drop"
+    messages = template_history(messages, choice.family, reasoning=keep)
     continuing = bool(messages) and messages[-1].get("role") == "assistant"
     try:
         prompt_ids = chat_prompt_ids(
@@ -207,13 +221,37 @@ def forced_tool_choice(tool_choice: Any) -> bool:
     return True
 
 
-def template_history(messages: list[dict[str, Any]], family: str | None) -> list[dict[str, Any]]:
+def reasoning_history_kwargs(kwargs: dict[str, Any] | None, family: str | None) -> dict[str, Any]:
+    """The template variables with `reasoning_history` checked (ValueError: a 400) and filled in
+    ("template" when not given); "keep" adds the family's keep-every-turn switch unless the
+    request set it itself."""
+    out = dict(kwargs or {})
+    mode = out.get("reasoning_history", "template")
+    if mode not in REASONING_HISTORY:
+        raise ValueError(
+            f"chat_template_kwargs.reasoning_history {mode!r}: use one of "
+            + ", ".join(REASONING_HISTORY)
+        )
+    out["reasoning_history"] = mode
+    if mode == "keep":
+        for key, value in KEEP_ALL_REASONING.get(family or "", {}).items():
+            out.setdefault(key, value)
+    return out
+
+
+def template_history(
+    messages: list[dict[str, Any]], family: str | None, reasoning: bool = True
+) -> list[dict[str, Any]]:
     """Chat messages as the family's template reads them: tool-call arguments a mapping (or a
     JSON string for templates that write them as given), `reasoning` as `reasoning_content`, and
-    gpt-oss's `thinking`. The messages are copied, not changed."""
+    gpt-oss's `thinking`; reasoning False (reasoning_history "drop"): the assistant messages'
+    reasoning left out. The messages are copied, not changed."""
     out = []
     for message in messages:
         message = dict(message)
+        if not reasoning and message.get("role") == "assistant":
+            for key in ("reasoning_content", "reasoning", "thinking"):
+                message.pop(key, None)
         if message.get("reasoning") and not message.get("reasoning_content"):
             message["reasoning_content"] = message["reasoning"]
         if family == "harmony" and message.get("reasoning_content"):
