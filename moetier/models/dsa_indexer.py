@@ -75,7 +75,10 @@ class DsaIndexer(nn.Module):
         # transformers' ops in its order: [B, T, h, D] @ [B, 1, D, Lk] -> [B, T, h, Lk]
         scores = torch.matmul(q.float(), keys.transpose(-1, -2).float()[:, None])
         scores = F.relu(scores * self.softmax_scale)
-        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+        projection = self.weights_proj  # an fp32 nn.Linear, as transformers keeps it
+        if isinstance(projection, nn.Linear):
+            x = x.to(projection.weight.dtype)
+        weights = projection(x).float()
         weights = weights * self.n_heads**-0.5  # [B, T, h]
         index = torch.matmul(weights[:, :, None], scores)[:, :, 0]  # [B, T, Lk]
         index = index.masked_fill(~visible[:, 0], float("-inf"))

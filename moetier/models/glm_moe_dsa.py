@@ -25,6 +25,7 @@ from torch import nn
 from moetier.config import DecoderConfig
 from moetier.models.attention_batch import AttentionBatch
 from moetier.models.deepseek_v3 import DeepseekV3MoE
+from moetier.models.dense_linear import dense_weight
 from moetier.models.dsa_indexer import DsaIndexer
 from moetier.models.layers import (
     MLP,
@@ -136,7 +137,7 @@ class GlmMoeDsaAttention(MLAttention):
         elif chosen is None:
             raise ValueError("a 'shared' DSA layer needs the selection of a layer before it")
         mask = chosen[:, :, None].expand(rows, 1, self.num_heads, tokens, chosen.shape[-1])
-        w_kv = self.kv_b_proj.weight.view(self.num_heads, nope + v_dim, lora)
+        w_kv = dense_weight(self.kv_b_proj, x.dtype).view(self.num_heads, nope + v_dim, lora)
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]  # [h, nope, lora], [h, v, lora]
         query = torch.cat((q_nope @ w_k, q_rot), dim=-1)  # [B, h, T, lora + rope]
         latent_keys = keys[:, None, :, : lora + rope]  # [B, 1, Lk, lora + rope]: all heads'
