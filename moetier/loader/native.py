@@ -27,6 +27,9 @@ from moetier.loader.loaded_model import (
 )
 from moetier.models import glm_moe_dsa
 from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
+from moetier.models.deepseek_v4 import KEEP_FP32 as DEEPSEEK_V4_FP32
+from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4MoE
+from moetier.models.deepseek_v4 import setup as deepseek_v4_setup
 from moetier.models.dense_linear import quantize_linears
 from moetier.models.layers import Attention, RotaryEmbedding
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
@@ -40,6 +43,8 @@ class NativeFamily:
     moe_block_class: type[nn.Module]  # its MoE blocks, whose `experts` the loader wires
     # parameter names ending so stay fp32 at any --dtype (transformers' keep-in-fp32 list)
     keep_fp32: tuple[str, ...] = ()
+    # (config, rotary) from the HF config where DecoderConfig and one rotary do not fit
+    setup: Callable[[Any], tuple[Any, nn.Module]] | None = None
     # keyword arguments of the model class beside (DecoderConfig, rotary), from the HF config
     model_kwargs: Callable[[Any], dict[str, Any]] | None = None
 
@@ -51,6 +56,13 @@ NATIVE_FAMILIES = {
         "DeepseekV3RotaryEmbedding",
         DeepseekV3MoE,
         keep_fp32=("e_score_correction_bias",),
+    ),
+    "deepseek_v4": NativeFamily(
+        DeepseekV4ForCausalLM,
+        "DeepseekV4RotaryEmbedding",
+        DeepseekV4MoE,
+        keep_fp32=DEEPSEEK_V4_FP32,
+        setup=deepseek_v4_setup,
     ),
     "glm_moe_dsa": NativeFamily(
         glm_moe_dsa.GlmMoeDsaForCausalLM,
@@ -84,13 +96,18 @@ def load_native(
             f"no native model file for {hf_config.model_type!r} (native: "
             f"{', '.join(NATIVE_FAMILIES)}): run it with --no-native"
         )
-    config = DecoderConfig.from_transformers(hf_config)
+    config: Any
+    if family.setup is not None:
+        config, rotary = family.setup(hf_config)
+    else:
+        config = DecoderConfig.from_transformers(hf_config)
+        rotary = RotaryEmbedding(*_rope(hf_config, family))
     if set(config.moe_layers) != set(store.moe_layers):
         raise ValueError(
             f"the config's MoE layers {config.moe_layers} differ from the store's "
             f"{store.moe_layers}: convert the model again"
         )
-    rotary = RotaryEmbedding(*_rope(hf_config, family)).to(device)
+    rotary = rotary.to(device)
     kwargs = family.model_kwargs(hf_config) if family.model_kwargs else {}
     with torch.device("meta"):
         model = family.model_class(config, rotary, **kwargs)
