@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--layers", type=int, help="with --shape: this many decoder layers (default: the shape's)"
     )
     bench.add_argument(
+        "--dense",
+        default="bf16",
+        metavar="FORMAT",
+        help="with --shape: the dense weights' format (bf16, fp8, int4, int4-gN, nvfp4), as "
+        "`moetier convert --dense` writes it (default: bf16)",
+    )
+    bench.add_argument(
         "--batch",
         default="1",
         help="batch sizes, comma separated: one case each, its rows decoded together (default: 1)",
@@ -102,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         config = {
             "store": loaded.name,
             "shape": args.shape,
+            "dense_formats": sorted({f.name for f in loaded.store.dense_formats.values()}),
             "model_type": loaded.model_config.model_type,
             "moe_layers": len(loaded.store.moe_layers),
             "experts_format": sorted(loaded.store.formats),
@@ -192,6 +200,8 @@ def _cases(args: argparse.Namespace) -> list[Any]:
         raise ValueError("--warmup must be 0 or more")
     if args.layers is not None and args.shape is None:
         raise ValueError("--layers goes with --shape (a synthetic store's depth)")
+    if args.dense != "bf16" and args.shape is None:
+        raise ValueError("--dense goes with --shape (convert a STORE with moetier convert --dense)")
     if args.shape is not None and Path(args.store) != DEFAULT_STORE:
         raise ValueError("give a STORE or --shape, not both")
     return [BenchCase(b, args.prompt_tokens, args.new_tokens) for b in batches]
@@ -221,7 +231,16 @@ def _store(args: argparse.Namespace) -> Iterator[Path]:
             f"random q2s weights, {_size(size)}) to {tmp} (removed after the run)"
         )
         path = Path(tmp) / args.shape
-        write_synthetic_store(path, hf_config, "q2s", DEFAULT_STORE, progress=sys.stderr.isatty())
+        from moetier.quant.dense_formats import DensePolicy
+
+        write_synthetic_store(
+            path,
+            hf_config,
+            "q2s",
+            DEFAULT_STORE,
+            progress=sys.stderr.isatty(),
+            dense=DensePolicy.parse(args.dense),
+        )
         yield path
 
 

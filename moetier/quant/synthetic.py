@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from moetier.core.layout import DTYPES, BlobFormat
+from moetier.quant.dense_formats import DensePolicy, dense_class
 
 
 def random_blob(
@@ -156,12 +157,14 @@ def write_synthetic_store(
     seed: int = 0,
     distinct: int = 8,
     progress: bool = False,
+    dense: DensePolicy | None = None,
 ) -> Path:
     """A moetier store of a qwen3_moe-shaped model with random weights, written directly:
     dense tensors random bf16, experts in `experts` form ("q2s" g32/down g16, or "bfloat16"),
     `distinct` random blobs repeated over all (layer, expert) slots, never an unquantized
     expert. For benchmarks at shapes no checkpoint is at hand for; `tokenizer_from` (a store or
-    HF directory) lends its tokenizer files; `progress`: a progress bar of the layers written."""
+    HF directory) lends its tokenizer files; `progress`: a progress bar of the layers written;
+    `dense`: the dense classes' formats, as `moetier convert --dense` (quant/dense_formats.py)."""
     from safetensors.torch import save_file
 
     from moetier.core.layout import align_up
@@ -183,16 +186,29 @@ def write_synthetic_store(
             if (tokenizer_from / name).exists():
                 shutil.copyfile(tokenizer_from / name, dst / name)
     gen = torch.Generator().manual_seed(seed)
-    dense = {}
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, Any] = {}
     for name, tensor in model.state_dict().items():
         if ".mlp.experts." in name:
             continue
         if name.endswith("norm.weight"):
-            dense[name] = torch.ones(tensor.shape, dtype=torch.bfloat16)
-        else:
-            dense[name] = (torch.randn(tensor.shape, generator=gen) * 0.02).to(torch.bfloat16)
-    save_file(dense, str(dst / DENSE_FILE))
-    del dense
+            tensors[name] = torch.ones(tensor.shape, dtype=torch.bfloat16)
+            continue
+        weight = (torch.randn(tensor.shape, generator=gen) * 0.02).to(torch.bfloat16)
+        dense_fmt = dense.choose(name, tuple(tensor.shape)) if dense is not None else None
+        if dense_fmt is None:
+            tensors[name] = weight
+            continue
+        parts = dense_fmt.quantize(weight)
+        for (part, _, _), value in zip(dense_fmt.tensors(name, weight.shape), parts, strict=True):
+            tensors[part] = value
+        quantized[name[: -len(".weight")]] = {
+            "format": dense_fmt.to_json(),
+            "class": dense_class(name),
+            "shape": list(tensor.shape),
+        }
+    save_file(tensors, str(dst / DENSE_FILE))
+    del tensors
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
     blobs = []
     for _ in range(distinct):
@@ -219,5 +235,7 @@ def write_synthetic_store(
         "blobs": index_blobs,
         "quantization": {"experts": experts, "synthetic": True},
     }
+    if dense is not None:
+        index["dense"] = {"policy": dense.to_json(), "tensors": quantized}
     (dst / INDEX_FILE).write_text(json.dumps(index))
     return dst

@@ -103,7 +103,8 @@ def plan(
     the GPU and a host tier, `zero_copy_stage` staging slots per MoE layer are counted among
     the GPU slots (`zero_copy.staging_slots`)."""
     cfg = store.model_config
-    dense = store.dense_size[0] * dtype_bytes
+    # quantized dense weights (and their scales) as stored, other floating tensors at the dtype
+    dense = sum(store.dense_bytes_by_class(dtype_bytes).values())
     kv = cfg.num_layers * cfg.kv_width * max_context * batch * dtype_bytes
     fixed = dense + kv + workspace
     if fixed > gpu_memory:

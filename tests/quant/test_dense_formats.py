@@ -274,3 +274,48 @@ def test_convert_cli_prints_bytes_per_class(tiny, tmp_path):
     by_class = store.dense_bytes_by_class()
     assert "attention" in line and "(int4-g32)" in line and "(fp8-b128x128)" in line
     assert f"embed {by_class['embed'] / 2**20:,.2f} MiB" in line
+
+
+def test_synthetic_store_and_bench_with_dense_fp8(tmp_path, capsys):
+    """`moetier bench --shape tiny --dense fp8`: the synthetic store holds fp8 attention and
+    lm_head, the engine decodes it, and the floor's dense bytes are the stored ones."""
+    import json
+
+    from moetier.cli.main import main
+    from moetier.quant.synthetic import shape, write_synthetic_store
+
+    path = write_synthetic_store(tmp_path / "s", shape("tiny", 1), dense=DensePolicy.parse("fp8"))
+    store = Store(path)
+    assert {info["class"] for info in store.index["dense"]["tensors"].values()} == {
+        "attention",
+        "lm_head",
+    }
+    loaded = load_model(path, EngineConfig(**FP32))
+    assert sum(isinstance(m, DenseLinear) for m in loaded.model.modules()) == 5
+    args = ["bench", "--device", "cpu", "--json", "--shape", "tiny", "--layers", "1"]
+    args += ["--prompt-tokens", "8", "--new-tokens", "3", "--dense", "fp8"]
+    assert main(args) == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert line["dense_formats"] == ["fp8-b128x128"]
+    assert line["decode_tok_s"] > 0 and line["decode_tokens"] == 2
+
+
+def test_planner_counts_quantized_dense_bytes(fp8_checkpoints):
+    """The planner's dense part: the FP8 weights and their scales as stored, every other
+    floating tensor at the run dtype (bf16: 2 bytes)."""
+    from safetensors import safe_open
+
+    from moetier.residency.planner import plan
+
+    store = Store(fp8_checkpoints[(8, 8)][1])
+    expected = 0
+    with safe_open(str(store.path / "dense.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            t = f.get_slice(key)
+            numel = torch.Size(t.get_shape()).numel()
+            if t.get_dtype() in ("F8_E4M3",) or key.endswith("_scale_inv"):
+                expected += numel * (1 if t.get_dtype() == "F8_E4M3" else 4)
+            else:
+                expected += numel * 2
+    assert plan(store, 2**34).dense_bytes == expected
+    assert expected < store.dense_size[0] * 2
