@@ -25,6 +25,8 @@ from torch import nn
 
 from moetier.models.layers import apply_rotary_interleaved
 
+SCORE_BYTES = 1 << 29  # the most fp32 index scores one chunk of query tokens computes at once
+
 
 class DsaIndexer(nn.Module):
     """transformers' GlmMoeDsaIndexer over keys laid out by an AttentionBatch."""
@@ -72,15 +74,29 @@ class DsaIndexer(nn.Module):
         rows, tokens, _ = x.shape
         q = self.wq_b(q_resid).view(rows, tokens, self.n_heads, self.head_dim)
         q = self._rotate(q.transpose(1, 2), cos, sin).transpose(1, 2)  # [B, T, h, D]
-        # transformers' ops in its order: [B, T, h, D] @ [B, 1, D, Lk] -> [B, T, h, Lk]
-        scores = torch.matmul(q.float(), keys.transpose(-1, -2).float()[:, None])
-        scores = F.relu(scores * self.softmax_scale)
         projection = self.weights_proj  # an fp32 nn.Linear, as transformers keeps it
         if isinstance(projection, nn.Linear):
             x = x.to(projection.weight.dtype)
-        weights = projection(x).float()
-        weights = weights * self.n_heads**-0.5  # [B, T, h]
-        index = torch.matmul(weights[:, :, None], scores)[:, :, 0]  # [B, T, Lk]
+        weights = projection(x).float() * self.n_heads**-0.5  # [B, T, h]
+        keys_t = keys.transpose(-1, -2).float()[:, None]  # [B, 1, D, Lk]
+        # query tokens a chunk at a time, so that a long prefill's fp32 scores [B, T, h, Lk]
+        # stay under SCORE_BYTES (the chunking depends on shapes only: capturable)
+        step = max(1, SCORE_BYTES // (4 * rows * self.n_heads * keys.shape[1]))
+        chosen = [
+            self._choose(
+                q[:, s : s + step], weights[:, s : s + step], keys_t, visible[:, :, s : s + step]
+            )
+            for s in range(0, tokens, step)
+        ]
+        return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=2)
+
+    def _choose(
+        self, q: torch.Tensor, weights: torch.Tensor, keys_t: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """q [B, t, h, D], weights [B, t, h] fp32, keys_t [B, 1, D, Lk] fp32, visible [B, 1, t,
+        Lk] -> [B, 1, t, Lk] bool, transformers' ops in its order."""
+        scores = F.relu(torch.matmul(q.float(), keys_t) * self.softmax_scale)  # [B, t, h, Lk]
+        index = torch.matmul(weights[:, :, None], scores)[:, :, 0]  # [B, t, Lk]
         index = index.masked_fill(~visible[:, 0], float("-inf"))
         return (top_k_mask(index, self.topk) & visible[:, 0])[:, None]
 
