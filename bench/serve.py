@@ -14,6 +14,8 @@ of a prompt of the same length whose first token differs (no prefix hit), and th
   python bench/serve.py --layers 8 --concurrency 1,4,16,64
   python bench/serve.py --layers 8 --agent-turns 8 --turn-tokens 800 --answer-tokens 200
   python bench/serve.py --device cpu --shape tiny --layers 2 --concurrency 1,4   # smoke test
+  python bench/serve.py --shape glm-5 --layers 4 --concurrency 1 [--native off]   # real shapes:
+      glm-5, deepseek-v4-flash (quant/synthetic.SHAPES); --native off runs the transformers class
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from common import emit  # noqa: E402  (bench/ is on sys.path when run as a scri
 
 from moetier.config import DEFAULT_STORE, EngineConfig
 from moetier.core.provenance import run_info
+from moetier.engine.benchmark import decode_path
 from moetier.engine.engine import Engine, EngineLimits
 from moetier.engine.sampler import SamplingParams
 from moetier.loader.load import load_model
@@ -163,6 +166,14 @@ def main() -> None:
     parser.add_argument(
         "--compile", default="on", choices=("on", "off"), help="torch.compile the decode step"
     )
+    parser.add_argument(
+        "--native",
+        default="on",
+        choices=("on", "off"),
+        help="on: the native model file where the shape's model_type has one (else the "
+        "transformers class); off: the transformers class (the native-against-transformers "
+        "comparison)",
+    )
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     info = run_info()
@@ -174,7 +185,7 @@ def main() -> None:
         slots = max(1, round(args.gpu_fraction * blobs)) if args.gpu_fraction < 1 else 0
         config = EngineConfig(
             device=args.device,
-            native=True,
+            native=args.native == "on",
             compile_decode=args.compile == "on",
             lookahead=args.lookahead == "on",
             expert_cache_slots=slots,
@@ -197,6 +208,7 @@ def main() -> None:
             "experts": "q2s",
             "compile": args.compile,
             "lookahead": args.lookahead,
+            "path": decode_path(engine),
             "gpu_fraction": args.gpu_fraction,
             "zero_copy": loaded.runtime.zero_copy is not None,
             "load_s": round(load_s, 1),

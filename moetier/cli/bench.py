@@ -225,7 +225,10 @@ def _store(args: argparse.Namespace) -> Iterator[Path]:
                 f"the {args.shape} store needs {size / 1e9:.2f} GB and {tmp} has "
                 f"{free / 1e9:.2f} GB free: point TMPDIR at a larger disk or give fewer --layers"
             )
-        layers, experts = hf_config["num_hidden_layers"], hf_config["num_experts"]
+        from moetier.config import ModelConfig
+
+        layers = hf_config["num_hidden_layers"]
+        experts = ModelConfig.from_hf(hf_config).num_experts
         _say(
             f"writing a synthetic {args.shape} store ({layers} layers x {experts} experts, "
             f"random q2s weights, {_size(size)}) to {tmp} (removed after the run)"

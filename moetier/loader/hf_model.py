@@ -58,7 +58,7 @@ def load_transformers(
 
     experts_modules = _detach_experts(model, store)
     quantize_linears(model, store.dense_formats)  # quantized dense weights, stored dtypes (#52)
-    _assign_dense(model, store.path / DENSE_FILE, device, dtype)
+    _assign_dense(model, store.path / DENSE_FILE, device, dtype, skip=store.mtp_dense)
     _init_non_persistent_buffers(model, device)
     _check_nothing_on_meta(model)
 
@@ -119,8 +119,13 @@ def _dtype_rule(model: Any, dtype: torch.dtype) -> Any:
 
 
 def _assign_dense(
-    model: torch.nn.Module, path: Path, device: torch.device, dtype: torch.dtype
+    model: torch.nn.Module,
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    skip: frozenset[str] = frozenset(),
 ) -> None:
+    """Every tensor of the file but `skip` (the MTP layers', which the model has no place for)."""
     from safetensors import safe_open
 
     # Tied parameters are one Parameter under several names: assign it once, to all of them.
@@ -133,6 +138,8 @@ def _assign_dense(
     done: set[str] = set()
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
+            if key in skip:
+                continue
             if key not in state_names:
                 raise ValueError(
                     f"{path.name} holds {key}, which the model does not have: "

@@ -123,6 +123,7 @@ def load_native(
         config.tie_word_embeddings,
         family.keep_fp32,
         stored=frozenset(stored),
+        skip=store.mtp_dense,
     )
     for module in model.modules():
         if isinstance(module, Attention) and isinstance(module.q_proj, nn.Linear):
@@ -156,17 +157,20 @@ def _assign_by_name(
     tied: bool,
     keep_fp32: tuple[str, ...] = (),
     stored: frozenset[str] = frozenset(),
+    skip: frozenset[str] = frozenset(),
 ) -> None:
     """Every parameter from the file tensor of the same name (cast to `dtype` if floating, to
     fp32 if its name ends with one of `keep_fp32`; those in `stored`, quantized dense weights
     and their scales, as they are); ValueError for a file tensor the model lacks
-    or a parameter the file lacks."""
+    or a parameter the file lacks. File tensors in `skip` (MTP layers') are left alone."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
     done: set[str] = set()
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
+            if key in skip:
+                continue
             if key not in params:
                 raise ValueError(
                     f"{path.name} holds {key}, which the native model does not have: "

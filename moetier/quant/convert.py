@@ -9,6 +9,14 @@ weights are dequantised, or their FP4 codes kept as they are. Everything is stre
 tensor, read from the shards with explicit preads (no mmap, so resident memory stays near one
 tensor), and written into a temporary directory that is renamed into
 place at the end.
+
+Multi-token-prediction (MTP) layers are kept, not dropped: DeepSeek-V3 / GLM-4.5+ / GLM-5 store
+them as `model.layers.{num_hidden_layers + i}` (enorm, hnorm, eh_proj, shared_head and a whole
+decoder block), DeepSeek-V4 as `mtp.{i}.`, Qwen3-Next / Qwen3.5 as `mtp.` (`mtp.fc`,
+`mtp.layers.{i}.`). Their routed experts become blobs of store layer num_hidden_layers + i like
+any layer's; every other MTP tensor goes into dense.safetensors under its checkpoint name. The
+index lists them (`mtp_layers`, `mtp_dense`) so the loaders leave them out of the main model
+(docs/formats.md).
 """
 
 from __future__ import annotations
@@ -80,6 +88,12 @@ EXPERT_ROLES = {
 }
 PER_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# MTP tensors stored apart from the decoder stack: DeepSeek-V4 `mtp.{i}.`, Qwen3-Next / Qwen3.5
+# `mtp.layers.{i}.` and the shared `mtp.fc`, `mtp.norm`, `mtp.pre_fc_norm_*`
+MTP_PREFIX_RE = re.compile(r"^((?:model\.)?mtp\.(?:layers\.)?)(\d+)\.|^(?:model\.)?mtp\.")
+# The config keys that count a family's MTP layers
+MTP_COUNT_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 AUX_SUFFIXES = (".json", ".jinja", ".tiktoken", ".model")
 AUX_NAMES = ("merges.txt", "vocab.txt")
 # The store's config.json is rewritten without quantization_config; ModelOpt's file is not copied.
@@ -209,12 +223,41 @@ def _key_mapper(model: torch.nn.Module):  # type: ignore[no-untyped-def]
 @dataclass
 class ConversionPlan:
     model_config: ModelConfig
-    dense: dict[str, SourceTensor]  # model key -> source
+    dense: dict[str, SourceTensor]  # model key (MTP tensors: checkpoint key) -> source
     experts: dict[int, ExpertsModule]  # layer -> module
     expert_dtype: str
     skipped: list[str]
     quantization: SourceQuantization | None = None
     expert_fp4: str | None = None  # "nvfp4"/"mxfp4" when every routed expert weight is FP4
+    # MTP layers: store layer (num_hidden_layers + i) -> checkpoint prefix of its tensors
+    mtp_layers: dict[int, str] = field(default_factory=dict)
+    mtp_experts: dict[int, ExpertsModule] = field(default_factory=dict)  # store layer -> module
+    mtp_dense: set[str] = field(default_factory=set)  # keys of `dense` that are MTP tensors
+
+
+def mtp_layer_count(hf_config: dict[str, Any]) -> int:
+    """How many MTP layers config.json declares (0 when it names none)."""
+    text = hf_config.get("text_config")
+    for config in (hf_config, text if isinstance(text, dict) else {}):
+        for key in MTP_COUNT_KEYS:
+            if config.get(key):
+                return int(config[key])
+    return 0
+
+
+def mtp_place(key: str, num_layers: int, num_mtp: int) -> tuple[int, str] | None:
+    """(store layer, checkpoint prefix of that MTP layer) when checkpoint tensor `key` belongs to
+    an MTP layer, else None: `layers.{N}.` with num_layers <= N < num_layers + num_mtp, or the
+    `mtp.` prefix (shared tensors such as Qwen3-Next's `mtp.fc` go with the first MTP layer)."""
+    match = MTP_PREFIX_RE.match(key)
+    if match is not None:
+        if match.group(2) is None:
+            return num_layers, "mtp."
+        return num_layers + int(match.group(2)), f"{match.group(1)}{match.group(2)}."
+    layer = LAYER_RE.search(key)
+    if layer is not None and num_layers <= int(layer.group(1)) < num_layers + num_mtp:
+        return int(layer.group(1)), key[: layer.end()].lstrip(".")
+    return None
 
 
 def dequantized_dtype(src: Path) -> str:
@@ -249,23 +292,37 @@ def plan_conversion(src: Path) -> ConversionPlan:
     ]
     experts_params = {}
     for path in modules:
-        for pname in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        for pname in EXPERT_PARAMS:
             experts_params[f"{path}.{pname}"] = (path, pname)
+    hf_config = json.loads((src / "config.json").read_text())
+    num_mtp = mtp_layer_count(hf_config)
+    like = next(iter(modules.values()))  # MTP experts are built by the same class
+    mtp_layers: dict[int, str] = {}
+    mtp_experts: dict[str, ExpertsModule] = {}
+    mtp_dense: set[str] = set()
 
     dense: dict[str, SourceTensor] = {}
     for tensor in sources:
         target = mapped(tensor.key)
-        if target in experts_params:
-            path, pname = experts_params[target]
-            module = modules[path]
-            per_expert = PER_EXPERT_RE.search(tensor.key)
-            if per_expert is not None:
-                role = EXPERT_ROLES.get(per_expert.group(2))
-                if role is None:
-                    raise ConvertError(f"unknown expert projection in {tensor.key}")
-                module.per_expert[(int(per_expert.group(1)), role)] = tensor
+        mtp = None
+        if target not in experts_params and target not in meta_state:
+            mtp = mtp_place(tensor.key, model_config.num_layers, num_mtp)
+        if mtp is not None:
+            mtp_layers.setdefault(*mtp)
+            path, _, pname = target.rpartition(".")
+            if pname in EXPERT_PARAMS and path.endswith(".experts"):
+                if path not in mtp_experts:
+                    flags = (like.is_transposed, like.is_concatenated, like.has_bias)
+                    mtp_experts[path] = ExpertsModule(path, mtp[0], *flags)
+                _add_expert_tensor(mtp_experts[path], pname, tensor)
+            elif tensor.key in dense:
+                raise ConvertError(f"{tensor.key}: an MTP tensor named like a model tensor")
             else:
-                module.fused[pname] = tensor
+                dense[tensor.key] = tensor  # the checkpoint's own name
+                mtp_dense.add(tensor.key)
+        elif target in experts_params:
+            path, pname = experts_params[target]
+            _add_expert_tensor(modules[path], pname, tensor)
         elif target in meta_state:
             expected = tuple(meta_state[target].shape)
             if expected != tensor.shape:
@@ -274,6 +331,8 @@ def plan_conversion(src: Path) -> ConversionPlan:
                     f"model built from config.json expects {expected} for {target}: "
                     "config.json does not match the weights"
                 )
+            if target in dense:
+                raise ConvertError(f"{tensor.key}: two checkpoint tensors map to {target}")
             dense[target] = tensor
         elif any(p.search(tensor.key) or p.search(target) for p in ignore):
             skipped.append(tensor.key)  # e.g. multi-token-prediction layers transformers drops too
@@ -284,6 +343,8 @@ def plan_conversion(src: Path) -> ConversionPlan:
             )
 
     _check_dense_complete(model, dense, set(experts_params))
+    if len({m.layer for m in mtp_experts.values()}) != len(mtp_experts):
+        raise ConvertError(f"two experts modules in one MTP layer: {sorted(mtp_experts)}")
     expert_dtypes = set()
     expert_quant: set[str | None] = set()
     n_exp, inter, hidden = (
@@ -291,7 +352,7 @@ def plan_conversion(src: Path) -> ConversionPlan:
         model_config.expert_intermediate_size,
         model_config.hidden_size,
     )
-    for module in modules.values():
+    for module in [*modules.values(), *mtp_experts.values()]:
         _check_experts_complete(module, n_exp, inter, hidden)
         expert_dtypes |= {t.dtype for t in module.per_expert.values()}
         expert_dtypes |= {t.dtype for t in module.fused.values()}
@@ -314,7 +375,22 @@ def plan_conversion(src: Path) -> ConversionPlan:
         skipped,
         quantization,
         fp4 if fp4 in ("nvfp4", "mxfp4") else None,
+        dict(sorted(mtp_layers.items())),
+        {m.layer: m for m in mtp_experts.values()},
+        mtp_dense,
     )
+
+
+def _add_expert_tensor(module: ExpertsModule, pname: str, tensor: SourceTensor) -> None:
+    """File one checkpoint tensor of an experts module: per expert by projection, or fused."""
+    per_expert = PER_EXPERT_RE.search(tensor.key)
+    if per_expert is not None:
+        role = EXPERT_ROLES.get(per_expert.group(2))
+        if role is None:
+            raise ConvertError(f"unknown expert projection in {tensor.key}")
+        module.per_expert[(int(per_expert.group(1)), role)] = tensor
+    else:
+        module.fused[pname] = tensor
 
 
 def _check_dense_complete(
@@ -523,6 +599,14 @@ def convert(
             "alignment": BLOB_ALIGN,
             "formats": {fmt.name: fmt.to_json()},
             "moe_modules": {str(layer): m.path for layer, m in sorted(plan.experts.items())},
+            "mtp_layers": {
+                str(layer): {
+                    "prefix": prefix,
+                    "experts": plan.mtp_experts[layer].path if layer in plan.mtp_experts else None,
+                }
+                for layer, prefix in plan.mtp_layers.items()
+            },
+            "mtp_dense": sorted(plan.mtp_dense),
             "skipped_source_tensors": plan.skipped,
             "blobs": blobs,
         }
@@ -617,12 +701,13 @@ def _write_experts(
     read = TensorReader(plan.quantization)
     canonical = canonical_fp4_expert if format_kind(fmt) != "raw" else canonical_expert
     blobs = []
-    keys = [(layer, e) for layer in sorted(plan.experts) for e in range(n_exp)]
+    modules = {**plan.experts, **plan.mtp_experts}  # MTP layers after the main stack's
+    keys = [(layer, e) for layer in sorted(modules) for e in range(n_exp)]
     with open(path, "wb") as f, contextlib.closing(read):
         for i, (layer, e) in enumerate(
             tqdm(keys, desc="experts", disable=not progress, unit="expert")
         ):
-            tensors = canonical(plan.experts[layer], e, read)
+            tensors = canonical(modules[layer], e, read)
             blob = torch.zeros(stride, dtype=torch.uint8)
             for spec in fmt.tensors:
                 t = tensors[spec.name]

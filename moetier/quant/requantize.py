@@ -210,9 +210,10 @@ def requantize_experts(
         nested_base, nested_delta = nested_expert_formats(
             *dims, bias_dtype=store.source_dtype, fp4=source_fp4 or "nvfp4"
         )
-        formats = dict.fromkeys(store.moe_layers, nested_base)
+        formats = dict.fromkeys(store.expert_layers, nested_base)
     else:
-        codecs = layer_codecs(kind, group, down_group, overrides, store.moe_layers)
+        # MTP layers' experts (store.expert_layers) are re-encoded like the main model's
+        codecs = layer_codecs(kind, group, down_group, overrides, store.expert_layers)
         formats = {
             layer: coded_expert_format(
                 c["gate_up"], c["down"], *dims, bias_dtype=store.source_dtype
@@ -223,7 +224,7 @@ def requantize_experts(
     delta_fmt: BlobFormat | None = nested_delta
     if delta_codec is not None:
         delta_fmt = coded_expert_format(delta_codec, delta_codec, *dims[:2], False)
-    keys = sorted((k[0], k[1]) for k in store.blobs)
+    keys = sorted((k[0], k[1]) for k in store.all_blobs)
     strides = {layer: align_up(fmt.nbytes, BLOB_ALIGN) for layer, fmt in formats.items()}
     base_bytes = sum(strides[layer] for layer, _ in keys)
     delta_stride = align_up(delta_fmt.nbytes, BLOB_ALIGN) if delta_fmt else 0

@@ -16,6 +16,11 @@ canonical layout below; the low-bit layouts are in core/layout.py and docs/forma
   gate_up_bias  [2*I]     (gpt-oss only; same split as gate_up)
   down_bias     [H]       (gpt-oss only)
 so a GPU slot is just `blob bytes` and tensors are views into it.
+
+Multi-token-prediction (MTP) layers the checkpoint carries are kept (quant/convert.py): their
+routed experts are blobs of store layers num_hidden_layers + i, their other tensors are in
+dense.safetensors under the checkpoint's names. `Store.blobs`, `dense_size` and everything that
+sizes or runs the main model leave them out; `mtp_layers`, `mtp_blobs` and `mtp_dense` name them.
 """
 
 from __future__ import annotations
@@ -76,7 +81,18 @@ class Store:
         self.formats = {k: BlobFormat.from_json(k, v) for k, v in self.index["formats"].items()}
         # layer -> dotted path of the experts module in the transformers model
         self.moe_modules: dict[int, str] = {int(k): v for k, v in self.index["moe_modules"].items()}
+        # MTP layers (store layer -> checkpoint prefix, experts module path or None), their
+        # dense tensors' names in dense.safetensors; stores written before MTP layers were kept
+        # have none
+        mtp = self.index.get("mtp_layers", {})
+        self.mtp_layers: dict[int, str] = {int(k): v["prefix"] for k, v in mtp.items()}
+        self.mtp_modules: dict[int, str] = {
+            int(k): v["experts"] for k, v in mtp.items() if v.get("experts")
+        }
+        self.mtp_dense: frozenset[str] = frozenset(self.index.get("mtp_dense", ()))
+        # the main model's blobs; the MTP layers' apart (`mtp_blobs`)
         self.blobs: dict[tuple[int, int, str], BlobEntry] = {}
+        self.mtp_blobs: dict[tuple[int, int, str], BlobEntry] = {}
         for b in self.index["blobs"]:
             entry = BlobEntry(
                 b["layer"],
@@ -87,9 +103,11 @@ class Store:
                 b["format"],
                 b["crc32"],
             )
-            self.blobs[(entry.layer, entry.expert, entry.plane)] = entry
+            table = self.mtp_blobs if entry.layer in self.mtp_modules else self.blobs
+            table[(entry.layer, entry.expert, entry.plane)] = entry
+        self._entries = {**self.blobs, **self.mtp_blobs}
         experts_path = self.path / EXPERTS_FILE
-        expected = max((e.offset + e.nbytes for e in self.blobs.values()), default=0)
+        expected = max((e.offset + e.nbytes for e in self._entries.values()), default=0)
         size = experts_path.stat().st_size if experts_path.exists() else -1
         if size < expected:
             raise ValueError(
@@ -110,16 +128,27 @@ class Store:
     def moe_layers(self) -> list[int]:
         return sorted(self.moe_modules)
 
+    @property
+    def expert_layers(self) -> list[int]:
+        """Every layer with expert blobs: the main model's MoE layers, then MTP layers'."""
+        return sorted({*self.moe_modules, *self.mtp_modules})
+
+    @property
+    def all_blobs(self) -> dict[tuple[int, int, str], BlobEntry]:
+        """Every blob of the store, the MTP layers' included."""
+        return self._entries
+
     def blob(self, layer: int, expert: int, plane: str = "base") -> torch.Tensor:
-        """The bytes of one blob as a read-only uint8 CPU tensor backed by the mmap."""
-        entry = self.blobs[(layer, expert, plane)]
+        """The bytes of one blob (MTP layers' too) as a read-only uint8 CPU tensor backed by the
+        mmap."""
+        entry = self._entries[(layer, expert, plane)]
         return self._bytes[entry.offset : entry.offset + entry.nbytes]
 
     def read_blob(self, layer: int, expert: int, plane: str = "base") -> torch.Tensor:
         """A copy of one blob read with an explicit read, not through the mmap: for one pass over
         every blob (re-encoding), which would otherwise leave the whole file mapped in the
         process's resident memory."""
-        entry = self.blobs[(layer, expert, plane)]
+        entry = self._entries[(layer, expert, plane)]
         out = torch.empty(entry.nbytes, dtype=torch.uint8)
         self._file.seek(entry.offset)
         self._file.readinto(out.numpy().data)
@@ -129,7 +158,7 @@ class Store:
         return any(key[2] == plane for key in self.blobs)
 
     def blob_format(self, layer: int, plane: str = "base") -> BlobFormat:
-        entry = self.blobs[(layer, 0, plane)]
+        entry = self._entries[(layer, 0, plane)]
         return self.formats[entry.format]
 
     @property
@@ -151,7 +180,8 @@ class Store:
         with open(self.path / DENSE_FILE, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header: dict[str, Any] = json.loads(f.read(header_len))
-        return {k: v for k, v in header.items() if k != "__metadata__"}
+        # the main model's tensors: the MTP layers' (mtp_dense) left out
+        return {k: v for k, v in header.items() if k != "__metadata__" and k not in self.mtp_dense}
 
     @property
     def dense_size(self) -> tuple[int, int]:
@@ -212,9 +242,9 @@ class Store:
         return self.plane_bits_per_weight("base")
 
     def verify(self) -> list[tuple[int, int, str]]:
-        """Recompute every blob's crc32; returns the keys that do not match."""
+        """Recompute every blob's crc32 (MTP layers' too); returns the keys that do not match."""
         bad = []
-        for key, entry in self.blobs.items():
+        for key, entry in self._entries.items():
             if crc32(self.blob(*key)) != entry.crc32:
                 bad.append(key)
         return bad

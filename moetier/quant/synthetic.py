@@ -95,28 +95,197 @@ TINY_QWEN3_MOE = dict(  # the CPU smoke-test shape: Qwen3-MoE layout, tiny sizes
     vocab_size=512,
 )
 
-# The shapes a synthetic store can be written at, by name (`moetier bench --shape NAME`).
-SHAPES: dict[str, dict[str, Any]] = {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny": TINY_QWEN3_MOE}
+# GLM-5 (zai-org/GLM-5, 744B parameters, 40B active): config.json as published on the Hugging
+# Face hub (huggingface.co/zai-org/GLM-5/blob/main/config.json), the fields that set a shape. Read
+# from public copies of that file (it agrees with transformers' GlmMoeDsaConfig defaults, whose
+# docstring names zai-org/GLM-5, and with NVIDIA's NeMo model card: 78 layers, 3 dense first,
+# 256 routed experts, top-8, hidden 6144); rope left at transformers' default (no shape depends
+# on it); quantization_config left out (synthetic stores are bf16 dense, q2s experts).
+GLM_5 = dict(
+    model_type="glm_moe_dsa",
+    architectures=["GlmMoeDsaForCausalLM"],
+    vocab_size=154880,
+    hidden_size=6144,
+    intermediate_size=12288,  # the 3 dense MLP layers
+    moe_intermediate_size=2048,
+    num_hidden_layers=78,
+    first_k_dense_replace=3,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    q_lora_rank=2048,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    index_n_heads=32,  # the DSA indexer
+    index_head_dim=128,
+    index_topk=2048,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    routed_scaling_factor=2.5,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    hidden_act="silu",
+    attention_bias=False,
+    max_position_embeddings=202752,
+    rms_norm_eps=1e-5,
+    num_nextn_predict_layers=1,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+
+# DeepSeek-V4-Flash (deepseek-ai/DeepSeek-V4-Flash, 284B parameters, 13B active): config.json as
+# published on the Hugging Face hub (huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/
+# config.json), read from public copies of that file; they agree with transformers'
+# DeepseekV4Config defaults (docstring: deepseek-ai/DeepSeek-V4-Flash-Base) and NVIDIA's NeMo
+# model card (43 layers, all MoE, 256 routed + 1 shared expert, top-6). transformers' class reads
+# the legacy keys (compress_ratios, num_hash_layers, qk_rope_head_dim) itself. Left out:
+# quantization_config (FP8 dense, FP4 experts in the release; synthetic stores are bf16 dense,
+# q2s experts).
+DEEPSEEK_V4_FLASH = dict(
+    model_type="deepseek_v4",
+    architectures=["DeepseekV4ForCausalLM"],
+    vocab_size=129280,
+    hidden_size=4096,
+    moe_intermediate_size=2048,
+    num_hidden_layers=43,
+    num_hash_layers=3,  # the first 3 MoE layers route by token id (hash_moe)
+    num_attention_heads=64,
+    num_key_value_heads=1,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=1024,
+    o_lora_rank=1024,
+    o_groups=8,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    sliding_window=128,
+    compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0],  # 0 sliding, 4 CSA, 128 HCA per layer
+    compress_rope_theta=160000,
+    rope_theta=10000,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 65536,
+    },
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=6,
+    routed_scaling_factor=1.5,
+    scoring_func="sqrtsoftplus",
+    topk_method="noaux_tc",
+    norm_topk_prob=True,
+    swiglu_limit=10.0,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    hidden_act="silu",
+    attention_bias=False,
+    max_position_embeddings=1048576,
+    rms_norm_eps=1e-6,
+    num_nextn_predict_layers=1,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    torch_dtype="bfloat16",
+)
+
+# GLM-5 and DeepSeek-V4-Flash with their layer kinds kept and every size cut down: CPU smoke
+# tests of the real shapes' code paths (a real GLM-5 layer is ~7 GB of store).
+TINY_GLM_5 = dict(
+    GLM_5,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=512,
+)
+TINY_DEEPSEEK_V4_FLASH = dict(
+    DEEPSEEK_V4_FLASH,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_hash_layers=1,
+    compress_ratios=[0, 4, 128, 0],
+    num_attention_heads=4,
+    head_dim=32,
+    qk_rope_head_dim=8,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=4,
+    sliding_window=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=512,
+)
+
+# The shapes a synthetic store can be written at, by name (`moetier bench --shape NAME`,
+# `moetier plan --shape NAME`).
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "glm-5": GLM_5,
+    "deepseek-v4-flash": DEEPSEEK_V4_FLASH,
+    "tiny": TINY_QWEN3_MOE,
+    "glm-5-tiny": TINY_GLM_5,
+    "deepseek-v4-flash-tiny": TINY_DEEPSEEK_V4_FLASH,
+}
 
 
 def shape(name: str, layers: int | None = None) -> dict[str, Any]:
-    """The HF config of shape `name` (SHAPES), with `layers` decoder layers where given;
-    ValueError naming the shapes for an unknown one."""
+    """The HF config of shape `name` (SHAPES): the whole model, or with `layers` a slice of that
+    many MoE decoder layers at the real layer shapes (GLM-5's dense first layers and
+    DeepSeek-V4's hash-routed ones left out; DeepSeek-V4's attention kinds taken in the release's
+    order from its first compressed layer). ValueError naming the shapes for an unknown one."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}: the shapes are {', '.join(SHAPES)}")
     if layers is not None and layers < 1:
         raise ValueError(f"--layers {layers}: a model needs at least one layer")
-    config = dict(SHAPES[name])
-    if layers is not None:
-        config["num_hidden_layers"] = layers
+    return slice_layers(SHAPES[name], layers) if layers is not None else dict(SHAPES[name])
+
+
+def slice_layers(hf_config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """`hf_config` cut to `layers` decoder layers, every one a routed-MoE layer."""
+    config = dict(hf_config, num_hidden_layers=layers)
+    if "first_k_dense_replace" in config:
+        config["first_k_dense_replace"] = 0
+    if config.get("model_type") == "deepseek_v4":
+        ratios = [r for r in config.get("compress_ratios", ()) if r] or [4, 128]
+        config["compress_ratios"] = [ratios[i % len(ratios)] for i in range(layers)]
+        config["mlp_layer_types"] = ["moe"] * layers
+        config.pop("num_hash_layers", None)
     return config
 
 
-def _expert_format(hf_config: dict[str, Any], experts: str) -> BlobFormat:
+def expert_format(hf_config: dict[str, Any], experts: str = "q2s") -> BlobFormat:
     """The blob format of a synthetic store's experts: "q2s" (g32, down g16) or "bfloat16"."""
+    from moetier.config import ModelConfig
     from moetier.core.layout import q2s_expert_format, raw_expert_format
 
-    hidden, inter = hf_config["hidden_size"], hf_config["moe_intermediate_size"]
+    cfg = ModelConfig.from_hf(hf_config)
+    hidden, inter = cfg.hidden_size, cfg.expert_intermediate_size
     if experts == "q2s":
         return q2s_expert_format(hidden, inter, False, 32, 16)
     if experts == "bfloat16":
@@ -124,29 +293,45 @@ def _expert_format(hf_config: dict[str, Any], experts: str) -> BlobFormat:
     raise ValueError(f"synthetic experts are q2s or bfloat16, not {experts!r}")
 
 
-def _meta_model(hf_config: dict[str, Any]) -> torch.nn.Module:
-    """The transformers model of `hf_config` on the meta device (names and shapes only)."""
+def meta_model(hf_config: dict[str, Any]) -> torch.nn.Module:
+    """The transformers model of `hf_config` on the meta device (names and shapes only);
+    ValueError where the installed transformers has no class for its model_type."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if hf_config.get("model_type") != "qwen3_moe":
-        raise ValueError("synthetic stores are written for qwen3_moe shapes only")
+    model_type = hf_config["model_type"]
+    kwargs = {k: v for k, v in hf_config.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+    except (KeyError, ValueError) as err:
+        raise ValueError(
+            f"this transformers has no {model_type} config class ({err}): upgrade transformers"
+        ) from None
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config))
+        return AutoModelForCausalLM.from_config(config)
+
+
+def dense_and_experts(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
+    """The (meta) tensors a store keeps dense, by name, and layer -> experts module path: every
+    persistent tensor but the routed experts' parameters."""
+    from moetier.quant.convert import EXPERT_PARAMS, experts_modules
+
+    modules = experts_modules(model)
+    routed = {f"{path}.{p}" for path in modules for p in EXPERT_PARAMS}
+    dense = {k: t for k, t in model.state_dict().items() if k not in routed}
+    return dense, {m.layer: path for path, m in modules.items()}
 
 
 def synthetic_store_bytes(hf_config: dict[str, Any], experts: str = "q2s") -> int:
     """Bytes `write_synthetic_store` writes for `hf_config`: bf16 dense tensors and one
-    aligned blob per (layer, expert)."""
+    aligned blob per (MoE layer, expert)."""
+    from moetier.config import ModelConfig
     from moetier.core.layout import align_up
     from moetier.quant.store import BLOB_ALIGN
 
-    dense = sum(
-        t.numel() * 2
-        for name, t in _meta_model(hf_config).state_dict().items()
-        if ".mlp.experts." not in name
-    )
-    blobs = hf_config["num_hidden_layers"] * hf_config["num_experts"]
-    return dense + blobs * align_up(_expert_format(hf_config, experts).nbytes, BLOB_ALIGN)
+    dense, moe = dense_and_experts(meta_model(hf_config))
+    blobs = len(moe) * ModelConfig.from_hf(hf_config).num_experts
+    stride = align_up(expert_format(hf_config, experts).nbytes, BLOB_ALIGN)
+    return sum(t.numel() * 2 for t in dense.values()) + blobs * stride
 
 
 def write_synthetic_store(
@@ -159,15 +344,16 @@ def write_synthetic_store(
     progress: bool = False,
     dense: DensePolicy | None = None,
 ) -> Path:
-    """A moetier store of a qwen3_moe-shaped model with random weights, written directly:
-    dense tensors random bf16, experts in `experts` form ("q2s" g32/down g16, or "bfloat16"),
+    """A moetier store of a model of `hf_config` (any family transformers builds) with random
+    weights, written directly: dense tensors random bf16 (norms 1, integer buffers 0) one at a
+    time, experts in `experts` form ("q2s" g32/down g16, or "bfloat16"),
     `distinct` random blobs repeated over all (layer, expert) slots, never an unquantized
     expert. For benchmarks at shapes no checkpoint is at hand for; `tokenizer_from` (a store or
     HF directory) lends its tokenizer files; `progress`: a progress bar of the layers written;
     `dense`: the dense classes' formats, as `moetier convert --dense` (quant/dense_formats.py)."""
-    from safetensors.torch import save_file
-
+    from moetier.config import ModelConfig
     from moetier.core.layout import align_up
+    from moetier.quant.convert import _SafetensorsWriter
     from moetier.quant.store import (
         BLOB_ALIGN,
         DENSE_FILE,
@@ -177,8 +363,8 @@ def write_synthetic_store(
         blob_index_entry,
     )
 
-    model = _meta_model(hf_config)
-    fmt = _expert_format(hf_config, experts)
+    dense_meta, moe = dense_and_experts(meta_model(hf_config))
+    fmt = expert_format(hf_config, experts)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(hf_config, indent=1))
     if tokenizer_from is not None:
@@ -186,51 +372,67 @@ def write_synthetic_store(
             if (tokenizer_from / name).exists():
                 shutil.copyfile(tokenizer_from / name, dst / name)
     gen = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
+    names = sorted(dense_meta)
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    formats: dict[str, Any] = {}
     quantized: dict[str, Any] = {}
-    for name, tensor in model.state_dict().items():
-        if ".mlp.experts." in name:
-            continue
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(tensor.shape, dtype=torch.bfloat16)
-            continue
-        weight = (torch.randn(tensor.shape, generator=gen) * 0.02).to(torch.bfloat16)
-        dense_fmt = dense.choose(name, tuple(tensor.shape)) if dense is not None else None
+    for name in names:
+        meta = dense_meta[name]
+        shape_ = tuple(meta.shape)
+        dense_fmt = None
+        if dense is not None and meta.is_floating_point() and not name.endswith("norm.weight"):
+            dense_fmt = dense.choose(name, shape_)
         if dense_fmt is None:
-            tensors[name] = weight
+            dtype = str(meta.dtype).removeprefix("torch.")
+            specs.append((name, "bfloat16" if meta.is_floating_point() else dtype, shape_))
             continue
-        parts = dense_fmt.quantize(weight)
-        for (part, _, _), value in zip(dense_fmt.tensors(name, weight.shape), parts, strict=True):
-            tensors[part] = value
+        formats[name] = dense_fmt
+        specs.extend(dense_fmt.tensors(name, shape_))
         quantized[name[: -len(".weight")]] = {
             "format": dense_fmt.to_json(),
             "class": dense_class(name),
-            "shape": list(tensor.shape),
+            "shape": list(shape_),
         }
-    save_file(tensors, str(dst / DENSE_FILE))
-    del tensors
+    writer = _SafetensorsWriter(dst / DENSE_FILE, specs)
+    for name in names:  # one tensor at a time: GLM-5's embedding alone is 1.9 GB in bf16
+        meta = dense_meta[name]
+        if not meta.is_floating_point():
+            writer.write(name, torch.zeros(meta.shape, dtype=meta.dtype))
+        elif name.endswith("norm.weight"):
+            writer.write(name, torch.ones(meta.shape, dtype=torch.bfloat16))
+        else:
+            weight = (torch.randn(meta.shape, generator=gen) * 0.02).to(torch.bfloat16)
+            if name not in formats:
+                writer.write(name, weight)
+                continue
+            stored = formats[name].tensors(name, tuple(meta.shape))
+            for (part, _, _), value in zip(stored, formats[name].quantize(weight), strict=True):
+                writer.write(part, value)
+    writer.close()
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
     blobs = []
     for _ in range(distinct):
         blob = torch.zeros(stride, dtype=torch.uint8)
         random_blob(fmt, gen, blob, fitted_grid=False)
         blobs.append(blob)
-    layers, num_experts = hf_config["num_hidden_layers"], hf_config["num_experts"]
+    num_experts = ModelConfig.from_hf(hf_config).num_experts
     index_blobs = []
     with open(dst / EXPERTS_FILE, "wb") as f:
-        for layer in tqdm(range(layers), desc="layers", unit="layer", disable=not progress):
+        for n, layer in enumerate(
+            tqdm(sorted(moe), desc="layers", unit="layer", disable=not progress)
+        ):
             for expert in range(num_experts):
-                i = layer * num_experts + expert
+                i = n * num_experts + expert
                 blob = blobs[i % distinct]
                 f.write(blob.numpy().tobytes())
                 index_blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
     index = {
         "version": STORE_VERSION,
-        "model_type": "qwen3_moe",
+        "model_type": hf_config["model_type"],
         "source_dtype": "bfloat16",
         "alignment": BLOB_ALIGN,
         "formats": {fmt.name: fmt.to_json()},
-        "moe_modules": {str(i): f"model.layers.{i}.mlp.experts" for i in range(layers)},
+        "moe_modules": {str(layer): path for layer, path in sorted(moe.items())},
         "skipped_source_tensors": [],
         "blobs": index_blobs,
         "quantization": {"experts": experts, "synthetic": True},

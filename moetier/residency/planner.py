@@ -1,6 +1,7 @@
 """Where a store's bytes go under a GPU and a host memory budget, decided before loading.
 
-Pure arithmetic over the store's index, no tensors: dense weights, the KV cache and a workspace
+Pure arithmetic over the store's index (or, for a model not converted, its config.json and an
+expert format: `plan_shape`), no tensors: dense weights, the KV cache and a workspace
 reserve on the GPU first; the rest of the GPU budget becomes expert slots (base planes first,
 then delta planes); the host budget holds further expert blobs; the store's file on disk holds
 everything. Expected traffic per token is a uniform-access model: at GPU hit rate h, each token
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
+from moetier.config import ModelConfig
 from moetier.core.layout import TENSOR_ALIGN, align_up
 from moetier.quant.store import Store
 from moetier.residency.zero_copy import staging_slots
@@ -102,9 +105,68 @@ def plan(
     when the dense part, KV cache and workspace alone do not fit on the GPU. With experts off
     the GPU and a host tier, `zero_copy_stage` staging slots per MoE layer are counted among
     the GPU slots (`zero_copy.staging_slots`)."""
-    cfg = store.model_config
+    slot = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
+    base = sum(1 for key in store.blobs if key[2] == "base")
     # quantized dense weights (and their scales) as stored, other floating tensors at the dtype
     dense = sum(store.dense_bytes_by_class(dtype_bytes).values())
+    sizes = _Sizes(dense, slot, base, len(store.blobs) - base, len(store.moe_layers))
+    return _plan(store.model_config, sizes, gpu_memory, host_memory, max_context, batch,
+                 dtype_bytes, workspace, zero_copy_stage)  # fmt: skip
+
+
+def plan_shape(
+    hf_config: dict[str, Any],
+    gpu_memory: int,
+    host_memory: int = 0,
+    experts: str = "q2s",
+    max_context: int = 4096,
+    batch: int = 1,
+    dtype_bytes: int = 2,
+    workspace: int = WORKSPACE_BYTES,
+    zero_copy_stage: int = 0,
+) -> Plan:
+    """`plan` for the store `hf_config` (a config.json dict) would convert to with `experts`
+    blobs (quant/synthetic.expert_format: "q2s" or "bfloat16"), from the config alone: the dense
+    parameters and MoE layers counted on the transformers model built on the meta device."""
+    from moetier.quant.synthetic import dense_and_experts, expert_format, meta_model
+
+    dense, moe = dense_and_experts(meta_model(hf_config))
+    cfg = ModelConfig.from_hf(hf_config)
+    slot = align_up(expert_format(hf_config, experts).nbytes, TENSOR_ALIGN)
+    # floating tensors at the run dtype, others (DeepSeek-V4's tid2eid) as stored
+    nbytes = sum(
+        t.numel() * (dtype_bytes if t.is_floating_point() else t.element_size())
+        for t in dense.values()
+    )
+    sizes = _Sizes(nbytes, slot, len(moe) * cfg.num_experts, 0, len(moe))
+    return _plan(cfg, sizes, gpu_memory, host_memory, max_context, batch, dtype_bytes,
+                 workspace, zero_copy_stage)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """What the split needs of a store: dense bytes on the GPU, the GPU slot of one blob, the
+    number of base and delta blobs, and of MoE layers."""
+
+    dense_bytes: int
+    slot: int
+    base: int
+    delta: int
+    moe_layers: int
+
+
+def _plan(
+    cfg: ModelConfig,
+    sizes: _Sizes,
+    gpu_memory: int,
+    host_memory: int,
+    max_context: int,
+    batch: int,
+    dtype_bytes: int,
+    workspace: int,
+    zero_copy_stage: int,
+) -> Plan:
+    dense = sizes.dense_bytes
     kv = cfg.num_layers * cfg.kv_width * max_context * batch * dtype_bytes
     fixed = dense + kv + workspace
     if fixed > gpu_memory:
@@ -114,14 +176,11 @@ def plan(
             f"{fixed / 2**30:.2f} GiB, more than --gpu-memory {gpu_memory / 2**30:.2f} GiB: "
             "raise --gpu-memory (`moetier plan` also takes a shorter --max-context)"
         )
-    slot = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
-    base = sum(1 for key in store.blobs if key[2] == "base")
-    delta = len(store.blobs) - base
+    slot, base, delta, layers = sizes.slot, sizes.base, sizes.delta, sizes.moe_layers
     slots = (gpu_memory - fixed) // slot
     gpu_base = min(base, slots)
     gpu_delta = min(delta, slots - gpu_base)
-    host = min(len(store.blobs) - gpu_base - gpu_delta, host_memory // slot)
-    layers = len(store.moe_layers)
+    host = min(base + delta - gpu_base - gpu_delta, host_memory // slot)
     stage = staging_slots(zero_copy_stage, gpu_base + gpu_delta, layers)
     if gpu_base == base or host == 0:
         stage = 0  # every expert pinned, or no zero-copy decode
