@@ -293,6 +293,14 @@ class EngineConfig:
             "file; empty = no host tier"
         },
     )
+    embeddings: str = field(
+        default="gpu",
+        metadata={
+            "help": "where the input embedding table lives: gpu, or host (pinned host RAM; "
+            "each step's rows are read over PCIe, a few KB a token; the planner counts it off "
+            "the GPU budget and on the host budget)"
+        },
+    )
     expert_cache_slots: int = field(
         default=0, metadata={"help": "cap the expert cache at this many experts (0 = no cap)"}
     )

@@ -35,6 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="staging slots per MoE layer in zero-copy decode (as generate/serve; 0 = off)",
     )
 
+    parser.add_argument(
+        "--embeddings",
+        choices=("gpu", "host"),
+        default="gpu",
+        help="where the embedding table lives (as generate/serve; host: pinned host RAM)",
+    )
+
 
 def run(args: argparse.Namespace) -> int:
     from moetier.residency.planner import parse_bytes, plan, plan_shape
@@ -45,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         batch=args.batch,
         zero_copy_stage=args.zero_copy_stage,
+        embeddings_host=args.embeddings == "host",
     )
     if args.shape is not None:
         if Path(args.store) != DEFAULT_STORE:

@@ -44,4 +44,6 @@ def check_engine_config(
         host = parse_bytes(engine_config.host_memory) if engine_config.host_memory else 0
         if engine_config.gpu_memory:
             kv = kv_plan_arguments(kv_positions)
-            plan(Store(store_path), parse_bytes(engine_config.gpu_memory), host, **kv)
+            embeddings_host = engine_config.embeddings == "host"
+            plan(Store(store_path), parse_bytes(engine_config.gpu_memory), host, **kv,
+                 embeddings_host=embeddings_host)  # fmt: skip

@@ -12,6 +12,7 @@ import torch
 from moetier.config import EngineConfig, ModelConfig
 from moetier.core.layout import DTYPES
 from moetier.models.experts import ExpertsRuntime
+from moetier.models.host_embedding import embeddings_to_host
 from moetier.quant.store import Store
 from moetier.residency.disk import DiskReader
 from moetier.residency.slot_pool import SlotPool, make_policy
@@ -38,8 +39,14 @@ def loaded_model(
     device: torch.device,
     dtype: torch.dtype,
 ) -> LoadedModel:
-    """A built model with its store's tokenizer, as the engine takes it."""
+    """A built model with its store's tokenizer, as the engine takes it; with
+    `--embeddings host` its embedding table moved into pinned host RAM first."""
     from transformers import AutoTokenizer
+
+    if engine_config.embeddings == "host":
+        embeddings_to_host(model, device)
+    elif engine_config.embeddings != "gpu":
+        raise ValueError(f"--embeddings {engine_config.embeddings!r}: use gpu or host")
 
     tokenizer = AutoTokenizer.from_pretrained(store.path)
     return LoadedModel(
@@ -83,6 +90,7 @@ def experts_runtime(
             parse_bytes(engine_config.gpu_memory),
             host_budget,
             **kv_plan_arguments(kv_positions),
+            embeddings_host=engine_config.embeddings == "host",
         )
         print(placement.render(), file=sys.stderr)
         budget = max(1, placement.gpu_expert_bytes)

@@ -49,6 +49,7 @@ class Plan:
     blobs_per_token: int  # base blobs one token reads (MoE layers × top-k)
     staging: int = 0  # of the GPU slots, those zero-copy decode stages guesses in (all layers)
     stage: int = 0  # their --zero-copy-stage (per MoE layer)
+    host_embedding_bytes: int = 0  # --embeddings host: the table in host RAM
 
     @property
     def gpu_expert_bytes(self) -> int:
@@ -70,7 +71,12 @@ class Plan:
             f"base blobs, {self.gpu_delta_slots} of {self.delta_blobs} delta blobs; "
             f"{self.slot_bytes / mib:.2f} MiB each)",
             f"host: {self.host_blobs} further expert blobs "
-            f"({self.host_blobs * self.slot_bytes / mib:,.0f} MiB)",
+            f"({self.host_blobs * self.slot_bytes / mib:,.0f} MiB)"
+            + (
+                f" + the embedding table {self.host_embedding_bytes / mib:,.0f} MiB"
+                if self.host_embedding_bytes
+                else ""
+            ),
         ]
         if self.gpu_base_slots == self.base_blobs:
             lines.append("every base blob fits on the GPU: no expert traffic once they are loaded")
@@ -100,16 +106,29 @@ def plan(
     dtype_bytes: int = 2,
     workspace: int = WORKSPACE_BYTES,
     zero_copy_stage: int = 0,
+    embeddings_host: bool = False,
 ) -> Plan:
     """Split `gpu_memory` and `host_memory` (bytes) between the parts of `store`; ValueError
     when the dense part, KV cache and workspace alone do not fit on the GPU. With experts off
     the GPU and a host tier, `zero_copy_stage` staging slots per MoE layer are counted among
-    the GPU slots (`zero_copy.staging_slots`)."""
+    the GPU slots (`zero_copy.staging_slots`). With `embeddings_host` the embedding table is
+    counted in host RAM instead of on the GPU (`--embeddings host`)."""
     slot = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
     base = sum(1 for key in store.blobs if key[2] == "base")
     # quantized dense weights (and their scales) as stored, other floating tensors at the dtype
-    dense = sum(store.dense_bytes_by_class(dtype_bytes).values())
-    sizes = _Sizes(dense, slot, base, len(store.blobs) - base, len(store.moe_layers))
+    by_class = store.dense_bytes_by_class(dtype_bytes)
+    host_embedding = by_class.get("embed", 0) if embeddings_host else 0
+    dense = sum(by_class.values()) - host_embedding
+    if host_embedding and host_memory:  # a host tier: the table takes its share first
+        if host_embedding > host_memory:
+            raise ValueError(
+                f"--embeddings host: the embedding table ({host_embedding / 2**30:.2f} GiB) does "
+                f"not fit --host-memory {host_memory / 2**30:.2f} GiB: raise it"
+            )
+        host_memory -= host_embedding
+    sizes = _Sizes(
+        dense, slot, base, len(store.blobs) - base, len(store.moe_layers), host_embedding
+    )
     return _plan(store.model_config, sizes, gpu_memory, host_memory, max_context, batch,
                  dtype_bytes, workspace, zero_copy_stage)  # fmt: skip
 
@@ -153,6 +172,7 @@ class _Sizes:
     base: int
     delta: int
     moe_layers: int
+    host_embedding: int = 0  # --embeddings host: the table's bytes in host RAM
 
 
 def _plan(
@@ -185,4 +205,4 @@ def _plan(
     if gpu_base == base or host == 0:
         stage = 0  # every expert pinned, or no zero-copy decode
     return Plan(dense, kv, workspace, slot, base, delta, gpu_base, gpu_delta, host,
-                layers * cfg.top_k, stage * layers, stage)  # fmt: skip
+                layers * cfg.top_k, stage * layers, stage, sizes.host_embedding)  # fmt: skip
