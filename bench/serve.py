@@ -178,9 +178,13 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     info = run_info()
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        store = write_synthetic_store(
-            Path(tmp) / "store", shape(args.shape, args.layers), "q2s", DEFAULT_STORE
-        )
+        config_dict = shape(args.shape, args.layers)
+        if args.agent_turns:  # the conversation must fit the context (the bench shape's is cut)
+            needed = args.agent_turns * (args.turn_tokens + args.answer_tokens)
+            config_dict["max_position_embeddings"] = max(
+                config_dict["max_position_embeddings"], needed
+            )
+        store = write_synthetic_store(Path(tmp) / "store", config_dict, "q2s", DEFAULT_STORE)
         blobs = sum(1 for k in Store(store).blobs if k[2] == "base")
         slots = max(1, round(args.gpu_fraction * blobs)) if args.gpu_fraction < 1 else 0
         config = EngineConfig(
