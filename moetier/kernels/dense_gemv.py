@@ -99,7 +99,8 @@ try:
         KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SCALE_BN: tl.constexpr, GROUP: tl.constexpr,
     ):  # fmt: skip
-        """out[pid_k, m, n] = sum over this program's K range of W[n, k] x[m, k], fp32. KIND 0:
+        """out[pid_k, m, n] = sum over this program's K range of W[n, k] x[m, k] (fp32 sums,
+        stored in out's dtype). KIND 0:
         fp8 (one scale per row and BLOCK_K step: GROUP, the scale tile's K, is a multiple of
         BLOCK_K); 1: int4 and 2: nvfp4 (bytes [N, K/2], a scale per GROUP elements, BLOCK_K a
         multiple of GROUP)."""
@@ -212,7 +213,9 @@ def dense_gemv_triton(
     split_k = max(1, min(split_k, k_steps))
     k_split = triton.cdiv(k_steps, split_k) * block_kk
     split_k = triton.cdiv(k, k_split)
-    partial = torch.empty(split_k, rows, n, dtype=torch.float32, device=x.device)
+    # one K range: the kernel stores in x's dtype; several: fp32 partial sums, then their sum
+    dtype = x.dtype if split_k == 1 else torch.float32
+    partial = torch.empty(split_k, rows, n, dtype=dtype, device=x.device)
     scale_arg = scale.view(torch.uint8) if scale.dtype == torch.float8_e4m3fn else scale
     s2 = scale_2 if scale_2 is not None else scale  # unread unless nvfp4
     _dense_gemv_kernel[(rows, n_blocks, split_k)](
@@ -222,8 +225,7 @@ def dense_gemv_triton(
         n, k, k_split,
         KIND=code, BLOCK_N=block_rows, BLOCK_K=block_kk, SCALE_BN=scale_rows, GROUP=group,
     )  # fmt: skip
-    out = partial[0] if split_k == 1 else partial.sum(0)
-    return out.to(x.dtype)
+    return partial[0] if split_k == 1 else partial.sum(0).to(x.dtype)
 
 
 @torch.library.custom_op("moetier::dense_linear", mutates_args=())

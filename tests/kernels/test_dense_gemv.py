@@ -141,13 +141,30 @@ def test_gpu_gemv_replays_in_a_cuda_graph(name):
     assert not torch.equal(out, eager)
 
 
+def _graph_ms(step, replays: int = 200) -> float:
+    """ms per call of `step`, 20 calls captured in one CUDA graph, replayed (CUDA events)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            step()
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays / 20
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["bf16", "fp8", "int4"])
 def test_gpu_gemv_bandwidth(name):
     """Prints GB/s of stored bytes for batch-1 GEMVs at the Qwen3-30B-A3B shapes (the figure
     the lead reports; the assertion only guards against a gross regression)."""
-    from bench.common import graph_ms
-
     for n, k in SHAPES:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         if name == "bf16":
@@ -165,7 +182,8 @@ def test_gpu_gemv_bandwidth(name):
             def step(x=x, a=(weight, scale, scale_2, None, kind, bn, bk)):
                 return torch.ops.moetier.dense_linear(x, *a)
 
-        ms = graph_ms([step])
+        ms = _graph_ms(step)
         gbps = nbytes / ms / 1e6
         print(f"dense GEMV {name} [{n}, {k}]: {ms * 1e3:.1f} us, {gbps:.0f} GB/s")
-        assert gbps > 300
+        if n * k >= 2**28:  # the head: large enough that launch latency does not count
+            assert gbps > 500
