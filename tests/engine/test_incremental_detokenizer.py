@@ -43,3 +43,14 @@ def test_random_ids_stream_to_the_whole_decode(tokenizer, seed):
     kept = [t for t in ids if t not in hidden]
     want = tokenizer.decode(kept, skip_special_tokens=False)
     assert streamed(tokenizer, ids, keep_special=True, hidden=hidden) == want
+
+
+def test_the_rust_decode_is_taken_only_where_it_equals_transformers(tokenizer):
+    """The tests above compare the streamed text with tokenizer.decode: through the tokenizers
+    backend directly for this tokenizer; a tokenizer that cleans up spaces keeps decode."""
+    assert StreamingDetokenizer(tokenizer, ())._backend is not None
+    cleaning = AutoTokenizer.from_pretrained(DEFAULT_STORE, clean_up_tokenization_spaces=True)
+    detok = StreamingDetokenizer(cleaning, ())
+    assert detok._backend is None
+    ids = cleaning.encode("a , b . c", add_special_tokens=False)
+    assert streamed(cleaning, ids) == cleaning.decode(ids, skip_special_tokens=True)
