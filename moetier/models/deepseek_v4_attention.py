@@ -349,20 +349,22 @@ class DeepseekV4Attention(nn.Module):
                 parts += [indexer.raw(x), key.new_zeros(rows, tokens, indexer.dim)]
         row = self._row(parts)
         batch.write(cache, self.layer, -1, row)
+        rows_of = cache[self.layer]  # [P, PS, width]: columns are gathered as needed
         if comp is not None:  # the candidates read this forward's raw rows
-            keys = batch.keys(cache[self.layer])  # [B, Lk, width]
-            parts[2] = comp.candidates(keys[..., layout.raw], where)
+            parts[2] = comp.candidates(batch.keys(rows_of[..., layout.raw]), where)
             if indexer is not None:
-                parts[4] = indexer.candidates(keys[..., layout.index_raw], where)
+                raw = batch.keys(rows_of[..., layout.index_raw])
+                parts[4] = indexer.candidates(raw, where)
             batch.write(cache, self.layer, -1, self._row(parts))
-        keys = batch.keys(cache[self.layer])
         visible = where.sliding
-        values = keys[..., layout.key]
+        values = batch.keys(rows_of[..., layout.key])  # [B, Lk, D]
         if comp is not None:
             chosen = where.closed(comp.rate)
             if indexer is not None:
-                chosen = indexer.select(x, q_residual, keys[..., layout.index_entry], where)
-            values = torch.cat([values, keys[..., layout.entry]], dim=1)  # [B, 2 Lk, D]
+                index_keys = batch.keys(rows_of[..., layout.index_entry])
+                chosen = indexer.select(x, q_residual, index_keys, where)
+            entries = batch.keys(rows_of[..., layout.entry])
+            values = torch.cat([values, entries], dim=1)  # [B, 2 Lk, D]
             visible = torch.cat([visible, chosen], dim=-1)
         out = self._attend(q, values, visible)  # [B, h, T, D]
         out = apply_rope(out, cos, -sin).transpose(1, 2)  # [B, T, h, D]
