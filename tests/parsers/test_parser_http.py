@@ -229,6 +229,16 @@ def test_chat_template_kwargs_pass_and_bad_defaults_are_refused(oai, loaded):
             model=MODEL, messages=USER, max_tokens=2,
             extra_body={"chat_template_kwargs": {"tools": []}},
         )  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="reasoning_history 'all'"):
+        oai.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=2,
+            extra_body={"chat_template_kwargs": {"reasoning_history": "all"}},
+        )  # fmt: skip
+    dropped = oai.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=2,
+        extra_body={"chat_template_kwargs": {"reasoning_history": "drop"}},
+    )  # fmt: skip
+    assert dropped.choices[0].message.content is not None
     bad = ServerOptions(default_chat_template_kwargs="{not json")
     with pytest.raises(ValueError, match="default-chat-template-kwargs"):
         create_app(AsyncEngine(Engine(loaded)), MODEL, options=bad)
