@@ -36,7 +36,7 @@ def tools_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("family", ["qwen3_coder", "harmony", "kimi_k2"])
+@pytest.mark.parametrize("family", ["qwen3_coder", "harmony", "kimi_k2", "deepseek_v4"])
 def test_message_matches_the_parser(family, tools_file):
     case = next(c for c in CASES if c.family == family and c.calls)
     flags = ["--family", family, "--tools", str(tools_file)]
