@@ -19,6 +19,15 @@ GEMM_MIN_PAIRS = 128
 # The same for q2s, whose GEMV kernel (H200, Qwen3-30B-A3B and DeepSeek shapes) still beats the
 # grouped kernel at 128 pairs by 3x; it reads each expert once per pair, so it stops at 512.
 Q2S_GEMV_MAX_PAIRS = 512
+# The q2s GEMV grouped by expert (`q2s_gemv_grouped.py`) serves calls of 2+ tokens and at most
+# this many pairs (512 included: Qwen3-30B-A3B's 64 tokens of top-8, which q2s_mma served at
+# ~450 GB/s on the H100) whose expected pairs per distinct expert (`expected_sharing`) reach
+# Q2S_GROUPED_MIN_SHARING (Q2S_GROUPED_MIN_SHARING_ZC for calls reading pinned host rows, where
+# every extra read of an expert crosses PCIe). Untimed guesses until the lead's run of
+# bench/studies/q2s_grouped.py on the device.
+Q2S_GROUPED_MAX_PAIRS = 512
+Q2S_GROUPED_MIN_SHARING = 1.3
+Q2S_GROUPED_MIN_SHARING_ZC = 1.05
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,10 @@ class KernelChoice:
     # the time a call (DeepSeek-V3: 1 token; at 2, 0.98-1.00x); at Qwen3-30B-A3B's 4-8 tokens
     # 1.03-1.07x, off; docs/benchmarks.md
     wait_first: bool = False
+    # q2s decode grouped by expert (`q2s_gemv_grouped.py`): 0, or BLOCK_T, the pairs of one
+    # expert a program serves (a power of two), its weight tile read once for all of them
+    # (`choose_q2s_grouped` sets it; gate_up's value is the call's)
+    group_pairs: int = 0
 
 
 GEMV = KernelChoice()
@@ -230,3 +243,42 @@ def choose_q2s_mma(
     tuned = table.get(f"q2s-mma:{down[0]}x{down[1]}:m{rows}")
     c_dn = replace(base, **tuned) if tuned else base  # type: ignore[arg-type]
     return c_gu, replace(c_dn, block_m=c_gu.block_m, split_k=1)
+
+
+# the grouped kernel's default tiles: BLOCK_T pairs x 4 sub-tiles of 16 rows x 256 columns
+Q2S_GROUPED = replace(Q2S_GEMV, block_n=64, block_k=256, pdl=False, group_acc=True, group_pairs=4)
+
+
+def expected_sharing(tokens: int, top_k: int, num_experts: int) -> float:
+    """Expected pairs per distinct expert of a call whose tokens each route to top_k of
+    num_experts experts uniformly: P / (E (1 - (1 - k/E)^T))."""
+    if tokens < 1 or num_experts < 1:
+        return 1.0
+    k = min(top_k, num_experts)
+    distinct = num_experts * (1 - (1 - k / num_experts) ** tokens)
+    return tokens * top_k / max(distinct, 1e-9)
+
+
+def choose_q2s_grouped(
+    tokens: int, top_k: int, num_experts: int, n_k: tuple[tuple[int, int], tuple[int, int]],
+    zero_copy: bool = False,
+) -> tuple[KernelChoice, KernelChoice] | None:  # fmt: skip
+    """Configs of the grouped q2s decode kernel's two launches ([n, k] of gate_up and down), or
+    None where the call stays with the per-pair GEMV or q2s_mma: one token (no expert shared),
+    more than `Q2S_GROUPED_MAX_PAIRS` pairs, or too little expected sharing. BLOCK_T
+    (`group_pairs`) covers the expected pairs per expert (4, 8 from 2 pairs an expert).
+    Tuned entries `q2s-grouped:<n>x<k>:t<T>` (T = BLOCK_T) replace the default tiles.
+    Depends only on shapes (a CUDA-graph bucket's choice is fixed)."""
+    pairs = tokens * top_k
+    share = expected_sharing(tokens, top_k, num_experts)
+    least = Q2S_GROUPED_MIN_SHARING_ZC if zero_copy else Q2S_GROUPED_MIN_SHARING
+    if tokens < 2 or pairs > Q2S_GROUPED_MAX_PAIRS or share < least:
+        return None
+    block_t = 8 if share >= 2 else 4
+    table = tuned_configs(_device_name())
+    out = []
+    for n, k in n_k:
+        tuned = table.get(f"q2s-grouped:{n}x{k}:t{block_t}")
+        c = replace(Q2S_GROUPED, group_pairs=block_t)
+        out.append(replace(c, **tuned) if tuned else c)  # type: ignore[arg-type]
+    return out[0], replace(out[1], group_pairs=block_t)

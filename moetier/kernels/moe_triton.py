@@ -24,7 +24,9 @@ A group holds only pairs with the delta on or only pairs with it off, so the del
 
 q2s matrices have kernels of their own, which `moe_slots_triton` sends calls to: decode (below
 `Q2S_GEMV_MAX_PAIRS` pairs) the q2s GEMV (`q2s_gemv.py`, or per launch its Gluon counterpart,
-`q2s_gluon.py`), prefill the grouped GEMM on tensor cores (`q2s_mma.py`).
+`q2s_gluon.py`), or, for calls of 2+ tokens that share experts (`choose_q2s_grouped`), the
+GEMV grouped by expert (`q2s_gemv_grouped.py`: each distinct expert read once a call); prefill
+the grouped GEMM on tensor cores (`q2s_mma.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import triton.language as tl
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
-from moetier.kernels import q2s_mma
+from moetier.kernels import q2s_gemv_grouped, q2s_mma
 from moetier.kernels.blob_decode import (
     _DOT_DTYPES,
     ACTIVATIONS,
@@ -57,6 +59,7 @@ from moetier.kernels.moe_dispatch import (
     KernelChoice,
     choose_pair,
     choose_q2s_gemv,
+    choose_q2s_grouped,
     choose_q2s_mma,
 )
 from moetier.kernels.pair_tables import _group_pairs, _mask_bytes
@@ -259,7 +262,14 @@ def moe_slots_triton(
     inter = gu.n // 2
     if choice is None:
         experts = slot_table.shape[0]
-        if pairs < Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(gu, dn, dgu, ddn):
+        by_expert = None
+        if q2s_gemv_grouped.q2s_grouped_supports(gu, dn, dgu, ddn):
+            by_expert = choose_q2s_grouped(
+                tokens, top_k, experts, ((gu.n, gu.k), (dn.n, dn.k)), zero_copy
+            )
+        if by_expert is not None:
+            choice = by_expert
+        elif pairs < Q2S_GEMV_MAX_PAIRS and q2s_gemv_supports(gu, dn, dgu, ddn):
             delta = dgu is not None
             choice = (
                 choose_q2s_gemv(gu.n, gu.k, zero_copy, delta, pairs),
@@ -270,6 +280,14 @@ def moe_slots_triton(
         else:
             choice = choose_pair(pairs, experts, (gu.n, gu.k), (dn.n, dn.k))
     c_gu, c_dn = choice
+    if c_gu.group_pairs:
+        if not q2s_gemv_grouped.q2s_grouped_supports(gu, dn, dgu, ddn):
+            raise ValueError(f"the grouped q2s kernel does not run {fmt.name} (or a delta)")
+        q2s_gemv_grouped.q2s_gemv_grouped(hidden, topk_ids.contiguous(),
+                                          topk_weights.contiguous(), slot_table, pool,
+                                          slot_offsets, fmt, act, out, gu, dn, c_gu,
+                                          c_dn)  # fmt: skip
+        return c_gu, c_dn
     if c_gu.q2s_mma:
         if not (c_dn.q2s_mma and q2s_mma.supports(gu, dn, dgu, ddn)):
             raise ValueError(f"the q2s prefill kernel does not run {fmt.name} (both launches)")
