@@ -30,7 +30,7 @@ from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 from moetier.models.deepseek_v4 import KEEP_FP32 as DEEPSEEK_V4_FP32
 from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4MoE
 from moetier.models.deepseek_v4 import setup as deepseek_v4_setup
-from moetier.models.dense_linear import quantize_linears
+from moetier.models.dense_linear import fuse_dense_qkv, quantize_linears
 from moetier.models.layers import Attention, RotaryEmbedding
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from moetier.quant.store import DENSE_FILE, Store
@@ -127,7 +127,10 @@ def load_native(
     )
     for module in model.modules():
         if isinstance(module, Attention) and isinstance(module.q_proj, nn.Linear):
-            module.fuse_qkv()  # quantized q/k/v (DenseLinear) run as three GEMVs
+            module.fuse_qkv()
+        elif isinstance(module, Attention):  # quantized q/k/v: one GEMV where they fuse
+            fused = fuse_dense_qkv([module.q_proj, module.k_proj, module.v_proj])
+            object.__setattr__(module, "qkv_proj", fused)  # not registered: no second name
     model.eval()
 
     runtime = experts_runtime(store, engine_config, device, kv_positions)

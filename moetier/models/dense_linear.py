@@ -99,6 +99,44 @@ def quantize_linears(model: nn.Module, formats: dict[str, DenseFormat]) -> list[
     return kept
 
 
+def fuse_dense_qkv(parts: list[nn.Module]) -> DenseLinear | None:
+    """One DenseLinear over the rows of `parts` (q, k, v of one format) so that they run as one
+    GEMV; the parts' parameters become views of its tensors (nothing duplicated). None where
+    they cannot be fused: not all DenseLinear of one format, fp8 tiles that would straddle two
+    parts, NVFP4 tensor scales that differ, or biases on some only."""
+    if not all(isinstance(p, DenseLinear) for p in parts):
+        return None
+    linears = [p for p in parts if isinstance(p, DenseLinear)]
+    fmt = linears[0].fmt
+    if any(p.fmt != fmt or p.in_features != linears[0].in_features for p in linears):
+        return None
+    if fmt.kind == "fp8" and any(p.out_features % fmt.block[0] for p in linears[:-1]):
+        return None
+    if fmt.kind == "nvfp4" and any(
+        not torch.equal(p.weight_scale_2, linears[0].weight_scale_2) for p in linears
+    ):
+        return None
+    if len({p.bias is None for p in linears}) != 1:
+        return None
+    names = [n for n in ("weight", *SCALE_NAMES) if hasattr(linears[0], n)]
+    stacked = {n: n != "weight_scale_2" for n in names}  # scale_2: one shared value
+    rows = sum(p.out_features for p in linears)
+    with torch.device(linears[0].weight.device):
+        fused = DenseLinear(linears[0].in_features, rows, fmt, linears[0].bias is not None)
+    for name in [*names, *(["bias"] if linears[0].bias is not None else [])]:
+        if not stacked.get(name, True):
+            setattr(fused, name, nn.Parameter(getattr(linears[0], name), requires_grad=False))
+            continue
+        whole = torch.cat([getattr(p, name).detach() for p in linears])
+        setattr(fused, name, nn.Parameter(whole, requires_grad=False))
+        start = 0
+        for p in linears:
+            size = getattr(p, name).shape[0]
+            setattr(p, name, nn.Parameter(whole[start : start + size], requires_grad=False))
+            start += size
+    return fused
+
+
 def dense_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The weight matrix of a Linear or a DenseLinear (decoded) in `dtype`."""
     if isinstance(module, DenseLinear):

@@ -138,6 +138,8 @@ class Attention(nn.Module):
         # stay those of the three projections, which become views of these)
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
+        # quantized q/k/v fused by the loader (models/dense_linear.fuse_dense_qkv; unregistered)
+        self.qkv_proj: nn.Module | None = None
 
     def fuse_qkv(self) -> None:
         """Store q, k and v's weights (and biases) as one tensor so that the three projections
@@ -167,7 +169,12 @@ class Attention(nn.Module):
         """x [B, T, H]; cache [layers, 2, pages, kvh, page_size, D] (this layer's keys/values
         are written in place where `batch` says) -> [B, T, H]."""
         rows, tokens, _ = x.shape
-        if self.qkv_weight is not None:
+        if self.qkv_proj is not None:
+            q_, k_, v_ = self.qkv_proj(x).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features],
+                dim=-1,
+            )
+        elif self.qkv_weight is not None:
             q_, k_, v_ = F.linear(x, self.qkv_weight, self.qkv_bias).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features],
                 dim=-1,

@@ -319,3 +319,45 @@ def test_planner_counts_quantized_dense_bytes(fp8_checkpoints):
                 expected += numel * 2
     assert plan(store, 2**34).dense_bytes == expected
     assert expected < store.dense_size[0] * 2
+
+
+@pytest.mark.parametrize("name", ["fp8-b32", "int4-g32", "nvfp4"])
+def test_fused_qkv_equals_the_three_projections(name):
+    """fuse_dense_qkv: one DenseLinear over q, k and v whose output is theirs side by side,
+    the parts left as views of it; refused where the formats say the rows cannot join."""
+    from moetier.models.dense_linear import fuse_dense_qkv
+
+    fmt = DenseFormat("fp8", (32, 32)) if name == "fp8-b32" else DenseFormat.parse(name)
+    g = torch.Generator().manual_seed(5)
+    parts = []
+    for rows in (64, 32, 32):
+        linear = DenseLinear(64, rows, fmt)
+        stored = fmt.quantize(torch.randn(rows, 64, generator=g))
+        for (leaf, _, _), value in zip(fmt.tensors("weight", (rows, 64)), stored, strict=True):
+            setattr(linear, leaf, torch.nn.Parameter(value, requires_grad=False))
+        parts.append(linear)
+    x = torch.randn(3, 64, generator=g)
+    separate = torch.cat([p(x) for p in parts], dim=-1)
+    fused = fuse_dense_qkv(parts)
+    if name == "nvfp4":  # each part has its own tensor scale: kept apart
+        assert fused is None
+        return
+    assert fused is not None and torch.equal(fused(x), separate)
+    assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), separate)
+    assert parts[1].weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+    if name == "fp8-b32":  # a tile of 32 rows would straddle a 48-row q and k: refused
+        odd = [DenseLinear(64, 48, fmt), DenseLinear(64, 16, fmt)]
+        assert fuse_dense_qkv(odd) is None
+
+
+def test_native_attention_runs_fused_int4(tiny, tmp_path):
+    from moetier.models.layers import Attention
+
+    path = convert(
+        tiny.checkpoint("qwen3_moe"), tmp_path / "s", progress=False,
+        dense=DensePolicy.parse("int4-g16"),
+    )  # fmt: skip
+    loaded = load_model(path, EngineConfig(native=True, **FP32))
+    attention = [m for m in loaded.model.modules() if isinstance(m, Attention)]
+    assert attention and all(isinstance(m.qkv_proj, DenseLinear) for m in attention)
+    assert sum(isinstance(m, DenseLinear) for m in loaded.model.modules()) == 4 * len(attention) + 1
