@@ -27,6 +27,7 @@ from moetier.engine.sampler import SamplingParams
 from moetier.server.parsers.base import Delta, Message, Parser
 from moetier.server.parsers.forced import forced_call_grammar
 from moetier.server.parsers.registry import FAMILIES, choose_family, family_name
+from moetier.server.renderers import renderer_for
 
 log = logging.getLogger("moetier.parsers")
 
@@ -44,6 +45,7 @@ STRING_ARGUMENTS = {"deepseek_v3", "deepseek_v31"}
 REASONING_HISTORY = ("template", "keep", "drop")
 KEEP_ALL_REASONING: dict[str, dict[str, Any]] = {
     "glm47": {"clear_thinking": False},  # GLM-4.7 / 5 "preserved thinking"
+    "deepseek_v4": {"drop_thinking": False},  # DeepSeek's encoder (server/renderers)
 }
 
 
@@ -166,16 +168,12 @@ def prepare_chat(
     messages = template_history(messages, choice.family, reasoning=keep)
     continuing = bool(messages) and messages[-1].get("role") == "assistant"
     try:
-        prompt_ids = chat_prompt_ids(
-            engine.tokenizer, messages, offered, template_kwargs, continue_final=continuing
-        )
+        prompt_ids = render_prompt_ids(engine, messages, offered, template_kwargs, continuing)
     except ValueError:
         moved = system_first(messages)
         if not relaxed or moved == messages:
             raise
-        prompt_ids = chat_prompt_ids(
-            engine.tokenizer, moved, offered, template_kwargs, continue_final=continuing
-        )
+        prompt_ids = render_prompt_ids(engine, moved, offered, template_kwargs, continuing)
     prefill = messages[-1].get("content") if continuing else None
     forced_reader = None
     if forced_tool_choice(tool_choice):
@@ -210,6 +208,27 @@ def prepare_chat(
         forced_family=forced_reader,
     )
     return prompt_ids, params, parsing
+
+
+def render_prompt_ids(
+    engine: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
+    continue_final: bool,
+) -> list[int]:
+    """The prompt ids through the store's chat template, or, for a store without one whose
+    family ships its own encoder instead (DeepSeek-V4: server/renderers), through that
+    encoder's rendering; ValueError for what neither can render."""
+    loaded = getattr(getattr(engine, "engine", None), "loaded", None)
+    model_type = getattr(getattr(loaded, "model_config", None), "model_type", None)
+    render = renderer_for(model_type, engine.tokenizer)
+    if render is None:
+        return chat_prompt_ids(
+            engine.tokenizer, messages, tools, template_kwargs, continue_final=continue_final
+        )
+    text = render(messages, tools, template_kwargs, continue_final)
+    return list(engine.tokenizer.encode(text, add_special_tokens=False))
 
 
 def forced_tool_choice(tool_choice: Any) -> bool:
