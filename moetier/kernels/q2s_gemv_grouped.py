@@ -32,7 +32,7 @@ from moetier.kernels.ptx import _inline_asm
 from moetier.kernels.q2s_gemv import q2s_gemv_supports
 from moetier.kernels.q2s_gemv_tiles import _q2s_group_scales4, _q2s_words4
 
-_NO_SLOT = 1 << 20  # sort key of pairs whose expert has no slot (after every expert)
+_NO_SLOT = tl.constexpr(1 << 20)  # sort key of pairs whose expert has no slot (after every expert)
 
 
 @triton.jit

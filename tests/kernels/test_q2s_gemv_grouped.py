@@ -192,6 +192,10 @@ for bt, down, gacc, even in ((4, 0, 1, 1), (8, 1, 1, 1), (8, 0, 0, 0)):
     _, _, regs, stack = compile_sm90(g._q2s_grouped_kernel, const, ptrs, loose,
                                      {"num_warps": 4})
     print(json.dumps({"bt": bt, "down": down, "registers": regs, "stack_bytes": stack}))
+for bt in (4, 8):  # the grouping kernel (globals it reads must be constexprs, unlike interpreted)
+    compile_sm90(g._group_kernel, dict(P2=512, BT=bt, FILL=1024),
+                 {"topk_ids": "*i64", "slot_table": "*i32", "groups": "*i32"},
+                 {"topk_ids", "slot_table", "groups", "P", "n_entries"}, {"num_warps": 4})
 """
 
 
