@@ -8,6 +8,7 @@ code needs; model code never reads raw HF config dicts. `EngineConfig` holds the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -18,17 +19,35 @@ from typing import Any
 # trained on public-domain books (its model card is README.md in that folder).
 DEFAULT_STORE = Path(__file__).parent / "assets" / "demo-moe-10m"
 
-# Families whose transformers experts class carries `@use_experts_implementation` and that the
-# oracle tests cover. Others may work but are refused until a test covers them.
-SUPPORTED_MODEL_TYPES = (
-    "qwen3_moe",
-    "mixtral",
-    "deepseek_v3",
-    "glm4_moe",
-    "gpt_oss",
-    "glm_moe_dsa",
-    "deepseek_v4",
+# Config keys under which the families name their expert geometry, first found wins. Expert size
+# falls back to `intermediate_size` (Mixtral-style families size their experts by it).
+NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = (
+    "num_experts_per_tok",
+    "experts_per_token",
+    "num_experts_per_token",
+    "moe_k",
+    "moe_topk",  # hunyuan: an int, or one per layer
+    "top_k_experts",
 )
+EXPERT_SIZE_KEYS = ("moe_intermediate_size", "expert_intermediate_size")
+SHARED_SIZE_KEYS = (
+    "shared_expert_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "shared_intermediate_size",
+    "shared_experts_intermediate_size",
+)
+NUM_SHARED_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+# Families whose experts' gated activation is not silu(gate) * up, with the config keys of its
+# parameters (the converter checks each experts class against moetier's op numerically, so a
+# family missing here is refused, not computed wrong: quant/experts_probe.py).
+CLAMPED_ACTIVATIONS = {
+    "gpt_oss": "gpt_oss",
+    "deepseek_v4": "silu_clamped",
+    "hy_v4": "silu_clamped",
+    "minimax_m3_vl": "gpt_oss",
+    "minimax_m3_vl_text": "gpt_oss",
+}
 
 # The activation applied between the gate/up and the down projection of a routed expert.
 #   silu:          silu(gate) * up
@@ -63,54 +82,71 @@ class ModelConfig:
     # KV cache elements per token per layer as transformers' caches hold them (MLA families keep
     # full per-head keys and values there, not the compressed latent)
     kv_width: int = 0
+    # summed size of the shared experts' MLP (0: none)
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Normalise a HF `config.json` dict; raises ValueError for non-MoE or unknown families."""
+        """Normalise a HF `config.json` dict; raises ValueError for non-MoE or unknown families.
+
+        A family is known when the installed transformers has a causal-LM class for it whose
+        experts class carries `@use_experts_implementation` (`moe_families`)."""
         model_type = hf.get("model_type")
-        if model_type is None and isinstance(hf.get("text_config"), dict):
-            hf = hf["text_config"]
-            model_type = hf.get("model_type")
-        num_experts = _first(hf, "num_experts", "num_local_experts", "n_routed_experts")
+        text = hf.get("text_config")
+        if isinstance(text, dict) and not _first(hf, *NUM_EXPERTS_KEYS):
+            # a composite config (Qwen3.5, Gemma 4): the geometry is the text model's; the family
+            # is the top level's (its causal-LM class is what transformers builds)
+            hf = {**text, "model_type": model_type or text.get("model_type")}
+            model_type = hf["model_type"]
+        num_experts = _first(hf, *NUM_EXPERTS_KEYS)
         if not num_experts:
             raise ValueError(
-                f"model_type {model_type!r} has no routed experts (no num_experts / "
-                "num_local_experts / n_routed_experts in config.json): moetier runs Mixture-of-"
+                f"model_type {model_type!r} has no routed experts (none of "
+                f"{' / '.join(NUM_EXPERTS_KEYS)} in config.json): moetier runs Mixture-of-"
                 "Experts models only; use a dense-model runtime (transformers, llama.cpp) for it."
             )
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        refusal = family_refusal(str(model_type))
+        if refusal is not None:
+            raise ValueError(refusal)
+        kind = CLAMPED_ACTIVATIONS.get(str(model_type), "silu")
+        default_limit = 7.0 if kind == "gpt_oss" else 10.0
+        activation = ExpertActivation(
+            kind,
+            alpha=float(_first(hf, "swiglu_alpha") or 1.702),
+            limit=float(_first(hf, "swiglu_limit") or default_limit),
+        )
+        intermediate = _first(hf, *EXPERT_SIZE_KEYS) or hf.get("intermediate_size")
+        if not intermediate:
             raise ValueError(
-                f"model_type {model_type!r} is not supported yet. Supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}. Open an issue with the model's config.json."
+                f"model_type {model_type!r}: no expert size in config.json (none of "
+                f"{' / '.join((*EXPERT_SIZE_KEYS, 'intermediate_size'))})"
             )
-        if model_type == "gpt_oss":
-            activation = ExpertActivation(
-                "gpt_oss", alpha=1.702, limit=float(hf.get("swiglu_limit", 7.0))
+        top_k = _first(hf, *TOP_K_KEYS)
+        if isinstance(top_k, list):  # one per layer (hunyuan's moe_topk): the largest
+            top_k = max(top_k)
+        if not top_k:
+            raise ValueError(
+                f"model_type {model_type!r}: no experts per token in config.json (none of "
+                f"{' / '.join(TOP_K_KEYS)})"
             )
-        elif model_type == "deepseek_v4":
-            activation = ExpertActivation("silu_clamped", limit=float(hf.get("swiglu_limit", 10.0)))
-        else:
-            act = hf.get("hidden_act", "silu")
-            if act not in ("silu", "swish"):
-                raise ValueError(f"expert activation {act!r} of {model_type} is not supported")
-            activation = ExpertActivation("silu")
-        intermediate = _first(hf, "moe_intermediate_size")
-        if model_type in ("mixtral", "gpt_oss") or not intermediate:
-            intermediate = hf["intermediate_size"]
+        shared = _first(hf, *SHARED_SIZE_KEYS)
+        if shared is None:
+            shared = int(_first(hf, *NUM_SHARED_KEYS) or 0) * int(intermediate)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
-            model_type=model_type,
+            model_type=str(model_type),
             hidden_size=int(hf["hidden_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=_num_layers(hf),
             vocab_size=int(hf["vocab_size"]),
             num_experts=int(num_experts),
-            top_k=int(_first(hf, "num_experts_per_tok", "experts_per_token") or 0),
+            top_k=int(top_k),
             expert_intermediate_size=int(intermediate),
             expert_has_bias=model_type == "gpt_oss",
             activation=activation,
             eos_token_ids=eos_ids,
             kv_width=_kv_width(hf),
+            shared_expert_intermediate_size=int(shared),
         )
 
     @classmethod
@@ -226,6 +262,108 @@ class DecoderConfig:
         )
 
 
+def experts_classes(model_type: str) -> tuple[type, ...]:
+    """The classes of `model_type`'s transformers modeling module that carry
+    `@use_experts_implementation` (empty when it has none, or this transformers lacks the
+    family). Found by what the decorator leaves: a `forward` defined in transformers'
+    integrations.moe wrapping the class's own (`__wrapped__`), as on transformers 5.17 to 5.24."""
+    import importlib
+
+    module_name = _modeling_module(model_type)
+    if module_name is None:
+        return ()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return ()
+    return tuple(
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type) and obj.__module__ == module.__name__ and _is_dispatched(obj)
+    )
+
+
+def _is_dispatched(cls: type) -> bool:
+    forward = getattr(cls, "forward", None)
+    return (
+        hasattr(forward, "__wrapped__")
+        and getattr(forward, "__globals__", {}).get("__name__") == "transformers.integrations.moe"
+    )
+
+
+def _modeling_module(model_type: str) -> str | None:
+    from transformers.models.auto.configuration_auto import (
+        CONFIG_MAPPING_NAMES,
+        model_type_to_module_name,
+    )
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    name = model_type_to_module_name(model_type)
+    return f"transformers.models.{name}.modeling_{name}"
+
+
+@functools.cache
+def moe_families() -> tuple[str, ...]:
+    """Every model_type of the installed transformers that moetier's breadth path can build: a
+    causal-LM class whose modeling module has an experts class carrying
+    `@use_experts_implementation` (some of them are refused, `family_refusal` says why)."""
+    import importlib.util
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = []
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        module_name = _modeling_module(model_type)
+        spec = importlib.util.find_spec(module_name) if module_name else None
+        if spec is None or spec.origin is None:
+            continue
+        # a cheap look at the source first: importing every modeling module takes long
+        if "use_experts_implementation" not in Path(spec.origin).read_text(encoding="utf-8"):
+            continue
+        if experts_classes(model_type):
+            found.append(model_type)
+    return tuple(found)
+
+
+# Families the breadth path accepts in transformers' terms but computes wrong or cannot build;
+# each with the reason (docs/models.md lists them). The converter and the loader also check
+# every experts class against moetier's op numerically (quant/experts_probe.py).
+REFUSED_FAMILIES: dict[str, str] = {
+    "minimax": "it needs its own cache class (MiniMaxCache); moetier's engine runs "
+    "transformers models with a DynamicCache",
+}
+
+
+def family_refusal(model_type: str) -> str | None:
+    """Why moetier refuses `model_type` (None: accepted)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in REFUSED_FAMILIES:
+        return f"model_type {model_type!r} is refused: {REFUSED_FAMILIES[model_type]}"
+    if not experts_classes(model_type):
+        if _modeling_module(model_type) is None:
+            return (
+                f"model_type {model_type!r} is not known to the installed transformers "
+                f"{transformers.__version__}: upgrade transformers within moetier's range "
+                "(pyproject.toml) or open an issue with the model's config.json"
+            )
+        return (
+            f"model_type {model_type!r} is not supported: its transformers experts module does "
+            "not carry @use_experts_implementation, so moetier's experts op cannot replace it "
+            f"(transformers {transformers.__version__}). Open an issue with the model's "
+            "config.json."
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return (
+            f"model_type {model_type!r} has no causal-LM class in transformers (a multimodal or "
+            "non-generative model): moetier runs causal text models; convert its text model if "
+            "it has one of its own model_type"
+        )
+    return None
+
+
 def _mla_softmax_scale(rope_parameters: dict[str, Any], qk_head_dim: int) -> float:
     """transformers' DeepSeek-V3 attention scale (yarn_apply_mscale): qk_head_dim ** -0.5, times
     mscale(factor, mscale_all_dim) ** 2 when the rope is scaled and mscale_all_dim is set."""
@@ -248,6 +386,17 @@ def _kv_width(hf: dict[str, Any]) -> int:
         return int(hf["kv_lora_rank"]) + int(hf.get("qk_rope_head_dim") or 0)
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
     return 2 * int(hf.get("num_key_value_heads") or heads) * head_dim
+
+
+def _num_layers(hf: dict[str, Any]) -> int:
+    """num_hidden_layers, or the length of the per-layer pattern of families that derive it
+    (nemotron_h's layers_block_type)."""
+    if hf.get("num_hidden_layers") is not None:
+        return int(hf["num_hidden_layers"])
+    for key in ("layers_block_type", "layer_types"):
+        if isinstance(hf.get(key), list):
+            return len(hf[key])
+    raise ValueError("config.json names no num_hidden_layers")
 
 
 def _first(d: dict[str, Any], *keys: str) -> Any:

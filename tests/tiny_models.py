@@ -188,3 +188,178 @@ def build_tiny(
 
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1))
+
+
+# --- the breadth path: a tiny checkpoint of any transformers MoE family -----------------------
+# `breadth_config` shrinks a family's default config generically (the sizes below, wherever the
+# family has the key; per-layer lists cut to one layer of each kind); BREADTH_EXTRAS holds what
+# a family needs on top (its own validators, layer schedules).
+BREADTH_SIZES: dict[str, object] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    max_position_embeddings=256,
+    shared_expert_intermediate_size=32,
+    moe_shared_expert_intermediate_size=32,
+    shared_intermediate_size=32,
+    shared_experts_intermediate_size=32,
+    dense_intermediate_size=64,
+    prefix_dense_intermediate_size=64,
+    expert_intermediate_size=32,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    mamba_d_state=8,
+    mamba_dt_rank=8,
+    ssm_state_size=8,
+    mamba_num_heads=4,
+    mamba_head_dim=16,
+    mamba_n_heads=4,
+    mamba_d_head=32,
+    n_groups=1,
+    mamba_n_groups=1,
+    chunk_size=16,
+    index_n_heads=2,
+    index_head_dim=16,
+    index_topk=8,
+    sliding_window=16,
+    n_group=1,
+    topk_group=1,
+    num_expert_group=1,
+    max_window_layers=2,
+    mlp_only_layers=[],
+)
+BREADTH_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+BREADTH_TOP_K = (
+    "num_experts_per_tok",
+    "experts_per_token",
+    "num_experts_per_token",
+    "moe_k",
+    "moe_topk",
+    "top_k_experts",
+)
+BREADTH_SHARED = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+BREADTH_TOKENS = ("eos_token_id", "pad_token_id", "eod_token_id", "sep_token_id")
+BREADTH_EXTRAS: dict[str, dict] = {
+    "zaya": dict(num_experts_per_tok=1),  # its config allows top-1 only
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "gemma4_text": dict(
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=16,
+        global_head_dim=16,
+    ),
+    # a Mamba layer and an attention layer, both MoE
+    "jamba": dict(
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1, expert_layer_offset=0
+    ),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen4_exp_text": dict(
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+        ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=8,
+        heads_per_ngram=2,
+    ),
+    "dots3_note": dict(
+        vision_config=dict(adapter_out_dim=64), audio_config=dict(adapter_out_dim=64)
+    ),
+}
+
+
+def breadth_config(model_type: str, **overrides: object):  # type: ignore[no-untyped-def]
+    """A tiny config of `model_type`: 2-4 layers, hidden 64, 8 experts, top-2."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    default = cls().to_dict()
+    layers = default.get("num_hidden_layers")
+    kw: dict[str, object] = {
+        k: v
+        for k, v in BREADTH_SIZES.items()
+        if k in default and (v == [] or k == "head_dim" or default[k] is not None)
+    }
+    kw.update({k: 8 for k in BREADTH_EXPERTS if k in default})
+    kw.update({k: 2 for k in BREADTH_TOP_K if k in default})
+    kw.update({k: 1 for k in BREADTH_SHARED if k in default})
+    kw.update({k: 0 for k in BREADTH_TOKENS if k in default})
+    if "bos_token_id" in default:
+        kw["bos_token_id"] = None
+    if default.get("kv_lora_rank"):  # MLA: as many KV heads as heads, rope dims as head_dim
+        kw["num_key_value_heads"] = 4
+        if "head_dim" in default:
+            kw["head_dim"] = BREADTH_SIZES["qk_rope_head_dim"]
+    text = default.get("text_config")
+    if isinstance(text, dict) and text.get("model_type") and text["model_type"] != model_type:
+        # a composite config: the tiny text model inside (vision parts as the family has them)
+        kw["text_config"] = breadth_config(text["model_type"]).to_dict()
+    if default.get("first_k_dense_replace"):
+        kw["first_k_dense_replace"] = 1
+    # per-layer lists: keep the first layer of each kind (attention type, dense or MoE ...)
+    lists = {
+        k: v
+        for k, v in default.items()
+        if isinstance(v, list) and layers and len(v) == layers and k not in kw
+    }
+    chosen: list[int] = []
+    for values in lists.values():
+        names = [str(v) for v in values]
+        for name in dict.fromkeys(names):
+            if not any(names[i] == name for i in chosen):
+                chosen.append(names.index(name))
+    chosen = sorted(set(chosen)) or [0]
+    while len(chosen) < 2:
+        chosen.append(chosen[-1] + 1)
+    if layers:
+        kw["num_hidden_layers"] = len(chosen)
+    for k, values in lists.items():
+        kw[k] = [values[i] for i in chosen]
+    for k in BREADTH_TOP_K:
+        if isinstance(default.get(k), list):
+            kw[k] = [2] * len(chosen)
+    kw.update(BREADTH_EXTRAS.get(model_type, {}))
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def build_breadth(
+    model_type: str,
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides: object,
+) -> Path:
+    """Write a tiny random `model_type` checkpoint (save_pretrained, in `dtype`) with tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config = breadth_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
+                buf.copy_(torch.randn(buf.shape) * 0.1)
+        for name, p in model.named_parameters():
+            # random biases / norm weights so the paths they feed are exercised
+            if p.dim() == 1 or name.endswith("_bias"):
+                p.add_(torch.randn(p.shape) * 0.1)
+    model.to(dtype).save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    return Path(out_dir)

@@ -28,6 +28,7 @@ from moetier.models.experts import (
     ExpertsHandle,
     register_experts_implementation,
 )
+from moetier.quant.experts_probe import check_model_experts
 from moetier.quant.store import DENSE_FILE, Store
 
 EXPERT_PARAMS = (
@@ -55,6 +56,9 @@ def load_transformers(
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     model.set_experts_implementation(IMPLEMENTATION_NAME)
     model.eval()
+    # the store may come from another moetier or transformers: check its experts compute again
+    config = store.model_config
+    check_model_experts(model, config.activation, config.expert_has_bias)
 
     experts_modules = _detach_experts(model, store)
     quantize_linears(model, store.dense_formats)  # quantized dense weights, stored dtypes (#52)

@@ -46,6 +46,7 @@ from moetier.core.layout import (
     raw_expert_format,
 )
 from moetier.quant.dense_formats import DenseFormat, DensePolicy, dense_class
+from moetier.quant.experts_probe import ExpertsMismatch, check_model_experts
 from moetier.quant.sources import (
     ConvertError,
     SourceQuantization,
@@ -210,13 +211,18 @@ def _key_mapper(model: torch.nn.Module):  # type: ignore[no-untyped-def]
     meta_state = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
 
+    merged: dict[str, str] = {}  # checkpoint key -> the converter pattern it matched
+
     def mapped(key: str) -> str:
-        target, _ = rename_source_key(key, renamings, converters, prefix, meta_state)
+        target, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
         if target not in meta_state and key in meta_state:
             # As from_pretrained does: a key already in model form is not renamed (only prefixed).
-            target, _ = rename_source_key(key, [], [], prefix, meta_state)
+            target, pattern = rename_source_key(key, [], [], prefix, meta_state)
+        if pattern is not None:
+            merged[key] = pattern
         return target
 
+    mapped.merged = merged  # type: ignore[attr-defined]
     return mapped
 
 
@@ -280,6 +286,10 @@ def plan_conversion(src: Path) -> ConversionPlan:
     quantization = detect_quantization(src)
     sources, skipped = fold_quantized(scan_sources(shards), quantization, dequantized_dtype(src))
     model = build_meta_model(src)
+    try:  # the family's experts compute must be the op's (quant/experts_probe.py)
+        check_model_experts(model, model_config.activation, model_config.expert_has_bias)
+    except ExpertsMismatch as err:
+        raise ConvertError(f"{model_config.model_type} is refused: {err}") from None
     modules = experts_modules(model)
     if not modules:
         raise ConvertError(
@@ -325,6 +335,12 @@ def plan_conversion(src: Path) -> ConversionPlan:
             _add_expert_tensor(modules[path], pname, tensor)
         elif target in meta_state:
             expected = tuple(meta_state[target].shape)
+            if expected != tensor.shape and tensor.key in mapped.merged:
+                raise ConvertError(
+                    f"{model_config.model_type} is refused: transformers merges checkpoint "
+                    f"tensors into {target} on load ({mapped.merged[tensor.key]} -> {expected}), "
+                    "which moetier's converter does not do for dense tensors yet"
+                )
             if expected != tensor.shape:
                 raise ConvertError(
                     f"{tensor.key} has shape {tensor.shape} but the {model_config.model_type} "

@@ -94,10 +94,10 @@ def test_refuses_unsupported_architecture(tiny, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(tiny.checkpoint("qwen3_moe"), src)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["model_type"] = "qwen2_moe"
+    cfg["model_type"] = "qwen2"  # a dense family: its MLP has no @use_experts_implementation
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        ConvertError, match="'qwen2_moe' is not supported yet. Supported: qwen3_moe"
+        ConvertError, match="'qwen2' is not supported: its transformers experts module does not"
     ):
         convert(src, tmp_path / "out", progress=False)
 
