@@ -20,14 +20,16 @@ GEMM_MIN_PAIRS = 128
 # grouped kernel at 128 pairs by 3x; it reads each expert once per pair, so it stops at 512.
 Q2S_GEMV_MAX_PAIRS = 512
 # The q2s GEMV grouped by expert (`q2s_gemv_grouped.py`) serves calls of 2+ tokens and at most
-# this many pairs (512 included: Qwen3-30B-A3B's 64 tokens of top-8, which q2s_mma served at
-# ~450 GB/s on the H100) whose expected pairs per distinct expert (`expected_sharing`) reach
-# Q2S_GROUPED_MIN_SHARING (Q2S_GROUPED_MIN_SHARING_ZC for calls reading pinned host rows, where
-# every extra read of an expert crosses PCIe). Untimed guesses until the lead's run of
-# bench/studies/q2s_grouped.py on the device.
+# this many pairs (512 included: Qwen3-30B-A3B's 64 tokens of top-8) whose expected pairs per
+# distinct expert (`expected_sharing`) reach Q2S_GROUPED_MIN_SHARING, or
+# Q2S_GROUPED_MIN_SHARING_ZC for calls reading pinned host rows, where every extra read of an
+# expert crosses PCIe. Set from bench/studies/q2s_grouped.py on the H100 (8 layers of the
+# Qwen3-30B-A3B shape, ms a step, per-pair or q2s_mma -> grouped): resident T=4 0.21 -> 0.49,
+# T=16 0.57 -> 1.03, T=64 3.05 (q2s_mma) -> 2.56; a 25% GPU budget, the rest zero-copy: T=4
+# 6.35 -> 6.74, T=16 23.2 -> 17.4, T=64 78.1 -> 27.3 (sharing: T=4 1.10, T=16 1.55, T=64 4.07).
 Q2S_GROUPED_MAX_PAIRS = 512
-Q2S_GROUPED_MIN_SHARING = 1.3
-Q2S_GROUPED_MIN_SHARING_ZC = 1.05
+Q2S_GROUPED_MIN_SHARING = 3.0
+Q2S_GROUPED_MIN_SHARING_ZC = 1.3
 
 
 @dataclass(frozen=True)
