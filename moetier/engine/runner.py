@@ -3,13 +3,14 @@ positions and returns what it sampled (engine/step_sampler.py's `Sampled`: the t
 item that samples, and the logprobs and prompt logprobs its request asks for).
 
 `PagedRunner` (native model files): a step whose items are all one-token decodes runs as decode
-rows [R, 1], each row reading its pages through its page table (the decode kernel on CUDA for
-GQA); on CUDA with every expert pinned, such steps replay a CUDA graph captured per batch bucket
-(1, 2, 4 ... 64 rows; padding rows write to a scratch page). Any other step packs every item's
-tokens into one row [1, N] (prefill chunks and decodes mixed; models/attention_batch.py), and
-only the positions whose next token is sampled (and those whose prompt logprobs a request asks
-for) go through the LM head. `TransformersRunner` (the transformers model class): each request
-its own DynamicCache, its items run one after another; no prefix cache (its KV is not in pages).
+rows [R, 1], each row reading its pages through its page table (the decode kernels on CUDA
+where the attention has `pages_in_kernel`: GQA and MLA); on CUDA with every expert pinned, such
+steps replay a CUDA graph captured per batch bucket (1, 2, 4 ... 64 rows; padding rows write to
+a scratch page). Any other step packs every item's tokens into one row [1, N] (prefill chunks
+and decodes mixed; models/attention_batch.py), and only the positions whose next token is
+sampled (and those whose prompt logprobs a request asks for) go through the LM head.
+`TransformersRunner` (the transformers model class): each request its own DynamicCache, its
+items run one after another; no prefix cache (its KV is not in pages).
 Sampling the step's rows is engine/step_sampler.py's (both runners derive from StepSampler).
 """
 
@@ -33,7 +34,6 @@ from moetier.engine.step_sampler import Sampled, StepSampler
 from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
 from moetier.models.attention_batch import AttentionBatch
-from moetier.models.layers import Attention
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows a CUDA graph is captured for
 
@@ -61,10 +61,12 @@ class PagedRunner(StepSampler):
         self.cache: torch.Tensor = model.new_cache(
             num_pages + 1, page_size, loaded.dtype, self.device
         )
-        first_attention = model.model.layers[0].self_attn
-        gqa = isinstance(first_attention, Attention)
-        # the decode kernel reads pages itself; SDPA (CPU, MLA) needs them gathered
-        self.gather_decode_keys = not (self.device.type == "cuda" and gqa)
+        # the decode kernels (GQA's, MLA's) read pages themselves; SDPA (CPU, glm_moe_dsa's
+        # indexer, deepseek_v4) needs them gathered, whole context width: eager steps only
+        in_kernel = all(
+            getattr(layer.self_attn, "pages_in_kernel", False) for layer in model.model.layers
+        )
+        self.gather_decode_keys = not (self.device.type == "cuda" and in_kernel)
         context = int(model.config.max_position_embeddings)
         self.table_width = min(num_pages, -(-context // page_size))
         self.graphs: dict[int, _DecodeGraph] = {}
@@ -72,7 +74,7 @@ class PagedRunner(StepSampler):
         self.use_graphs = (
             self.device.type == "cuda"
             and loaded.engine_config.cuda_graph
-            and gqa
+            and in_kernel
             and place_for_graphs(loaded)  # experts pinned, or zero-copy from host RAM
         )
         self._rebalance = ZeroCopyRebalance(loaded.runtime)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetier.kernels.attention import decode_attention
+from moetier.kernels.mla_decode import mla_decode
 from moetier.kernels.router import router_topk
 from moetier.models.attention_batch import AttentionBatch
 from moetier.models.dense_linear import dense_weight
@@ -113,6 +114,10 @@ class Attention(nn.Module):
     Decode steps on CUDA attend with `moetier::decode_attention` (one Triton launch, reading
     each row's keys up to its position through its page table); prefill and CPU with SDPA over
     each row's keys and the batch's mask."""
+
+    # decode rows read their pages in the kernel: the engine's decode batches need no gathered
+    # keys on CUDA, and its steps capture into CUDA graphs (engine/runner.py)
+    pages_in_kernel = True
 
     def __init__(
         self,
@@ -207,8 +212,9 @@ class Attention(nn.Module):
 
 def _decode_kernel_applies(x: torch.Tensor, tokens: int) -> bool:
     """Whether Attention runs `moetier::decode_attention` (one Triton launch per layer) instead
-    of SDPA over the repeated kv heads: decode steps (one token per row) on CUDA. Prefill and
-    CPU keep SDPA (the tests route CPU decode through the kernel's interpreter by patching this)."""
+    of SDPA over the repeated kv heads, and MLAttention `moetier::mla_decode`: decode steps (one
+    token per row) on CUDA. Prefill and CPU keep SDPA (the tests route CPU decode through the
+    kernels' interpreter by patching this)."""
     return tokens == 1 and x.is_cuda
 
 
@@ -340,7 +346,11 @@ class MLAttention(nn.Module):
     rows applied to the attended latent, so a step reads only the latent cache and expands
     nothing; all heads attend to one shared key, as one SDPA call with heads folded into the
     query rows. The same arithmetic as expanding keys and values, in another order (fp32 logits
-    of the tiny model agree with transformers to ~1e-6)."""
+    of the tiny model agree with transformers to ~1e-6). Decode steps on CUDA attend with
+    `moetier::mla_decode` (kernels/mla_decode.py: the latent pages read through each row's page
+    table up to its position, as Attention's decode kernel); prefill and CPU with SDPA."""
+
+    pages_in_kernel = True  # as Attention's (subclasses that attend through masks set False)
 
     def __init__(
         self,
@@ -399,15 +409,24 @@ class MLAttention(nn.Module):
         w_kv = dense_weight(self.kv_b_proj, x.dtype).view(self.num_heads, nope + v_dim, lora)
         w_k, w_v = w_kv[:, :nope], w_kv[:, nope:]  # [h, nope, lora], [h, v, lora]
         query = torch.cat((q_nope @ w_k, q_rot), dim=-1)  # [B, h, T, lora + rope]
-        keys = batch.keys(cache[self.layer])[:, None]  # [B, 1, Lk, lora + rope]: all heads'
-        out = F.scaled_dot_product_attention(
-            query.reshape(rows, 1, -1, lora + rope),  # [B, 1, h * T, lora + rope]
-            keys,
-            keys[..., :lora],  # the latent is the value
-            attn_mask=batch.mask,
-            scale=self.scale,
-        )  # [B, 1, h * T, lora]
-        out = out.view(rows, self.num_heads, tokens, lora) @ w_v.transpose(1, 2)  # [B, h, T, v]
+        paged = batch.page_table is not None  # decode rows reading pages through their tables
+        if (paged and batch.mask is None) or (
+            (paged or batch.static_rows) and _decode_kernel_applies(x, tokens)
+        ):
+            out = mla_decode(
+                query[:, :, 0], cache[self.layer], batch.page_table, batch.positions[:, 0],
+                lora, self.scale,
+            )[:, :, None]  # [B, h, 1, lora]  # fmt: skip
+        else:
+            keys = batch.keys(cache[self.layer])[:, None]  # [B, 1, Lk, lora + rope]: all heads'
+            out = F.scaled_dot_product_attention(
+                query.reshape(rows, 1, -1, lora + rope),  # [B, 1, h * T, lora + rope]
+                keys,
+                keys[..., :lora],  # the latent is the value
+                attn_mask=batch.mask,
+                scale=self.scale,
+            ).view(rows, self.num_heads, tokens, lora)
+        out = out @ w_v.transpose(1, 2)  # [B, h, T, v]
         return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, -1))
 
 

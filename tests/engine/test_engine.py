@@ -240,16 +240,18 @@ def test_the_transformers_path_serves_concurrent_requests(tiny):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "glm_moe_dsa"])
 def test_batched_greedy_equals_alone_on_cuda(tiny, model_type):
-    """On CUDA decode rows read their pages in the decode kernel (GQA, steps replayed from CUDA
-    graphs, padding rows on the scratch page) and packed steps run SDPA over gathered pages;
-    fp32, each request against the Generator alone (static cache)."""
+    """On CUDA decode rows read their pages in the decode kernels (GQA's and MLA's, steps
+    replayed from CUDA graphs, padding rows on the scratch page; glm_moe_dsa's indexer keeps
+    gathered pages and eager steps) and packed steps run SDPA over gathered pages; fp32, each
+    request against the Generator alone (static cache)."""
     loaded = load_model(
         tiny.store(model_type), EngineConfig(device="cuda", dtype="float32", native=True)
     )
     engine = Engine(loaded, EngineLimits(num_pages=48, page_size=16, max_num_batched_tokens=16))
     check_against_alone(loaded, engine, random_requests(loaded.model_config.vocab_size, 8, 3))
-    if model_type == "qwen3_moe":  # GQA: decode steps replayed from graphs per batch bucket
+    if model_type != "glm_moe_dsa":  # decode steps replayed from graphs per batch bucket
         assert engine.runner.use_graphs and engine.runner.graphs
+        assert not engine.runner.gather_decode_keys
         assert engine.runner.ahead_taken > 0  # steps launched ahead of the host, and used
 
 
