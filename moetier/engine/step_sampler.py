@@ -49,37 +49,20 @@ class _HostCopy:
     """A tensor's copy to the host, under way: `get()` waits for it alone (an event after the
     copy), not for work queued on the stream since."""
 
-    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
-        self.host = host
-        self.event = event
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
 
     def get(self) -> list[Any]:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
-
-
-class _HostCopies:
-    """Starts `_HostCopy`s into pinned buffers kept by size and one event, reused step after
-    step (a step's copy is read before the next starts): no allocation per step."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
-        self.event: torch.cuda.Event | None = None
-
-    def start(self, tensor: torch.Tensor) -> _HostCopy:
-        if tensor.device.type != "cuda":
-            return _HostCopy(tensor, None)
-        key = (tensor.dtype, tensor.numel())
-        buffer = self.buffers.get(key)
-        if buffer is None:
-            buffer = self.buffers[key] = torch.empty(key[1], dtype=key[0], pin_memory=True)
-        host = buffer.view(tensor.shape)
-        host.copy_(tensor, non_blocking=True)
-        if self.event is None:
-            self.event = torch.cuda.Event()
-        self.event.record()
-        return _HostCopy(host, self.event)
 
 
 @dataclass
@@ -123,7 +106,6 @@ class StepSampler:
         self.matchers: dict[str, Any] = {}  # request id -> grammar matcher (set by the engine)
         self.prompt_masks: dict[str, torch.Tensor] = {}  # [V] bool: tokens in the prompt
         self.positions_run = 0  # positions computed over the runner's life (tests, metrics)
-        self._copies = _HostCopies()
 
     def release(self, request_id: str) -> None:
         """Forget a finished or preempted-for-good request's state."""
@@ -176,7 +158,7 @@ class StepSampler:
         if not spans and all(p.plain_greedy for p in params):
             # the common path: one argmax and one device-to-host copy for every row
             chosen = logits.argmax(dim=-1)  # [S]
-            return PendingSample(items, spans, params, chosen, self._copies.start(chosen), set(), 0)
+            return PendingSample(items, spans, params, chosen, _HostCopy(chosen), set(), 0)
         failed: set[int] = set()
         raw = logits.float()
         chosen, ok = self._choose(raw, items, params, failed)
@@ -197,7 +179,7 @@ class StepSampler:
             target_ids = to_device(targets, prompt_logits.device, torch.int64)
             blocks.append(_logprob_rows(prompt_logits.float(), target_ids, None, width, True))
         table = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-        copy = self._copies.start(table)
+        copy = _HostCopy(table)
         return PendingSample(items, spans, params, chosen, copy, failed, width, table=True)
 
     def _sample_finish(self, pending: PendingSample) -> Sampled:
