@@ -210,6 +210,14 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, -1))
 
 
+# MLAttention's CUDA decode through `moetier::mla_decode` (no gathered pages, so the engine's MLA
+# decode steps are graphed): the kernel has passed its tests under Triton's interpreter only, not
+# yet on a GPU (tests/kernels/test_mla_decode.py's gpu tests; the grouped q2s kernel, interpreted
+# clean, did not compile on the H100 the same day). Until they pass there, CUDA keeps SDPA over
+# gathered pages (eager engine steps); the CPU tests switch it on.
+MLA_DECODE_KERNEL = False
+
+
 def _decode_kernel_applies(x: torch.Tensor, tokens: int) -> bool:
     """Whether Attention runs `moetier::decode_attention` (one Triton launch per layer) instead
     of SDPA over the repeated kv heads, and MLAttention `moetier::mla_decode`: decode steps (one
@@ -350,7 +358,11 @@ class MLAttention(nn.Module):
     `moetier::mla_decode` (kernels/mla_decode.py: the latent pages read through each row's page
     table up to its position, as Attention's decode kernel); prefill and CPU with SDPA."""
 
-    pages_in_kernel = True  # as Attention's (subclasses that attend through masks set False)
+    @property
+    def pages_in_kernel(self) -> bool:
+        """As Attention's, once MLA_DECODE_KERNEL is on (subclasses that attend through masks
+        set False)."""
+        return MLA_DECODE_KERNEL
 
     def __init__(
         self,
@@ -411,7 +423,7 @@ class MLAttention(nn.Module):
         query = torch.cat((q_nope @ w_k, q_rot), dim=-1)  # [B, h, T, lora + rope]
         paged = batch.page_table is not None  # decode rows reading pages through their tables
         if (paged and batch.mask is None) or (
-            (paged or batch.static_rows) and _decode_kernel_applies(x, tokens)
+            MLA_DECODE_KERNEL and (paged or batch.static_rows) and _decode_kernel_applies(x, tokens)
         ):
             out = mla_decode(
                 query[:, :, 0], cache[self.layer], batch.page_table, batch.positions[:, 0],

@@ -264,6 +264,7 @@ def test_native_deepseek_v3_decodes_through_the_kernel(tiny, monkeypatch):
         calls.append(args[3].clone())  # positions
         return mla_decode(*args)
 
+    monkeypatch.setattr(layers, "MLA_DECODE_KERNEL", True)
     monkeypatch.setattr(layers, "_decode_kernel_applies", lambda x, tokens: tokens == 1)
     monkeypatch.setattr(layers, "mla_decode", counted)
     kernel = decode_steps(loaded, prompts, feed, "cpu")
