@@ -119,13 +119,6 @@ def plan(
     by_class = store.dense_bytes_by_class(dtype_bytes)
     host_embedding = by_class.get("embed", 0) if embeddings_host else 0
     dense = sum(by_class.values()) - host_embedding
-    if host_embedding and host_memory:  # a host tier: the table takes its share first
-        if host_embedding > host_memory:
-            raise ValueError(
-                f"--embeddings host: the embedding table ({host_embedding / 2**30:.2f} GiB) does "
-                f"not fit --host-memory {host_memory / 2**30:.2f} GiB: raise it"
-            )
-        host_memory -= host_embedding
     sizes = _Sizes(
         dense, slot, base, len(store.blobs) - base, len(store.moe_layers), host_embedding
     )
@@ -143,6 +136,7 @@ def plan_shape(
     dtype_bytes: int = 2,
     workspace: int = WORKSPACE_BYTES,
     zero_copy_stage: int = 0,
+    embeddings_host: bool = False,
 ) -> Plan:
     """`plan` for the store `hf_config` (a config.json dict) would convert to with `experts`
     blobs (quant/synthetic.expert_format: "q2s" or "bfloat16"), from the config alone: the dense
@@ -157,7 +151,18 @@ def plan_shape(
         t.numel() * (dtype_bytes if t.is_floating_point() else t.element_size())
         for t in dense.values()
     )
-    sizes = _Sizes(nbytes, slot, len(moe) * cfg.num_experts, 0, len(moe))
+    host_embedding = 0
+    if embeddings_host:
+        from moetier.quant.dense_formats import dense_class
+
+        host_embedding = sum(
+            t.numel() * dtype_bytes
+            for k, t in dense.items()
+            if t.is_floating_point() and dense_class(k, t.dim()) == "embed"
+        )
+    sizes = _Sizes(
+        nbytes - host_embedding, slot, len(moe) * cfg.num_experts, 0, len(moe), host_embedding
+    )
     return _plan(cfg, sizes, gpu_memory, host_memory, max_context, batch, dtype_bytes,
                  workspace, zero_copy_stage)  # fmt: skip
 
@@ -187,6 +192,14 @@ def _plan(
     zero_copy_stage: int,
 ) -> Plan:
     dense = sizes.dense_bytes
+    host_embedding = sizes.host_embedding
+    if host_embedding and host_memory:  # a host tier: the table takes its share first
+        if host_embedding > host_memory:
+            raise ValueError(
+                f"--embeddings host: the embedding table ({host_embedding / 2**30:.2f} GiB) does "
+                f"not fit --host-memory {host_memory / 2**30:.2f} GiB: raise it"
+            )
+        host_memory -= host_embedding
     kv = cfg.num_layers * cfg.kv_width * max_context * batch * dtype_bytes
     fixed = dense + kv + workspace
     if fixed > gpu_memory:
