@@ -28,7 +28,7 @@ from moetier.engine.engine import Output
 from moetier.engine.scheduler import ContextLengthError
 from moetier.server.errors import openai_error
 from moetier.server.parsers.base import Delta
-from moetier.server.parsers.serving import ChatParsing, prepare_chat
+from moetier.server.parsers.serving import ChatParsing, prepare_chat, template_kwargs
 from moetier.server.sampling_fields import JsonSchemaFormat, ResponseFormat, SamplingFields
 from moetier.server.state import ServerState, all_outputs, not_ready
 
@@ -96,6 +96,7 @@ class ResponsesRequest(SamplingFields):
     reasoning: dict[str, Any] | None = None
     user: str | None = None
     text: TextOptions | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension, as on chat
 
     @model_validator(mode="after")
     def _text_format(self) -> ResponsesRequest:
@@ -425,6 +426,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 template_tools(req.tools),
                 req.tool_choice,
                 req.parallel_tool_calls,
+                template_kwargs(state.template_defaults, req.chat_template_kwargs),
+                state.options.relaxed_chat_template,
             )
             max_tokens = req.asked_max_tokens()
             engine.check(prompt_ids, params, max_tokens)

@@ -244,6 +244,24 @@ def test_chat_template_kwargs_pass_and_bad_defaults_are_refused(oai, loaded):
         create_app(AsyncEngine(Engine(loaded)), MODEL, options=bad)
 
 
+def test_responses_take_the_template_kwargs_and_the_server_defaults(server, loaded):
+    """/v1/responses renders with the request's chat_template_kwargs over the server's
+    --default-chat-template-kwargs, as chat completions do (a value the server checks shows
+    that each reached the rendering)."""
+    body = {"model": MODEL, "input": "What is the weather?", "max_output_tokens": 2}
+    ok = httpx.post(server + "/v1/responses", json=body)
+    assert ok.status_code == 200
+    asked = {**body, "chat_template_kwargs": {"reasoning_history": "all"}}
+    bad = httpx.post(server + "/v1/responses", json=asked)
+    assert bad.status_code == 400 and "reasoning_history 'all'" in bad.text
+    options = ServerOptions(default_chat_template_kwargs='{"reasoning_history": "all"}')
+    with serving(create_app(AsyncEngine(Engine(loaded)), MODEL, options=options)) as url:
+        by_default = httpx.post(url + "/v1/responses", json=body)
+        assert by_default.status_code == 400 and "reasoning_history 'all'" in by_default.text
+        mine = {**body, "chat_template_kwargs": {"reasoning_history": "drop"}}
+        assert httpx.post(url + "/v1/responses", json=mine).status_code == 200  # request wins
+
+
 def test_prefilled_think_is_continued_as_reasoning_under_the_chosen_field(server, loaded):
     """An assistant message ending in <think> is continued as reasoning, cut by max_tokens it
     stays reasoning (c5), and --reasoning-field names where it goes."""
