@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import skip_without_transformers_family
 
 from moetier.cli.main import main
 from moetier.config import DEFAULT_STORE, EngineConfig
@@ -92,10 +93,8 @@ def test_bench_a_real_shape_slice(capsys, name):
     real GLM-5 layer is ~7 GB of store, too much for a CPU test), through the serving engine."""
     from moetier.quant import synthetic
 
-    try:
-        synthetic.meta_model(synthetic.SHAPES[name])
-    except ValueError as err:  # transformers 5.17 may lack deepseek_v4
-        pytest.skip(str(err))
+    skip_without_transformers_family(synthetic.SHAPES[name]["model_type"])
+    synthetic.meta_model(synthetic.SHAPES[name])
     lines, err = bench_lines(capsys, "--shape", name, "--layers", "1", "--prompt-tokens", "8",
                              "--new-tokens", "3", "--warmup", "0")  # fmt: skip
     (line,) = lines

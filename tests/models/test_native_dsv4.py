@@ -228,6 +228,11 @@ def test_bfloat16_keeps_transformers_fp32_parameters(variant, native):
         with torch.no_grad():
             theirs = hf_reference(variant[0], torch.bfloat16)(ids).logits.float()
     except RuntimeError as exc:
+        import transformers
+        from packaging.version import Version
+
+        if Version(transformers.__version__) >= Version("5.24"):
+            raise  # it runs there: a failure is real
         pytest.skip(f"transformers' DeepSeek-V4 does not run in bfloat16 here: {exc}")
     # both in bf16 (their error against fp32 is ~7% of the logit range on this model)
     assert (ours - theirs).abs().max().item() <= 0.02 * theirs.abs().max().item()

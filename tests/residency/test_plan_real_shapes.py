@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from tiny_models import skip_without_transformers_family
 
 from moetier.cli.main import main
 from moetier.core.layout import TENSOR_ALIGN, align_up
@@ -18,10 +19,8 @@ from moetier.residency.planner import parse_bytes, plan, plan_shape
 
 def config_or_skip(name: str, **changes: object) -> dict:
     config = dict(shape(name), **changes)
-    try:
-        meta_model(config)
-    except ValueError as err:  # transformers 5.17 may lack deepseek_v4
-        pytest.skip(str(err))
+    skip_without_transformers_family(config["model_type"])
+    meta_model(config)
     return config
 
 
