@@ -133,11 +133,11 @@ class PagedRunner(StepSampler):
             logits, launch = self._decode_logits(items)  # [R, V]
             if not sampling and not spans:
                 return Sampled()
-            if lookahead and self.lookahead and launch is not None and not spans:
-                if len(sampling) == len(items):
-                    pending = self._sample_start(logits, items)
-                    self._launch_ahead(items, launch, pending.tokens)
-                    return self._sample_finish(pending)
+            every_row_samples = len(sampling) == len(items) and not spans
+            if lookahead and self.lookahead and launch is not None and every_row_samples:
+                pending = self._sample_start(logits, items)
+                self._launch_ahead(items, launch, pending.tokens)
+                return self._sample_finish(pending)
             picked = logits
             if len(sampling) < len(items):
                 picked = logits.index_select(0, to_device(sampling, self.device))
