@@ -13,6 +13,7 @@ of a prompt of the same length whose first token differs (no prefix hit), and th
 
   python bench/serve.py --layers 8 --concurrency 1,4,16,64
   python bench/serve.py --layers 8 --agent-turns 8 --turn-tokens 800 --answer-tokens 200
+  python bench/serve.py --layers 8 --concurrency 1,64 --profile 32   # + where a step's time goes
   python bench/serve.py --device cpu --shape tiny --layers 2 --concurrency 1,4   # smoke test
   python bench/serve.py --shape glm-5 --layers 4 --concurrency 1 [--native off]   # real shapes:
       glm-5, deepseek-v4-flash (quant/synthetic.SHAPES); --native off runs the transformers class
@@ -21,10 +22,13 @@ of a prompt of the same length whose first token differs (no prefix hit), and th
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from common import emit  # noqa: E402  (bench/ is on sys.path when run as a script)
@@ -89,6 +93,70 @@ def run_case(engine: Engine, concurrency: int, prompt: int, new: int, seed: int)
         "peak_kv_pages": peak_pages,
         "graphs": sorted(getattr(engine.runner, "graphs", {})),
         "steps_ahead_taken": getattr(engine.runner, "ahead_taken", 0),
+    }
+
+
+def profile_steps(engine: Engine, concurrency: int, prompt: int, steps: int, seed: int) -> dict:
+    """`steps` decode steps of `concurrency` streams under torch.profiler -> where a step's time
+    goes: wall ms per step and the top GPU kernels (device µs per step, calls per step)."""
+    vocab = engine.loaded.model_config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    new = 2 * steps + 16
+    greedy = SamplingParams(temperature=0, max_new_tokens=new)
+    for i in range(concurrency):
+        ids = torch.randint(10, vocab, (prompt,), generator=gen).tolist()
+        engine.add(f"p{concurrency}-{i}", ids, greedy, max_tokens=new, ignore_eos=True)
+    started: set[str] = set()
+    while len(started) < concurrency:  # every prompt read, every stream decoding
+        started.update(out.request_id for out in engine.step())
+    for _ in range(4):
+        engine.step()
+    cuda = engine.loaded.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        began = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = time.perf_counter() - began
+    host = cProfile.Profile()  # the host's Python: where its share of a step goes
+    host.enable()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    host.disable()
+    by_function = pstats.Stats(host).stats  # type: ignore[attr-defined]
+    host_top = sorted(by_function.items(), key=lambda kv: -kv[1][2])[:12]
+    while engine.has_work:
+        engine.step()
+
+    def own_us(e: Any) -> float:  # GPU time on CUDA, else the op's own CPU time
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    events = [e for e in prof.key_averages() if own_us(e) > 0]
+    gpu_us = sum(own_us(e) for e in events)
+    return {
+        "case": "serve-profile",
+        "concurrency": concurrency,
+        "steps": steps,
+        "wall_ms_per_step": round(1e3 * wall / steps, 4),
+        "gpu_ms_per_step": round(gpu_us / 1e3 / steps, 4),
+        "kernels": [
+            {
+                "name": e.key[:90],
+                "us_per_step": round(own_us(e) / steps, 2),
+                "calls_per_step": round(e.count / steps, 2),
+            }
+            for e in sorted(events, key=lambda e: -own_us(e))[:16]
+        ],
+        "host_own_us_per_step (cProfile)": [
+            {"function": f"{Path(f[0]).name}:{f[1]}:{f[2]}", "us": round(1e6 * v[2] / steps, 1)}
+            for f, v in host_top
+        ],
     }
 
 
@@ -159,6 +227,9 @@ def main() -> None:
         default="on",
         choices=("on", "off"),
         help="launch the next decode step before the host handles this one's tokens",
+    )
+    parser.add_argument(
+        "--profile", type=int, default=0, help="also profile this many decode steps per concurrency"
     )
     parser.add_argument("--agent-turns", type=int, default=0, help="the agent shape's turns")
     parser.add_argument("--turn-tokens", type=int, default=800, help="agent: new tokens a turn")
@@ -236,6 +307,13 @@ def main() -> None:
                     "copy_GB/s": round(copy / 1e9, 1) if copy else None,
                 }
             )
+            if args.profile:
+                emit(
+                    {
+                        **common,
+                        **profile_steps(engine, concurrency, args.prompt_tokens, args.profile, 4),
+                    }
+                )
 
 
 if __name__ == "__main__":
