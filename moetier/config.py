@@ -481,8 +481,8 @@ class EngineConfig:
         default=True,
         metadata={
             "help": "run the native model file (paged KV cache, compiled CUDA-graph decode) where "
-            "the model type has one (qwen3_moe, deepseek_v3); --no-native runs the transformers "
-            "model class (every family, slower)"
+            "the model type has one (the families marked native in docs/models.md); --no-native "
+            "runs the transformers model class (every family, slower)"
         },
     )
     cuda_graph: bool = field(

@@ -25,7 +25,7 @@ from moetier.loader.loaded_model import (
     experts_runtime,
     loaded_model,
 )
-from moetier.models import glm_moe_dsa
+from moetier.models import glm4_moe, glm_moe_dsa
 from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 from moetier.models.deepseek_v4 import KEEP_FP32 as DEEPSEEK_V4_FP32
 from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4MoE
@@ -70,6 +70,13 @@ NATIVE_FAMILIES = {
         DeepseekV3MoE,
         keep_fp32=("e_score_correction_bias", "mlp.gate.weight", "indexer.weights_proj.weight"),
         model_kwargs=glm_moe_dsa.model_kwargs,
+    ),
+    "glm4_moe": NativeFamily(
+        glm4_moe.Glm4MoeForCausalLM,
+        "Glm4MoeRotaryEmbedding",
+        glm4_moe.Glm4MoeMoE,
+        keep_fp32=("e_score_correction_bias", "mlp.gate.weight"),
+        model_kwargs=glm4_moe.model_kwargs,
     ),
 }
 
