@@ -477,6 +477,14 @@ class EngineConfig:
             "(decayed routing-weight sum); docs/residency.md compares them"
         },
     )
+    verify: bool = field(
+        default=True,
+        metadata={
+            "help": "check each expert blob's crc32 the first time it is read into a tier (host "
+            "RAM or the GPU cache); a corrupted blob is an error naming its layer, expert, plane "
+            "and file offset; --no-verify skips the check (`moetier verify STORE` checks all)"
+        },
+    )
     native: bool = field(
         default=True,
         metadata={

@@ -14,6 +14,7 @@ VERBS = {
     "quality": "KL divergence and perplexity of a store against its Hugging Face reference",
     "plan": "print where a store's weights, KV cache and experts go under memory budgets",
     "bench": "measure prefill and decode speed on this machine, next to its floor",
+    "verify": "check a store's index and every expert blob's checksum",
     "parse": "split raw model output on stdin into content, reasoning and tool calls (JSON)",
 }
 

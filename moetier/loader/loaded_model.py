@@ -14,6 +14,7 @@ from moetier.core.layout import DTYPES
 from moetier.models.experts import ExpertsRuntime
 from moetier.models.host_embedding import embeddings_to_host
 from moetier.quant.store import Store
+from moetier.quant.verify import FirstReadCheck
 from moetier.residency.disk import DiskReader
 from moetier.residency.slot_pool import SlotPool, make_policy
 
@@ -94,12 +95,14 @@ def experts_runtime(
         )
         print(placement.render(), file=sys.stderr)
         budget = max(1, placement.gpu_expert_bytes)
+    # each blob's crc32 checked the first time a tier reads it (quant/verify.py)
+    check = FirstReadCheck(store) if engine_config.verify else None
     host = None
     if engine_config.host_memory:
         from moetier.residency.host_tier import HostTier
         from moetier.residency.planner import parse_bytes
 
-        host = HostTier.for_budget(store, parse_bytes(engine_config.host_memory))
+        host = HostTier.for_budget(store, parse_bytes(engine_config.host_memory), check=check)
     residency = SlotPool.for_budget(
         store,
         device,
@@ -108,6 +111,7 @@ def experts_runtime(
         make_policy(engine_config.cache_policy, len(store.moe_layers)),
         DiskReader.for_store(store) if engine_config.expert_reads == "direct" else None,
         host,
+        check,
     )
     formats = {layer: store.blob_format(layer) for layer in store.moe_layers}
     delta_formats = (

@@ -22,6 +22,7 @@ import torch
 
 from moetier.core.layout import TENSOR_ALIGN, align_up
 from moetier.quant.store import Store
+from moetier.quant.verify import FirstReadCheck
 from moetier.residency.telemetry import TierCounters
 
 BlobKey = tuple[int, int, str]
@@ -37,7 +38,8 @@ def default_order(store: Store) -> list[BlobKey]:
 
 class HostTier:
     """`keys` of `store` copied into host arenas of `row_bytes` rows (pinned when `pinned`,
-    default: when CUDA is available)."""
+    default: when CUDA is available); with `check`, each row's crc32 verified once it is filled
+    (quant/verify.py: a corrupted blob raises CorruptBlob)."""
 
     def __init__(
         self,
@@ -45,6 +47,7 @@ class HostTier:
         keys: Sequence[BlobKey],
         row_bytes: int | None = None,
         pinned: bool | None = None,
+        check: FirstReadCheck | None = None,
     ) -> None:
         unknown = [k for k in keys if k not in store.blobs]
         if unknown:
@@ -82,6 +85,8 @@ class HostTier:
             blob = store.blob(*key)
             self.row(key)[: blob.numel()].copy_(blob)
             self.counters.bytes += blob.numel()
+        if check is not None:
+            check.check([(key, self.row(key)[: store.blobs[key].nbytes]) for key in self.keys])
 
     @classmethod
     def for_budget(
@@ -92,6 +97,7 @@ class HostTier:
         order: Sequence[BlobKey] | None = None,
         row_bytes: int | None = None,
         pinned: bool | None = None,
+        check: FirstReadCheck | None = None,
     ) -> HostTier:
         """As many blobs of `order` (default `default_order`) as `budget_bytes` holds, skipping
         `exclude` (e.g. the blobs the GPU keeps for good). Rows are sized for the store's
@@ -103,7 +109,7 @@ class HostTier:
         skip = set(exclude)
         order = order if order is not None else default_order(store)
         wanted = [k for k in order if k not in skip]
-        return cls(store, wanted[: budget_bytes // row], row, pinned)
+        return cls(store, wanted[: budget_bytes // row], row, pinned, check)
 
     def __contains__(self, key: object) -> bool:
         return key in self.index

@@ -19,6 +19,7 @@ import torch
 
 from moetier.core.layout import TENSOR_ALIGN, align_up
 from moetier.quant.store import Store
+from moetier.quant.verify import CorruptBlob, FirstReadCheck
 from moetier.residency.disk import DiskReader, read_size
 from moetier.residency.host_tier import HostTier
 from moetier.residency.policies import LRU, CachePolicy, online_policy
@@ -66,10 +67,13 @@ class SlotPool:
         policy: CachePolicy[BlobKey] | None = None,
         disk: DiskReader | None = None,
         host: HostTier | None = None,
+        check: FirstReadCheck | None = None,
     ) -> None:
         """`disk`: fetch misses with parallel (O_DIRECT where allowed) preads of the store's
         file instead of copying from its memory mapping (which goes through the page cache).
-        `host`: the host tier; misses it holds are copied from there."""
+        `host`: the host tier; misses it holds are copied from there. `check`: a blob read from
+        the store is verified (crc32) the first time, before it is copied into a slot; a
+        corrupted one raises CorruptBlob and is not left resident (quant/verify.py)."""
         if num_slots < 1:
             raise ValueError(
                 "the expert cache needs at least one slot: raise --expert-cache-mb or --gpu-memory"
@@ -88,6 +92,7 @@ class SlotPool:
         self._slots: dict[BlobKey, int] = {}
         self.disk = disk
         self.host = host
+        self.check = check
         self._free = list(range(num_slots - 1, -1, -1))
         self.reserved = 0  # the last `reserved` slots are scratch (`reserve`), never cached
         self.stats = ResidencyStats()
@@ -107,6 +112,7 @@ class SlotPool:
         policy: CachePolicy[BlobKey] | None = None,
         disk: DiskReader | None = None,
         host: HostTier | None = None,
+        check: FirstReadCheck | None = None,
     ) -> SlotPool:
         """Size the pool from a byte budget (0 = every expert of the store fits)."""
         slot_bytes = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
@@ -119,7 +125,7 @@ class SlotPool:
                 f"an expert cache of {budget_bytes / 2**20:.1f} MiB holds no expert "
                 f"({slot_bytes / 2**20:.2f} MiB each): raise --expert-cache-mb or --gpu-memory"
             )
-        return cls(store, device, num_slots, slot_bytes, policy, disk, host)
+        return cls(store, device, num_slots, slot_bytes, policy, disk, host, check)
 
     @property
     def capacity(self) -> int:
@@ -280,7 +286,19 @@ class SlotPool:
 
     def _copy_in(self, misses: list[tuple[BlobKey, int]]) -> None:
         """Copy blobs into slots on the current stream: from the host tier where it holds them,
-        else from the store (mmap, or the disk reader's parallel direct reads)."""
+        else from the store (mmap, or the disk reader's parallel direct reads). A blob that
+        fails its first-read check leaves every slot of `misses` free again, then raises."""
+        try:
+            self._copy_slots(misses)
+        except CorruptBlob:
+            for key, slot in misses:
+                if self._slots.get(key) == slot:
+                    del self._slots[key]
+                    self._pending.pop(slot, None)
+                    self._free.append(slot)
+            raise
+
+    def _copy_slots(self, misses: list[tuple[BlobKey, int]]) -> None:
         from_disk = []
         from_host = []
         for key, slot in misses:
@@ -297,8 +315,10 @@ class SlotPool:
             return
         self.disk_counters.hits += len(from_disk)
         if self.disk is None:
-            for key, slot in from_disk:
-                blob = self.store.blob(*key)
+            blobs = [self.store.blob(*key) for key, _ in from_disk]
+            if self.check is not None:
+                self.check.check([(key, b) for (key, _), b in zip(from_disk, blobs, strict=True)])
+            for (_, slot), blob in zip(from_disk, blobs, strict=True):
                 self.pool[slot, : blob.numel()].copy_(blob)
                 self.stats.bytes_fetched += blob.numel()
                 self.disk_counters.bytes += blob.numel()
@@ -310,6 +330,10 @@ class SlotPool:
             starts.append(starts[-1] + read_size(n))
         buffers = [staging[s : s + read_size(n)] for s, n in zip(starts, sizes, strict=True)]
         self.disk.read_blobs(self.store, [key for key, _ in from_disk], buffers)
+        if self.check is not None:
+            self.check.check(
+                [(key, b[:n]) for (key, _), b, n in zip(from_disk, buffers, sizes, strict=True)]
+            )
         for (_, slot), buffer, n in zip(from_disk, buffers, sizes, strict=True):
             self.pool[slot, :n].copy_(buffer[:n])
             self.stats.bytes_fetched += n

@@ -1,0 +1,237 @@
+"""Store integrity: `verify_store` (what `moetier verify` runs) checks the index and every blob's
+crc32; `FirstReadCheck` verifies a blob the first time a tier reads it (residency/host_tier.py,
+residency/slot_pool.py), so a corrupted blob is an error naming it, never a wrong answer.
+
+A blob's checksum is zlib's crc32 of its bytes, written by the converter into experts.json
+(quant/store.py). zlib releases the GIL on buffers of more than a few KiB, so checks of several
+blobs run side by side on a small thread pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moetier.quant.store import (
+    BLOB_ALIGN,
+    DENSE_FILE,
+    EXPERTS_FILE,
+    BlobEntry,
+    Store,
+    crc32,
+)
+
+BlobKey = tuple[int, int, str]
+# checks of fewer bytes than this run on the calling thread (a pool hand-off costs more)
+PARALLEL_BYTES = 1 << 20
+READ_CHUNK = 8 << 20
+
+
+def _workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class CorruptBlob(ValueError):
+    """A blob whose bytes do not match its index checksum."""
+
+    def __init__(self, path: Path, entry: BlobEntry, got: int) -> None:
+        self.entry = entry
+        self.got = got
+        super().__init__(
+            f"corrupted expert blob: layer {entry.layer}, expert {entry.expert}, plane "
+            f"{entry.plane}, file {path / EXPERTS_FILE}, offset {entry.offset} ({entry.nbytes} "
+            f"bytes): crc32 {got:#010x}, the index says {entry.crc32:#010x}. Run `moetier "
+            f"verify {path}`; convert the model again or restore the file"
+        )
+
+
+@dataclass
+class VerifyReport:
+    """What `verify_store` found: one line per problem (none: the store is sound)."""
+
+    path: Path
+    blobs: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def index_problems(store: Store) -> list[str]:
+    """What is wrong with `store`'s index, without reading a blob: blobs outside experts.bin,
+    unaligned or overlapping, sizes that disagree with their format, missing experts or planes,
+    an unreadable dense.safetensors header."""
+    problems = []
+    size = (store.path / EXPERTS_FILE).stat().st_size
+    entries = sorted(store.all_blobs.values(), key=lambda e: e.offset)
+    cfg = store.model_config
+    end = 0
+    for e in entries:
+        where = f"layer {e.layer}, expert {e.expert}, plane {e.plane} (offset {e.offset})"
+        fmt = store.formats.get(e.format)
+        if fmt is None:
+            problems.append(f"{where}: format {e.format!r} is not in the index's formats")
+        elif fmt.nbytes != e.nbytes:
+            problems.append(f"{where}: {e.nbytes} bytes, its format {e.format} has {fmt.nbytes}")
+        if e.offset % BLOB_ALIGN:
+            problems.append(f"{where}: not {BLOB_ALIGN}-byte aligned")
+        if e.offset + e.nbytes > size:
+            problems.append(f"{where}: ends past experts.bin ({size} bytes)")
+        if e.offset < end:
+            problems.append(f"{where}: overlaps the blob before it (which ends at {end})")
+        end = max(end, e.offset + e.nbytes)
+    for layer in store.expert_layers:
+        planes = {k[2] for k in store.all_blobs if k[0] == layer}
+        for plane in sorted(planes | {"base"}):
+            missing = [
+                x for x in range(cfg.num_experts) if (layer, x, plane) not in store.all_blobs
+            ]
+            if missing:
+                problems.append(
+                    f"layer {layer}, plane {plane}: no blob for experts {_short(missing)}"
+                )
+    problems += _dense_problems(store.path / DENSE_FILE)
+    return problems
+
+
+def _dense_problems(path: Path) -> list[str]:
+    if not path.is_file():
+        return [f"{path} is missing"]
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+    except (struct.error, ValueError, UnicodeDecodeError) as err:
+        return [f"{path}: unreadable safetensors header ({err})"]
+    data = size - 8 - header_len
+    bad = [
+        name
+        for name, info in header.items()
+        if name != "__metadata__" and info["data_offsets"][1] > data
+    ]
+    return [f"{path}: tensor {bad[0]} lies past the end of the file"] if bad else []
+
+
+def _short(values: list[int]) -> str:
+    more = f" and {len(values) - 8} more" if len(values) > 8 else ""
+    return ", ".join(map(str, values[:8])) + more
+
+
+def _file_crc(fd: int, offset: int, nbytes: int) -> int:
+    """crc32 of bytes [offset, offset + nbytes) of `fd`, read in chunks with pread (no mmap: a
+    pass over the whole file must not stay in the process's resident memory)."""
+    crc = 0
+    done = 0
+    while done < nbytes:
+        chunk = os.pread(fd, min(READ_CHUNK, nbytes - done), offset + done)
+        if not chunk:
+            raise OSError(f"short read at {offset + done}")
+        crc = zlib.crc32(chunk, crc)
+        done += len(chunk)
+    return crc & 0xFFFFFFFF
+
+
+def verify_store(
+    path: str | Path,
+    workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check `path`'s index and every blob's crc32 (the MTP layers' too), `workers` blobs at a
+    time. `progress(nbytes)` is called after each blob."""
+    report = VerifyReport(Path(path))
+    start = time.perf_counter()
+    try:
+        store = Store(path)
+    except (ValueError, OSError, KeyError) as err:
+        report.problems.append(f"{path}: {err}")
+        return report
+    try:
+        report.problems += index_problems(store)
+        size = (store.path / EXPERTS_FILE).stat().st_size
+        entries = [e for e in store.all_blobs.values() if e.offset + e.nbytes <= size]
+        fd = os.open(store.path / EXPERTS_FILE, os.O_RDONLY)
+        try:
+
+            def check(entry: BlobEntry) -> tuple[BlobEntry, int]:
+                got = _file_crc(fd, entry.offset, entry.nbytes)
+                if progress is not None:
+                    progress(entry.nbytes)
+                return entry, got
+
+            with ThreadPoolExecutor(workers or _workers()) as pool:
+                for entry, got in pool.map(check, sorted(entries, key=lambda e: e.offset)):
+                    report.blobs += 1
+                    report.bytes += entry.nbytes
+                    if got != entry.crc32:
+                        report.problems.append(str(CorruptBlob(store.path, entry, got)))
+        finally:
+            os.close(fd)
+    finally:
+        store.close()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+class FirstReadCheck:
+    """Verifies each blob of `store` once, the first time a tier reads it: `check(items)`
+    computes the crc32 of the (key, bytes) pairs not verified yet and raises `CorruptBlob` on
+    the first mismatch (that blob stays unverified, so every later read of it fails too).
+    Thread-safe; `seconds` and `bytes` count the work done."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.seconds = 0.0
+        self.bytes = 0
+        self._verified: set[BlobKey] = set()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._verified
+
+    def check(self, items: Sequence[tuple[BlobKey, torch.Tensor]]) -> None:
+        todo = [(key, data) for key, data in items if key not in self._verified]
+        if not todo:
+            return
+        start = time.perf_counter()
+        total = sum(data.numel() for _, data in todo)
+        datas = [data for _, data in todo]
+        if len(todo) > 1 and total >= PARALLEL_BYTES:
+            sums = list(self._executor().map(crc32, datas))
+        else:
+            sums = [crc32(data) for data in datas]
+        entries = self.store.all_blobs
+        good = []
+        bad: tuple[BlobEntry, int] | None = None
+        for (key, _), got in zip(todo, sums, strict=True):
+            entry = entries[key]
+            if got == entry.crc32:
+                good.append(key)
+            elif bad is None:
+                bad = (entry, got)
+        with self._lock:
+            self._verified.update(good)
+            self.seconds += time.perf_counter() - start
+            self.bytes += total
+        if bad is not None:
+            raise CorruptBlob(self.store.path, *bad)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_workers(), thread_name_prefix="moetier-verify")
+            return self._pool

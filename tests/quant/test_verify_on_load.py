@@ -1,0 +1,195 @@
+"""Store integrity (issue #48): `moetier verify` checks the index and every blob's crc32 and names
+a bad blob by layer, expert, plane, file and offset; the tiers verify a blob the first time they
+read it, so a corrupted blob raises instead of being computed with, and the server answers an
+error, not text, for a request that needs it (`--no-verify` serves the bad bytes, which shows it
+is the check that refuses). The reference is zlib's crc32 of the bytes the converter wrote."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+from uvicorn_thread import serving  # noqa: E402
+
+from moetier.cli.main import main  # noqa: E402
+from moetier.quant.store import EXPERTS_FILE, INDEX_FILE, Store  # noqa: E402
+from moetier.quant.verify import CorruptBlob, FirstReadCheck, verify_store  # noqa: E402
+from moetier.residency.disk import DiskReader  # noqa: E402
+from moetier.residency.host_tier import HostTier  # noqa: E402
+from moetier.residency.slot_pool import SlotPool  # noqa: E402
+
+
+@pytest.fixture
+def store_copy(tiny, tmp_path) -> Path:
+    path = tmp_path / "store"
+    shutil.copytree(tiny.store("qwen3_moe"), path)
+    return path
+
+
+def entry_of(path: Path, layer: int, expert: int, plane: str = "base") -> dict:
+    index = json.loads((path / INDEX_FILE).read_text())
+    return next(
+        b for b in index["blobs"] if (b["layer"], b["expert"], b["plane"]) == (layer, expert, plane)
+    )
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path / EXPERTS_FILE, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x20]))
+
+
+def corrupt(path: Path, layer: int, expert: int, at: int = 77) -> dict:
+    """Flip one byte `at` bytes into the blob; returns its index entry."""
+    entry = entry_of(path, layer, expert)
+    flip_byte(path, entry["offset"] + at)
+    return entry
+
+
+def names(message: str, path: Path, entry: dict) -> bool:
+    return (
+        f"layer {entry['layer']}, expert {entry['expert']}, plane {entry['plane']}" in message
+        and str(path / EXPERTS_FILE) in message
+        and f"offset {entry['offset']}" in message
+    )
+
+
+def test_index_checksums_are_zlib_crc32_of_the_bytes(store_copy):
+    data = (store_copy / EXPERTS_FILE).read_bytes()
+    index = json.loads((store_copy / INDEX_FILE).read_text())
+    for b in index["blobs"]:
+        assert zlib.crc32(data[b["offset"] : b["offset"] + b["bytes"]]) == b["crc32"]
+
+
+def test_verify_command_passes_a_sound_store_and_names_a_flipped_byte(store_copy, capsys):
+    assert main(["verify", str(store_copy)]) == 0
+    assert "ok" in capsys.readouterr().out
+    layer = Store(store_copy).moe_layers[-1]
+    entry = corrupt(store_copy, layer, 3)
+    assert main(["verify", str(store_copy)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and names(out[0], store_copy, entry), out
+
+
+def test_verify_reports_index_problems(store_copy):
+    index = json.loads((store_copy / INDEX_FILE).read_text())
+    index["blobs"] = [b for b in index["blobs"] if (b["layer"], b["expert"]) != (0, 1)]
+    first = next(b for b in index["blobs"] if b["offset"] > 0)
+    first["offset"] += 8  # unaligned, and now past its bytes: its checksum fails too
+    (store_copy / INDEX_FILE).write_text(json.dumps(index))
+    report = verify_store(store_copy)
+    text = "\n".join(report.problems)
+    assert "layer 0, plane base: no blob for experts 1" in text
+    assert "not 4096-byte aligned" in text
+    assert "crc32" in text and not report.ok
+
+
+def test_verify_reports_a_truncated_experts_file(store_copy):
+    size = (store_copy / EXPERTS_FILE).stat().st_size
+    with open(store_copy / EXPERTS_FILE, "r+b") as f:
+        f.truncate(size - 4096)
+    report = verify_store(store_copy)
+    assert not report.ok and "truncated" in report.problems[0]
+
+
+def test_first_read_check_in_the_gpu_tier_mmap_and_direct(store_copy):
+    layer = Store(store_copy).moe_layers[0]
+    entry = corrupt(store_copy, layer, 2)
+    store = Store(store_copy)
+    for disk in (None, DiskReader.for_store(store, direct=False)):
+        check = FirstReadCheck(store)
+        pool = SlotPool.for_budget(store, "cpu", disk=disk, check=check)
+        table = pool.ensure(layer, [0, 1])  # sound blobs load
+        assert (layer, 0, "base") in check and int(table[1]) >= 0
+        for _ in range(2):  # and a bad one fails every time: it is never left resident
+            with pytest.raises(CorruptBlob) as err:
+                pool.ensure(layer, [1, 2, 3])
+            assert names(str(err.value), store_copy, entry)
+            assert pool.slot_of((layer, 2, "base")) is None
+            assert pool.slot_of((layer, 3, "base")) is None
+        free = pool.capacity - len(pool.resident())
+        assert free == pool.capacity - 2  # the failed batch's slots are free again
+        # without the check, the flipped byte would have been computed with
+        unchecked = SlotPool.for_budget(store, "cpu", disk=disk)
+        slot = int(unchecked.ensure(layer, [2])[2])
+        got = unchecked.pool[slot, : entry["bytes"]]
+        assert zlib.crc32(got.numpy().tobytes()) != entry["crc32"]
+        if disk is not None:
+            disk.close()
+
+
+def test_first_read_check_in_the_host_tier(store_copy):
+    layer = Store(store_copy).moe_layers[-1]
+    entry = corrupt(store_copy, layer, 5, at=1)
+    store = Store(store_copy)
+    with pytest.raises(CorruptBlob) as err:
+        HostTier.for_budget(store, 1 << 30, check=FirstReadCheck(store))
+    assert names(str(err.value), store_copy, entry)
+    host = HostTier.for_budget(store, 1 << 30)  # unchecked, it holds the bad bytes
+    assert (
+        zlib.crc32(host.row((layer, 5, "base"))[: entry["bytes"]].numpy().tobytes())
+        != (entry["crc32"])
+    )
+
+
+def test_first_read_check_verifies_each_blob_once(store_copy):
+    store = Store(store_copy)
+    check = FirstReadCheck(store)
+    keys = sorted(store.blobs)[:4]
+    check.check([(k, store.blob(*k)) for k in keys])
+    checked = check.bytes
+    assert checked == sum(store.blobs[k].nbytes for k in keys)
+    check.check([(k, store.blob(*k)) for k in keys])
+    assert check.bytes == checked  # already verified: not read again
+    wrong = torch.zeros_like(store.blob(*keys[0]))
+    check.check([(keys[0], wrong)])  # verified before: the first read is the one checked
+
+
+def chat(url: str) -> httpx.Response:
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_server_refuses_to_answer_from_a_corrupted_blob(store_copy):
+    from moetier.config import EngineConfig
+    from moetier.engine.async_engine import AsyncEngine
+    from moetier.engine.engine import Engine
+    from moetier.engine.sampler import SamplingParams
+    from moetier.loader.load import load_model
+    from moetier.server.app import create_app
+
+    store = Store(store_copy)
+    layer = store.moe_layers[0]
+    entries = [corrupt(store_copy, layer, x) for x in range(store.model_config.num_experts)]
+    for verify in (True, False):
+
+        def build(verify: bool = verify) -> AsyncEngine:
+            config = EngineConfig(device="cpu", verify=verify)
+            return AsyncEngine(Engine(load_model(store_copy, config)))
+
+        app = create_app(build, "m", SamplingParams(temperature=0))
+        with serving(app) as url:
+            for _ in range(60):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+                time.sleep(0.5)
+            first, again = chat(url), chat(url)
+        if verify:
+            for response in (first, again):
+                assert response.status_code >= 500, response.text
+                message = response.json()["error"]["message"]
+                assert "corrupted expert blob" in message
+                assert any(names(message, store_copy, e) for e in entries), message
+        else:
+            assert first.status_code == 200 and first.json()["choices"][0]["message"]
