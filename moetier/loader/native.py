@@ -25,7 +25,7 @@ from moetier.loader.loaded_model import (
     experts_runtime,
     loaded_model,
 )
-from moetier.models import glm4_moe, glm_moe_dsa
+from moetier.models import glm4_moe, glm_moe_dsa, gpt_oss
 from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 from moetier.models.deepseek_v4 import KEEP_FP32 as DEEPSEEK_V4_FP32
 from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4MoE
@@ -77,6 +77,13 @@ NATIVE_FAMILIES = {
         glm4_moe.Glm4MoeMoE,
         keep_fp32=("e_score_correction_bias", "mlp.gate.weight"),
         model_kwargs=glm4_moe.model_kwargs,
+    ),
+    "gpt_oss": NativeFamily(
+        gpt_oss.GptOssForCausalLM,
+        "GptOssRotaryEmbedding",
+        gpt_oss.GptOssMLP,
+        setup=gpt_oss.setup,
+        model_kwargs=gpt_oss.model_kwargs,
     ),
 }
 
