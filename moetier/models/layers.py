@@ -211,11 +211,10 @@ class Attention(nn.Module):
 
 
 # MLAttention's CUDA decode through `moetier::mla_decode` (no gathered pages, so the engine's MLA
-# decode steps are graphed): the kernel has passed its tests under Triton's interpreter only, not
-# yet on a GPU (tests/kernels/test_mla_decode.py's gpu tests; the grouped q2s kernel, interpreted
-# clean, did not compile on the H100 the same day). Until they pass there, CUDA keeps SDPA over
-# gathered pages (eager engine steps); the CPU tests switch it on.
-MLA_DECODE_KERNEL = False
+# decode steps are graphed). Its GPU tests (tests/kernels/test_mla_decode.py, the engine's batched
+# greedy against alone, the native DeepSeek tests) passed on an H100 with it on; off, CUDA runs SDPA
+# over gathered pages (eager engine steps), as the CPU path does unless a test switches it on.
+MLA_DECODE_KERNEL = True
 
 
 def _decode_kernel_applies(x: torch.Tensor, tokens: int) -> bool:
