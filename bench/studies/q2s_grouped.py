@@ -7,6 +7,7 @@ speed (GPU slots) and zero-copy read speed (host rows), `moetier.residency.links
 
   python bench/studies/q2s_grouped.py                         # T = 1, 4, 16, 64
   python bench/studies/q2s_grouped.py --tokens 16,64 --block-t 4,8
+  python bench/studies/q2s_grouped.py --tokens 64 --budgets 1.0 --block-t 8,16 --tiles 128x256w8
 
 Each case: a CUDA graph of the 8 layers' calls (each layer its own pool and routing), timed as
 `bench/common.graph_ms` times (median of replays); step_ms = the 8 calls. `grouped` with a
@@ -61,12 +62,29 @@ def grouped_choice(shape: str, tokens: int, zero_copy: bool, block_t: int) -> Ch
     return chosen
 
 
+def tiled(choice: Choice, tile: str) -> Choice:
+    """`choice` with both launches' tiles set from "NxKwW[sS]" (see --tiles)."""
+    n, rest = tile.split("x")
+    k, rest = rest.split("w")
+    warps, _, stages = rest.partition("s")
+    fields = {"block_n": int(n), "block_k": int(k), "num_warps": int(warps)}
+    if stages:
+        fields["num_stages"] = int(stages)
+    return replace(choice[0], **fields), replace(choice[1], **fields)  # type: ignore[arg-type]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--tokens", default="1,4,16,64")
     parser.add_argument("--block-t", default="0", help="BLOCK_T values (0: the dispatcher's)")
+    parser.add_argument(
+        "--tiles",
+        default="",
+        help="grouped tiles to try, both launches: BLOCK_NxBLOCK_KwWARPS[sSTAGES],... "
+        "(e.g. 64x256w4,128x128w8s2); empty: the dispatcher's",
+    )
     parser.add_argument("--budgets", default="1.0,0.25", help="GPU fractions of the experts")
     args = parser.parse_args()
     fmt = q2s_format(args.shape)
@@ -94,8 +112,11 @@ def main() -> None:
                 ("current", current_choice(args.shape, tokens, zero_copy))
             ]
             for bt in (int(b) for b in args.block_t.split(",")):
-                kinds.append((f"grouped-t{bt}" if bt else "grouped",
-                              grouped_choice(args.shape, tokens, zero_copy, bt)))  # fmt: skip
+                base = grouped_choice(args.shape, tokens, zero_copy, bt)
+                name = f"grouped-t{bt}" if bt else "grouped"
+                kinds.append((name, base))
+                for tile in filter(None, args.tiles.split(",")):
+                    kinds.append((f"{name}-{tile}", tiled(base, tile)))
             for name, choice in kinds:
                 calls = [
                     (lambda layer=layer, r=r, c=choice: layer.call(r, c))
@@ -104,6 +125,8 @@ def main() -> None:
                 step_ms = graph_ms(calls) * len(calls)
                 emit({"case": name, "budget": budget, "tokens": tokens,
                       "block_t": choice[0].group_pairs, "q2s_mma": choice[0].q2s_mma,
+                      "tile": [choice[0].block_n, choice[0].block_k, choice[0].num_warps,
+                               choice[0].num_stages],
                       "step_ms": round(step_ms, 4), "floor_ms": round(floor_s * 1e3, 4),
                       "step_over_floor": round(step_ms / (floor_s * 1e3), 3)})  # fmt: skip
         del layers
