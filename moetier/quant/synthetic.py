@@ -197,6 +197,119 @@ DEEPSEEK_V4_FLASH = dict(
     torch_dtype="bfloat16",
 )
 
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3, 671B parameters, 37B active): config.json as published
+# on the Hugging Face hub (huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json), the
+# fields that set a shape; they equal transformers' DeepseekV3Config defaults (61 layers, the
+# first 3 dense, MLA with q/kv LoRA 1536/512, 256 routed + 1 shared expert, top-8 in 8 groups).
+# Left out: quantization_config (the release's dense weights and experts are FP8 with 128x128
+# block scales; synthetic stores are moetier's formats) and the MTP layer's fields.
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,  # the 3 dense MLP layers
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    routed_scaling_factor=2.5,
+    n_group=8,
+    topk_group=4,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    hidden_act="silu",
+    attention_bias=False,
+    max_position_embeddings=163840,
+    rope_theta=10000,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 40,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    torch_dtype="bfloat16",
+)
+
+# Kimi-K2 (moonshotai/Kimi-K2-Instruct, 1.04T parameters, 32B active): config.json as published
+# on the Hugging Face hub (huggingface.co/moonshotai/Kimi-K2-Instruct/blob/main/config.json),
+# read from public copies of that file: DeepSeek-V3's architecture (its `architectures` is
+# DeepseekV3ForCausalLM) with 64 attention heads, 384 routed experts, one dense first layer, one
+# expert group and a 163840-token vocabulary. Its model_type "kimi_k2" names remote code
+# transformers does not carry, so the shape says deepseek_v3, the class that runs it. Left out:
+# quantization_config (FP8 block scales in the release) and auto_map.
+KIMI_K2 = dict(
+    DEEPSEEK_V3,
+    vocab_size=163840,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    first_k_dense_replace=1,
+    n_routed_experts=384,
+    routed_scaling_factor=2.827,
+    n_group=1,
+    topk_group=1,
+    max_position_embeddings=131072,
+    rope_theta=50000.0,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    bos_token_id=163584,
+    eos_token_id=163585,
+)
+
+# Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B): config.json as published on the Hugging Face hub
+# (huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json), the fields that set a shape: 94
+# layers, every one MoE (128 experts of 1536, top-8, no shared expert), GQA 64 query / 4 KV heads
+# of 128, vocabulary 151936, embeddings not tied.
+QWEN3_235B_A22B = dict(
+    model_type="qwen3_moe",
+    architectures=["Qwen3MoeForCausalLM"],
+    hidden_size=4096,
+    num_hidden_layers=94,
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    head_dim=128,
+    moe_intermediate_size=1536,
+    intermediate_size=12288,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    attention_bias=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    torch_dtype="bfloat16",
+)
+
 # GLM-5 and DeepSeek-V4-Flash with their layer kinds kept and every size cut down: CPU smoke
 # tests of the real shapes' code paths (a real GLM-5 layer is ~7 GB of store).
 TINY_GLM_5 = dict(
@@ -242,15 +355,127 @@ TINY_DEEPSEEK_V4_FLASH = dict(
     vocab_size=512,
 )
 
+# GLM-4.5 (zai-org/GLM-4.5, 355B parameters, 32B active; GLM-4.6 and 4.7 have its layer shapes):
+# config.json as published on the Hugging Face hub, read from public copies of that file: 92
+# layers, the first 3 dense, 160 routed + 1 shared expert of 1536, top-8, GQA 96 query / 8 KV
+# heads of 128 with q/k norm and q/k/v biases, half of each head's dims rotated.
+GLM_4_5 = dict(
+    model_type="glm4_moe",
+    architectures=["Glm4MoeForCausalLM"],
+    vocab_size=151552,
+    hidden_size=5120,
+    intermediate_size=12288,  # the 3 dense MLP layers
+    moe_intermediate_size=1536,
+    num_hidden_layers=92,
+    first_k_dense_replace=3,
+    num_attention_heads=96,
+    num_key_value_heads=8,
+    head_dim=128,
+    partial_rotary_factor=0.5,
+    rope_theta=1000000.0,
+    use_qk_norm=True,
+    attention_bias=True,
+    n_routed_experts=160,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    routed_scaling_factor=2.5,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    hidden_act="silu",
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    num_nextn_predict_layers=1,
+    tie_word_embeddings=False,
+    eos_token_id=[151329, 151336, 151338],
+    torch_dtype="bfloat16",
+)
+
+# gpt-oss-120b (openai/gpt-oss-120b, 117B parameters, 5.1B active): config.json as published on
+# the Hugging Face hub, read from public copies of that file (they agree with transformers'
+# GptOssConfig defaults): 36 layers alternating 128-token sliding-window and full attention,
+# 128 experts of 2880 with biases, top-4, GQA 64 query / 8 KV heads of 64, yarn rope. Left out:
+# quantization_config (MXFP4 experts in the release; synthetic stores hold q2s or bf16 experts).
+GPT_OSS_120B = dict(
+    model_type="gpt_oss",
+    architectures=["GptOssForCausalLM"],
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,  # each expert's
+    num_hidden_layers=36,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=128,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    attention_bias=True,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    swiglu_limit=7.0,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    eos_token_id=200002,
+    pad_token_id=199999,
+    torch_dtype="bfloat16",
+)
+
+# GLM-4.5 and gpt-oss-120b with their layer kinds kept and every size cut down (CPU tests).
+TINY_GLM_4_5 = dict(
+    GLM_4_5,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    eos_token_id=0,
+)
+TINY_GPT_OSS_120B = dict(
+    GPT_OSS_120B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
 # The shapes a synthetic store can be written at, by name (`moetier bench --shape NAME`,
 # `moetier plan --shape NAME`).
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "glm-5": GLM_5,
     "deepseek-v4-flash": DEEPSEEK_V4_FLASH,
+    "deepseek-v3": DEEPSEEK_V3,
+    "kimi-k2": KIMI_K2,
+    "qwen3-235b-a22b": QWEN3_235B_A22B,
     "tiny": TINY_QWEN3_MOE,
     "glm-5-tiny": TINY_GLM_5,
     "deepseek-v4-flash-tiny": TINY_DEEPSEEK_V4_FLASH,
+    "glm-4.5": GLM_4_5,
+    "gpt-oss-120b": GPT_OSS_120B,
+    "glm-4.5-tiny": TINY_GLM_4_5,
+    "gpt-oss-120b-tiny": TINY_GPT_OSS_120B,
 }
 
 
@@ -280,16 +505,17 @@ def slice_layers(hf_config: dict[str, Any], layers: int) -> dict[str, Any]:
 
 
 def expert_format(hf_config: dict[str, Any], experts: str = "q2s") -> BlobFormat:
-    """The blob format of a synthetic store's experts: "q2s" (g32, down g16) or "bfloat16"."""
+    """The blob format of a synthetic store's experts: "q2s" (g32, down g16) or "bfloat16", with
+    expert biases where the family has them (gpt_oss)."""
     from moetier.config import ModelConfig
     from moetier.core.layout import q2s_expert_format, raw_expert_format
 
     cfg = ModelConfig.from_hf(hf_config)
-    hidden, inter = cfg.hidden_size, cfg.expert_intermediate_size
+    hidden, inter, bias = cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias
     if experts == "q2s":
-        return q2s_expert_format(hidden, inter, False, 32, 16)
+        return q2s_expert_format(hidden, inter, bias, 32, 16)
     if experts == "bfloat16":
-        return raw_expert_format("bfloat16", hidden, inter, False)
+        return raw_expert_format("bfloat16", hidden, inter, bias)
     raise ValueError(f"synthetic experts are q2s or bfloat16, not {experts!r}")
 
 

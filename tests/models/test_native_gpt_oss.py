@@ -246,3 +246,21 @@ def test_cuda_logits_and_engine(stores):
     engine = Engine(loaded, EngineLimits(num_pages=48, page_size=16, max_num_batched_tokens=16))
     check_against_alone(loaded, engine, random_requests(loaded.model_config.vocab_size, 8, 3))
     assert engine.runner.gather_decode_keys and not engine.runner.use_graphs
+
+
+def test_real_shape_slice_runs_natively(tmp_path):
+    """`moetier bench --shape gpt-oss-120b --layers N`'s store: a slice of gpt-oss-120b's real
+    layer shape builds (on meta); its -tiny copy (window 4), written as a synthetic q2s store
+    with expert biases, gives the same logits on the native file and the transformers path."""
+    from test_native_glm4 import check_paths_agree
+
+    from moetier.config import DEFAULT_STORE
+    from moetier.quant.synthetic import SHAPES, meta_model, shape, slice_layers
+    from moetier.quant.synthetic import write_synthetic_store as write
+
+    real = meta_model(shape("gpt-oss-120b", 2))
+    assert real.config.layer_types == ["sliding_attention", "full_attention"]
+    assert real.model.layers[0].mlp.experts.gate_up_proj.shape == (128, 2880, 2 * 2880)
+    store = write(tmp_path, slice_layers(SHAPES["gpt-oss-120b-tiny"], 2), "q2s", DEFAULT_STORE)
+    assert all(f.endswith("+bias") for f in Store(store).formats)
+    check_paths_agree(store)
