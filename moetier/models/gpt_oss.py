@@ -41,6 +41,7 @@ from moetier.models.layers import (
 )
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+SCORE_BYTES = 1 << 29  # the most attention scores one chunk of query tokens computes at once
 
 
 def setup(hf: Any) -> tuple[DecoderConfig, RotaryEmbedding]:
@@ -167,14 +168,29 @@ class GptOssAttention(Attention):
             index = torch.arange(mask.shape[-1], device=mask.device)
             own = torch.where(mask, index, -1).amax(-1, keepdim=True)  # [B, 1, T, 1]
             mask = mask & (index > own - self.window)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.head_dim**-0.5  # [B, h, T, Lk]
+        # query tokens a chunk at a time, so that a long prefill's scores [B, h, t, Lk] stay
+        # under SCORE_BYTES (the chunking depends on shapes only: capturable)
+        width = rows * self.num_heads * keys.shape[2] * q.element_size()
+        step = max(1, SCORE_BYTES // width)
+        outs = [
+            self._attend(q[:, :, s : s + step], keys, values, mask[:, :, s : s + step])
+            for s in range(0, tokens, step)
+        ]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [B, h, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, -1))
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """transformers' eager attention with sinks: q [B, h, t, D], keys / values [B, h, Lk,
+        D], mask [B, 1, t, Lk] -> [B, h, t, D]."""
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.head_dim**-0.5  # [B, h, t, Lk]
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(rows, -1, tokens, 1)
+        sinks = self.sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
         logits = torch.cat((scores, sinks), dim=-1)
         logits = logits - logits.amax(dim=-1, keepdim=True)
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink dropped
-        out = torch.matmul(probs.to(values.dtype), values)  # [B, h, T, D]
-        return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, -1))
+        return torch.matmul(probs.to(values.dtype), values)
 
 
 class GptOssTopKRouter(nn.Module):

@@ -140,6 +140,18 @@ def test_sinks_and_windows_show_in_the_logits(native, monkeypatch):
     assert torch.equal(full_logits(native, ids), exact)
 
 
+def test_long_prefill_in_query_chunks_gives_the_same_logits(native, monkeypatch):
+    """A prefill whose scores pass SCORE_BYTES attends a chunk of query tokens at a time (3
+    here, windows straddling the chunks): the same logits (to float rounding: the products
+    run in other GEMM shapes)."""
+    from moetier.models import gpt_oss
+
+    ids = prompt(native.model_config.vocab_size, length=LENGTH)
+    whole = full_logits(native, ids)
+    monkeypatch.setattr(gpt_oss, "SCORE_BYTES", 4 * 2 * 4 * 64 * 3)  # B=2, h=4, Lk=64, fp32
+    assert (full_logits(native, ids) - whole).abs().max().item() <= 1e-6
+
+
 def test_decode_steps_equal_hf_full_forward(stores, native):
     """Two rows of different prompt lengths (right-padded prefill), then a token a step far
     across the window: each step's logits are HF's of the full sequence at that position."""
