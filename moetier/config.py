@@ -525,6 +525,38 @@ class EngineConfig:
         },
     )
 
+    cpu_experts: str = field(
+        default="off",
+        metadata={
+            "help": "hybrid misses (needs --host-memory): auto lets the host's cores compute the "
+            "GPU-cache misses a cost model of measured PCIe, DRAM-kernel and sync speeds gives "
+            "them, from the host tier, while the others are fetched; off fetches every miss; "
+            "share:F forces a share F of each layer's misses onto the CPU (tests). Eager steps "
+            "only (not the zero-copy CUDA-graph step)"
+        },
+    )
+    cpu_threads: int = field(
+        default=0,
+        metadata={
+            "help": "threads of the CPU expert kernel (0 = every core, less one on CUDA for the "
+            "thread that drives the GPU)"
+        },
+    )
+
+    def cpu_share(self) -> float | None:
+        """--cpu-experts: None = off, -1 = auto (the cost model), F = a forced share."""
+        if self.cpu_experts == "off":
+            return None
+        if self.cpu_experts == "auto":
+            return -1.0
+        kind, _, value = self.cpu_experts.partition(":")
+        try:
+            if kind == "share" and 0.0 <= float(value) <= 1.0:
+                return float(value)
+        except ValueError:
+            pass
+        raise ValueError(f"--cpu-experts {self.cpu_experts!r}: use auto, off or share:F (0..1)")
+
     def delta_threshold(self) -> float | None:
         """None = no delta; 0 = every pair; T = pairs with routing weight >= T."""
         if self.delta == "none":

@@ -119,13 +119,23 @@ def experts_runtime(
         if store.has_plane("delta")
         else {}
     )
-    return ExpertsRuntime(
+    runtime = ExpertsRuntime(
         residency,
         formats,
         store.model_config.activation,
         delta_formats,
         engine_config.delta_threshold(),
     )
+    share = engine_config.cpu_share()
+    if share is not None:  # hybrid misses (--cpu-experts)
+        import sys
+
+        from moetier.residency.hybrid_split import describe
+
+        hybrid = runtime.enable_hybrid(None if share < 0 else share, engine_config.cpu_threads)
+        if hybrid.speeds is not None:
+            print(describe(hybrid.speeds), file=sys.stderr)
+    return runtime
 
 
 def kv_plan_arguments(kv_positions: int | None) -> dict[str, int]:

@@ -9,16 +9,19 @@ loader) naming its layer and the shared `ExpertsRuntime`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
+from moetier.kernels.cpu.experts import cpu_experts
 from moetier.kernels.moe_ops import format_id, moe_experts, triton_supports
 from moetier.kernels.residency_ops import stage_guesses, stage_join, stage_scores
 from moetier.residency.host_tier import HostTier
+from moetier.residency.hybrid_split import HybridSpeeds, measure_speeds, split_misses
 from moetier.residency.predict import predict_experts
 from moetier.residency.slot_pool import BlobKey, SlotPool
 from moetier.residency.telemetry import ResidencyTelemetry
@@ -30,6 +33,21 @@ STREAM_TOKENS = 256  # a call of this many tokens or more streams its layer's ex
 
 def _keys(layer: int, experts: list[int], delta_experts: list[int]) -> list[BlobKey]:
     return [(layer, e, "base") for e in experts] + [(layer, e, "delta") for e in delta_experts]
+
+
+@dataclass
+class HybridCpu:
+    """Hybrid misses (`ExpertsRuntime.enable_hybrid`): the cost model's speeds, or a forced
+    share; the thread the CPU part runs on beside the GPU's work (None on CPU: inline); what
+    the CPU computed (pairs, blob bytes read, seconds of CPU work)."""
+
+    speeds: HybridSpeeds | None
+    share: float | None
+    executor: ThreadPoolExecutor | None
+    pairs: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    splits: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu) misses per call
 
 
 class ExpertsRuntime:
@@ -86,6 +104,7 @@ class ExpertsRuntime:
         self._guessed_layers: set[int] = set()
         # layer-streamed prefill from this many tokens per call (0: off)
         self.stream_tokens = STREAM_TOKENS
+        self.hybrid: HybridCpu | None = None  # hybrid misses (enable_hybrid)
 
     def _check_capturable(self, what: str) -> None:
         """On CUDA, every layer's formats must run in the Triton kernels (the reference path
@@ -262,6 +281,11 @@ class ExpertsRuntime:
             )
         with_delta = set(topk_ids[mask].tolist()) if mask is not None else set()
         self._score_prediction(layer, needed, with_delta)
+        cpu_part = None
+        if self.hybrid is not None and not streamed:  # (prefill keeps layer streaming)
+            needed, cpu_part = self._start_cpu_part(
+                layer, hidden, topk_ids, topk_weights, needed, with_delta
+            )
         # Experts are computed in chunks the pool can hold (base + delta blobs); each pair's result
         # lands in its own row of `out`, so the sum is identical whatever the chunking.
         capacity = self.residency.capacity // 2 if with_delta else self.residency.capacity
@@ -298,7 +322,115 @@ class ExpertsRuntime:
             if len(chunks) == 1 and layer in self.predictors:
                 self._prefetch_next(layer, hidden, current)
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
+        if cpu_part is not None:
+            self._finish_cpu_part(cpu_part, out)
         return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+
+    def enable_hybrid(self, share: float | None = None, threads: int = 0) -> HybridCpu:
+        """Hybrid misses on the residency path (eager steps): in each layer the misses that are
+        in the host tier are split by the cost model (residency/hybrid_split.py; its speeds
+        measured now), or `share` of them are forced onto the CPU; the host's cores compute the
+        CPU's share from the host tier's rows (kernels/cpu) while the GPU fetches and computes
+        the rest, and the results land in their pairs' rows (on CUDA the CPU part runs on a
+        thread beside the GPU's work). Experts whose pairs use the delta plane stay on the GPU
+        path. `threads`: the CPU kernel's (0: every core, less one on CUDA)."""
+        from moetier.kernels.cpu.dram import host_cores, set_threads
+
+        host = self.residency.host
+        if host is None:
+            raise ValueError("--cpu-experts computes misses from the host tier: give --host-memory")
+        cuda = self.residency.device.type == "cuda"
+        set_threads(threads if threads > 0 else max(1, host_cores() - (1 if cuda else 0)))
+        executor = ThreadPoolExecutor(1, thread_name_prefix="moetier-cpu-experts") if cuda else None
+        speeds = None
+        if share is None:
+            from moetier.residency.links import h2d_bandwidth
+
+            layer = min(self.formats)
+            keys = [k for k in host.keys if k[0] == layer and k[2] == "base"][:8]
+            if not keys:
+                raise ValueError(f"the host tier holds no expert of layer {layer} to measure")
+            fmt = self.formats[layer]
+            hidden_size = self.residency.store.model_config.hidden_size
+
+            def run_cpu(n: int, pairs: int) -> None:
+                chosen = keys[: min(n, len(keys))]
+                addresses = torch.tensor([host.address(k) for k in chosen]).repeat_interleave(pairs)
+                tokens = torch.arange(addresses.numel())
+                x = torch.randn(addresses.numel(), hidden_size)
+                cpu_experts(x, tokens, torch.ones(tokens.numel()), addresses, fmt, self.activation)
+
+            blob = self.residency.store.blobs[keys[0]].nbytes
+            gpu_path = h2d_bandwidth(self.residency.device.type)
+            speeds = measure_speeds(gpu_path, run_cpu, len(keys), blob, self.residency.device,
+                                    hidden_size, executor)  # fmt: skip
+        self.hybrid = HybridCpu(speeds, share, executor)
+        return self.hybrid
+
+    def _start_cpu_part(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        needed: list[int],
+        with_delta: set[int],
+    ) -> tuple[list[int], tuple[Future[torch.Tensor], torch.Tensor, torch.Tensor] | None]:
+        """Split this layer's misses; start the CPU's share (a thread on CUDA, inline on CPU).
+        Returns the experts left for the GPU path and the CPU part to join (or None)."""
+        hybrid, host, pool = self.hybrid, self.residency.host, self.residency
+        assert hybrid is not None and host is not None
+        candidates = [
+            e
+            for e in needed
+            if pool.slot_of((layer, e, "base")) is None
+            and (layer, e, "base") in host
+            and e not in with_delta
+        ]
+        if not candidates:
+            return needed, None
+        ids = topk_ids.cpu()
+        counts = torch.bincount(ids.flatten(), minlength=pool.store.model_config.num_experts)
+        blob = pool.store.blobs[(layer, candidates[0], "base")].nbytes
+        speeds = hybrid.speeds or HybridSpeeds(1.0, 1.0)  # (a forced share does not use them)
+        split = split_misses({e: int(counts[e]) for e in candidates}, blob, speeds, hybrid.share)
+        hybrid.splits.append((len(split.gpu), len(split.cpu)))
+        if not split.cpu:
+            return needed, None
+        on_cpu = torch.zeros(counts.numel(), dtype=torch.bool)
+        on_cpu[split.cpu] = True
+        token, k = torch.where(on_cpu[ids])
+        address = torch.zeros(counts.numel(), dtype=torch.int64)
+        address[split.cpu] = torch.tensor([host.address((layer, e, "base")) for e in split.cpu])
+        x, weight = hidden.detach().to("cpu"), topk_weights.detach().cpu()[token, k]
+        fmt, act = self.formats[layer], self.activation
+        hybrid.pairs += token.numel()
+        hybrid.bytes += len(split.cpu) * blob
+
+        def work() -> torch.Tensor:
+            import time
+
+            start = time.perf_counter()
+            y = cpu_experts(x, token, weight, address[ids[token, k]], fmt, act)
+            hybrid.seconds += time.perf_counter() - start
+            return y
+
+        future: Future[torch.Tensor]
+        if hybrid.executor is not None:
+            future = hybrid.executor.submit(work)
+        else:
+            future = Future()
+            future.set_result(work())
+        cpu_set = set(split.cpu)
+        return [e for e in needed if e not in cpu_set], (future, token, k)
+
+    def _finish_cpu_part(
+        self, part: tuple[Future[torch.Tensor], torch.Tensor, torch.Tensor], out: torch.Tensor
+    ) -> None:
+        """Join the CPU part and write its pairs' rows of `out` [T, k, H]."""
+        future, token, k = part
+        rows = future.result().to(out.device, non_blocking=True)
+        out[token.to(out.device), k.to(out.device)] = rows
 
     def after_layer(self, layer: int, residual: torch.Tensor) -> None:
         """Native decoder layers call this with the residual after `layer`'s MLP, x'' [B, T, H].
