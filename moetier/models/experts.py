@@ -24,7 +24,7 @@ from moetier.residency.host_tier import HostTier
 from moetier.residency.hybrid_split import HybridSpeeds, measure_speeds, split_misses
 from moetier.residency.predict import predict_experts
 from moetier.residency.slot_pool import BlobKey, SlotPool
-from moetier.residency.telemetry import ResidencyTelemetry
+from moetier.residency.telemetry import ResidencyTelemetry, TierCounters
 from moetier.residency.zero_copy import ZeroCopyPlacement
 
 IMPLEMENTATION_NAME = "moetier"
@@ -172,6 +172,10 @@ class ExpertsRuntime:
         rows or staging)."""
         out = self.residency.telemetry()
         out[self.residency.tier_name].hits += self.pinned_pairs
+        if self.hybrid is not None:  # hybrid misses: pairs the host's cores computed, the blob
+            # bytes their kernel read and its seconds (so /metrics' tier="cpu" GB/s)
+            h = self.hybrid
+            out.tiers["cpu"] = TierCounters(hits=h.pairs, bytes=h.bytes, busy_seconds=h.seconds)
         zc = self.zero_copy
         if zc is not None:  # (streamed prefill pairs are in the pool's counters already)
             pairs, gpu = int(zc.counts.sum()) - zc.streamed_pairs, int(zc.gpu_pairs)

@@ -23,6 +23,7 @@ from moetier.residency.hybrid_split import (
     split_cost,
     split_misses,
 )
+from moetier.residency.telemetry import render_prometheus
 
 GB = 1e9
 
@@ -111,6 +112,12 @@ def test_forced_split_matches_hf(tiny, model_type, cpu_experts):
         assert hybrid.pairs > 0 and hybrid.bytes > 0
     if cpu_experts == "share:1":  # then every miss in the host tier went to the CPU
         assert all(gpu == 0 for gpu, _ in hybrid.splits)
+    cpu = loaded.runtime.telemetry()["cpu"]  # /metrics' tier="cpu"
+    assert (cpu.hits, cpu.bytes) == (hybrid.pairs, hybrid.bytes)
+    if hybrid.pairs:
+        assert cpu.busy_seconds > 0 and cpu.gbps > 0
+        text = render_prometheus(loaded.runtime.telemetry())
+        assert f'moetier_residency_hits_total{{tier="cpu"}} {hybrid.pairs}' in text
 
 
 def test_q2s_store_through_the_c_kernel(tiny, tmp_path):
