@@ -18,6 +18,30 @@ VERBS = {
     "parse": "split raw model output on stdin into content, reasoning and tool calls (JSON)",
 }
 
+# verbs whose checkpoint or store argument may be a Hugging Face Hub id (cli/hub.py)
+HUB_VERBS = ("convert", "serve", "generate", "bench")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def set_log_level(level: str, given: bool = True) -> None:
+    """Python logging (moetier's loggers), transformers' and huggingface_hub's at `level`; their
+    verbosity variables (TRANSFORMERS_VERBOSITY, HF_HUB_VERBOSITY) win unless `given`."""
+    import logging
+    import os
+
+    # read when transformers and huggingface_hub first configure their loggers (later imports)
+    for variable in ("TRANSFORMERS_VERBOSITY", "HF_HUB_VERBOSITY"):
+        if given or variable not in os.environ:
+            os.environ[variable] = level
+    number = getattr(logging, level.upper())
+    # a stderr handler where nothing has configured logging yet (not under pytest, say)
+    logging.basicConfig(level=number, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("moetier").setLevel(number)
+    for name in ("transformers", "huggingface_hub"):
+        logger = logging.getLogger(name)
+        if given or not logger.level:
+            logger.setLevel(number)
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -34,8 +58,26 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"moetier.cli.{argv[0]}")
     verb_parser = argparse.ArgumentParser(prog=f"moetier {argv[0]}", description=VERBS[argv[0]])
     module.add_arguments(verb_parser)
+    verb_parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=None,
+        help="messages of moetier, transformers, huggingface_hub (and, for serve, uvicorn) at "
+        "this level and above (default: info for serve, else warning)",
+    )
+    if argv[0] in HUB_VERBS:
+        from moetier.cli import hub
+
+        hub.add_arguments(verb_parser, argv[0])
     args = verb_parser.parse_args(argv[1:])
+    given = args.log_level is not None
+    args.log_level = args.log_level or ("info" if argv[0] == "serve" else "warning")
+    set_log_level(args.log_level, given)
     try:
+        if argv[0] in HUB_VERBS:
+            from moetier.cli import hub
+
+            hub.resolve(args, argv[0])
         return int(module.run(args) or 0)
     except (ValueError, FileNotFoundError) as err:
         print(f"moetier {argv[0]}: error: {err}", file=sys.stderr)

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         create_app(build, name, params, options=options),
         host=args.host,
         port=args.port,
-        log_level="info",
+        log_level=getattr(args, "log_level", "info"),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     return 0
