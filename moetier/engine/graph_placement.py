@@ -38,6 +38,10 @@ def place_for_graphs(loaded: LoadedModel) -> bool:
             hint = "--host-memory would read the others from host RAM without host syncs"
             print(f"moetier: decoding without CUDA graphs ({exc}; {hint})", file=sys.stderr)
             return False
+        if runtime.hybrid is not None:  # (docs/architecture.md: the graph step's design)
+            why = "--cpu-experts splits misses on eager steps; the graph step does not yet"
+            print(f"moetier: decoding without CUDA graphs ({exc}; {why})", file=sys.stderr)
+            return False
         try:
             stage, guesses = _staging(loaded, runtime)
             runtime.enable_zero_copy(stage=stage)

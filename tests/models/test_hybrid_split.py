@@ -152,6 +152,16 @@ def test_cpu_experts_flag_is_checked():
     assert EngineConfig(cpu_experts="auto").cpu_share() == -1.0
 
 
+def test_hybrid_keeps_steps_eager(tiny):
+    """Experts that do not all fit and --cpu-experts: no zero-copy graph step (it would bypass
+    the split), eager steps whose misses are split."""
+    from moetier.engine.graph_placement import place_for_graphs
+
+    loaded = load_model(tiny.store("qwen3_moe"), _hybrid_config("share:0.5"))
+    assert place_for_graphs(loaded) is False
+    assert loaded.runtime.zero_copy is None and not loaded.runtime.pinned
+
+
 def test_hybrid_needs_a_host_tier(tiny):
     with pytest.raises(ValueError, match="host-memory"):
         load_model(tiny.store("qwen3_moe"),
