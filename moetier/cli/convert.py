@@ -63,8 +63,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="format of the dense weights (attention, shared experts, dense MLPs, lm_head): bf16 "
         "(as the checkpoint has them, FP8 dequantised), fp8 (E4M3, 128x128 tile scales; an FP8 "
         "checkpoint's own tensors kept bit for bit), int4 / int4-gN (weight-only, group N, "
-        "default 128) or nvfp4; embeddings, norms, routers and biases stay as they are "
-        "(default: bf16)",
+        "default 128) or nvfp4; embeddings, norms, routers and biases stay as they are; auto: "
+        "the largest of bf16 > fp8 > int4 > nvfp4 that leaves at least one token's routed "
+        "experts in GPU slots under --gpu-memory (`moetier plan --dense auto`) (default: bf16)",
+    )
+    for flag, what in (
+        ("--gpu-memory", "GPU budget, e.g. 24GiB"),
+        ("--host-memory", "pinned host RAM budget (default: 0)"),
+    ):
+        parser.add_argument(flag, help=f"with --dense auto: the {what}, as `moetier plan`")
+    parser.add_argument(
+        "--max-context", type=int, default=4096, help="with --dense auto: KV cache tokens per row"
+    )
+    parser.add_argument(
+        "--embeddings",
+        choices=("gpu", "host"),
+        default="gpu",
+        help="with --dense auto: where the embedding table will live (as generate/serve)",
     )
     parser.add_argument(
         "--dense-override",
@@ -93,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     progress = sys.stderr.isatty()
-    dense = DensePolicy.parse(args.dense, args.dense_override)
     if args.delta == "nested":  # the bit-plane split of FP4 weights: its own expert format
         if args.experts not in ("source", "nvfp4", "mxfp4", "nested"):
             raise ValueError(
@@ -101,6 +115,13 @@ def run(args: argparse.Namespace) -> int:
                 f"--experts {args.experts} (use --delta nvfp4 or q2 for an additive delta)"
             )
         args.experts, args.delta = "nested", "none"
+    if args.dense == "auto":
+        from moetier.residency.dense_choice import choose_for_convert
+
+        choice = choose_for_convert(args)
+        print(choice.summary())
+        args.dense = choice.kind
+    dense = DensePolicy.parse(args.dense, args.dense_override)
     if args.experts != "source":
         from moetier.loader.quantize import convert_quantized
 

@@ -32,6 +32,10 @@ from moetier.quant.fp4 import E4M3_MAX, pack_nibbles, quantize_nvfp4
 
 CLASSES = ("attention", "shared", "mlp", "lm_head")
 KINDS = ("bf16", "fp8", "int4", "nvfp4")
+# `--dense auto` tries these in this order (residency/dense_choice.py), issue #52's. nvfp4 (4.5
+# bits a weight) is larger than int4-g128 (4.125): it is reached where int4 leaves tensors whose
+# K is no multiple of 128 in bf16 and nvfp4 (blocks of 16) does not
+AUTO_ORDER = ("bf16", "fp8", "int4", "nvfp4")
 FP8_BLOCK = (128, 128)
 INT4_GROUP = 128
 # clip ratios tried per int4 group (scale = ratio * absmax / 7); 8/7 lets -8 take the extreme

@@ -197,6 +197,119 @@ DEEPSEEK_V4_FLASH = dict(
     torch_dtype="bfloat16",
 )
 
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3, 671B parameters, 37B active): config.json as published
+# on the Hugging Face hub (huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json), the
+# fields that set a shape; they equal transformers' DeepseekV3Config defaults (61 layers, the
+# first 3 dense, MLA with q/kv LoRA 1536/512, 256 routed + 1 shared expert, top-8 in 8 groups).
+# Left out: quantization_config (the release's dense weights and experts are FP8 with 128x128
+# block scales; synthetic stores are moetier's formats) and the MTP layer's fields.
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,  # the 3 dense MLP layers
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    routed_scaling_factor=2.5,
+    n_group=8,
+    topk_group=4,
+    norm_topk_prob=True,
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
+    hidden_act="silu",
+    attention_bias=False,
+    max_position_embeddings=163840,
+    rope_theta=10000,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 40,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    torch_dtype="bfloat16",
+)
+
+# Kimi-K2 (moonshotai/Kimi-K2-Instruct, 1.04T parameters, 32B active): config.json as published
+# on the Hugging Face hub (huggingface.co/moonshotai/Kimi-K2-Instruct/blob/main/config.json),
+# read from public copies of that file: DeepSeek-V3's architecture (its `architectures` is
+# DeepseekV3ForCausalLM) with 64 attention heads, 384 routed experts, one dense first layer, one
+# expert group and a 163840-token vocabulary. Its model_type "kimi_k2" names remote code
+# transformers does not carry, so the shape says deepseek_v3, the class that runs it. Left out:
+# quantization_config (FP8 block scales in the release) and auto_map.
+KIMI_K2 = dict(
+    DEEPSEEK_V3,
+    vocab_size=163840,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    first_k_dense_replace=1,
+    n_routed_experts=384,
+    routed_scaling_factor=2.827,
+    n_group=1,
+    topk_group=1,
+    max_position_embeddings=131072,
+    rope_theta=50000.0,
+    rope_scaling={
+        "type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    bos_token_id=163584,
+    eos_token_id=163585,
+)
+
+# Qwen3-235B-A22B (Qwen/Qwen3-235B-A22B): config.json as published on the Hugging Face hub
+# (huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json), the fields that set a shape: 94
+# layers, every one MoE (128 experts of 1536, top-8, no shared expert), GQA 64 query / 4 KV heads
+# of 128, vocabulary 151936, embeddings not tied.
+QWEN3_235B_A22B = dict(
+    model_type="qwen3_moe",
+    architectures=["Qwen3MoeForCausalLM"],
+    hidden_size=4096,
+    num_hidden_layers=94,
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    head_dim=128,
+    moe_intermediate_size=1536,
+    intermediate_size=12288,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    attention_bias=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    torch_dtype="bfloat16",
+)
+
 # GLM-5 and DeepSeek-V4-Flash with their layer kinds kept and every size cut down: CPU smoke
 # tests of the real shapes' code paths (a real GLM-5 layer is ~7 GB of store).
 TINY_GLM_5 = dict(
@@ -360,6 +473,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "gpt-oss-120b": GPT_OSS_120B,
     "glm-4.5-tiny": TINY_GLM_4_5,
     "gpt-oss-120b-tiny": TINY_GPT_OSS_120B,
+    "deepseek-v3": DEEPSEEK_V3,
+    "kimi-k2": KIMI_K2,
+    "qwen3-235b-a22b": QWEN3_235B_A22B,
 }
 
 

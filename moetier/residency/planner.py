@@ -11,12 +11,14 @@ non-GPU blobs the host budget holds, the rest from disk.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from moetier.config import ModelConfig
-from moetier.core.layout import TENSOR_ALIGN, align_up
+from moetier.core.layout import TENSOR_ALIGN, BlobFormat, align_up
+from moetier.quant.dense_formats import DensePolicy
 from moetier.quant.store import Store
 from moetier.residency.zero_copy import staging_slots
 
@@ -130,41 +132,80 @@ def plan_shape(
     hf_config: dict[str, Any],
     gpu_memory: int,
     host_memory: int = 0,
-    experts: str = "q2s",
+    experts: str | BlobFormat = "q2s",
     max_context: int = 4096,
     batch: int = 1,
     dtype_bytes: int = 2,
     workspace: int = WORKSPACE_BYTES,
     zero_copy_stage: int = 0,
     embeddings_host: bool = False,
+    dense: DensePolicy | None = None,
 ) -> Plan:
     """`plan` for the store `hf_config` (a config.json dict) would convert to with `experts`
-    blobs (quant/synthetic.expert_format: "q2s" or "bfloat16"), from the config alone: the dense
-    parameters and MoE layers counted on the transformers model built on the meta device."""
-    from moetier.quant.synthetic import dense_and_experts, expert_format, meta_model
+    blobs (quant/synthetic.expert_format: "q2s" or "bfloat16", or a BlobFormat) and `dense`
+    formats (`--dense`; None: every floating tensor at the run dtype), from the config alone:
+    the dense parameters and MoE layers counted on the transformers model built on the meta
+    device, quantized dense weights with their scales as `DenseFormat.tensors` stores them."""
+    from moetier.quant.dense_formats import dense_class
+    from moetier.quant.synthetic import expert_format
 
-    dense, moe = dense_and_experts(meta_model(hf_config))
+    tensors, moe_layers = _shape_tensors(hf_config)
     cfg = ModelConfig.from_hf(hf_config)
-    slot = align_up(expert_format(hf_config, experts).nbytes, TENSOR_ALIGN)
-    # floating tensors at the run dtype, others (DeepSeek-V4's tid2eid) as stored
-    nbytes = sum(
-        t.numel() * (dtype_bytes if t.is_floating_point() else t.element_size())
-        for t in dense.values()
-    )
-    host_embedding = 0
-    if embeddings_host:
-        from moetier.quant.dense_formats import dense_class
-
-        host_embedding = sum(
-            t.numel() * dtype_bytes
-            for k, t in dense.items()
-            if t.is_floating_point() and dense_class(k, t.dim()) == "embed"
-        )
-    sizes = _Sizes(
-        nbytes - host_embedding, slot, len(moe) * cfg.num_experts, 0, len(moe), host_embedding
-    )
+    fmt = experts if isinstance(experts, BlobFormat) else expert_format(hf_config, experts)
+    slot = align_up(fmt.nbytes, TENSOR_ALIGN)
+    nbytes = host_embedding = 0
+    for name, (shape, dtype, floating) in tensors.items():
+        size = _numel(shape) * (dtype_bytes if floating else torch_itemsize(dtype))
+        chosen = None
+        if dense is not None and floating and not name.endswith("norm.weight"):
+            chosen = dense.choose(name, shape)  # as write_synthetic_store and convert choose
+        if chosen is not None:
+            size = sum(_numel(s) * torch_itemsize(d) for _, d, s in chosen.tensors(name, shape))
+        if embeddings_host and floating and dense_class(name, len(shape)) == "embed":
+            host_embedding += size
+        else:
+            nbytes += size
+    sizes = _Sizes(nbytes, slot, moe_layers * cfg.num_experts, 0, moe_layers, host_embedding)
     return _plan(cfg, sizes, gpu_memory, host_memory, max_context, batch, dtype_bytes,
                  workspace, zero_copy_stage)  # fmt: skip
+
+
+def _shape_tensors(
+    hf_config: dict[str, Any],
+) -> tuple[dict[str, tuple[tuple[int, ...], str, bool]], int]:
+    """name -> (shape, dtype, floating) of the tensors a store of `hf_config` keeps dense, and
+    its number of MoE layers; from the transformers model on the meta device, built once per
+    config (`--dense auto` plans a model several times)."""
+    key = json.dumps(hf_config, sort_keys=True, default=str)
+    if key not in _SHAPE_CACHE:
+        from moetier.quant.synthetic import dense_and_experts, meta_model
+
+        dense, moe = dense_and_experts(meta_model(hf_config))
+        _SHAPE_CACHE[key] = (
+            {
+                k: (tuple(t.shape), str(t.dtype).removeprefix("torch."), t.is_floating_point())
+                for k, t in dense.items()
+            },
+            len(moe),
+        )
+    return _SHAPE_CACHE[key]
+
+
+_SHAPE_CACHE: dict[str, tuple[dict[str, tuple[tuple[int, ...], str, bool]], int]] = {}
+
+
+def torch_itemsize(dtype: str) -> int:
+    """Bytes per element of a torch dtype named without its 'torch.' prefix."""
+    import torch
+
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
 
 
 @dataclass(frozen=True)
