@@ -131,13 +131,17 @@ try:
             H: tl.constexpr = GROUP // 2
             g = tl.arange(0, G)
             j = tl.arange(0, H)
+            e = tl.arange(0, GROUP)
             for k0 in range(k_begin, k_end, BLOCK_K):
-                kk = k0 + g[:, None] * GROUP + 2 * j[None, :]  # [G, H] even elements
-                kmask = kk < K
-                xe = tl.load(xrow + kk, mask=kmask, other=0.0).to(tl.float32)
-                xo = tl.load(xrow + kk + 1, mask=kmask, other=0.0).to(tl.float32)
+                # x [G, GROUP] contiguous, split into its even and odd elements [G, H]; the
+                # weight's bytes [BN, G, H] at contiguous offsets (one byte = elements 2j, 2j+1)
+                kx = k0 + g[:, None] * GROUP + e[None, :]
+                xv = tl.load(xrow + kx, mask=kx < K, other=0.0).to(tl.float32)
+                xe, xo = tl.split(tl.reshape(xv, (G, H, 2)))
+                kb = k0 // 2 + g[:, None] * H + j[None, :]  # [G, H] byte offsets
+                kmask = 2 * kb < K
                 bits = tl.load(
-                    w + rn[:, None, None] * stride_wn + (kk // 2)[None, :, :],
+                    w + rn[:, None, None] * stride_wn + kb[None, :, :],
                     mask=nmask[:, None, None] & kmask[None, :, :],
                     other=0,
                 )
@@ -190,9 +194,14 @@ def dense_gemv_triton(
     block_k: int,
     block_rows: int = 32,
     split_k: int | None = None,
+    block_kk: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype by the GEMV kernel (also under TRITON_INTERPRET=1 on CPU,
-    for the tests). split_k: K ranges per output (default: enough programs for the device)."""
+    for the tests). split_k: K ranges per output (default: enough programs for the device);
+    block_kk: the K elements a loop step reads (default 128; fp8: at most the scale tile's K,
+    int4 / nvfp4: a multiple of the group); block_rows and num_warps: the program's tile
+    (`bench/studies/dense_gemv_tiles.py` sweeps them)."""
     if triton is None:
         raise RuntimeError("the dense GEMV needs triton")
     x = x.contiguous()
@@ -200,11 +209,13 @@ def dense_gemv_triton(
     n = weight.shape[0]
     if kind == "fp8":
         code, group, scale_rows = 0, block_k, block_n
-        block_kk = min(128, block_k)
+        block_kk = min(block_kk or 128, block_k)
     else:
         group = NVFP4_GROUP if kind == "nvfp4" else block_k
         code, scale_rows = (2 if kind == "nvfp4" else 1), 1
-        block_kk = max(group, 128)
+        block_kk = max(group, block_kk or 128)
+    if block_kk % group and group % block_kk:
+        raise ValueError(f"block_kk {block_kk} and the scale group {group} must nest")
     n_blocks = triton.cdiv(n, block_rows)
     k_steps = triton.cdiv(k, block_kk)
     if split_k is None:
@@ -224,6 +235,7 @@ def dense_gemv_triton(
         partial, partial.stride(0), partial.stride(1),
         n, k, k_split,
         KIND=code, BLOCK_N=block_rows, BLOCK_K=block_kk, SCALE_BN=scale_rows, GROUP=group,
+        num_warps=num_warps,
     )  # fmt: skip
     return partial[0] if split_k == 1 else partial.sum(0).to(x.dtype)
 
