@@ -20,6 +20,7 @@ from moetier.loader.loaded_model import (
     LoadedModel,
     device_and_dtype,
     experts_runtime,
+    load_progress,
     loaded_model,
 )
 from moetier.models.dense_linear import quantize_linears
@@ -141,7 +142,7 @@ def _assign_dense(
     dtype_of = _dtype_rule(model, dtype)
     done: set[str] = set()
     with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():
+        for key in load_progress(list(f.keys()), "loading weights"):
             if key in skip:
                 continue
             if key not in state_names:

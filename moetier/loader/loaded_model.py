@@ -63,6 +63,16 @@ def loaded_model(
     )
 
 
+def load_progress(items: list[Any], desc: str) -> Any:
+    """`items`, iterated under a progress bar on stderr where it is a terminal (cleared when
+    done)."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, leave=False, disable=not sys.stderr.isatty())
+
+
 def device_and_dtype(store: Store, engine_config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device(engine_config.resolved_device())
     dtype_name = engine_config.resolved_dtype(store.source_dtype)
@@ -102,7 +112,9 @@ def experts_runtime(
         from moetier.residency.host_tier import HostTier
         from moetier.residency.planner import parse_bytes
 
-        host = HostTier.for_budget(store, parse_bytes(engine_config.host_memory), check=check)
+        host = HostTier.for_budget(
+            store, parse_bytes(engine_config.host_memory), check=check, progress=load_progress
+        )
     residency = SlotPool.for_budget(
         store,
         device,

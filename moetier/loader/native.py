@@ -23,6 +23,7 @@ from moetier.loader.loaded_model import (
     LoadedModel,
     device_and_dtype,
     experts_runtime,
+    load_progress,
     loaded_model,
 )
 from moetier.models import glm4_moe, glm_moe_dsa, gpt_oss
@@ -185,7 +186,7 @@ def _assign_by_name(
     params = dict(model.named_parameters())
     done: set[str] = set()
     with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():
+        for key in load_progress(list(f.keys()), "loading weights"):
             if key in skip:
                 continue
             if key not in params:

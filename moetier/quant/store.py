@@ -29,6 +29,7 @@ import json
 import math
 import mmap
 import struct
+import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,9 @@ class Store:
                 "convert the model again"
             )
         self._file = open(experts_path, "rb")  # noqa: SIM115 - lives as long as the store
+        # closed with the store (or at exit), so that no file is left for the interpreter to
+        # close with a ResourceWarning; the mapping below keeps its own descriptor
+        self._closer = weakref.finalize(self, self._file.close)
         # ACCESS_COPY: a private mapping torch wraps without a read-only warning; never written.
         self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         # One uint8 tensor over the whole mapping; blobs are slices of it (no copy, no read).
@@ -251,7 +255,7 @@ class Store:
 
     def close(self) -> None:
         # Views into the mmap may still be alive in tensors; closing it would make them dangle.
-        self._file.close()
+        self._closer()
 
 
 def blob_index_entry(

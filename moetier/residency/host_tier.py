@@ -16,7 +16,7 @@ run time is the GPU slot pool above it (residency/slot_pool.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -39,7 +39,8 @@ def default_order(store: Store) -> list[BlobKey]:
 class HostTier:
     """`keys` of `store` copied into host arenas of `row_bytes` rows (pinned when `pinned`,
     default: when CUDA is available); with `check`, each row's crc32 verified once it is filled
-    (quant/verify.py: a corrupted blob raises CorruptBlob)."""
+    (quant/verify.py: a corrupted blob raises CorruptBlob); `progress(keys, label)` wraps the
+    fill loop (a progress bar)."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class HostTier:
         row_bytes: int | None = None,
         pinned: bool | None = None,
         check: FirstReadCheck | None = None,
+        progress: Callable[[list[BlobKey], str], Iterable[BlobKey]] | None = None,
     ) -> None:
         unknown = [k for k in keys if k not in store.blobs]
         if unknown:
@@ -81,7 +83,7 @@ class HostTier:
         # hits: misses of the GPU tier served from here; misses: passed on to the disk tier;
         # bytes: filled in from the store
         self.counters = TierCounters()
-        for key in self.keys:
+        for key in progress(self.keys, "host tier") if progress else self.keys:
             blob = store.blob(*key)
             self.row(key)[: blob.numel()].copy_(blob)
             self.counters.bytes += blob.numel()
@@ -98,6 +100,7 @@ class HostTier:
         row_bytes: int | None = None,
         pinned: bool | None = None,
         check: FirstReadCheck | None = None,
+        progress: Callable[[list[BlobKey], str], Iterable[BlobKey]] | None = None,
     ) -> HostTier:
         """As many blobs of `order` (default `default_order`) as `budget_bytes` holds, skipping
         `exclude` (e.g. the blobs the GPU keeps for good). Rows are sized for the store's
@@ -109,7 +112,7 @@ class HostTier:
         skip = set(exclude)
         order = order if order is not None else default_order(store)
         wanted = [k for k in order if k not in skip]
-        return cls(store, wanted[: budget_bytes // row], row, pinned, check)
+        return cls(store, wanted[: budget_bytes // row], row, pinned, check, progress)
 
     def __contains__(self, key: object) -> bool:
         return key in self.index
