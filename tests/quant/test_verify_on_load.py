@@ -193,3 +193,26 @@ def test_server_refuses_to_answer_from_a_corrupted_blob(store_copy):
                 assert any(names(message, store_copy, e) for e in entries), message
         else:
             assert first.status_code == 200 and first.json()["choices"][0]["message"]
+
+
+@pytest.mark.gpu
+def test_first_read_check_on_cuda_slots_prefetch_and_pinned_host_tier(store_copy):
+    """On the GPU: a prefetch on the copy stream and a blocking miss both refuse the bad blob
+    and leave no slot for it; a pinned host tier refuses it at fill; sound blobs arrive intact."""
+    layer = Store(store_copy).moe_layers[0]
+    entry = corrupt(store_copy, layer, 4)
+    store = Store(store_copy)
+    pool = SlotPool.for_budget(store, "cuda", check=FirstReadCheck(store))
+    with pytest.raises(CorruptBlob) as err:
+        pool.prefetch([(layer, 3, "base"), (layer, 4, "base")])
+    assert names(str(err.value), store_copy, entry)
+    assert pool.slot_of((layer, 4, "base")) is None
+    with pytest.raises(CorruptBlob):
+        pool.ensure(layer, [4])
+    slot = int(pool.ensure(layer, [3])[3])
+    torch.cuda.synchronize()
+    good = entry_of(store_copy, layer, 3)
+    got = pool.pool[slot, : good["bytes"]].cpu().numpy().tobytes()
+    assert zlib.crc32(got) == good["crc32"]
+    with pytest.raises(CorruptBlob):
+        HostTier.for_budget(store, 1 << 30, pinned=True, check=FirstReadCheck(store))
