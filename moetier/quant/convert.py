@@ -608,27 +608,7 @@ def convert(
         _copy_aux_files(src, tmp)
         dense_tensors = _write_dense(plan, tmp / DENSE_FILE, progress, dense or DensePolicy())
         blobs = _write_experts(plan, fmt, tmp / EXPERTS_FILE, progress)
-        index: dict[str, Any] = {
-            "version": STORE_VERSION,
-            "model_type": cfg.model_type,
-            "source_dtype": plan.expert_dtype,
-            "alignment": BLOB_ALIGN,
-            "formats": {fmt.name: fmt.to_json()},
-            "moe_modules": {str(layer): m.path for layer, m in sorted(plan.experts.items())},
-            "mtp_layers": {
-                str(layer): {
-                    "prefix": prefix,
-                    "experts": plan.mtp_experts[layer].path if layer in plan.mtp_experts else None,
-                }
-                for layer, prefix in plan.mtp_layers.items()
-            },
-            "mtp_dense": sorted(plan.mtp_dense),
-            "skipped_source_tensors": plan.skipped,
-            "blobs": blobs,
-        }
-        index["dense"] = {"policy": (dense or DensePolicy()).to_json(), "tensors": dense_tensors}
-        if plan.quantization is not None:
-            index["source_quantization"] = plan.quantization.to_json()
+        index = store_index(plan, [fmt], blobs, dense or DensePolicy(), dense_tensors)
         if fp4 is not None:
             index["quantization"] = {"experts": fp4, "codes": "source"}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
@@ -641,6 +621,38 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def store_index(
+    plan: ConversionPlan,
+    formats: list[BlobFormat],
+    blobs: list[dict[str, Any]],
+    dense: DensePolicy,
+    dense_tensors: dict[str, Any],
+) -> dict[str, Any]:
+    """experts.json of a store converted by `plan` (without its "quantization" record)."""
+    index: dict[str, Any] = {
+        "version": STORE_VERSION,
+        "model_type": plan.model_config.model_type,
+        "source_dtype": plan.expert_dtype,
+        "alignment": BLOB_ALIGN,
+        "formats": {fmt.name: fmt.to_json() for fmt in formats},
+        "moe_modules": {str(layer): m.path for layer, m in sorted(plan.experts.items())},
+        "mtp_layers": {
+            str(layer): {
+                "prefix": prefix,
+                "experts": plan.mtp_experts[layer].path if layer in plan.mtp_experts else None,
+            }
+            for layer, prefix in plan.mtp_layers.items()
+        },
+        "mtp_dense": sorted(plan.mtp_dense),
+        "skipped_source_tensors": plan.skipped,
+        "blobs": blobs,
+    }
+    index["dense"] = {"policy": dense.to_json(), "tensors": dense_tensors}
+    if plan.quantization is not None:
+        index["source_quantization"] = plan.quantization.to_json()
+    return index
 
 
 def _copy_aux_files(src: Path, dst: Path) -> None:
