@@ -108,3 +108,18 @@ def _(
     zero_copy: bool = False,
 ) -> None:
     return None
+
+
+@torch.library.custom_op("moetier::sum_pairs", mutates_args=())
+def sum_pairs(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out [T, k, H] float32 (each pair's weighted expert output) -> [T, H] in `dtype`: the sum
+    over each token's k experts by torch's own reduction. An op of its own so torch.compile keeps
+    it out of its generated code: in the engine's compiled step with a symbolic row count, the
+    generated reduction took 80 µs a layer at 64 rows on an H100 (`bench/serve.py --profile`),
+    for a 4 MB read."""
+    return out.sum(dim=1).to(dtype)
+
+
+@sum_pairs.register_fake
+def _(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out.new_empty(out.shape[0], out.shape[2], dtype=dtype)

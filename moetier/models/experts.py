@@ -18,7 +18,7 @@ import torch
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
 from moetier.kernels.cpu.experts import cpu_experts
-from moetier.kernels.moe_ops import format_id, moe_experts, triton_supports
+from moetier.kernels.moe_ops import format_id, moe_experts, sum_pairs, triton_supports
 from moetier.kernels.residency_ops import stage_guesses, stage_join, stage_scores
 from moetier.residency.host_tier import HostTier
 from moetier.residency.hybrid_split import HybridSpeeds, measure_speeds, split_misses
@@ -29,6 +29,14 @@ from moetier.residency.zero_copy import ZeroCopyPlacement
 
 IMPLEMENTATION_NAME = "moetier"
 STREAM_TOKENS = 256  # a call of this many tokens or more streams its layer's experts
+
+
+def _sum_pairs(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out [T, k, H] -> [T, H] in dtype: a step of one row sums in the compiled code (fused
+    with what follows), more rows through `moetier::sum_pairs` (see there)."""
+    if out.shape[0] == 1:
+        return out.sum(dim=1).to(dtype)
+    return sum_pairs(out, dtype)
 
 
 def _keys(layer: int, experts: list[int], delta_experts: list[int]) -> list[BlobKey]:
@@ -232,7 +240,7 @@ class ExpertsRuntime:
             # counted: a mutated int would make torch.compile recompile the step every call)
             base_table, delta_table = self.pinned[layer]
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
-            return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+            return _sum_pairs(out, hidden.dtype)
         zc = self.zero_copy
         streamed = 0 < self.stream_tokens <= topk_ids.shape[0]
         if zc is not None and layer in zc.layer_index and streamed and not zc.fixed:
@@ -269,7 +277,7 @@ class ExpertsRuntime:
                           pool=pool)  # fmt: skip
             if guess:  # after this layer's kernel (`out`, an input here, orders the two)
                 self._stage_next(layer, out)
-            return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+            return _sum_pairs(out, hidden.dtype)
         self.pairs += topk_ids.numel()
         if mask is not None:
             self.delta_pairs += int(mask.sum())

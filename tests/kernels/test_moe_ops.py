@@ -88,3 +88,15 @@ def test_cuda_graph_replay_matches_eager():
         moe_experts(**eager)
         torch.cuda.synchronize()
         assert torch.equal(static["out"], eager["out"])
+
+
+def test_sum_pairs_is_the_sum_over_experts_and_compiles_with_dynamic_rows():
+    from moetier.kernels.moe_ops import sum_pairs
+    from moetier.models.experts import _sum_pairs
+
+    out = torch.randn(5, 8, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sum_pairs(out, torch.bfloat16), out.sum(dim=1).to(torch.bfloat16))
+    step = torch.compile(lambda o: _sum_pairs(o, torch.float32) * 2.0, dynamic=True)
+    for rows in (1, 3, 7):
+        x = torch.randn(rows, 8, 16)
+        torch.testing.assert_close(step(x), x.sum(dim=1) * 2.0)
