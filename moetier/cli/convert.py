@@ -91,13 +91,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibration",
-        help="text file or folder of .txt for GPTQ rounding (without it q2s rounds to nearest)",
+        help="text file or folder of .txt: q2s experts rounded with statistics of this text, "
+        "carried through the model one layer at a time (without it q2s rounds to nearest)",
     )
     parser.add_argument(
         "--calibration-tokens",
         type=int,
         default=65536,
-        help="calibration tokens to run (default: 65536)",
+        help="calibration tokens carried through the model, layer by layer (default: 65536)",
+    )
+    parser.add_argument(
+        "--calibration-mode",
+        choices=("gptq", "diag"),
+        default="gptq",
+        help="gptq: GPTQ rounding on each expert's routing-weighted Hessians (one layer's at a "
+        "time); diag: per-input-channel mean x^2 (llama.cpp's imatrix) weighting the rounding "
+        "error, far less memory and time (default: gptq)",
     )
 
 
@@ -132,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
             delta=None if args.delta == "none" else args.delta,
             calibration=args.calibration,
             calibration_tokens=args.calibration_tokens,
+            calibration_mode=args.calibration_mode,
             group=args.group,
             down_group=args.down_group,
             overrides=args.override,
