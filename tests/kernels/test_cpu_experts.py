@@ -174,8 +174,23 @@ def test_threads_and_dram_read():
     lib = load()
     words = torch.randint(-(2**40), 2**40, (100_003,), dtype=torch.int64)
     for threads in (1, 2):
-        assert set_threads(threads) == threads
-        assert get_threads() == threads
-        assert lib.mt_read_sum(words.data_ptr(), words.numel()) == int(words.sum())
+        assert lib.mt_read_sum(words.data_ptr(), words.numel(), threads) == int(words.sum())
     assert dram_read_bandwidth(2**22, reps=1, backend="c") > 0
+    # the kernel names its team's size, whichever thread calls it (OpenMP's default count is
+    # per calling thread, and torch sets it in the threads it runs ops on)
+    from concurrent.futures import ThreadPoolExecutor
+
+    fmt = q2s_expert_format(64, 32, False, 32, 16)
+    buf, addresses = _pool(fmt, 1, seed=4)
+    one = torch.zeros(1, dtype=torch.long)
+
+    def team() -> int:
+        cpu_experts(torch.randn(1, 64), one, torch.ones(1), addresses, fmt, ExpertActivation())
+        return int(lib.mt_last_team())
+
+    for threads in (1, 2):
+        assert set_threads(threads) == threads == get_threads()
+        assert team() == threads
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(team).result() == threads
     set_threads(0)

@@ -78,11 +78,10 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     i64, f32, ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
     lib.mt_q2s_pairs.restype = ctypes.c_int
     lib.mt_q2s_pairs.argtypes = [i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr,
-                                 ctypes.c_int, f32, f32, i64, ptr]  # fmt: skip
+                                 ctypes.c_int, f32, f32, i64, ctypes.c_int, ptr]  # fmt: skip
     lib.mt_read_sum.restype = i64
-    lib.mt_read_sum.argtypes = [ptr, i64]
-    lib.mt_set_threads.argtypes = [ctypes.c_int]
-    lib.mt_get_threads.restype = ctypes.c_int
+    lib.mt_read_sum.argtypes = [ptr, i64, ctypes.c_int]
+    lib.mt_last_team.restype = ctypes.c_int
     lib.mt_path.restype = ctypes.c_int
     return lib
 

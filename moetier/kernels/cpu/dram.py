@@ -27,19 +27,21 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
+_threads = 0  # set_threads' count (0: every core)
+
+
 def set_threads(threads: int) -> int:
-    """Threads the CPU kernels use from now on (the C kernels' OpenMP pool): `threads`, or every
-    core for 0. Returns the count."""
-    n = host_cores() if threads <= 0 else threads
-    lib = load()
-    if lib is not None:
-        lib.mt_set_threads(n)
-    return n
+    """Threads the CPU kernels use from now on, whichever thread calls them (each call names
+    its team's size: OpenMP's own default is per calling thread): `threads`, or every core for
+    0. Returns the count."""
+    global _threads
+    _threads = max(0, threads)
+    return get_threads()
 
 
 def get_threads() -> int:
-    lib = load()
-    return int(lib.mt_get_threads()) if lib is not None else torch.get_num_threads()
+    """The threads a CPU kernel call uses now."""
+    return _threads if _threads > 0 else host_cores()
 
 
 def dram_read_bandwidth(nbytes: int = DEFAULT_BYTES, reps: int = 5, backend: str = "auto") -> float:
@@ -55,7 +57,7 @@ def dram_read_bandwidth(nbytes: int = DEFAULT_BYTES, reps: int = 5, backend: str
             raise ValueError("no C compiler built the CPU kernels")
 
         def run() -> None:
-            lib.mt_read_sum(words.data_ptr(), words.numel())
+            lib.mt_read_sum(words.data_ptr(), words.numel(), get_threads())
 
     elif backend == "torch":
         floats = words.view(torch.float32)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat, blob_view, has_tensor, matrix_codecs
+from moetier.kernels.cpu.dram import get_threads
 from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix, quant_words_ref
 
 ACT_KINDS = {"silu": 0, "silu_clamped": 1, "gpt_oss": 2}
@@ -145,7 +146,7 @@ def cpu_experts(
             token.numel(), blobs.data_ptr(), token.data_ptr(), weight.data_ptr(), x.shape[0],
             x.data_ptr(), gate_up.ctypes.data, down.ctypes.data, biases[0], biases[1],
             _e4m3_table().ctypes.data, ACT_KINDS[act.kind], act.alpha, act.limit, ROWS_PER_TASK,
-            out.data_ptr(),
+            get_threads(), out.data_ptr(),
         )  # fmt: skip
     if status != 0:
         raise MemoryError("the C CPU expert kernel could not allocate its scratch memory")

@@ -32,9 +32,9 @@
 
 int mt_path(void) { return MT_PATH; }
 
-void mt_set_threads(int n) { omp_set_num_threads(n); }
+static int last_team = 0; /* threads of the last kernel call's team (tests read it) */
 
-int mt_get_threads(void) { return omp_get_max_threads(); }
+int mt_last_team(void) { return last_team; }
 
 /* layout of one q2s matrix inside a blob: byte offsets of codes, scales, row_scale, grid;
  * then rows N, columns K, group */
@@ -281,7 +281,7 @@ int mt_q2s_experts(int64_t n_blobs, const int64_t *blobs, const int64_t *start,
                    const int64_t *token, const float *weight, int64_t n_tokens, const float *x,
                    const int64_t *gate_up, const int64_t *down, int64_t gate_up_bias,
                    int64_t down_bias, const float *lut, int act, float alpha, float limit,
-                   int64_t rows_per_task, float *out) {
+                   int64_t rows_per_task, int threads, float *out) {
     const Matrix gu = {gate_up[0], gate_up[1], gate_up[2], gate_up[3], gate_up[4], gate_up[5],
                        gate_up[6]};
     const Matrix dn = {down[0], down[1], down[2], down[3], down[4], down[5], down[6]};
@@ -300,8 +300,10 @@ int mt_q2s_experts(int64_t n_blobs, const int64_t *blobs, const int64_t *start,
     const int64_t gu_items = n_blobs * ((inter + rows_per_task - 1) / rows_per_task);
     const int64_t dn_items = n_blobs * ((hidden + rows_per_task - 1) / rows_per_task);
     if (!failed) {
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
         {
+#pragma omp single
+            last_team = omp_get_num_threads();
             Act *acts = malloc(sizeof(Act) * most);
             float *res = malloc(sizeof(float) * 2 * ROWS * most);
             int32_t *gidx = malloc(sizeof(int32_t) * ((hidden > inter ? hidden : inter) / 16 + 16));
@@ -406,7 +408,7 @@ int mt_q2s_pairs(int64_t n_pairs, const int64_t *pair_blob, const int64_t *pair_
                  const float *pair_weight, int64_t n_tokens, const float *x,
                  const int64_t *gate_up, const int64_t *down, int64_t gate_up_bias,
                  int64_t down_bias, const float *lut, int act, float alpha, float limit,
-                 int64_t rows_per_task, float *out) {
+                 int64_t rows_per_task, int threads, float *out) {
     const int64_t hidden = gate_up[5];
     int64_t *order = malloc(sizeof(int64_t) * (n_pairs + 1));
     int64_t *blobs = malloc(sizeof(int64_t) * (n_pairs + 1));
@@ -432,7 +434,7 @@ int mt_q2s_pairs(int64_t n_pairs, const int64_t *pair_blob, const int64_t *pair_
         start[n_blobs] = n_pairs;
         status = mt_q2s_experts(n_blobs, blobs, start, token, weight, n_tokens, x, gate_up, down,
                                 gate_up_bias, down_bias, lut, act, alpha, limit, rows_per_task,
-                                sorted);
+                                threads, sorted);
         if (status == 0)
             for (int64_t q = 0; q < n_pairs; q++)
                 memcpy(out + order[q] * hidden, sorted + q * hidden, sizeof(float) * hidden);
@@ -448,9 +450,9 @@ int mt_q2s_pairs(int64_t n_pairs, const int64_t *pair_blob, const int64_t *pair_
 
 /* DRAM read: every thread sums its share of n 8-byte words; returns the sum (so the reads are
  * not optimised away). */
-int64_t mt_read_sum(const int64_t *words, int64_t n) {
+int64_t mt_read_sum(const int64_t *words, int64_t n, int threads) {
     int64_t total = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total)
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
     for (int64_t i = 0; i < n; i++) total += words[i];
     return total;
 }
