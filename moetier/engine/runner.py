@@ -4,11 +4,14 @@ item that samples, and the logprobs and prompt logprobs its request asks for).
 
 `PagedRunner` (native model files): a step whose items are all one-token decodes runs as decode
 rows [R, 1], each row reading its pages through its page table (the decode kernels on CUDA
-where the attention has `pages_in_kernel`: GQA and MLA); on CUDA with every expert pinned, such
-steps replay a CUDA graph captured per batch bucket (1, 2, 4 ... 64 rows; padding rows write to
-a scratch page). Any other step packs every item's tokens into one row [1, N] (prefill chunks
-and decodes mixed; models/attention_batch.py), and only the positions whose next token is
-sampled (and those whose prompt logprobs a request asks for) go through the LM head.
+where the attention has `pages_in_kernel`: GQA and MLA; the keys gathered from the pages
+elsewhere); on CUDA with the experts placed for graphs, such steps replay a CUDA graph captured
+per (batch bucket, context bucket) (engine/decode_graphs.py: 1, 2, 4 ... 64 rows, padding rows
+on a scratch page; where keys are gathered, a page-table width from a geometric ladder that holds
+every row's position, else the whole table). Any other step packs every item's tokens into
+one row [1, N] (prefill chunks and decodes mixed; models/attention_batch.py), and only the
+positions whose next token is sampled (and those whose prompt logprobs a request asks for) go
+through the LM head.
 `TransformersRunner` (the transformers model class): each request its own DynamicCache, its
 items run one after another; no prefix cache (its KV is not in pages).
 Sampling the step's rows is engine/step_sampler.py's (both runners derive from StepSampler).
@@ -27,6 +30,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from moetier.engine import decode_graphs
+from moetier.engine.decode_graphs import (
+    BATCH_BUCKETS,
+    DecodeGraph,
+    DecodeGraphs,
+    bucket_of,
+    context_ladder,
+)
 from moetier.engine.graph_placement import ZeroCopyRebalance, place_for_graphs
 from moetier.engine.sampler import to_device
 from moetier.engine.scheduler import Scheduled, Step
@@ -35,7 +46,7 @@ from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
 from moetier.models.attention_batch import AttentionBatch
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows a CUDA graph is captured for
+GRAPH_BUCKETS = BATCH_BUCKETS  # decode rows a CUDA graph is captured for
 
 
 class PagedRunner(StepSampler):
@@ -62,21 +73,26 @@ class PagedRunner(StepSampler):
             num_pages + 1, page_size, loaded.dtype, self.device
         )
         # the decode kernels (GQA's, MLA's) read pages themselves; SDPA (CPU, glm_moe_dsa's
-        # indexer, deepseek_v4) needs them gathered, whole context width: eager steps only
+        # indexer, deepseek_v4, gpt_oss) needs them gathered: over a context bucket's width
         in_kernel = all(
             getattr(layer.self_attn, "pages_in_kernel", False) for layer in model.model.layers
         )
         self.gather_decode_keys = not (self.device.type == "cuda" and in_kernel)
         context = int(model.config.max_position_embeddings)
         self.table_width = min(num_pages, -(-context // page_size))
-        self.graphs: dict[int, _DecodeGraph] = {}
+        first = -(-decode_graphs.FIRST_CONTEXT_TOKENS // page_size)
+        self._ladder = context_ladder(first, self.table_width)
+        self.graphs = DecodeGraphs()
         self._pool: Any = None
         self.use_graphs = (
             self.device.type == "cuda"
             and loaded.engine_config.cuda_graph
-            and in_kernel
             and place_for_graphs(loaded)  # experts pinned, or zero-copy from host RAM
         )
+        # decode steps on the graphs' fixed-shape inputs, keyed as the graphs are, without
+        # capturing them: run eagerly (CPU tests set it; CUDA graphs imply it)
+        self.fixed_shapes = False
+        self.ahead_moved = 0  # steps launched ahead on a wider context bucket than the last
         self._rebalance = ZeroCopyRebalance(loaded.runtime)
         # the graphed step through torch.compile (inductor fuses the norms, rotary and residual
         # adds), compiled at warm-up and kept in inductor's disk cache
@@ -86,22 +102,33 @@ class PagedRunner(StepSampler):
         self.lookahead = self.use_graphs and loaded.engine_config.lookahead
         self._ahead: _Ahead | None = None
         self.ahead_launched = self.ahead_taken = 0  # steps launched ahead, and those used
-        if self.use_graphs and loaded.engine_config.compile_decode:
+        self._compiled = self.use_graphs and loaded.engine_config.compile_decode
+        if self._compiled:
             use_compile_cache()
             # automatic dynamic shapes: bucket 1 compiles as is, the second bucket recompiles
-            # with a symbolic row count that every larger bucket reuses (two compilations)
+            # with a symbolic row count that every larger bucket reuses (two compilations); the
+            # page-table width is marked dynamic where it varies (context buckets)
             self._step_fn = torch.compile(self._graph_step)
         self.warm_up_seconds = self.warm_up(max_rows)
 
+    @property
+    def context_buckets(self) -> tuple[int, ...]:
+        """The page-table widths a decode step's inputs take: the ladder where keys are
+        gathered, else one width (the whole table: the kernels read only a row's own pages)."""
+        return self._ladder if self.gather_decode_keys else (self.table_width,)
+
     def warm_up(self, max_rows: int) -> float:
-        """Capture (and compile) every batch bucket's decode graph up to `max_rows` rows now,
-        padding rows only (they write the scratch page), so the first requests find them ready.
-        -> seconds spent. Nothing to do without CUDA graphs."""
+        """Capture (and compile) every batch bucket's decode graph up to `max_rows` rows at the
+        smallest context bucket now, padding rows only (they write the scratch page), so the
+        first requests find them ready (wider context buckets are captured when a step first
+        needs them). -> seconds spent. Nothing to do without CUDA graphs."""
         began = time.perf_counter()
         if not self.use_graphs:
             return 0.0
+        width = self.context_buckets[0]
         for bucket in GRAPH_BUCKETS:
-            if bucket not in self.graphs and not self._capture(bucket):
+            if (bucket, width) not in self.graphs and self._capture(bucket, width) is None:
+                self.use_graphs = False  # not even the smallest step captures: eager steps
                 break
             if bucket >= max_rows:
                 break
@@ -165,7 +192,6 @@ class PagedRunner(StepSampler):
         """-> the logits [R, V] of the decode rows, and the inputs they ran on where those are
         exactly the rows (None: they came from a step launched ahead with more rows)."""
         rows = len(items)
-        pages = [len(item.request.pages) for item in items]  # each row's in its page table
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             taken = ahead.rows_of(items)
@@ -174,19 +200,19 @@ class PagedRunner(StepSampler):
                 return ahead.logits[:rows], ahead.launch
             if taken is not None:
                 return ahead.logits.index_select(0, to_device(taken, self.device)), None
-        bucket = next((b for b in GRAPH_BUCKETS if b >= rows), None)
-        if self.use_graphs and bucket is not None:
-            graph = self.graphs.get(bucket)
-            if graph is not None or self._capture(bucket):
-                graph = self.graphs[bucket]
-                self._decode_inputs(items, *graph.host_inputs())
+        bucket = bucket_of(GRAPH_BUCKETS, rows)
+        if (self.use_graphs or self.fixed_shapes) and bucket is not None:
+            needed = max(item.start // self.page_size + 1 for item in items)
+            graph = self._graph(bucket, needed)
+            if graph is not None:
+                pages = self._decode_inputs(items, *graph.host_inputs())
                 graph.stage()
-                launch = _Launch(graph.ids, graph.positions, graph.table, graph.replay, pages)
+                launch = _Launch(graph.ids, graph.positions, graph.table, graph.replay, pages, True)
                 return launch.run()[:rows], launch
         width = max(len(item.request.pages) for item in items)
         ids, positions = torch.empty(2, rows, 1, dtype=torch.int64).unbind(0)
         table = torch.empty(rows, width, dtype=torch.int32)
-        self._decode_inputs(items, ids.numpy(), positions.numpy(), table.numpy())
+        pages = self._decode_inputs(items, ids.numpy(), positions.numpy(), table.numpy())
         ids, positions, table = (t.to(self.device) for t in (ids, positions, table))
         step = functools.partial(self._eager_step, ids, positions, table)
         launch = _Launch(ids, positions, table, step, pages)
@@ -205,13 +231,21 @@ class PagedRunner(StepSampler):
         step's): each row's `tokens` (on the device) at its next position, a page entered in
         its table where that position starts one; not when a row's next position has no page
         yet (the engine reserves them where it can: Scheduler.reserve_next)."""
-        size, width = self.page_size, launch.table.shape[1]
-        entries: list[int] = []  # (row, column, page) of the pages the tables lack
-        for row, item in enumerate(items):
-            needed = (item.start + 1) // size + 1  # pages the next position needs
-            pages = item.request.pages
-            if needed > len(pages) or needed > width:
+        size = self.page_size
+        needs = [(item.start + 1) // size + 1 for item in items]  # pages the next positions need
+        if any(n > len(item.request.pages) for n, item in zip(needs, items, strict=True)):
+            return
+        if launch.fixed and max(needs) > launch.table.shape[1]:
+            # the next positions cross into a wider context bucket: that bucket's inputs
+            moved = self._widen(launch, max(needs))
+            if moved is None:
                 return
+            launch = moved
+        if max(needs) > launch.table.shape[1]:
+            return
+        entries: list[int] = []  # (row, column, page) of the pages the tables lack
+        for row, (needed, item) in enumerate(zip(needs, items, strict=True)):
+            pages = item.request.pages
             for column in range(launch.pages[row], needed):
                 entries += (row, column, pages[column])
         rows = len(items)
@@ -221,8 +255,8 @@ class PagedRunner(StepSampler):
                 at = at.pin_memory()
             at = at.to(self.device, non_blocking=True)
             launch.table[at[:, 0], at[:, 1]] = at[:, 2].to(launch.table.dtype)
-            for row, item in enumerate(items):
-                launch.pages[row] = max(launch.pages[row], (item.start + 1) // size + 1)
+            for row, needed in enumerate(needs):
+                launch.pages[row] = max(launch.pages[row], needed)
         launch.ids[:rows, 0].copy_(tokens)
         launch.positions[:rows] += 1
         self.ahead_launched += 1
@@ -233,45 +267,91 @@ class PagedRunner(StepSampler):
             launch,
         )
 
-    def _capture(self, bucket: int) -> bool:
-        """Capture the decode graph of `bucket` rows (every row padding: the scratch page);
-        False, and eager decode steps from now on, if capturing fails."""
-        graph = _DecodeGraph(bucket, self.table_width, self.device)
+    def _widen(self, launch: _Launch, needed: int) -> _Launch | None:
+        """`launch`'s rows moved (on the device, in stream order) onto the inputs of the same
+        batch bucket at the context bucket that holds `needed` pages; None where there is none
+        (eager steps for that key)."""
+        graph = self._graph(launch.ids.shape[0], needed)
+        if graph is None:
+            return None
+        width = launch.table.shape[1]
+        graph.ids.copy_(launch.ids)
+        graph.positions.copy_(launch.positions)
+        graph.table[:, :width].copy_(launch.table)
+        graph.table[:, width:].fill_(self.scratch_page)
+        self.ahead_moved += 1
+        return _Launch(
+            graph.ids, graph.positions, graph.table, graph.replay, list(launch.pages), True
+        )
+
+    def _graph(self, rows: int, needed: int) -> DecodeGraph | None:
+        """The decode step of `rows` rows (a batch bucket) at the smallest context bucket that
+        holds `needed` pages, captured now if it is new; None: no bucket holds them, or its
+        capture failed (eager steps for that key)."""
+        width = bucket_of(self.context_buckets, needed)
+        if width is None or (rows, width) in self.graphs.failed:
+            return None
+        return self.graphs.get((rows, width)) or self._capture(rows, width)
+
+    def _capture(self, rows: int, width: int) -> DecodeGraph | None:
+        """Capture the decode graph of `rows` rows and a page table `width` pages wide (every
+        row padding: the scratch page); without CUDA graphs (`fixed_shapes` on CPU) the step
+        runs eagerly on those inputs. None if capturing fails (that key's steps run eagerly)."""
+        graph = DecodeGraph(rows, width, self.device)
         self._decode_inputs([], *graph.host_inputs())
         for static, staged in zip(graph.inputs, graph.staged, strict=True):
             static.copy_(staged)
+        step = functools.partial(self._step_fn, cache=self.cache)
+        if not self.use_graphs:
+            graph.run_eagerly(step)
+            self.graphs.add(graph)
+            return graph
+        if self._compiled and len(self.context_buckets) > 1:
+            torch._dynamo.maybe_mark_dynamic(graph.table, 1)  # one compilation for every width
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         try:
-            graph.capture(functools.partial(self._step_fn, cache=self.cache), self._pool)
+            graph.capture(step, self._pool)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-            print(f"moetier: decode steps without CUDA graphs ({exc})", file=sys.stderr)
-            self.use_graphs = False
-            return False
-        self.graphs[bucket] = graph
-        return True
+            print(
+                f"moetier: decode steps of {rows} rows over {width} pages without a CUDA graph "
+                f"({exc})",
+                file=sys.stderr,
+            )
+            self.graphs.failed.add((rows, width))
+            return None
+        self.graphs.add(graph)
+        return graph
 
     def _graph_step(
         self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, cache: torch.Tensor
     ) -> Any:
         """One decode step; the cache comes as an argument: a graph input of the compiled step,
-        which `moetier::write_pages` updates in place."""
-        batch = AttentionBatch.decode(positions, table, self.page_size, with_keys=False)
+        which `moetier::write_pages` updates in place. Keys gathered where the attention needs
+        them, over the table's width (the step's context bucket)."""
+        batch = AttentionBatch.decode(
+            positions, table, self.page_size, with_keys=self.gather_decode_keys
+        )
         return self.model.lm_head(self.model.model(ids, positions, cache, batch)[:, 0])
 
     def _decode_inputs(
         self, items: list[Scheduled], ids: np.ndarray, positions: np.ndarray, table: np.ndarray
-    ) -> None:
+    ) -> list[int]:
         """Fill [rows, 1] ids and positions and the [rows, width] page table of decode rows
-        (numpy views of host tensors: a table row is a context's worth of entries); rows past
-        the items (padding) read and write the scratch page at position 0."""
+        (numpy views of host tensors): a table row holds the row's first `width` pages (those
+        past a context bucket's width are never read); rows past the items (padding) read and
+        write the scratch page at position 0. -> per row, the table entries that hold pages."""
         table.fill(self.scratch_page)
         ids.fill(0)
         positions.fill(0)
+        width = table.shape[1]
+        held = []
         for row, item in enumerate(items):
-            pages = item.request.pages
+            pages = item.request.pages[:width]
             table[row, : len(pages)] = pages
             ids[row, 0] = item.request.tokens[item.start]
             positions[row, 0] = item.start
+            held.append(len(pages))
+        return held
 
     def _packed(self, items: list[Scheduled]) -> torch.Tensor:
         spans = [(item.start, item.count, item.request.pages) for item in items]
@@ -279,53 +359,6 @@ class PagedRunner(StepSampler):
         tokens = [t for item in items for t in item.request.tokens[item.start :][: item.count]]
         ids = torch.tensor([tokens], device=self.device)
         return self.model.model(ids, batch.positions, self.cache, batch)[0]
-
-
-class _DecodeGraph:
-    """One batch bucket's captured decode step: static inputs, their pinned host staging
-    copies, the graph, its logits."""
-
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        self.ids = torch.zeros(rows, 1, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, 1, dtype=torch.int64, device=device)
-        self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)
-        self.staged = [torch.zeros_like(t, device="cpu").pin_memory() for t in self.inputs]
-        self.graph: Any = None
-        self.logits: torch.Tensor | None = None
-
-    @property
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.ids, self.positions, self.table
-
-    def host_inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """numpy views of the staging copies: what `replay` copies in first. (The previous
-        replay's copies are done: the sampled tokens were read back since.)"""
-        ids, positions, table = (t.numpy() for t in self.staged)
-        return ids, positions, table
-
-    def capture(self, step: Callable[..., torch.Tensor], pool: Any) -> None:
-        """Warm up on a side stream (compiles a compiled step; writes what the replays
-        write), then capture."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # a compiled step's first call compiles, the second is steady
-                step(self.ids, self.positions, self.table)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = step(self.ids, self.positions, self.table)
-
-    def stage(self) -> None:
-        """Copy the staged host inputs in (asynchronously; queued before the next replay)."""
-        for static, staged in zip(self.inputs, self.staged, strict=True):
-            static.copy_(staged, non_blocking=True)
-
-    def replay(self) -> torch.Tensor:
-        """Replay on the static inputs as they are -> the logits (the graph's own buffer)."""
-        self.graph.replay()
-        assert self.logits is not None
-        return self.logits
 
 
 @dataclass
@@ -338,6 +371,7 @@ class _Launch:
     table: torch.Tensor
     run: Callable[[], torch.Tensor]
     pages: list[int]  # per row: the entries of its page table that hold its pages
+    fixed: bool = False  # a DecodeGraph's inputs (keyed by batch and context bucket)
 
 
 @dataclass

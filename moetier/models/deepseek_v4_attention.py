@@ -21,7 +21,8 @@ shape-static step; an unfinished one is masked), so a decode step has no host sy
 A forward writes its rows twice: raw projections and keys first, then, once the window rows of
 this forward are in the cache, the candidates. Costs against transformers' cache: the raw rows
 (for exactness at any chunking) and a candidate per position rather than per m positions; a
-decode step reads the context's rows (the CPU/SDPA-style path; no kernel yet).
+decode step reads the rows of its context bucket (engine/decode_graphs.py: the gathered path,
+shape-static, so the engine's steps replay CUDA graphs; no kernel yet).
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ class GlmMoeDsaAttention(MLAttention):
     tokens see only the keys their indexer (or the layer before's, on "shared" layers) picks."""
 
     # the indexer scores every cached index key and attention reads the top-k it picks: both
-    # over gathered keys and masks, so the engine's decode steps gather pages and stay eager
-    # (no CUDA graphs); moetier::mla_decode would need the selection as an index input
+    # over gathered keys and masks, so the engine's decode steps gather pages, over a context
+    # bucket's width in its CUDA graphs (engine/decode_graphs.py); moetier::mla_decode would
+    # need the selection as an index input
     pages_in_kernel = False
 
     def __init__(self, config: DecoderConfig, dsa: DsaConfig, layer: int) -> None:

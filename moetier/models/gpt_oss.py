@@ -14,7 +14,8 @@ GptOss* computes it:
 - the router `mlp.router` (weight and bias): top-k of the logits, softmax over those k.
 The GQA decode kernel (kernels/attention.py) has neither sinks nor windows, so this attention
 reads gathered pages and masks in torch on every device (`pages_in_kernel` False): the engine's
-decode steps run eagerly, not from CUDA graphs, until the kernel has both.
+decode steps gather a context bucket's width of pages in their CUDA graphs
+(engine/decode_graphs.py), not only the window's.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ def test_compiled_graphs_are_captured_at_load_and_decode_exactly(tiny):
     loaded = load_model(tiny.store("qwen3_moe"), config)
     limits = EngineLimits(num_pages=64, page_size=16, max_num_seqs=6, max_num_batched_tokens=16)
     engine = Engine(loaded, limits)
-    assert sorted(engine.runner.graphs) == [1, 2, 4, 8]  # up to the bucket holding 6 rows
+    width = engine.runner.table_width  # the decode kernel reads pages: one context bucket
+    assert sorted(engine.runner.graphs) == [(b, width) for b in (1, 2, 4, 8)]  # to 6 rows
     assert engine.runner.warm_up_seconds > 0
     check_against_alone(loaded, engine, random_requests(loaded.model_config.vocab_size, 6, 5))
 

@@ -244,8 +244,8 @@ def test_cuda_graph_decode_step_replays_eager(stores, dtype_name, compiled):
 @pytest.mark.gpu
 def test_cuda_logits_and_engine(stores):
     """On the GPU in fp32: logits against HF within 1e-4; the engine's decode steps gather
-    their pages (no decode kernel with sinks and windows yet: eager steps), each request as
-    alone."""
+    their pages (no decode kernel with sinks and windows yet), over a context bucket's width,
+    replayed from CUDA graphs, each request as alone."""
     loaded = load_model(stores[1], EngineConfig(device="cuda", dtype="float32", native=True))
     ref = hf_reference(stores[0], torch.float32, "cuda")
     ids = prompt(loaded.model_config.vocab_size, length=LENGTH, device="cuda")
@@ -257,7 +257,7 @@ def test_cuda_logits_and_engine(stores):
     assert (ours - theirs).abs().max().item() <= 1e-4
     engine = Engine(loaded, EngineLimits(num_pages=48, page_size=16, max_num_batched_tokens=16))
     check_against_alone(loaded, engine, random_requests(loaded.model_config.vocab_size, 8, 3))
-    assert engine.runner.gather_decode_keys and not engine.runner.use_graphs
+    assert engine.runner.gather_decode_keys and engine.runner.use_graphs
 
 
 def test_real_shape_slice_runs_natively(tmp_path):

@@ -1,0 +1,146 @@
+"""The serving engine's decode steps of fixed shape (engine/runner.py), keyed by (batch bucket,
+context bucket).
+
+A decode step of R rows runs on the inputs of the smallest batch bucket (1, 2, 4 ... 64 rows)
+that holds R; padding rows read and write a scratch page. Where the attention gathers its keys
+from the pages (SDPA on CPU; glm_moe_dsa's indexer, deepseek_v4 and gpt_oss on every device) the
+page table is also cut to a fixed width, the step's *context bucket*: the smallest width of a
+geometric ladder of pages (`context_ladder`: the pages of FIRST_CONTEXT_TOKENS positions, then
+twice as many ... up to the widest table) that holds every row's position. Keys are gathered over
+that width only and masked by each row's position, so a step costs what its contexts need, not
+the model's context. Where every layer's kernel reads pages itself (the GQA and MLA decode
+kernels), the ladder is one width, the whole table: the graphs are per batch bucket only.
+
+`DecodeGraph` holds one key's static inputs (ids and positions [B, 1], page table [B, W]), their
+host staging copies, and the step captured on them into a CUDA graph, or (`captured` False: CPU
+tests) the step itself, run eagerly on the same inputs. `DecodeGraphs` keeps them by key, least
+recently used dropped first beyond a cap.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows a step's inputs are padded to
+FIRST_CONTEXT_TOKENS = 1024  # positions the smallest context bucket holds (rounded up to pages)
+MAX_DECODE_GRAPHS = 48  # graphs kept at once (least recently used dropped first)
+
+Key = tuple[int, int]  # (rows, page-table width)
+
+
+def context_ladder(first_pages: int, top_pages: int) -> tuple[int, ...]:
+    """Page-table widths of the context buckets: first_pages, twice that, ... up to top_pages
+    (the last one top_pages itself; one bucket where first_pages >= top_pages)."""
+    if top_pages < 1:
+        raise ValueError(f"a page table of {top_pages} pages")
+    ladder = [max(1, min(first_pages, top_pages))]
+    while ladder[-1] < top_pages:
+        ladder.append(min(2 * ladder[-1], top_pages))
+    return tuple(ladder)
+
+
+def bucket_of(buckets: tuple[int, ...], needed: int) -> int | None:
+    """The smallest bucket >= needed (None: none holds it)."""
+    return next((b for b in buckets if b >= needed), None)
+
+
+class DecodeGraph:
+    """One key's decode step: static inputs, their host staging copies (pinned on CUDA), and
+    the step captured into a CUDA graph on them (or run eagerly on them: `captured` False)."""
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.ids = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+        self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self.staged = [
+            torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t)
+            for t in self.inputs
+        ]
+        self.graph: Any = None
+        self.logits: torch.Tensor | None = None
+        self._eager: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def key(self) -> Key:
+        return self.table.shape[0], self.table.shape[1]
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.ids, self.positions, self.table
+
+    def host_inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """numpy views of the staging copies: what `stage` copies in. (The previous replay's
+        copies are done: the sampled tokens were read back since.)"""
+        ids, positions, table = (t.numpy() for t in self.staged)
+        return ids, positions, table
+
+    def capture(self, step: Callable[..., torch.Tensor], pool: Any) -> None:
+        """Warm up on a side stream (compiles a compiled step; writes what the replays
+        write), then capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # a compiled step's first call compiles, the second is steady
+                step(self.ids, self.positions, self.table)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = step(self.ids, self.positions, self.table)
+
+    def run_eagerly(self, step: Callable[..., torch.Tensor]) -> None:
+        """No capture: `replay` runs `step` on the static inputs (the graph's shapes, CPU)."""
+        self._eager = lambda: step(self.ids, self.positions, self.table)
+
+    def stage(self) -> None:
+        """Copy the staged host inputs in (asynchronously; queued before the next replay)."""
+        for static, staged in zip(self.inputs, self.staged, strict=True):
+            static.copy_(staged, non_blocking=True)
+
+    def replay(self) -> torch.Tensor:
+        """Run the step on the static inputs as they are -> the logits (a captured graph's own
+        buffer)."""
+        if self._eager is not None:
+            return self._eager()
+        self.graph.replay()
+        assert self.logits is not None
+        return self.logits
+
+
+class DecodeGraphs:
+    """The decode steps by key (rows, width), at most `cap` of them: adding one beyond drops
+    the least recently used (its graph's memory goes back to the shared pool); keys whose
+    capture failed are remembered so that they are not tried again."""
+
+    def __init__(self, cap: int = MAX_DECODE_GRAPHS) -> None:
+        self.cap = cap
+        self._graphs: OrderedDict[Key, DecodeGraph] = OrderedDict()
+        self.failed: set[Key] = set()
+        self.dropped = 0  # graphs dropped for the cap
+
+    def get(self, key: Key) -> DecodeGraph | None:
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+        return graph
+
+    def add(self, graph: DecodeGraph) -> None:
+        self._graphs[graph.key] = graph
+        self._graphs.move_to_end(graph.key)
+        while len(self._graphs) > max(1, self.cap):
+            self._graphs.popitem(last=False)
+            self.dropped += 1
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._graphs
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(list(self._graphs))
+
+    def __len__(self) -> int:
+        return len(self._graphs)
