@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from moetier.kernels.paged_kv import write_pages
+from moetier.kernels.paged_kv import write_kv_pages, write_pages
 
 
 @dataclass
@@ -63,6 +63,15 @@ class AttentionBatch:
                 view.scatter_(1, self.positions[:, :, None].expand_as(values), values)
             return
         write_pages(cache, layer, part, self.write_page, self.write_offset, values)
+
+    def write_kv(self, cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A GQA layer's keys and values [B, KVH, T, D] (`write` for parts 0 and 1); paged rows
+        in one op (`moetier::write_kv_pages`)."""
+        if self.write_page is None:
+            self.write(cache, layer, 0, k)
+            self.write(cache, layer, 1, v)
+            return
+        write_kv_pages(cache, layer, self.write_page, self.write_offset, k, v)
 
     @staticmethod
     def static(positions: torch.Tensor, max_len: int) -> AttentionBatch:

@@ -191,8 +191,7 @@ class Attention(nn.Module):
         v = v_.reshape(rows, tokens, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, h, T, D]
         k_cache, v_cache = cache[self.layer, 0], cache[self.layer, 1]  # [P, kvh, PS, D]
-        batch.write(cache, self.layer, 0, k)
-        batch.write(cache, self.layer, 1, v)
+        batch.write_kv(cache, self.layer, k, v)
         paged = batch.page_table is not None  # decode rows reading pages through their tables
         if (paged and batch.mask is None) or (
             (paged or batch.static_rows) and _decode_kernel_applies(x, tokens)
