@@ -298,3 +298,19 @@ def test_calibrated_conversion_on_cuda_matches_cpu(tiny, tmp_path):
                 a = expert_matrix(stores["cpu"].blob(layer, e), fmt, name)
                 b = expert_matrix(stores["cuda"].blob(layer, e), fmt, name)
                 assert (a != b).float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("mode", ["gptq", "diag"])
+def test_an_expert_no_token_reached_is_not_zeroed(mode):
+    from moetier.quant.calibration.layer_experts import _statistics
+
+    x = torch.randn(50, 64)
+    stats = _statistics([x, x[:0]], mode, 64, torch.device("cpu"))
+    assert stats is not None
+    w = torch.randn(2, 16, 64)
+    kwargs = {"hessian": stats} if mode == "gptq" else {"importance": stats}
+    q = quantize_q2s_batched(w, group=32, **kwargs).dequantize()
+    rtn = quantize_q2s_batched(w[1:], group=32).dequantize()[0]
+    # the unreached expert (1) is coded as well as round to nearest, not zeroed
+    assert ((q[1] - w[1]) ** 2).mean() <= ((rtn - w[1]) ** 2).mean() * 1.05
+    assert ((q[1] - w[1]) ** 2).mean() < 0.5 * (w[1] ** 2).mean()

@@ -15,6 +15,7 @@ The down projection's statistics come from the activations of the already-quanti
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -79,49 +80,76 @@ def quantize_layer(
         out = torch.zeros(inputs.x.shape[0], inputs.x.shape[1], device=device)
     blobs: list[torch.Tensor] = []
     deltas: list[torch.Tensor] = []
-    for e0 in range(0, num_experts, chunk):
-        experts = list(range(e0, min(num_experts, e0 + chunk)))
-        tensors = [canonical_expert(module, e, read) for e in experts]
-        chunk_blobs = [torch.zeros(align_up(plan.fmt.nbytes, BLOB_ALIGN), dtype=torch.uint8)
-                       for _ in experts]  # fmt: skip
-        chunk_deltas = []
-        if plan.delta_fmt is not None:
-            stride = align_up(plan.delta_fmt.nbytes, BLOB_ALIGN)
-            chunk_deltas = [torch.zeros(stride, dtype=torch.uint8) for _ in experts]
-        for name in ("gate_up_bias", "down_bias"):
-            if has_tensor(plan.fmt, name):
-                for blob, t in zip(chunk_blobs, tensors, strict=True):
-                    _put(blob, plan.fmt.tensor(name), t[name])
-        rows = [_rows(routes, e) for e in experts] if routes is not None else None
-        x_in = None
-        if inputs is not None and rows is not None:
-            x_in = [(inputs.x[r].float() * w[:, None]) for r, w in rows]  # weighted inputs
-        for name in MATRICES:
-            w = torch.stack([t[name] for t in tensors]).to(device).float()  # [C, N, K]
-            stats = _statistics(x_in, plan.mode, w.shape[2], device)
-            _code_matrix(plan, name, w, stats, chunk_blobs, chunk_deltas, device)
-            if name == "gate_up" and x_in is not None and inputs is not None and rows is not None:
-                # inputs of down: the quantized gate_up's activations, routing-weighted as x was
-                acts = []
-                for i, blob in enumerate(chunk_blobs):
-                    r, wt = rows[i]
-                    acts.append(_activation(inputs.x[r].float(), blob, plan, device) * wt[:, None])
-                x_in = acts
-            del w, stats
-        if out is not None and x_in is not None and rows is not None:
-            for i, blob in enumerate(chunk_blobs):
-                r, _ = rows[i]
-                if r.numel():
-                    down = expert_matrix(blob.to(device), plan.fmt, "down")  # [H, I]
-                    y = x_in[i] @ down.T  # x_in holds w * act: the weighted output
-                    if has_tensor(plan.fmt, "down_bias"):
-                        bias = _bias(blob, plan.fmt, "down_bias", device)
-                        y = y + rows[i][1][:, None] * bias
-                    out.index_add_(0, r, y)
-        blobs += chunk_blobs
-        deltas += chunk_deltas
-        tick(len(experts))
+    starts = list(range(0, num_experts, chunk))
+
+    def load(e0: int) -> list[dict[str, torch.Tensor]]:
+        return [canonical_expert(module, e, read) for e in range(e0, min(num_experts, e0 + chunk))]
+
+    # the next chunk is read from the shards (one thread: the reader is not shared) meanwhile
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        pending = reader.submit(load, starts[0])
+        for i, e0 in enumerate(starts):
+            tensors = pending.result()
+            if i + 1 < len(starts):
+                pending = reader.submit(load, starts[i + 1])
+            out = _chunk(tensors, e0, inputs, routes, plan, device, out, blobs, deltas)
+            tick(len(tensors))
     return blobs, deltas, out
+
+
+def _chunk(
+    tensors: list[dict[str, torch.Tensor]],
+    e0: int,
+    inputs: LayerInputs | None,
+    routes: tuple[torch.Tensor, torch.Tensor, list[int]] | None,
+    plan: LayerPlan,
+    device: torch.device,
+    out: torch.Tensor | None,
+    blobs: list[torch.Tensor],
+    deltas: list[torch.Tensor],
+) -> torch.Tensor | None:
+    """Quantize one chunk of experts (tensors of experts e0, e0 + 1, ...) into `blobs` and
+    `deltas`, adding their routing-weighted output to `out`."""
+    experts = list(range(e0, e0 + len(tensors)))
+    chunk_blobs = [torch.zeros(align_up(plan.fmt.nbytes, BLOB_ALIGN), dtype=torch.uint8)
+                   for _ in experts]  # fmt: skip
+    chunk_deltas = []
+    if plan.delta_fmt is not None:
+        stride = align_up(plan.delta_fmt.nbytes, BLOB_ALIGN)
+        chunk_deltas = [torch.zeros(stride, dtype=torch.uint8) for _ in experts]
+    for name in ("gate_up_bias", "down_bias"):
+        if has_tensor(plan.fmt, name):
+            for blob, t in zip(chunk_blobs, tensors, strict=True):
+                _put(blob, plan.fmt.tensor(name), t[name])
+    rows = [_rows(routes, e) for e in experts] if routes is not None else None
+    x_in = None
+    if inputs is not None and rows is not None:
+        x_in = [(inputs.x[r].float() * w[:, None]) for r, w in rows]  # weighted inputs
+    for name in MATRICES:
+        w = torch.stack([t[name] for t in tensors]).to(device).float()  # [C, N, K]
+        stats = _statistics(x_in, plan.mode, w.shape[2], device)
+        _code_matrix(plan, name, w, stats, chunk_blobs, chunk_deltas, device)
+        if name == "gate_up" and x_in is not None and inputs is not None and rows is not None:
+            # inputs of down: the quantized gate_up's activations, routing-weighted as x was
+            acts = []
+            for i, blob in enumerate(chunk_blobs):
+                r, wt = rows[i]
+                acts.append(_activation(inputs.x[r].float(), blob, plan, device) * wt[:, None])
+            x_in = acts
+        del w, stats
+    if out is not None and x_in is not None and rows is not None:
+        for i, blob in enumerate(chunk_blobs):
+            r, _ = rows[i]
+            if r.numel():
+                down = expert_matrix(blob.to(device), plan.fmt, "down")  # [H, I]
+                y = x_in[i] @ down.T  # x_in holds w * act: the weighted output
+                if has_tensor(plan.fmt, "down_bias"):
+                    bias = _bias(blob, plan.fmt, "down_bias", device)
+                    y = y + rows[i][1][:, None] * bias
+                out.index_add_(0, r, y)
+    blobs += chunk_blobs
+    deltas += chunk_deltas
+    return out
 
 
 def _routes(inputs: LayerInputs, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -148,16 +176,18 @@ def _rows(
 def _statistics(
     x_in: list[torch.Tensor] | None, mode: str | None, k: int, device: torch.device
 ) -> torch.Tensor | None:
-    """[C, K, K] Hessians (gptq) or [C, K] mean squares (diag) of the weighted inputs."""
+    """[C, K, K] Hessians (gptq) or [C, K] mean squares (diag) of the weighted inputs. An
+    expert no calibration token reached gets the identity (gptq) or ones (diag): rounded as
+    without statistics (an all-zero statistic would mark every input channel dead)."""
     if x_in is None or mode is None:
         return None
     if mode == "gptq":
-        h = torch.zeros(len(x_in), k, k, device=device)
+        h = torch.eye(k, device=device).repeat(len(x_in), 1, 1)
         for i, x in enumerate(x_in):
             if x.shape[0]:
                 h[i] = x.T @ x
         return h
-    d = torch.zeros(len(x_in), k, device=device)
+    d = torch.ones(len(x_in), k, device=device)
     for i, x in enumerate(x_in):
         if x.shape[0]:
             d[i] = (x * x).mean(dim=0)
