@@ -314,3 +314,15 @@ def test_an_expert_no_token_reached_is_not_zeroed(mode):
     # the unreached expert (1) is coded as well as round to nearest, not zeroed
     assert ((q[1] - w[1]) ** 2).mean() <= ((rtn - w[1]) ** 2).mean() * 1.05
     assert ((q[1] - w[1]) ** 2).mean() < 0.5 * (w[1] ** 2).mean()
+
+
+def test_scale_refit_by_row_blocks_equals_one_block():
+    from moetier.quant.calibration.q2s_batched import _refit
+
+    w, h, _ = _problem(n=24)
+    q = quantize_q2s_batched(w, hessian=h, group=32)
+    raw = q.scales.float() * q.row_scale[..., None]
+    args = (w, h, q.codes, raw, q.row_scale, 0.5, 1.5, 32)
+    whole = _refit(*args)
+    blocked = _refit(*args, block_bytes=4 * 3 * 4 * 128 * 5)  # 5 rows a block
+    assert torch.allclose(whole, blocked, rtol=1e-6)

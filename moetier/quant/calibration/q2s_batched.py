@@ -220,23 +220,34 @@ def _refit(
     a: float,
     b: float,
     group: int,
+    block_bytes: int = 2**30,
 ) -> torch.Tensor:
     """quant/q2s._refit_scales per expert: with the codes fixed, the group scales minimising
-    tr((W - W_hat) H (W - W_hat)^T), per row a G x G solve, E4M3-rounded, kept where better."""
+    tr((W - W_hat) H (W - W_hat)^T), per row a G x G solve, E4M3-rounded, kept where better.
+    Rows go in blocks so the [E, rows, G, K] intermediate stays under `block_bytes`."""
     e_, n, k = w.shape
     gs = k // group
-    v = _values(codes, a, b).view(e_, n, gs, group)
     hb = h.view(e_, gs, group, gs, group)
-    lhs = torch.einsum("enai,eaibj,enbj->enab", v, hb, v)  # [E, N, G, G]
-    rhs = torch.einsum("enai,enai->ena", v, torch.bmm(w, h).view(e_, n, gs, group))
-    ridge = 1e-6 * lhs.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
     eye = torch.eye(gs, device=w.device)
-    solved, info = torch.linalg.solve_ex(lhs + ridge[..., None, None] * eye, rhs)
-    ok = (info == 0)[..., None] & solved.isfinite()
-    solved = _stored(torch.where(ok, solved, scales).clamp_min(1e-30), row_scale[..., None])
+    rows = max(1, block_bytes // (4 * e_ * gs * k))
+    out = torch.empty_like(scales)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        v = _values(codes[:, r0:r1], a, b).view(e_, r1 - r0, gs, group)
+        wr = w[:, r0:r1]
+        lhs = torch.einsum("enai,eaibj,enbj->enab", v, hb, v)  # [E, r, G, G]
+        rhs = torch.einsum("enai,enai->ena", v, torch.bmm(wr, h).view(e_, r1 - r0, gs, group))
+        ridge = 1e-6 * lhs.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-30)
+        solved, info = torch.linalg.solve_ex(lhs + ridge[..., None, None] * eye, rhs)
+        del lhs
+        old = scales[:, r0:r1]
+        ok = (info == 0)[..., None] & solved.isfinite()
+        solved = _stored(torch.where(ok, solved, old).clamp_min(1e-30), row_scale[:, r0:r1, None])
 
-    def objective(sc: torch.Tensor) -> torch.Tensor:
-        d = w - (v * sc[..., None]).view(e_, n, k)
-        return (torch.bmm(d, h) * d).sum(dim=-1)  # [E, N]
+        def objective(sc: torch.Tensor, v: torch.Tensor = v, wr: torch.Tensor = wr) -> torch.Tensor:
+            d = wr - (v * sc[..., None]).view(wr.shape)
+            return (torch.bmm(d, h) * d).sum(dim=-1)  # [E, r]
 
-    return torch.where((objective(solved) < objective(scales))[..., None], solved, scales)
+        better = (objective(solved) < objective(old))[..., None]
+        out[:, r0:r1] = torch.where(better, solved, old)
+    return out
