@@ -72,34 +72,36 @@ typedef struct {
 } Act;
 
 #if MT_PATH == 3
-/* 16 E4M3 bytes (zero-extended in int32 lanes) -> their float values, without a table */
-static inline __m512 e4m3_512(__m512i v) {
-    __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
-    __m512i bits = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
-    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512.0f));
-    __mmask16 normal = _mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(8));
-    __m512 out = _mm512_mask_blend_ps(normal, sub, _mm512_castsi512_ps(bits));
-    __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(out), sign));
+/* 16 E4M3 bytes (in 16-bit lanes) -> their values / 256, without a table: moved into FP16's
+ * bit layout (exponent and mantissa shifted up 7, sign to bit 15), FP16's exponent bias being 8
+ * more than E4M3's (subnormals map onto subnormals); the caller's row sum takes the 256 */
+static inline __m512 e4m3_512(__m256i v) {
+    __m256i mag = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7);
+    __m256i sign = _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
 }
 
-/* the group scales of the 16 words from word w0 (a multiple of 16) */
+/* the group scales (/ 256) of the 16 words from word w0 (a multiple of 16) */
 static inline __m512 group_scales_512(const uint8_t *scales, int64_t w0, int64_t per_group,
                                       const int32_t *gidx) {
-    __m512i idx;
+    if (per_group == 1)
+        return e4m3_512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(scales + w0))));
     if (per_group <= 16 && 16 % per_group == 0) {
         __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512i dup = per_group == 1 ? lanes : _mm512_srli_epi32(lanes, __builtin_ctzll(per_group));
-        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(scales + w0 / per_group)));
-        idx = _mm512_permutexvar_epi32(dup, bytes);
-    } else if (per_group % 16 == 0) {
+        __m512i dup = _mm512_srli_epi32(lanes, __builtin_ctzll(per_group));
+        __m512 values = e4m3_512(
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(scales + w0 / per_group))));
+        return _mm512_permutexvar_ps(dup, values);
+    }
+    __m512i idx;
+    if (per_group % 16 == 0) {
         idx = _mm512_set1_epi32(scales[w0 / per_group]);
     } else {
         __m512i gi = _mm512_loadu_si512((const void *)(gidx + w0));
         idx = _mm512_and_si512(_mm512_i32gather_epi32(gi, (const void *)scales, 1),
                                _mm512_set1_epi32(255));
     }
-    return e4m3_512(idx);
+    return e4m3_512(_mm512_cvtepi32_epi16(idx));
 }
 #elif MT_PATH == 2
 static inline __m256 e4m3_256(__m256i v) {
@@ -185,7 +187,7 @@ static void rows_dot(const uint8_t *blob, const Matrix *m, int64_t row0, int nr,
                 acc[r] = _mm512_fmadd_ps(v, group_scales_512(scales[r], i / 4, per_group, gidx), acc[r]);
             }
         }
-        for (int r = 0; r < nr; r++) res[r * np + p] = _mm512_reduce_add_ps(acc[r]);
+        for (int r = 0; r < nr; r++) res[r * np + p] = 256.0f * _mm512_reduce_add_ps(acc[r]);
     }
 #elif MT_PATH == 2
     vec_end = k4 / 32 * 32;
