@@ -156,7 +156,19 @@ def convert_calibrated(
     chunk = max(1, min(cfg.num_experts, chunk_bytes // per_expert))
     _preflight(plan, chunks, mode, dev, dtype, chunk, per_expert, work.path)
 
+    start = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     _run_layers(src, plan, plans, chunks, work, dev, dtype, chunk, progress)
+    seconds = sum(work.record(layer).get("seconds", 0.0) for layer in work.committed())
+    peak = ""
+    if dev.type == "cuda":
+        peak = f"; peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB"
+    print(
+        f"calibrated {len(work.committed())} layers: {seconds:.1f} s of layer work "
+        f"({time.perf_counter() - start:.1f} s in this run){peak}",
+        flush=True,
+    )
     _finish(plan, plans, work, dst, policy, dense_tensors, mode, group, down_group, delta,
             overrides, chunks.numel())  # fmt: skip
     return dst
