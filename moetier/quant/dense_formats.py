@@ -9,9 +9,13 @@ norms, routers, biases, 1-D tensors — stays as the checkpoint has it (`embed`,
 Formats (`DenseFormat`), each stored under the weight's own name plus its scales:
   bf16        unquantized: the checkpoint's float dtype (FP8 source weights dequantised to the
               config's dtype), the store's default
-  fp8         `weight` float8_e4m3fn [N, K] + `weight_scale_inv` float32 [ceil(N/128), ceil(K/128)],
-              DeepSeek-V3's layout: an FP8 checkpoint's tensors are kept bit for bit (with its
-              own tile), other weights get one absmax/448 scale per 128 x 128 tile
+  fp8         `weight` float8_e4m3fn [N, K] + `weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)]:
+              W = fp8 * the scale of its bn x bk tile (DeepSeek-V3's names). An FP8 checkpoint's
+              tensors are kept bit for bit with its own tile (128 x 128 for DeepSeek-V3);
+              weights from a float checkpoint get one scale per row and 128 columns (1 x 128),
+              each the one of absmax/448 * 2^(j/16), j < 16, with the least squared error
+              (docs/quality.md: 0.75x the error of absmax/448 per 128 x 128 tile);
+              `fp8-bNxK` asks for another tile
   int4-g{G}   `weight` uint8 [N, K/2] (two codes a byte, even element low; q + 8) +
               `weight_scale` bfloat16 [N, K/G]: symmetric, W = q * scale, q in -8..7, the scale of
               each group chosen among a few clip ratios for the least squared error (default G 128)
@@ -36,7 +40,8 @@ KINDS = ("bf16", "fp8", "int4", "nvfp4")
 # bits a weight) is larger than int4-g128 (4.125): it is reached where int4 leaves tensors whose
 # K is no multiple of 128 in bf16 and nvfp4 (blocks of 16) does not
 AUTO_ORDER = ("bf16", "fp8", "int4", "nvfp4")
-FP8_BLOCK = (128, 128)
+FP8_BLOCK = (1, 128)  # a float checkpoint's fp8 tile (FP8 checkpoints keep their own)
+FP8_SCALE_STEPS = 16  # candidate scales per tile: absmax/448 * 2^(j/16), j < 16
 INT4_GROUP = 128
 # clip ratios tried per int4 group (scale = ratio * absmax / 7); 8/7 lets -8 take the extreme
 _INT4_CLIPS = (8 / 7, 1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
@@ -73,13 +78,15 @@ class DenseFormat:
 
     @classmethod
     def parse(cls, text: str) -> DenseFormat:
-        """'bf16', 'fp8', 'int4', 'int4-g64', 'nvfp4'."""
-        match = re.fullmatch(r"(bf16|fp8|nvfp4)|int4(?:-g(\d+))?", text.strip())
-        if match is None:
+        """'bf16', 'fp8', 'fp8-b128x128', 'int4', 'int4-g64', 'nvfp4'."""
+        match = re.fullmatch(r"(bf16|fp8|nvfp4)|int4(?:-g(\d+))?|fp8-b(\d+)x(\d+)", text.strip())
+        if match is None or (match.group(3) and min(int(match.group(3)), int(match.group(4))) < 1):
             raise ValueError(
-                f"dense format {text!r}: one of bf16, fp8, int4, int4-gN (N a power of two "
-                ">= 2), nvfp4"
+                f"dense format {text!r}: one of bf16, fp8, fp8-bNxK (a scale per N x K tile), "
+                "int4, int4-gN (N a power of two >= 2), nvfp4"
             )
+        if match.group(3):
+            return cls("fp8", (int(match.group(3)), int(match.group(4))))
         if match.group(1):
             return cls(match.group(1))
         group = int(match.group(2) or INT4_GROUP)
@@ -233,19 +240,43 @@ class DensePolicy:
 
 
 def quantize_fp8_block(
-    w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK
+    w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK, steps: int = FP8_SCALE_STEPS
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (float8_e4m3fn [N, K], float32 scale_inv [ceil(N/bn), ceil(K/bk)]):
-    each tile scaled so its absmax is 448, rounded to nearest (DeepSeek-V3's layout)."""
+    """[N, K] float -> (float8_e4m3fn [N, K], float32 scale_inv [ceil(N/bn), ceil(K/bk)]), DeepSeek-
+    V3's layout. Each tile's scale is the one of absmax/448 * 2^(j/steps), j < steps, whose
+    round-to-nearest E4M3 codes give the least squared error (steps=1: absmax/448, DeepSeek's
+    rule): E4M3's rounding error depends on where a tile's largest values fall between powers
+    of two, and those dominate its squared error. Rows are processed in chunks (bounded
+    memory for the largest weights)."""
     w = w.float()
     n, k = w.shape
-    rows, cols = -(-n // block[0]), -(-k // block[1])
-    padded = torch.zeros(rows * block[0], cols * block[1])
-    padded[:n, :k] = w
-    amax = padded.view(rows, block[0], cols, block[1]).abs().amax(dim=(1, 3))
-    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    full = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
-    q = (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    bn, bk = block
+    rows, cols = -(-n // bn), -(-k // bk)
+    scale_inv = torch.empty(rows, cols)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    chunk = max(1, (1 << 22) // max(1, bn * cols * bk))  # tile rows per pass: ~16 MiB of fp32
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        part = torch.zeros((r1 - r0) * bn, cols * bk)
+        a, b = r0 * bn, min(n, r1 * bn)
+        part[: b - a, :k] = w[a:b]
+        tiles = part.view(r1 - r0, bn, cols, bk)
+        amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
+        base = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        best, best_err = base, None
+        for j in range(steps):
+            scale = base * 2.0 ** (j / steps) if j else base
+            rec = (tiles / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+            err = (rec * scale - tiles).pow(2).sum(dim=(1, 3), keepdim=True)
+            if best_err is None:
+                best_err = err
+                continue
+            better = err < best_err
+            best = torch.where(better, scale, best)
+            best_err = torch.where(better, err, best_err)
+        codes = (tiles / best).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        q[a:b] = codes.view((r1 - r0) * bn, cols * bk)[: b - a, :k]
+        scale_inv[r0:r1] = best.view(r1 - r0, cols)
     return q, scale_inv
 
 

@@ -67,11 +67,12 @@ def _decode_int4(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def test_fp8_tiles_are_deepseeks():
-    """Each 128 x 128 tile (edge tiles partial) scaled so its absmax is 448; DeepSeek's own
-    dequantisation of the result is the weight to E4M3's precision."""
+    """With steps=1 (DeepSeek's rule) each 128 x 128 tile (edge tiles partial) is scaled so its
+    absmax is 448; DeepSeek's own dequantisation of the result is the weight to E4M3's
+    precision."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(200, 300, generator=g) * torch.rand(200, 1, generator=g) * 3
-    q, scale_inv = quantize_fp8_block(w)
+    q, scale_inv = quantize_fp8_block(w, (128, 128), steps=1)
     assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (2, 3)
     back = dequant_fp8_block(q, scale_inv, (128, 128))
     for i, j in ((0, 0), (1, 2), (1, 0)):
@@ -80,6 +81,28 @@ def test_fp8_tiles_are_deepseeks():
     # E4M3 has 3 mantissa bits: relative error <= 2^-4, plus subnormal spacing near zero
     tol = w.abs() * 2**-4 + scale_inv.max() * 2**-9
     assert ((back - w).abs() <= tol).all()
+
+
+def test_fp8_scale_search_never_loses_to_absmax():
+    """The default for float weights: a scale per row and 128 columns, each the best of 16
+    candidates absmax/448 * 2^(j/16) by squared error: per tile never worse than absmax/448,
+    every scale one of the candidates, and the codes those of round to nearest at it."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 300, generator=g) * torch.rand(40, 1, generator=g)
+    q, scale_inv = quantize_fp8_block(w)
+    assert scale_inv.shape == (40, 3)
+    q1, s1 = quantize_fp8_block(w, (1, 128), steps=1)
+    err = (dequant_fp8_block(q, scale_inv, (1, 128)) - w) ** 2
+    err1 = (dequant_fp8_block(q1, s1, (1, 128)) - w) ** 2
+    tile_err = [err[:, i * 128 : (i + 1) * 128].sum(1) for i in range(3)]
+    tile_err1 = [err1[:, i * 128 : (i + 1) * 128].sum(1) for i in range(3)]
+    for ours, plain in zip(tile_err, tile_err1, strict=True):
+        assert (ours <= plain).all()
+    assert err.sum() < 0.9 * err1.sum()
+    ratio = torch.log2(scale_inv / s1) * 16
+    assert (ratio - ratio.round()).abs().max() < 1e-3 and ratio.min() > -1e-3 and ratio.max() < 15.5
+    full = scale_inv.repeat_interleave(128, 1)[:, :300]
+    assert torch.equal(q, (w / full).clamp(-448, 448).to(torch.float8_e4m3fn))
 
 
 def test_int4_reproduces_a_weight_on_its_grid_and_beats_absmax():
@@ -107,7 +130,8 @@ def test_formats_round_trip_through_their_definitions():
     w = torch.randn(48, 96, generator=g)
     fp8 = DenseFormat.parse("fp8")
     parts = fp8.quantize(w)
-    assert torch.equal(fp8.dequantize(parts), dequant_fp8_block(*parts, (128, 128)))
+    assert fp8.block == (1, 128)
+    assert torch.equal(fp8.dequantize(parts), dequant_fp8_block(*parts, (1, 128)))
     int4 = DenseFormat.parse("int4-g32")
     parts = int4.quantize(w)
     assert torch.equal(int4.dequantize(parts), _decode_int4(*parts))
@@ -116,7 +140,8 @@ def test_formats_round_trip_through_their_definitions():
     assert torch.equal(nvfp4.dequantize(parts), quantize_nvfp4(w).dequantize())
     assert [tuple(p.shape) for p in parts] == [s for _, _, s in nvfp4.tensors("a.weight", (48, 96))]
     assert int4.bits_per_weight((48, 96)) == 4 + 16 / 32
-    assert fp8.bits_per_weight((256, 256)) == 8 + 4 * 32 / 256**2
+    assert fp8.bits_per_weight((256, 256)) == 8 + 32 / 128  # a float32 per 128 weights
+    assert DenseFormat.parse("fp8-b128x128").bits_per_weight((256, 256)) == 8 + 4 * 32 / 256**2
 
 
 def test_classes_of_real_names():
@@ -136,7 +161,7 @@ def test_classes_of_real_names():
     assert {k: dense_class(k) for k in cases} == cases
     assert dense_class("model.layers.0.self_attn.q_proj.bias", 1) == "other"
     policy = DensePolicy.parse("int4", ["lm_head=fp8", "attention=bf16"])
-    assert policy.choose("lm_head.weight", (320, 64)).name == "fp8-b128x128"
+    assert policy.choose("lm_head.weight", (320, 64)).name == "fp8-b1x128"
     assert policy.choose("model.layers.0.self_attn.q_proj.weight", (64, 64)) is None
     assert policy.choose("model.layers.0.mlp.up_proj.weight", (96, 64)) is None  # K % 128
     assert policy.choose("model.layers.0.mlp.up_proj.weight", (96, 256)).name == "int4-g128"
@@ -272,7 +297,7 @@ def test_convert_cli_prints_bytes_per_class(tiny, tmp_path):
     line = next(x for x in out.splitlines() if x.strip().startswith("dense "))
     store = Store(tmp_path / "s")
     by_class = store.dense_bytes_by_class()
-    assert "attention" in line and "(int4-g32)" in line and "(fp8-b128x128)" in line
+    assert "attention" in line and "(int4-g32)" in line and "(fp8-b1x128)" in line
     assert f"embed {by_class['embed'] / 2**20:,.2f} MiB" in line
 
 
@@ -296,7 +321,7 @@ def test_synthetic_store_and_bench_with_dense_fp8(tmp_path, capsys):
     args += ["--prompt-tokens", "8", "--new-tokens", "3", "--dense", "fp8"]
     assert main(args) == 0
     line = json.loads(capsys.readouterr().out.splitlines()[0])
-    assert line["dense_formats"] == ["fp8-b128x128"]
+    assert line["dense_formats"] == ["fp8-b1x128"]
     assert line["decode_tok_s"] > 0 and line["decode_tokens"] == 2
 
 

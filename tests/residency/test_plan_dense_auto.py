@@ -49,22 +49,18 @@ def test_plan_from_config_with_dense_format_equals_plan_of_its_store(tmp_path, n
         assert dataclasses.asdict(ours) == dataclasses.asdict(plan(store, **budgets))
 
 
-def tiles(n: int, k: int) -> int:
-    return math.ceil(n / 128) * math.ceil(k / 128)
-
-
 def qwen3_dense_bytes(c: dict, kind: str) -> int:
     """Qwen3-MoE's dense bytes by hand: per layer q [H·heads, H], k and v [d·kv, H], o, q/k
     norms [d], two layer norms [H], the router [E, H]; embeddings and lm_head [V, H]. Attention
-    and lm_head in `kind` (fp8: a byte a weight + a float32 per 128x128 tile; int4-g128: half a
-    byte + a bf16 scale per 128 along K), the rest bf16."""
+    and lm_head in `kind` (fp8: a byte a weight + a float32 per row and 128 columns; int4-g128:
+    half a byte + a bf16 scale per 128 along K), the rest bf16."""
     h, d, v, e = c["hidden_size"], c["head_dim"], c["vocab_size"], c["num_experts"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     mats = [(q, h), (kv, h), (kv, h), (h, q)] * c["num_hidden_layers"] + [(v, h)]  # + lm_head
 
     def size(n: int, k: int) -> int:
-        if kind == "fp8":
-            return n * k + 4 * tiles(n, k)
+        if kind == "fp8":  # a float32 scale per row and 128 columns
+            return n * k + 4 * n * math.ceil(k / 128)
         if kind == "int4":
             return n * k // 2 + 2 * n * k // 128
         return 2 * n * k
