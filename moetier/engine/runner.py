@@ -102,14 +102,20 @@ class PagedRunner(StepSampler):
         self.lookahead = self.use_graphs and loaded.engine_config.lookahead
         self._ahead: _Ahead | None = None
         self.ahead_launched = self.ahead_taken = 0  # steps launched ahead, and those used
-        self._compiled = self.use_graphs and loaded.engine_config.compile_decode
-        if self._compiled:
-            use_compile_cache()
-            # automatic dynamic shapes: bucket 1 compiles as is, the second bucket recompiles
-            # with a symbolic row count that every larger bucket reuses (two compilations); the
-            # page-table width is marked dynamic where it varies (context buckets)
-            self._step_fn = torch.compile(self._graph_step)
+        self._compiled = False
+        if self.use_graphs and loaded.engine_config.compile_decode:
+            self.compile_step()
         self.warm_up_seconds = self.warm_up(max_rows)
+
+    def compile_step(self) -> None:
+        """Run the fixed-shape decode steps through torch.compile (the CUDA graphs' default;
+        CPU tests call it): automatic dynamic shapes, so bucket 1 compiles as is and the second
+        batch bucket recompiles with a symbolic row count that every larger one reuses; the
+        page-table width is marked dynamic where the context buckets vary, so wider buckets
+        reuse those two compilations."""
+        use_compile_cache()
+        self._compiled = True
+        self._step_fn = torch.compile(self._graph_step)
 
     @property
     def context_buckets(self) -> tuple[int, ...]:
@@ -302,12 +308,12 @@ class PagedRunner(StepSampler):
         for static, staged in zip(graph.inputs, graph.staged, strict=True):
             static.copy_(staged)
         step = functools.partial(self._step_fn, cache=self.cache)
+        if self._compiled and len(self.context_buckets) > 1:
+            torch._dynamo.maybe_mark_dynamic(graph.table, 1)  # one compilation for every width
         if not self.use_graphs:
             graph.run_eagerly(step)
             self.graphs.add(graph)
             return graph
-        if self._compiled and len(self.context_buckets) > 1:
-            torch._dynamo.maybe_mark_dynamic(graph.table, 1)  # one compilation for every width
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         try:
             graph.capture(step, self._pool)

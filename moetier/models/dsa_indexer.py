@@ -79,6 +79,9 @@ class DsaIndexer(nn.Module):
             x = x.to(projection.weight.dtype)
         weights = projection(x).float() * self.n_heads**-0.5  # [B, T, h]
         keys_t = keys.transpose(-1, -2).float()[:, None]  # [B, 1, D, Lk]
+        if tokens == 1:  # a decode row: one chunk, without arithmetic on the key count (a
+            # compiled decode step keeps it symbolic across context buckets, no guard on it)
+            return self._choose(q, weights, keys_t, visible)
         # query tokens a chunk at a time, so that a long prefill's fp32 scores [B, T, h, Lk]
         # stay under SCORE_BYTES (the chunking depends on shapes only: capturable)
         step = max(1, SCORE_BYTES // (4 * rows * self.n_heads * keys.shape[1]))

@@ -169,6 +169,10 @@ class GptOssAttention(Attention):
             index = torch.arange(mask.shape[-1], device=mask.device)
             own = torch.where(mask, index, -1).amax(-1, keepdim=True)  # [B, 1, T, 1]
             mask = mask & (index > own - self.window)
+        if tokens == 1:  # a decode row: one chunk, without arithmetic on the key count (a
+            # compiled decode step keeps it symbolic across context buckets, no guard on it)
+            out = self._attend(q, keys, values, mask)
+            return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, -1))
         # query tokens a chunk at a time, so that a long prefill's scores [B, h, t, Lk] stay
         # under SCORE_BYTES (the chunking depends on shapes only: capturable)
         width = rows * self.num_heads * keys.shape[2] * q.element_size()

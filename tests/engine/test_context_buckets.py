@@ -16,6 +16,7 @@ from moetier.config import EngineConfig
 from moetier.engine import decode_graphs
 from moetier.engine.decode_graphs import DecodeGraphs, bucket_of, context_ladder
 from moetier.engine.engine import Engine, EngineLimits
+from moetier.engine.graph_placement import place_for_graphs
 from moetier.engine.sampler import SamplingParams
 from moetier.loader.load import load_model
 from tests.engine.test_engine import alone, check_against_alone, random_requests, run
@@ -200,3 +201,25 @@ def test_gathered_families_decode_from_graphs_on_cuda(tiny, family, compiled, mo
     check_against_alone(loaded, engine, random_requests(loaded.model_config.vocab_size, 8, 3))
     assert {width for (_, width) in runner.graphs} >= {1, 2}
     assert not runner.graphs.failed and runner.ahead_taken > 0
+
+
+@pytest.mark.slow  # compiles the tiny model's step twice on the CPU (inductor)
+def test_compiled_steps_keep_two_compilations_across_buckets(tiny, monkeypatch):
+    """The compiled step (as the CUDA graphs run it: experts pinned) over context buckets of 2,
+    4 and 8 pages and batch buckets 1 and 2: the width is symbolic, so the step compiles twice
+    (one row, then a symbolic row count), not once per width; tokens as each request alone."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(decode_graphs, "FIRST_CONTEXT_TOKENS", 2 * PAGE)
+    loaded = load_model(tiny.store("glm_moe_dsa"), FP32)
+    assert place_for_graphs(loaded)  # every expert pinned, as for the CUDA graphs
+    engine = fixed_engine(loaded)
+    engine.runner.compile_step()
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    new = SamplingParams(temperature=0, max_new_tokens=14)
+    a, b = [5, 9], list(range(3, 20))
+    got = run(engine, {0: [("a", a, new)], 8: [("b", b, new)]})
+    assert sorted(engine.runner.graphs) == [(1, 2), (1, 4), (1, 8), (2, 8)]
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert got["a"][0] == alone(loaded, a, new)[0] and got["b"][0] == alone(loaded, b, new)[0]
