@@ -9,7 +9,9 @@ variant.
         --text ../shared/models/eval-moe-70m/kld_text.txt --chunks 16
 
 Variants (NAME[:WHICH], WHICH a comma list of q,k,v,o, default all four attention projections):
-  fp8-b128x128   the store's default for bf16 sources: one absmax/448 scale per 128x128 tile
+  fp8-b128x128   the store's default for bf16 sources before 2c2d2f3: one absmax/448 scale per
+                 128x128 tile
+  fp8            the store's default now (--dense fp8): per row and 128 columns, searched
   fp8-bNxK       one scale per N rows and K columns (fp8-b1x128: per row and 128 columns)
   fp8-row        one scale per output row (per-channel)
   fp8-...-mse    the same tiles, each tile's scale the best of 16 steps in [absmax/448,
@@ -108,9 +110,12 @@ def quantise(model, variant: str) -> dict[str, float]:  # type: ignore[no-untype
             if leaf not in projs or ".self_attn" not in mod_name:
                 continue
             w = module.weight.data
-            if name == "fp8-b128x128":  # exactly the store's quantiser
-                fmt = DenseFormat("fp8")
-                recon = fmt.dequantize(list(quantize_fp8_block(w)))
+            if name == "fp8-b128x128":  # the store's quantiser before 2c2d2f3 (steps=1)
+                fmt = DenseFormat("fp8", (128, 128))
+                recon = fmt.dequantize(list(quantize_fp8_block(w, (128, 128), steps=1)))
+            elif name == "fp8":  # the store's quantiser now (--dense fp8)
+                fmt = DenseFormat.parse("fp8")
+                recon = fmt.dequantize(fmt.quantize(w))
             else:
                 recon = fp8_roundtrip(w, *_layout(name, w.shape[1]))
             rel = ((recon - w.float()).pow(2).sum() / w.float().pow(2).sum()).item()
