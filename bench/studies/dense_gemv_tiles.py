@@ -1,7 +1,7 @@
 """Batch-1 dense GEMV tiles: µs and GB/s of stored bytes per (format, shape, tile) of
 `kernels/dense_gemv.dense_gemv_triton`, beside cuBLAS's bf16 GEMV of the same shape, each call
-replayed from a CUDA graph (20 calls a graph). The default tile is the first of the sweep.
-One JSON line per case; H100 / H200.
+replayed from a CUDA graph (20 calls a graph, `bench/common.graph_ms`). The default tile is
+the first of the sweep. One JSON line per case; H100 / H200.
 
   python bench/studies/dense_gemv_tiles.py
   python bench/studies/dense_gemv_tiles.py --formats fp8 --rows 16,32,64 --block-k 128 --warps 4,8
@@ -18,30 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from common import emit  # noqa: E402
+from common import emit, graph_ms  # noqa: E402
 
 from moetier.kernels.dense_gemv import dense_gemv_triton  # noqa: E402
 from moetier.quant.dense_formats import DenseFormat  # noqa: E402
 
 # Qwen3-30B-A3B: qkv, o_proj, the router, lm_head
 SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048)]
-
-
-def graph_us(step, replays: int = 100) -> float:  # type: ignore[no-untyped-def]
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            step()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / replays / 20
 
 
 def main() -> None:
@@ -56,7 +39,7 @@ def main() -> None:
     for n, k in SHAPES:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        us = graph_us(lambda w=w, x=x: torch.nn.functional.linear(x, w))
+        us = 1e3 * graph_ms([lambda w=w, x=x: torch.nn.functional.linear(x, w)] * 20)
         emit({"case": "bf16 cuBLAS", "device": device, "n": n, "k": k, "us": round(us, 2),
               "GB/s": round(w.numel() * 2 / us / 1e3, 1)})  # fmt: skip
         del w
@@ -79,7 +62,7 @@ def main() -> None:
                     return dense_gemv_triton(*call, **tile)
 
                 try:
-                    us = graph_us(step)
+                    us = 1e3 * graph_ms([step] * 20)
                 except Exception as error:  # a tile the compiler refuses: say so, go on
                     emit({"case": name, "n": n, "k": k, "tile": [rows, kk, warps],
                           "error": str(error)[:120]})  # fmt: skip

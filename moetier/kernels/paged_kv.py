@@ -21,6 +21,18 @@ def write_pages(
     """Store each token's entry of layer `layer`: GQA cache [layers, 2, pages, KVH, PS, D], part
     0 (keys) or 1 (values), values [B, KVH, T, D]; MLA cache [layers, pages, PS, W], part -1,
     values [B, T, W]. page, offset [B, T] int64: where token (b, t) goes."""
+    _store(cache, layer, part, page, offset, values)
+
+
+def _store(
+    cache: torch.Tensor,
+    layer: int,
+    part: int,
+    page: torch.Tensor,
+    offset: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """`write_pages`'s indexing, shared with `write_kv_pages`'s fallback."""
     if part < 0:
         cache[layer][page, offset] = values
     else:
@@ -113,8 +125,8 @@ def write_kv_pages(
     if FUSED_KV_WRITE and cache.is_cuda and triton is not None:
         write_kv_pages_triton(cache, layer, page, offset, k, v)
         return
-    cache[layer, 0][page, :, offset] = k.transpose(1, 2)
-    cache[layer, 1][page, :, offset] = v.transpose(1, 2)
+    _store(cache, layer, 0, page, offset, k)
+    _store(cache, layer, 1, page, offset, v)
 
 
 @write_kv_pages.register_fake
