@@ -248,7 +248,11 @@ class DecoderConfig:
             max_position_embeddings=int(hf.max_position_embeddings),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             intermediate_size=int(hf.intermediate_size),
-            moe_intermediate_size=int(hf.moe_intermediate_size),
+            # families without dense MLPs (MiniMax-M2, Mixtral) size their experts by
+            # intermediate_size
+            moe_intermediate_size=int(
+                getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
+            ),
             num_experts=num_experts,
             top_k=int(hf.num_experts_per_tok),
             norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
@@ -406,6 +410,81 @@ def _first(d: dict[str, Any], *keys: str) -> Any:
     return None
 
 
+GATE_TERMS = (
+    "weight",
+    "entropy",
+    "margin",
+    "confidence",
+    "sensitivity",
+    "hot",
+    "random",
+    "forced",
+)
+TABLE_TERMS = ("sensitivity", "hot")  # terms read from a per-(layer, expert) table file
+
+
+@dataclass(frozen=True)
+class DeltaRule:
+    """`--delta`'s grammar (the confidence gate, moetier/gate; docs/gate.md):
+
+        none | all | [resident:] (SCORE:T | budget:F:SCORE)
+        SCORE := PRODUCT (+ PRODUCT)*     PRODUCT := TERM (* TERM)*     TERM := NAME[@FILE]
+
+    SCORE:T applies the delta to pairs whose score is >= T; budget:F:SCORE to the best
+    floor(F * pairs) pairs of each experts call (ties broken by position). `resident:` keeps
+    only pairs whose delta is on the GPU. `weight:T` is the old routing-weight rule."""
+
+    score: tuple[tuple[str, ...], ...] = ()  # sum of products of terms ("name" or "name@file")
+    threshold: float | None = None
+    budget: float | None = None
+    resident: bool = False
+    everywhere: bool = False  # `all`
+
+    @staticmethod
+    def parse(text: str) -> DeltaRule | None:
+        text = text.strip()
+        if text == "none":
+            return None
+        if text == "all":
+            return DeltaRule(everywhere=True)
+        usage = (
+            f"--delta {text!r}: use all, none or weight:T (e.g. weight:0.3), or a gate rule "
+            "SCORE:T or budget:F:SCORE with an optional resident: prefix, SCORE summing (+) "
+            f"products (*) of {', '.join(GATE_TERMS)} (sensitivity and hot take @FILE), e.g. "
+            "budget:0.25:weight*sensitivity (docs/gate.md)"
+        )
+        resident = text.startswith("resident:")
+        if resident:
+            text = text.removeprefix("resident:")
+        threshold = budget = None
+        try:
+            if text.startswith("budget:"):
+                fraction, _, score_text = text.removeprefix("budget:").partition(":")
+                budget = float(fraction)
+                if not 0.0 <= budget <= 1.0:
+                    raise ValueError
+            else:
+                score_text, _, value = text.rpartition(":")
+                threshold = float(value)
+                if not math.isfinite(threshold):
+                    raise ValueError
+        except ValueError:
+            raise ValueError(usage) from None
+        score = tuple(
+            tuple(term.strip() for term in product.split("*")) for product in score_text.split("+")
+        )
+        for product in score:
+            for term in product:
+                name, at, path = term.partition("@")
+                if name not in GATE_TERMS or (at and (name not in TABLE_TERMS or not path)):
+                    raise ValueError(f"{usage}; {term!r} is not a term")
+        return DeltaRule(score, threshold, budget, resident)
+
+    def terms(self) -> set[str]:
+        """The term names the score uses (without @FILE)."""
+        return {term.partition("@")[0] for product in self.score for term in product}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Runtime settings. Each field becomes a CLI flag (`--expert-cache-mb` ...)."""
@@ -520,8 +599,11 @@ class EngineConfig:
     delta: str = field(
         default="all",
         metadata={
-            "help": "where a store's delta plane is applied: all, none, or weight:T "
-            "(pairs whose routing weight is >= T)"
+            "help": "where a store's delta plane is applied (the confidence gate, docs/gate.md): "
+            "all, none, SCORE:T (pairs whose score is >= T, e.g. weight:0.34) or "
+            "budget:F:SCORE (the best fraction F of each layer call's pairs); SCORE is a sum "
+            "(+) of products (*) of weight, entropy, margin, confidence, sensitivity[@FILE], "
+            "hot[@FILE], random, forced; a resident: prefix keeps only deltas on the GPU"
         },
     )
 
@@ -558,18 +640,20 @@ class EngineConfig:
         raise ValueError(f"--cpu-experts {self.cpu_experts!r}: use auto, off or share:F (0..1)")
 
     def delta_threshold(self) -> float | None:
-        """None = no delta; 0 = every pair; T = pairs with routing weight >= T."""
-        if self.delta == "none":
+        """None = no delta; 0 = every pair; T = pairs with routing weight >= T; NaN = another
+        gate rule (`delta_rule`), which decides the pairs."""
+        rule = self.delta_rule()
+        if rule is None:
             return None
-        if self.delta == "all":
+        if rule.everywhere:
             return 0.0
-        kind, _, value = self.delta.partition(":")
-        try:
-            if kind == "weight":
-                return float(value)
-        except ValueError:
-            pass
-        raise ValueError(f"--delta {self.delta!r}: use all, none or weight:T (e.g. weight:0.3)")
+        if rule.score == (("weight",),) and rule.threshold is not None and not rule.resident:
+            return rule.threshold
+        return math.nan
+
+    def delta_rule(self) -> DeltaRule | None:
+        """--delta parsed (None: none); raises ValueError naming the mistake."""
+        return DeltaRule.parse(self.delta)
 
     def resolved_device(self) -> str:
         import torch

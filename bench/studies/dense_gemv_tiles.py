@@ -5,6 +5,7 @@ the first of the sweep. One JSON line per case; H100 / H200.
 
   python bench/studies/dense_gemv_tiles.py
   python bench/studies/dense_gemv_tiles.py --formats fp8 --rows 16,32,64 --block-k 128 --warps 4,8
+  (a tile is [block_rows, block_kk, num_warps, split_k]; split_k 0: the default rule)
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--rows", default="32,16,64,128", help="BLOCK_N values")
     parser.add_argument("--block-k", default="128,256,512", help="K a loop step reads")
     parser.add_argument("--warps", default="4,8")
+    parser.add_argument("--split-k", default="0,1", help="K ranges per output (0: the default)")
+    parser.add_argument("--fp8-decode", default="native", help="fp8: native (sm_89+), bits or both")
     args = parser.parse_args()
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     device = torch.cuda.get_device_name()
@@ -49,14 +52,19 @@ def main() -> None:
             scale_2 = rest[0] if rest else None
             kind, bn, bk = fmt.kernel_args()
             nbytes = weight.numel() + scale.numel() * scale.element_size()
-            for rows, kk, warps in itertools.product(
-                ints(args.rows), ints(args.block_k), ints(args.warps)
-            ):
+            decodes = args.fp8_decode.replace("both", "native,bits").split(",")
+            for rows, kk, warps, split, decode in itertools.product(
+                ints(args.rows), ints(args.block_k), ints(args.warps), ints(args.split_k),
+                decodes if kind == "fp8" else ["-"],
+            ):  # fmt: skip
                 if kind == "fp8" and kk > bk:
                     continue
 
                 call = (x, weight, scale, scale_2, kind, bn, bk)
-                tile = {"block_rows": rows, "block_kk": kk, "num_warps": warps}
+                tile = {"block_rows": rows, "block_kk": kk, "num_warps": warps,
+                        "split_k": split or None}  # fmt: skip
+                if kind == "fp8":
+                    tile["fp8_native"] = decode == "native"
 
                 def step(call=call, tile=tile):  # type: ignore[no-untyped-def]
                     return dense_gemv_triton(*call, **tile)
@@ -64,11 +72,12 @@ def main() -> None:
                 try:
                     us = 1e3 * graph_ms([step] * 20)
                 except Exception as error:  # a tile the compiler refuses: say so, go on
-                    emit({"case": name, "n": n, "k": k, "tile": [rows, kk, warps],
+                    emit({"case": name, "n": n, "k": k, "tile": [rows, kk, warps, split],
                           "error": str(error)[:120]})  # fmt: skip
                     continue
-                emit({"case": name, "device": device, "n": n, "k": k, "tile": [rows, kk, warps],
-                      "us": round(us, 2), "GB/s": round(nbytes / us / 1e3, 1)})  # fmt: skip
+                emit({"case": name, "device": device, "n": n, "k": k, "decode": decode,
+                      "tile": [rows, kk, warps, split], "us": round(us, 2),
+                      "GB/s": round(nbytes / us / 1e3, 1)})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,6 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", help="Hugging Face model directory (config.json + *.safetensors)")
     parser.add_argument("out_dir", help="where to write the moetier store")
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a folder with the tokenizer (and chat template) files to put in the store, for a "
+        "checkpoint that has none (it is refused without them) or to replace its own",
+    )
     parser.add_argument(
         "--experts",
         choices=("source", "q2s", "int2", "affine2", "nvfp4", "mxfp4", "nested"),
@@ -111,6 +119,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Convert, holding the destination's lock; SIGINT and SIGTERM stop it cleanly, keeping the
+    work folder that the same command resumes (quant/work_folder.py)."""
+    from moetier.quant.convert import tokenizer_files
+    from moetier.quant.sources import ConvertError
+    from moetier.quant.work_folder import DestinationLock
+
+    if not tokenizer_files(Path(args.hf_dir)) and args.tokenizer is None:
+        if (Path(args.hf_dir) / "config.json").is_file():
+            raise ConvertError(
+                f"{args.hf_dir} has no tokenizer files (tokenizer.json, tokenizer.model, "
+                "*.tiktoken or vocab.json): a store without them cannot generate. Pass "
+                "--tokenizer PATH naming a folder that has them (the original model's)"
+            )
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with DestinationLock(Path(args.out_dir)):
+            return _convert(args)
+    except KeyboardInterrupt:
+        signum = stopped[0] if stopped else signal.SIGINT
+        print(
+            f"moetier convert: stopped by {signal.Signals(signum).name}; run the same command "
+            "again to resume: what is written is kept",
+            file=sys.stderr,
+        )
+        return 128 + signum
+    except OSError as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        print(
+            f"moetier convert: error: {err}; what is written is kept: run the same command "
+            "again to resume once the cause is fixed",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _convert(args: argparse.Namespace) -> int:
     from moetier.quant.convert import convert
     from moetier.quant.dense_formats import DensePolicy
     from moetier.quant.store import Store
@@ -148,11 +202,19 @@ def run(args: argparse.Namespace) -> int:
             force=args.force,
             progress=progress,
             dense=dense,
+            tokenizer=args.tokenizer,
         )
     else:
         if args.calibration or args.delta != "none" or args.override:
             raise ValueError("--calibration, --delta and --override apply to low-bit --experts")
-        out = convert(args.hf_dir, args.out_dir, force=args.force, progress=progress, dense=dense)
+        out = convert(
+            args.hf_dir,
+            args.out_dir,
+            force=args.force,
+            progress=progress,
+            dense=dense,
+            tokenizer=args.tokenizer,
+        )
     store = Store(out)
     cfg = store.model_config
     print(

@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser, verb: str) -> None:
             help="expert format a Hub id is converted to, once, into the store cache "
             "($MOETIER_CACHE/stores) (default: source, as `moetier convert`)",
         )
+        group.add_argument(
+            "--convert-dense",
+            default=None,
+            metavar="FORMAT",
+            help="dense format a Hub id is converted to, as `moetier convert --dense` (default: "
+            "as the checkpoint has them)",
+        )
 
 
 def is_hub_id(value: str) -> bool:
@@ -70,10 +77,12 @@ def cache_root() -> Path:
     return Path(base) / "moetier"
 
 
-def store_dir(repo_id: str, commit: str, experts: str) -> Path:
-    """The cached store of `repo_id` at `commit` with `experts` experts."""
+def store_dir(repo_id: str, commit: str, experts: str, dense: str | None = None) -> Path:
+    """The cached store of `repo_id` at `commit` with `experts` experts (and `dense` dense
+    weights where given)."""
     org, name = repo_id.split("/")
-    return cache_root() / "stores" / f"{org}--{name}--{commit[:12]}--{experts}"
+    suffix = f"--dense-{dense}" if dense else ""
+    return cache_root() / "stores" / f"{org}--{name}--{commit[:12]}--{experts}{suffix}"
 
 
 def download(repo_id: str, revision: str | None = None) -> Path:
@@ -103,11 +112,19 @@ def download(repo_id: str, revision: str | None = None) -> Path:
 
 
 def converted(
-    repo_id: str, revision: str | None = None, experts: str = "source", progress: bool = True
+    repo_id: str,
+    revision: str | None = None,
+    experts: str = "source",
+    progress: bool = True,
+    dense: str | None = None,
 ) -> Path:
-    """The store of `repo_id`: from the store cache, or downloaded and converted into it."""
+    """The store of `repo_id`: from the store cache, or downloaded and converted into it
+    (`dense`: `moetier convert --dense`; None: as the checkpoint has them)."""
+    from moetier.quant.dense_formats import DensePolicy
+
+    policy = DensePolicy.parse(dense) if dense else None
     snapshot = download(repo_id, revision)
-    out = store_dir(repo_id, snapshot.name, experts)
+    out = store_dir(repo_id, snapshot.name, experts, dense)
     if (out / "experts.json").is_file():
         _say(f"{repo_id}: using the converted store {out}")
         return out
@@ -117,11 +134,11 @@ def converted(
         if experts == "source":
             from moetier.quant.convert import convert
 
-            convert(snapshot, out, progress=progress)
+            convert(snapshot, out, progress=progress, dense=policy)
         else:
             from moetier.loader.quantize import convert_quantized
 
-            convert_quantized(snapshot, out, experts, progress=progress)
+            convert_quantized(snapshot, out, experts, progress=progress, dense=policy)
     except Exception:
         if (out / "experts.json").is_file():  # another process converted it meanwhile
             return out
@@ -139,7 +156,9 @@ def resolve(args: argparse.Namespace, verb: str) -> None:
         setattr(args, name, str(download(value, args.revision)))
     else:
         progress = sys.stderr.isatty()
-        setattr(args, name, str(converted(value, args.revision, args.convert_experts, progress)))
+        dense = getattr(args, "convert_dense", None)
+        path = converted(value, args.revision, args.convert_experts, progress, dense)
+        setattr(args, name, str(path))
         if getattr(args, "model_name", "unset") is None:
             args.model_name = value  # `serve` reports the Hub id as its model
 

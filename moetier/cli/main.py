@@ -69,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         from moetier.cli import hub
 
         hub.add_arguments(verb_parser, argv[0])
+    if hasattr(module, "argument_defaults"):  # defaults from the command line (serve --recipe)
+        try:
+            verb_parser.set_defaults(**module.argument_defaults(argv[1:]))
+        except ValueError as err:
+            print(f"moetier {argv[0]}: error: {err}", file=sys.stderr)
+            return 1
     args = verb_parser.parse_args(argv[1:])
     given = args.log_level is not None
     args.log_level = args.log_level or ("info" if argv[0] == "serve" else "warning")

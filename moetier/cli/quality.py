@@ -1,5 +1,9 @@
 """`moetier quality STORE --reference HF_DIR --text FILE`: KL divergence and perplexity of a
-store against the Hugging Face model's logits (llama-perplexity protocol); one JSON line."""
+store against the Hugging Face model's logits (llama-perplexity protocol); one JSON line.
+
+With a gate rule (`--delta`, docs/gate.md) the line also gives the delta's bits per active
+expert weight. `--write-sensitivity` measures the gate's per-(layer, expert) sensitivity table on
+the text instead; `--write-hot F --trace NPZ` writes a static hot-set table from a routing trace."""
 
 from __future__ import annotations
 
@@ -29,6 +33,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunks", type=int, default=0, help="score at most this many chunks (0 = all)"
     )
     parser.add_argument("--batch-size", type=int, default=4, help="chunks per forward (default: 4)")
+    parser.add_argument(
+        "--write-sensitivity",
+        action="store_true",
+        help="measure the gate's sensitivity table on --text (per layer: the KLD the delta on "
+        "that layer alone removes, shared among its experts by their delta's output error) and "
+        "write it (--table-out, default STORE/gate_sensitivity.json)",
+    )
+    parser.add_argument(
+        "--write-hot",
+        type=float,
+        default=None,
+        metavar="F",
+        help="write a static hot-set table: per layer the most used experts of --trace whose "
+        "share of its pairs is nearest F (--table-out, default STORE/gate_hot.json)",
+    )
+    parser.add_argument("--trace", help="routing trace .npz (expert_ids [layers, tokens, k])")
+    parser.add_argument("--table-out", help="where --write-sensitivity / --write-hot write")
+    parser.add_argument("--seed", type=int, default=0, help="torch seed (the random gate term)")
     add_dataclass_arguments(parser, EngineConfig, "engine")
 
 
@@ -41,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from moetier.loader.load import load_model
 
     engine_config = dataclass_from_args(EngineConfig, args)
+    torch.manual_seed(args.seed)
+    if args.write_hot is not None:
+        return _write_hot(args)
+    if args.write_sensitivity:  # measured with the delta plane; the rule given is not used
+        engine_config = EngineConfig(**{**engine_config.__dict__, "delta": "all"})
     # full-sequence logits come from the transformers model class (the native model is
     # checked against the same oracle in tests/models/test_native.py)
     engine_config = EngineConfig(**{**engine_config.__dict__, "native": False})
@@ -55,8 +82,29 @@ def run(args: argparse.Namespace) -> int:
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     token_chunks = chunks(ids, args.ctx, args.chunks)
 
+    if args.write_sensitivity:
+        from moetier.cli.gate_sensitivity import measure_sensitivity
+
+        return measure_sensitivity(loaded, reference, token_chunks, args)
+
+    gate = loaded.runtime.gate
+    two_pass = gate is not None and "confidence" in gate.rule.terms()
+
     def ours(batch: torch.Tensor) -> torch.Tensor:
-        return loaded.model(batch.to(loaded.device)).logits
+        batch = batch.to(loaded.device)
+        if two_pass:  # the previous position's distribution, as a decode step would have it:
+            # a first pass (confidence unknown) gives each position's top probability, which
+            # the gated pass reads one position later
+            assert gate is not None
+            gate.confidence = None
+            first = loaded.model(batch).logits.float().softmax(-1).amax(-1)  # [B, S]
+            conf = torch.cat([torch.ones_like(first[:, :1]), first[:, :-1]], dim=1)
+            gate.confidence = conf.flatten()
+            try:
+                return loaded.model(batch).logits
+            finally:
+                gate.confidence = None
+        return loaded.model(batch).logits
 
     def theirs(batch: torch.Tensor) -> torch.Tensor:
         return reference(batch.to(loaded.device)).logits
@@ -84,10 +132,40 @@ def run(args: argparse.Namespace) -> int:
         "experts_bpw": round(store.expert_bits_per_weight, 4),
         "delta": engine_config.delta if store.has_plane("delta") else "no delta plane",
         "delta_rate": round(loaded.runtime.delta_pairs / max(1, loaded.runtime.pairs), 4),
+        "delta_bits_per_active_weight": round(
+            loaded.runtime.delta_pairs
+            / max(1, loaded.runtime.pairs)
+            * (store.plane_bits_per_weight("delta") if store.has_plane("delta") else 0.0),
+            4,
+        ),
         **{k: round(v, 6) if isinstance(v, float) else v for k, v in report.to_dict().items()},
         "commit": _commit(),
     }
     print(json.dumps(line))
+    return 0
+
+
+def _write_hot(args: argparse.Namespace) -> int:
+    """--write-hot F --trace NPZ: the static hot set (gate_hot.json)."""
+    import numpy as np
+    import torch
+
+    from moetier.gate.tables import hot_set, write_table
+    from moetier.quant.store import Store
+
+    if not args.trace:
+        raise SystemExit("--write-hot needs --trace (a routing trace .npz with expert_ids)")
+    store = Store(args.store)
+    ids = torch.from_numpy(np.load(args.trace)["expert_ids"].astype("int64"))
+    layers = store.moe_layers
+    if ids.shape[0] != len(layers):
+        raise SystemExit(f"the trace has {ids.shape[0]} layers, the store {len(layers)} MoE layers")
+    table = hot_set(ids, store.model_config.num_experts, args.write_hot)
+    out = Path(args.table_out) if args.table_out else store.path / "gate_hot.json"
+    how = f"most used experts of {Path(args.trace).name}, nearest {args.write_hot} of pairs"
+    write_table(out, "hot", {layers[i]: row for i, row in table.items()}, how)
+    print(json.dumps({"table": str(out), "kind": "hot", "fraction": args.write_hot,
+                      "experts": {layers[i]: int(sum(r)) for i, r in table.items()}}))  # fmt: skip
     return 0
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import ipaddress
 import sys
 from pathlib import Path
+from typing import Any
 
 from moetier.cli.common import add_model_arguments
 from moetier.cli.flags import add_dataclass_arguments, dataclass_from_args
@@ -35,9 +36,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-name", help="model id reported by /v1/models (default: the store's name)"
     )
+    parser.add_argument(
+        "--recipe",
+        metavar="NAME|PATH",
+        help="a recipe's settings (model, budgets, context, parser; docs/recipes.md) as the "
+        "defaults, which flags given beside it override; `--recipe list` lists the shipped ones",
+    )
+
+
+def argument_defaults(argv: list[str]) -> dict[str, Any]:
+    """Argument defaults that depend on the command line: those of `--recipe NAME|PATH`
+    (cli/recipes.py; KV pages counted at the --page-size given, if any)."""
+    from moetier.cli import recipes
+
+    name = recipes.recipe_from_argv(argv)
+    if name is None or name == "list":
+        return {}
+    page = argparse.ArgumentParser(add_help=False)
+    page.add_argument("--page-size", type=int, default=EngineLimits().page_size)
+    page_size = page.parse_known_args(argv)[0].page_size
+    return recipes.serve_defaults(recipes.load(name), page_size)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.recipe == "list":
+        from moetier.cli import recipes
+
+        print(recipes.listing())
+        return 0
+    if args.recipe:
+        print(
+            f"moetier serve: recipe {args.recipe}: its settings are the defaults", file=sys.stderr
+        )
     import uvicorn
 
     from moetier.engine.async_engine import AsyncEngine

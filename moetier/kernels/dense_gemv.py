@@ -97,13 +97,14 @@ try:
         x, stride_xm, w, stride_wn, s, stride_sn, stride_sk, scale_2, out, stride_os, stride_om,
         N, K, K_SPLIT,
         KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SCALE_BN: tl.constexpr, GROUP: tl.constexpr,
+        SCALE_BN: tl.constexpr, GROUP: tl.constexpr, FP8_NATIVE: tl.constexpr,
     ):  # fmt: skip
         """out[pid_k, m, n] = sum over this program's K range of W[n, k] x[m, k] (fp32 sums,
         stored in out's dtype). KIND 0:
         fp8 (one scale per row and BLOCK_K step: GROUP, the scale tile's K, is a multiple of
         BLOCK_K); 1: int4 and 2: nvfp4 (bytes [N, K/2], a scale per GROUP elements, BLOCK_K a
-        multiple of GROUP)."""
+        multiple of GROUP). FP8_NATIVE: w holds float8_e4m3fn, converted by the card's own
+        instructions (sm_89+); else its bytes, decoded by `_e4m3`."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -119,13 +120,14 @@ try:
                 rk = k0 + tl.arange(0, BLOCK_K)
                 kmask = rk < K
                 xv = tl.load(xrow + rk, mask=kmask, other=0.0).to(tl.float32)
-                bits = tl.load(
-                    w + rn[:, None] * stride_wn + rk[None, :],
-                    mask=nmask[:, None] & kmask[None, :],
-                    other=0,
-                )
+                wmask = nmask[:, None] & kmask[None, :]
+                wp = w + rn[:, None] * stride_wn + rk[None, :]
+                if FP8_NATIVE:
+                    wv = tl.load(wp, mask=wmask, other=0.0).to(tl.float32)
+                else:
+                    wv = _e4m3(tl.load(wp, mask=wmask, other=0))
                 sc = tl.load(srow + (k0 // GROUP) * stride_sk, mask=nmask, other=0.0)
-                acc += tl.sum(_e4m3(bits) * xv[None, :], axis=1) * sc
+                acc += tl.sum(wv * xv[None, :], axis=1) * sc
         else:
             G: tl.constexpr = BLOCK_K // GROUP
             H: tl.constexpr = GROUP // 2
@@ -175,6 +177,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _fp8_native(index: int) -> bool:
+    """Whether the card converts E4M3 itself (sm_89+: Ada, Hopper, Blackwell)."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def gemv_supports(kind: str, block_n: int, block_k: int) -> bool:
     """Whether the Triton GEMV decodes this weight (powers of two along K; fp8 tiles any N)."""
     if triton is None or kind not in KINDS:
@@ -196,12 +204,14 @@ def dense_gemv_triton(
     split_k: int | None = None,
     block_kk: int | None = None,
     num_warps: int = 4,
+    fp8_native: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype by the GEMV kernel (also under TRITON_INTERPRET=1 on CPU,
     for the tests). split_k: K ranges per output (default: enough programs for the device);
     block_kk: the K elements a loop step reads (default 128; fp8: at most the scale tile's K,
     int4 / nvfp4: a multiple of the group); block_rows and num_warps: the program's tile
-    (`bench/studies/dense_gemv_tiles.py` sweeps them)."""
+    (`bench/studies/dense_gemv_tiles.py` sweeps them); fp8_native: E4M3 converted by the card
+    (default: on sm_89+ CUDA cards, never in the interpreter)."""
     if triton is None:
         raise RuntimeError("the dense GEMV needs triton")
     x = x.contiguous()
@@ -227,15 +237,19 @@ def dense_gemv_triton(
     # one K range: the kernel stores in x's dtype; several: fp32 partial sums, then their sum
     dtype = x.dtype if split_k == 1 else torch.float32
     partial = torch.empty(split_k, rows, n, dtype=dtype, device=x.device)
+    if fp8_native is None:
+        fp8_native = x.is_cuda and _fp8_native(x.device.index or 0)
+    fp8_native = fp8_native and kind == "fp8" and weight.dtype == torch.float8_e4m3fn
+    w_arg = weight if fp8_native else weight.view(torch.uint8)
     scale_arg = scale.view(torch.uint8) if scale.dtype == torch.float8_e4m3fn else scale
     s2 = scale_2 if scale_2 is not None else scale  # unread unless nvfp4
     _dense_gemv_kernel[(rows, n_blocks, split_k)](
-        x, x.stride(0), weight.view(torch.uint8), weight.stride(0),
+        x, x.stride(0), w_arg, weight.stride(0),
         scale_arg, scale_arg.stride(0), scale_arg.stride(1), s2,
         partial, partial.stride(0), partial.stride(1),
         n, k, k_split,
         KIND=code, BLOCK_N=block_rows, BLOCK_K=block_kk, SCALE_BN=scale_rows, GROUP=group,
-        num_warps=num_warps,
+        FP8_NATIVE=fp8_native, num_warps=num_warps,
     )  # fmt: skip
     return partial[0] if split_k == 1 else partial.sum(0).to(x.dtype)
 

@@ -4,6 +4,7 @@ device and dtype, the experts runtime over the slot pool, the store's tokenizer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,10 @@ def loaded_model(
     elif engine_config.embeddings != "gpu":
         raise ValueError(f"--embeddings {engine_config.embeddings!r}: use gpu or host")
 
+    if runtime.gate is not None and runtime.gate.needs_router:  # --delta entropy / margin
+        from moetier.models.experts import router_weights
+
+        runtime.gate.set_routers(router_weights(model, store.moe_layers)[0])
     tokenizer = AutoTokenizer.from_pretrained(store.path)
     return LoadedModel(
         model,
@@ -138,6 +143,15 @@ def experts_runtime(
         delta_formats,
         engine_config.delta_threshold(),
     )
+    rule = engine_config.delta_rule()
+    if (
+        rule is not None
+        and runtime.delta_threshold is not None
+        and math.isnan(runtime.delta_threshold)
+    ):
+        from moetier.gate.state import Gate  # a --delta rule beyond all / weight:T
+
+        runtime.gate = Gate(rule, store.path, str(device))
     share = engine_config.cpu_share()
     if share is not None:  # hybrid misses (--cpu-experts)
         import sys

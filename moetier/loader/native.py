@@ -26,7 +26,7 @@ from moetier.loader.loaded_model import (
     load_progress,
     loaded_model,
 )
-from moetier.models import glm4_moe, glm_moe_dsa, gpt_oss
+from moetier.models import glm4_moe, glm_moe_dsa, gpt_oss, minimax_m2
 from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 from moetier.models.deepseek_v4 import KEEP_FP32 as DEEPSEEK_V4_FP32
 from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4MoE
@@ -78,6 +78,12 @@ NATIVE_FAMILIES = {
         glm4_moe.Glm4MoeMoE,
         keep_fp32=("e_score_correction_bias", "mlp.gate.weight"),
         model_kwargs=glm4_moe.model_kwargs,
+    ),
+    "minimax_m2": NativeFamily(
+        minimax_m2.MiniMaxM2ForCausalLM,
+        "MiniMaxM2RotaryEmbedding",
+        minimax_m2.MiniMaxM2SparseMoeBlock,
+        keep_fp32=minimax_m2.KEEP_FP32,
     ),
     "gpt_oss": NativeFamily(
         gpt_oss.GptOssForCausalLM,

@@ -17,6 +17,7 @@ import torch
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
+from moetier.gate.state import Gate
 from moetier.kernels.cpu.experts import cpu_experts
 from moetier.kernels.moe_ops import format_id, moe_experts, sum_pairs, triton_supports
 from moetier.kernels.residency_ops import stage_guesses, stage_join, stage_scores
@@ -75,9 +76,10 @@ class ExpertsRuntime:
         self.delta_formats = (
             delta_formats or {}
         )  # layer -> delta-plane format (if the store has one)
-        # Pairs with routing weight >= threshold use the delta (None: never). The confidence gate
-        # replaces this rule later; the mask stays an input of the kernel.
+        # Pairs with routing weight >= threshold use the delta (None: never, 0: every pair, NaN:
+        # `gate` decides); the mask is an input of the kernel.
         self.delta_threshold = delta_threshold if self.delta_formats else None
+        self.gate: Gate | None = None  # the confidence gate (moetier/gate) for other --delta rules
         # the op names formats by small ints; looked up once here (torch.compile traces ints)
         self.format_ids = {layer: format_id(fmt) for layer, fmt in formats.items()}
         self.delta_format_ids = {
@@ -127,6 +129,24 @@ class ExpertsRuntime:
                     f"syncs with the host and cannot be captured: convert with --experts "
                     f"q2s, nvfp4, mxfp4 or nested (NVFP4), or do not {what}"
                 )
+
+    def _delta_mask(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Which pairs use the delta: the gate's mask, else routing weight >= threshold."""
+        if self.gate is None:
+            assert self.delta_threshold is not None
+            return topk_weights >= self.delta_threshold
+        resident = None  # pinned: every delta is on the GPU
+        if self.gate.rule.resident and layer not in self.pinned:
+            zc = self.zero_copy
+            if zc is not None and zc.delta_table is not None and layer in zc.layer_index:
+                resident = zc.delta_table[zc.layer_index[layer]] < zc.slots  # on the device
+            else:  # the residency path (host decisions): deltas in slots before this call
+                experts = self.residency.store.model_config.num_experts
+                slots = [self.residency.slot_of((layer, e, "delta")) for e in range(experts)]
+                resident = torch.tensor([s is not None for s in slots], device=hidden.device)
+        return self.gate.decide(layer, hidden, topk_ids, topk_weights, resident)
 
     def planes(self) -> list[str]:
         """The planes a forward reads: base, and delta when the delta is applied."""
@@ -234,7 +254,7 @@ class ExpertsRuntime:
         out = torch.zeros(tokens, k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         mask = None
         if self.delta_threshold is not None:
-            mask = topk_weights >= self.delta_threshold  # [T, k]
+            mask = self._delta_mask(layer, hidden, topk_ids, topk_weights)  # [T, k]
         if layer in self.pinned:
             # every expert resident: no host sync, no Python state touched (pairs are not
             # counted: a mutated int would make torch.compile recompile the step every call)

@@ -17,20 +17,17 @@ qwen3_moe, as transformers' Glm4Moe* computes it:
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from moetier.config import DecoderConfig
-from moetier.models.attention_batch import AttentionBatch
 from moetier.models.deepseek_v3 import DeepseekV3MoE
 from moetier.models.layers import (
     MLP,
     Attention,
-    NativeCausalLM,
+    GQACausalLM,
+    GQADecoderModel,
     PreNormLayer,
-    RMSNorm,
     RotaryEmbedding,
-    new_kv_cache,
 )
 
 # transformers' Glm4MoeMoE is DeepSeek-V3's block (router `gate` with its correction bias, routed
@@ -65,32 +62,7 @@ class DecoderLayer(PreNormLayer):
         super().__init__(attention, mlp, config.hidden_size, config.rms_norm_eps)
 
 
-class Glm4MoeModel(nn.Module):
-    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding, qk_norm: bool) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, qk_norm) for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = rotary
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: torch.Tensor,
-        batch: AttentionBatch | None = None,
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = self.rotary_emb(positions, x.dtype)  # [B, T, rotary dims]
-        batch = batch or AttentionBatch.static(positions, cache.shape[4])
-        for layer in self.layers:
-            x = layer(x, cos, sin, batch, cache)
-        return self.norm(x)
-
-
-class Glm4MoeForCausalLM(NativeCausalLM):
+class Glm4MoeForCausalLM(GQACausalLM):
     """The native model. `config` is the normalised DecoderConfig; `rotary` carries the inverse
     frequencies of transformers' Glm4MoeRotaryEmbedding (partial rotary included); `qk_norm` is
     the config's use_qk_norm."""
@@ -100,15 +72,6 @@ class Glm4MoeForCausalLM(NativeCausalLM):
         if config.model_type != "glm4_moe":
             raise ValueError(f"native glm4_moe model asked to build {config.model_type!r}")
         self.config = config
-        self.model = Glm4MoeModel(config, rotary, qk_norm)
+        layers = [DecoderLayer(config, i, qk_norm) for i in range(config.num_layers)]
+        self.model = GQADecoderModel(config, rotary, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def new_cache(
-        self, pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
-    ) -> torch.Tensor:
-        """A zeroed KV cache [layers, 2, pages, kv_heads, page_size, head_dim] (the static
-        cache: one page of max_len positions per row)."""
-        c = self.config
-        return new_kv_cache(
-            c.num_layers, pages, c.num_kv_heads, page_size, c.head_dim, dtype, device
-        )

@@ -32,13 +32,13 @@ from moetier.models.attention_batch import AttentionBatch
 from moetier.models.layers import (
     Attention,
     Experts,
-    NativeCausalLM,
+    GQACausalLM,
+    GQADecoderModel,
     PreNormLayer,
     RMSNorm,
     RotaryEmbedding,
     _repeat_kv,
     apply_rotary,
-    new_kv_cache,
 )
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -247,34 +247,7 @@ class DecoderLayer(PreNormLayer):
         self.post_attention_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class GptOssModel(nn.Module):
-    def __init__(
-        self, config: DecoderConfig, rotary: RotaryEmbedding, windows: tuple[int | None, ...]
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, windows[i]) for i in range(config.num_layers)
-        )
-        self.norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = rotary
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: torch.Tensor,
-        batch: AttentionBatch | None = None,
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        batch = batch or AttentionBatch.static(positions, cache.shape[4])
-        for layer in self.layers:
-            x = layer(x, cos, sin, batch, cache)
-        return self.norm(x)
-
-
-class GptOssForCausalLM(NativeCausalLM):
+class GptOssForCausalLM(GQACausalLM):
     """The native model. `config` from `setup`; `rotary` carries transformers' yarn inverse
     frequencies and attention scaling; `windows` each layer's sliding window (None: full)."""
 
@@ -287,15 +260,7 @@ class GptOssForCausalLM(NativeCausalLM):
         if len(windows) != config.num_layers:
             raise ValueError(f"{len(windows)} layer types for {config.num_layers} layers")
         self.config = config
-        self.model = GptOssModel(config, rotary, windows)
+        layers = [DecoderLayer(config, i, windows[i]) for i in range(config.num_layers)]
+        norm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model = GQADecoderModel(config, rotary, layers, norm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def new_cache(
-        self, pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
-    ) -> torch.Tensor:
-        """A zeroed KV cache [layers, 2, pages, kv_heads, page_size, head_dim] (the static
-        cache: one page of max_len positions per row)."""
-        c = self.config
-        return new_kv_cache(
-            c.num_layers, pages, c.num_kv_heads, page_size, c.head_dim, dtype, device
-        )

@@ -19,12 +19,14 @@ MLA's cache is one tensor [layers, pages, page_size, kv_lora_rank + rope_dim] wi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetier.config import DecoderConfig
 from moetier.kernels.attention import decode_attention
 from moetier.kernels.mla_decode import mla_decode
 from moetier.kernels.router import router_topk
@@ -110,7 +112,7 @@ def new_kv_cache(
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with per-head q/k RMSNorm (Qwen3) over the paged KV cache.
+    """Grouped-query attention with q/k RMSNorm (per head or flat) over the paged KV cache.
     Decode steps on CUDA attend with `moetier::decode_attention` (one Triton launch, reading
     each row's keys up to its position through its page table); prefill and CPU with SDPA over
     each row's keys and the batch's mask."""
@@ -129,6 +131,7 @@ class Attention(nn.Module):
         eps: float,
         bias: bool = False,
         qk_norm: bool = True,
+        flat_qk_norm: bool = False,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -137,8 +140,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
-        self.q_norm: nn.Module = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
-        self.k_norm: nn.Module = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
+        # q/k RMSNorm over each head's dims (Qwen3), or with flat_qk_norm over all heads' dims
+        # at once (MiniMax-M2: one norm of the whole projection)
+        self.flat_qk_norm = flat_qk_norm
+        q_dims, k_dims = (num_heads, num_kv_heads) if flat_qk_norm else (1, 1)
+        self.q_norm: nn.Module = RMSNorm(q_dims * head_dim, eps) if qk_norm else nn.Identity()
+        self.k_norm: nn.Module = RMSNorm(k_dims * head_dim, eps) if qk_norm else nn.Identity()
         # [q; k; v] weight and bias after `fuse_qkv` (plain attributes: the checkpoint names
         # stay those of the three projections, which become views of these)
         self.qkv_weight: torch.Tensor | None = None
@@ -186,8 +193,12 @@ class Attention(nn.Module):
             )
         else:
             q_, k_, v_ = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q_.reshape(rows, tokens, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k_.reshape(rows, tokens, -1, self.head_dim)).transpose(1, 2)
+        if self.flat_qk_norm:
+            q = self.q_norm(q_).reshape(rows, tokens, -1, self.head_dim).transpose(1, 2)
+            k = self.k_norm(k_).reshape(rows, tokens, -1, self.head_dim).transpose(1, 2)
+        else:
+            q = self.q_norm(q_.reshape(rows, tokens, -1, self.head_dim)).transpose(1, 2)
+            k = self.k_norm(k_.reshape(rows, tokens, -1, self.head_dim)).transpose(1, 2)
         v = v_.reshape(rows, tokens, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, h, T, D]
         k_cache, v_cache = cache[self.layer, 0], cache[self.layer, 1]  # [P, kvh, PS, D]
@@ -263,6 +274,39 @@ class PreNormLayer(nn.Module):
         return x
 
 
+class GQADecoderModel(nn.Module):
+    """The `model` of the GQA families (HF names): embed_tokens, the family's decoder `layers`,
+    the final `norm` (RMSNorm unless the family passes its own) and `rotary_emb`; forward as
+    qwen3_moe's: embeddings, cos/sin of the positions, each layer over the paged KV cache."""
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        rotary: RotaryEmbedding,
+        layers: Sequence[nn.Module],
+        norm: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm if norm is not None else RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = rotary
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        batch: AttentionBatch | None = None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [B, T, rotary dims]
+        batch = batch or AttentionBatch.static(positions, cache.shape[4])
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, cache)
+        return self.norm(x)
+
+
 class NativeCausalLM(nn.Module):
     """What the native model files share: `model` (embeddings, layers, final norm: hidden
     [B, T, H]) then `lm_head`. Subclasses set config, model and lm_head, and new_cache."""
@@ -286,6 +330,22 @@ class NativeCausalLM(nn.Module):
             index = last_only[:, None, None].expand(-1, 1, hidden.shape[-1])
             hidden = hidden.gather(1, index)[:, 0]  # [B, H]
         return self.lm_head(hidden)
+
+
+class GQACausalLM(NativeCausalLM):
+    """A native model over the GQA KV cache of `new_kv_cache` (config: a DecoderConfig)."""
+
+    config: DecoderConfig
+
+    def new_cache(
+        self, pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor:
+        """A zeroed KV cache [layers, 2, pages, kv_heads, page_size, head_dim] (the static
+        cache: one page of max_len positions per row)."""
+        c = self.config
+        return new_kv_cache(
+            c.num_layers, pages, c.num_kv_heads, page_size, c.head_dim, dtype, device
+        )
 
 
 class MLP(nn.Module):

@@ -15,17 +15,15 @@ import torch
 from torch import nn
 
 from moetier.config import DecoderConfig
-from moetier.models.attention_batch import AttentionBatch
 from moetier.models.layers import (
     MLP,
     Attention,
     Experts,
-    NativeCausalLM,
+    GQACausalLM,
+    GQADecoderModel,
     PreNormLayer,
-    RMSNorm,
     RotaryEmbedding,
     SoftmaxTopKRouter,
-    new_kv_cache,
 )
 
 
@@ -71,30 +69,7 @@ class DecoderLayer(PreNormLayer):
         super().__init__(attention, mlp, config.hidden_size, config.rms_norm_eps)
 
 
-class Qwen3MoeModel(nn.Module):
-    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = rotary
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: torch.Tensor,
-        batch: AttentionBatch | None = None,
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [B, T, H]
-        cos, sin = self.rotary_emb(positions, x.dtype)
-        batch = batch or AttentionBatch.static(positions, cache.shape[4])
-        for layer in self.layers:
-            x = layer(x, cos, sin, batch, cache)
-        return self.norm(x)
-
-
-class Qwen3MoeForCausalLM(NativeCausalLM):
+class Qwen3MoeForCausalLM(GQACausalLM):
     """The native model. `config` is the normalised DecoderConfig; `rotary` carries the inverse
     frequencies from transformers' rope initialiser for this config."""
 
@@ -103,15 +78,7 @@ class Qwen3MoeForCausalLM(NativeCausalLM):
         if config.model_type != "qwen3_moe":
             raise ValueError(f"native qwen3_moe model asked to build {config.model_type!r}")
         self.config = config
-        self.model = Qwen3MoeModel(config, rotary)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def new_cache(
-        self, pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
-    ) -> torch.Tensor:
-        """A zeroed KV cache [layers, 2, pages, kv_heads, page_size, head_dim] (the static
-        cache: one page of max_len positions per row)."""
-        c = self.config
-        return new_kv_cache(
-            c.num_layers, pages, c.num_kv_heads, page_size, c.head_dim, dtype, device
+        self.model = GQADecoderModel(
+            config, rotary, [DecoderLayer(config, i) for i in range(config.num_layers)]
         )
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

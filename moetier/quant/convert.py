@@ -7,8 +7,9 @@ Mixtral's `w1/w2/w3`) or fused 3-D (`experts.gate_up_proj`, gpt-oss transposed/i
 biases). Quantized checkpoints (FP8, MXFP4, NVFP4) are read through quant/sources.py: their
 weights are dequantised, or their FP4 codes kept as they are. Everything is streamed tensor by
 tensor, read from the shards with explicit preads (no mmap, so resident memory stays near one
-tensor), and written into a temporary directory that is renamed into
-place at the end.
+tensor), into the work folder `.{dst}.convert` (quant/work_folder.py:
+each tensor and blob committed to its journal, so the same command resumes an interrupted run),
+whose store is renamed into place at the end.
 
 Multi-token-prediction (MTP) layers are kept, not dropped: DeepSeek-V3 / GLM-4.5+ / GLM-5 store
 them as `model.layers.{num_hidden_layers + i}` (enorm, hnorm, eh_proj, shared_head and a whole
@@ -23,15 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
 import struct
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from tqdm import tqdm
@@ -62,6 +65,16 @@ from moetier.quant.store import (
     INDEX_FILE,
     STORE_VERSION,
     blob_index_entry,
+)
+from moetier.quant.work_folder import (
+    SETTINGS_FILE,
+    DestinationLock,
+    Journal,
+    clean_dead_folders,
+    fault,
+    open_work_folder,
+    say,
+    write_text,
 )
 
 SAFETENSORS_DTYPES = {
@@ -118,18 +131,28 @@ class ExpertsModule:
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
     """Parse a safetensors header and check the file holds every byte it promises."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ConvertError(f"{path} is truncated (no header): download it again")
-        (header_len,) = struct.unpack("<Q", raw)
-        if 8 + header_len > size:
-            raise ConvertError(f"{path} is truncated inside its header: download it again")
-        header = json.loads(f.read(header_len))
-    data_end = max(
-        (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
-    )
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ConvertError(f"{path} is truncated (no header): download it again")
+            (header_len,) = struct.unpack("<Q", raw)
+            if 8 + header_len > size:
+                raise ConvertError(f"{path} is truncated inside its header: download it again")
+            header = json.loads(f.read(header_len))
+        entries = [v for k, v in header.items() if k != "__metadata__"]
+        data_end = max((int(v["data_offsets"][1]) for v in entries), default=0)
+        for v in entries:  # every field the converter reads, of the right kind
+            if not isinstance(v["dtype"], str) or not isinstance(v["shape"], list):
+                raise TypeError(f"a tensor record {v} has no dtype string or shape list")
+    except ConvertError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise ConvertError(
+            f"{path} cannot be read as a safetensors shard ({type(err).__name__}: {err}): "
+            "the file is damaged or not a safetensors file; download it again"
+        ) from None
     if 8 + header_len + data_end > size:
         raise ConvertError(
             f"{path} is truncated: {size} bytes, its header needs {8 + header_len + data_end}. "
@@ -535,9 +558,15 @@ def canonical_fp4_expert(
 
 
 class _SafetensorsWriter:
-    """Writes a safetensors file tensor by tensor (the header is known up front)."""
+    """Writes a safetensors file tensor by tensor (the header is known up front). `resume`
+    (tensors already written, end offset in the file) continues a file cut after them."""
 
-    def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        specs: list[tuple[str, str, tuple[int, ...]]],
+        resume: tuple[int, int] | None = None,
+    ) -> None:
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name, dtype, shape in specs:
@@ -552,21 +581,51 @@ class _SafetensorsWriter:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self.file.write(struct.pack("<Q", len(raw)) + raw)
         self.order = [s[0] for s in specs]
-        self.written = 0
+        self.nbytes = 8 + len(raw) + offset
+        self.file: BinaryIO
+        if resume is not None and resume[0] > 0:
+            self.file = open(path, "r+b")  # noqa: SIM115 - closed in close()
+            self.file.truncate(resume[1])
+            self.file.seek(resume[1])
+            self.written = resume[0]
+        else:
+            self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
+            self.file.write(struct.pack("<Q", len(raw)) + raw)
+            self.written = 0
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, crc: int = 0) -> int:
+        """Append `name`'s bytes; returns the crc32 of the bytes `crc` covers and these."""
         if name != self.order[self.written]:
             raise RuntimeError(
                 f"safetensors writer: expected {self.order[self.written]}, got {name}"
             )
-        self.file.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        self.file.write(data)
         self.written += 1
+        return zlib.crc32(data, crc)
+
+    def commit(self) -> int:
+        """Flush what was written to the operating system; returns the end offset."""
+        self.file.flush()
+        return self.file.tell()
 
     def close(self) -> None:
         self.file.close()
+
+
+WORK_SUFFIX = ".convert"
+JOURNAL_FILE = "journal.jsonl"
+STORE_DIR = "store"
+RAW_EXPERTS = "experts.raw.bin"  # the unquantized experts kept (hard link) while `finish` runs
+RAW_INDEX = "experts.raw.json"
+INDEX_BYTES_PER_BLOB = 512  # an upper bound of one blob's record in experts.json
+
+
+def work_path(dst: Path) -> Path:
+    """The work folder of a conversion into `dst`: the same for every run into `dst`, so a rerun
+    of the same command finds it (settings.json says what it was written under)."""
+    return dst.parent / f".{dst.name}{WORK_SUFFIX}"
 
 
 def convert(
@@ -578,17 +637,29 @@ def convert(
     finish: Callable[[Path], None] | None = None,
     keep_fp4_codes: bool = True,
     dense: DensePolicy | None = None,
+    tokenizer: str | Path | None = None,
+    options: dict[str, Any] | None = None,
+    finish_bytes: Callable[[ConversionPlan], int] | None = None,
 ) -> Path:
     """Convert the HF checkpoint in `src` into a moetier store at `dst`; returns `dst`.
 
     Experts of an FP4 checkpoint (NVFP4, MXFP4) keep their codes and block scales (store format
     nvfp4 / mxfp4) unless `keep_fp4_codes` is False; other quantized weights are dequantised.
     `finish(tmp_store)` runs on the complete store before it is renamed into place (e.g.
-    re-encoding the experts in a low-bit format); a failure there leaves nothing behind.
+    re-encoding the experts in a low-bit format); `options` name what it depends on (a work
+    folder written under other options is not resumed), `finish_bytes(plan)` the bytes it
+    writes at its peak (the free-space check). A failure there leaves nothing behind.
     `dense` chooses the format of each dense class (quant/dense_formats.py; default: as the
-    checkpoint has them, FP8 dequantised)."""
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and not force:
+    checkpoint has them, FP8 dequantised). `tokenizer`: a folder whose tokenizer and chat
+    template files replace the checkpoint's.
+
+    The store is built in the work folder `.{dst}.convert` beside `dst` (work_path), each dense
+    tensor and expert blob committed to its journal once written; an interrupted run (signal,
+    kill, full disk) leaves the folder, and the same call resumes it, writing only what is
+    missing, into a store byte-identical to an uninterrupted run's."""
+    src, dst = Path(src), Path(dst).absolute()
+    work = work_path(dst)
+    if dst.exists() and not force and not work.exists():
         raise ConvertError(
             f"{dst} already exists: choose another directory or pass --force to replace it"
         )
@@ -600,27 +671,252 @@ def convert(
         fmt = fp4_expert_format(fp4, *dims, bias_dtype=plan.expert_dtype)
     else:
         fmt = raw_expert_format(plan.expert_dtype, *dims)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    policy = dense or DensePolicy()
+    if tokenizer is not None and not tokenizer_files(Path(tokenizer)):
+        raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there")
+    settings = {
+        "moetier": _version(),
+        "source": str(src.resolve()),
+        "source_files": _source_identity(src),
+        "destination": str(dst),
+        "experts": fmt.name,
+        "dense": policy.to_json(),
+        "tokenizer": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
+        "finish": options if finish is not None else None,
+    }
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with DestinationLock(dst):
+        for path in clean_dead_folders(dst):
+            say(f"removed {path}, the work folder of a conversion whose process is gone")
+        if _published_before(work, dst, settings):
+            return dst
+        if dst.exists() and not force:
+            raise ConvertError(
+                f"{dst} already exists: choose another directory or pass --force to replace it"
+            )
+        resumed = open_work_folder(work, settings)
+        journal = Journal(work / JOURNAL_FILE)
+        written: dict[str, int] = {}  # what this run wrote: dense tensors, expert blobs
+        planned = _planned_bytes(src, plan, fmt, policy, tokenizer)
+        planned += finish_bytes(plan) if finish is not None and finish_bytes else 0
+        try:
+            _check_free_space(work, dst, planned)
+        except ConvertError:
+            journal.close()
+            if not resumed:  # a resumable folder stays for when there is room
+                shutil.rmtree(work)
+            raise
+        try:
+            _build(src, plan, fmt, policy, work, journal, progress, tokenizer, resumed,
+                   finish, fp4, written)  # fmt: skip
+            journal.commit({"stage": "publish"})
+            fault("publish")
+            if dst.exists():
+                shutil.rmtree(dst)
+            os.replace(work / STORE_DIR, dst)
+            fault("published")
+        except (KeyboardInterrupt, OSError) as err:
+            journal.close()
+            if resumed:
+                _say_written(written)
+            why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"stopped by {err}"
+            say(
+                f"{why}; the work done so far is kept in {work}: run the same command again "
+                "to resume it (or delete that folder to start afresh)"
+            )
+            raise
+        except BaseException:
+            journal.close()
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        journal.close()
+        shutil.rmtree(work)
+    return dst
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        _copy_aux_files(src, tmp)
-        dense_tensors = _write_dense(plan, tmp / DENSE_FILE, progress, dense or DensePolicy())
-        blobs = _write_experts(plan, fmt, tmp / EXPERTS_FILE, progress)
-        index = store_index(plan, [fmt], blobs, dense or DensePolicy(), dense_tensors)
+        return version("moetier")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _source_identity(src: Path) -> list[list[Any]]:
+    """What of the checkpoint a resumed run must find unchanged: config.json and each shard's
+    name, size and modification time."""
+    files = [src / "config.json", *find_shards(src)]
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _published_before(work: Path, dst: Path, settings: dict[str, Any]) -> bool:
+    """A run with these settings published `dst` and was stopped before removing its work
+    folder: remove it now; True when there is nothing left to do."""
+    if not work.is_dir() or (work / STORE_DIR).exists() or not dst.exists():
+        return False
+    try:
+        same = json.loads((work / SETTINGS_FILE).read_text()) == json.loads(json.dumps(settings))
+    except (OSError, ValueError):
+        same = False
+    journal = Journal(work / JOURNAL_FILE)
+    published = journal.has_stage("publish")
+    journal.close()
+    if not (same and published):
+        return False
+    shutil.rmtree(work)
+    say(f"{dst} was converted by an earlier run; removed its leftover work folder")
+    return True
+
+
+def _planned_bytes(
+    src: Path, plan: ConversionPlan, fmt: BlobFormat, policy: DensePolicy, tokenizer: Any
+) -> int:
+    """An upper estimate of what the conversion writes: auxiliary files, dense.safetensors
+    (sizes from the plan), experts.bin, experts.json."""
+    blobs = _n_experts(plan) * plan.model_config.num_experts
+    experts = blobs * align_up(fmt.nbytes, BLOB_ALIGN)
+    return planned_store_bytes(src, plan, policy, tokenizer) + experts
+
+
+def planned_store_bytes(
+    src: Path, plan: ConversionPlan, policy: DensePolicy, tokenizer: Any = None
+) -> int:
+    """What a store of `plan` holds besides experts.bin (an upper estimate): the files copied
+    from the checkpoint, dense.safetensors in `policy`'s formats, experts.json."""
+    aux = sum(p.stat().st_size for p in _aux_sources(src, tokenizer))
+    dense = 8 + 1024
+    for name, dtype, shape in _dense_specs(plan, policy)[0]:  # bytes, and the header's record
+        dense += DTYPES[dtype].itemsize * math.prod(shape) + 128 + len(name)
+    blobs = _n_experts(plan) * plan.model_config.num_experts
+    return aux + dense + blobs * INDEX_BYTES_PER_BLOB
+
+
+def _check_free_space(work: Path, dst: Path, planned: int) -> None:
+    store = work / STORE_DIR
+    present = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    check_free_space(work, dst, planned - present)
+
+
+def check_free_space(where: Path, dst: Path, needed: int) -> None:
+    """ConvertError naming the bytes when the disk holding `where` has fewer than `needed` free
+    (the bytes a conversion into `dst` still writes)."""
+    needed = max(0, needed)
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        raise ConvertError(
+            f"not enough free disk space to convert into {dst}: it needs {needed:,} bytes "
+            f"({needed / 2**30:.2f} GiB) more, {free:,} bytes ({free / 2**30:.2f} GiB) are "
+            f"available on {where.parent}. Free some space or choose another directory."
+        )
+
+
+def _n_experts(plan: ConversionPlan) -> int:
+    return len({**plan.experts, **plan.mtp_experts})
+
+
+def _build(
+    src: Path,
+    plan: ConversionPlan,
+    fmt: BlobFormat,
+    policy: DensePolicy,
+    work: Path,
+    journal: Journal,
+    progress: bool,
+    tokenizer: Any,
+    resumed: bool,
+    finish: Callable[[Path], None] | None,
+    fp4: str | None,
+    written: dict[str, int],
+) -> None:
+    """Every stage of a conversion not yet in `journal`, in order, each committed there;
+    `written` counts the dense tensors and expert blobs this run writes."""
+    store = work / STORE_DIR
+    store.mkdir(exist_ok=True)
+    if journal.has_stage("finish-start") and not journal.has_stage("finish"):
+        _undo_finish(work, store, journal)
+    if resumed:  # the pieces of the stage in progress whose bytes still match are kept
+        if not journal.has_stage("dense"):
+            _verified(store / DENSE_FILE, journal, "dense", sorted(plan.dense))
+        if not journal.has_stage("experts"):
+            n_blobs = _n_experts(plan) * plan.model_config.num_experts
+            _verified(store / EXPERTS_FILE, journal, "blob", list(range(n_blobs)))
+        dense_done = len(journal.of("dense"))
+        blobs_done = len(journal.of("blob"))
+        say(
+            f"resuming the conversion in {work}: {dense_done} of {len(plan.dense)} dense "
+            f"tensors and {blobs_done} of {_n_experts(plan) * plan.model_config.num_experts} "
+            "expert blobs were written by an earlier run and are kept"
+        )
+    if not journal.has_stage("aux"):
+        _copy_aux_files(src, store, tokenizer)
+        journal.commit({"stage": "aux"})
+        fault("aux")
+    dense_tensors = _write_dense(plan, store / DENSE_FILE, progress, policy, journal, written)
+    if not journal.has_stage("dense"):
+        journal.commit({"stage": "dense"})
+    blobs = _write_experts(plan, fmt, store / EXPERTS_FILE, progress, journal, written)
+    if not journal.has_stage("experts"):
+        journal.commit({"stage": "experts"})
+    if not journal.has_stage("index"):
+        index = store_index(plan, [fmt], blobs, policy, dense_tensors)
         if fp4 is not None:
             index["quantization"] = {"experts": fp4, "codes": "source"}
-        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
-        if finish is not None:
-            finish(tmp)
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dst
+        write_text(store / INDEX_FILE, json.dumps(index, indent=1))
+        journal.commit({"stage": "index"})
+        fault("index")
+    if finish is not None and not journal.has_stage("finish"):
+        _run_finish(finish, work, store, journal)
+    if resumed:
+        _say_written(written)
+
+
+def _say_written(written: dict[str, int]) -> None:
+    say(
+        f"this run wrote {written.get('dense', 0)} dense tensors and "
+        f"{written.get('blob', 0)} expert blobs"
+    )
+
+
+def _run_finish(finish: Callable[[Path], None], work: Path, store: Path, journal: Journal) -> None:
+    """`finish(store)` (re-encoding the experts in place) on the unquantized store, whose
+    experts and index are kept beside (a hard link, no copy) until it returns: a run stopped
+    inside it starts it again from them (_undo_finish)."""
+    raw, raw_index = work / RAW_EXPERTS, work / RAW_INDEX
+    raw.unlink(missing_ok=True)
+    try:
+        os.link(store / EXPERTS_FILE, raw)
+        shutil.copyfile(store / INDEX_FILE, raw_index)
+    except OSError:  # no hard links here: a resumed run redoes the experts
+        raw.unlink(missing_ok=True)
+    journal.commit({"stage": "finish-start"})
+    fault("finish")
+    finish(store)
+    fault("finished")
+    journal.commit({"stage": "finish"})
+    raw.unlink(missing_ok=True)
+    raw_index.unlink(missing_ok=True)
+
+
+def _undo_finish(work: Path, store: Path, journal: Journal) -> None:
+    """A run stopped inside `finish`: the unquantized experts and index back in place (what
+    `finish` wrote beside them stays: requantize_experts resumes from its own journal), or,
+    where they could not be kept, the experts to be written again."""
+    raw, raw_index = work / RAW_EXPERTS, work / RAW_INDEX
+    (store / EXPERTS_FILE).unlink(missing_ok=True)
+    if raw.exists() and raw_index.exists():
+        os.link(raw, store / EXPERTS_FILE)
+        shutil.copyfile(raw_index, store / INDEX_FILE)
+        say("the last run stopped while re-encoding the experts: going on from the kept ones")
+        journal.rewrite([r for r in journal.records if r.get("stage") != "finish-start"])
+        return
+    for path in store.glob("experts.*"):
+        path.unlink()
+    say("writing the experts again: the last run stopped while re-encoding them")
+    dropped = ("finish-start", "experts", "index")
+    journal.rewrite(
+        [r for r in journal.records if r.get("stage") not in dropped and "blob" not in r]
+    )
 
 
 def store_index(
@@ -655,26 +951,62 @@ def store_index(
     return index
 
 
-def _copy_aux_files(src: Path, dst: Path) -> None:
+# Tokenizer and chat-template files (one of TOKENIZER_CORE makes a usable tokenizer).
+TOKENIZER_GLOBS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "*.model",
+    "chat_template*",
+    "*.jinja",
+)
+TOKENIZER_CORE = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    """The tokenizer and chat-template files of `folder`; empty when it has no tokenizer
+    (none of tokenizer.json, *.model, *.tiktoken, vocab.json, vocab.txt)."""
+    if not folder.is_dir() or not any(
+        p.is_file() for pattern in TOKENIZER_CORE for p in folder.glob(pattern)
+    ):
+        return []
+    return sorted({p for g in TOKENIZER_GLOBS for p in folder.glob(g) if p.is_file()})
+
+
+def _aux_sources(src: Path, tokenizer: str | Path | None = None) -> list[Path]:
+    """The files copied into the store beside config.json: the checkpoint's, then those of the
+    `tokenizer` folder (which win)."""
+    files = [
+        p
+        for p in sorted(src.iterdir())
+        if p.is_file()
+        and p.name not in SKIP_AUX
+        and (p.suffix in AUX_SUFFIXES or p.name in AUX_NAMES)
+    ]
+    if tokenizer is not None:
+        extra = tokenizer_files(Path(tokenizer))
+        names = {p.name for p in extra}
+        files = [p for p in files if p.name not in names] + extra
+    return files
+
+
+def _copy_aux_files(src: Path, dst: Path, tokenizer: str | Path | None = None) -> None:
     # The store's weights are dequantised or in moetier's own formats: transformers must not
     # apply the source's quantization when it builds the model from this config.
     config = json.loads((src / "config.json").read_text())
     config.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for path in sorted(src.iterdir()):
-        if not path.is_file() or path.name in SKIP_AUX:
-            continue
-        if path.suffix in AUX_SUFFIXES or path.name in AUX_NAMES:
-            shutil.copyfile(path, dst / path.name)
+    for path in _aux_sources(src, tokenizer):
+        shutil.copyfile(path, dst / path.name)
 
 
-def _write_dense(
-    plan: ConversionPlan, path: Path, progress: bool, policy: DensePolicy
-) -> dict[str, Any]:
-    """dense.safetensors: each tensor as the checkpoint has it (FP8 dequantised), or in the
-    format `policy` gives its class, with its scales; an FP8 source's weight and scales are
-    copied bit for bit where its class asks for fp8. Returns the index's record of the
-    quantized weights: module name -> format, class and [N, K]."""
+def _dense_specs(
+    plan: ConversionPlan, policy: DensePolicy
+) -> tuple[list[tuple[str, str, tuple[int, ...]]], dict[str, DenseFormat]]:
+    """dense.safetensors' tensors in file order, and the format of each quantized weight."""
     block = plan.quantization.block if plan.quantization is not None else None
     formats: dict[str, DenseFormat] = {}
     specs: list[tuple[str, str, tuple[int, ...]]] = []
@@ -686,32 +1018,26 @@ def _write_dense(
             continue
         formats[name] = fmt
         specs += fmt.tensors(name, t.shape)
-    writer = _SafetensorsWriter(path, specs)
-    read = TensorReader(plan.quantization)
-    try:
-        for name in tqdm(sorted(plan.dense), desc="dense tensors", disable=not progress,
-                         unit="tensor"):  # fmt: skip
-            t, fmt = plan.dense[name], formats.get(name)
-            if fmt is None:
-                writer.write(name, read(t))
-                continue
-            if fmt.source:  # the checkpoint's own FP8 weight and tile scales
-                parts = [read.raw(t.parts["weight"]), read.raw(t.parts["scale"]).float()]
-            else:
-                parts = fmt.quantize(read(t))
-            for (part_name, dtype, shape), tensor in zip(
-                fmt.tensors(name, t.shape), parts, strict=True
-            ):
-                if tensor.dtype != DTYPES[dtype] or tuple(tensor.shape) != shape:
-                    raise ConvertError(
-                        f"{name}: {part_name} is {tensor.dtype} {tuple(tensor.shape)}, the "
-                        f"{fmt.name} format needs {dtype} {shape}"
-                    )
-                writer.write(part_name, tensor)
-    finally:
-        read.close()
-    writer.close()
-    return {
+    return specs, formats
+
+
+def _write_dense(
+    plan: ConversionPlan,
+    path: Path,
+    progress: bool,
+    policy: DensePolicy,
+    journal: Journal | None = None,
+    written: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """dense.safetensors: each tensor as the checkpoint has it (FP8 dequantised), or in the
+    format `policy` gives its class, with its scales; an FP8 source's weight and scales are
+    copied bit for bit where its class asks for fp8. Returns the index's record of the
+    quantized weights: module name -> format, class and [N, K].
+
+    With a `journal`, each tensor is committed there once written; the tensors it holds whose
+    bytes still match are not written again (`written["dense"]` counts those that are)."""
+    specs, formats = _dense_specs(plan, policy)
+    record = {
         name[: -len(".weight")]: {
             "format": fmt.to_json(),
             "class": dense_class(name),
@@ -719,22 +1045,111 @@ def _write_dense(
         }
         for name, fmt in formats.items()
     }
+    names = sorted(plan.dense)
+    if journal is not None and journal.has_stage("dense"):
+        return record
+    resume = None
+    if journal is not None and journal.of("dense"):  # checked by _build (_verified)
+        last = journal.of("dense")[-1]
+        resume = (last["specs"], last["end"])
+    writer = _SafetensorsWriter(path, specs, resume)
+    done = len(journal.of("dense")) if journal is not None else 0
+    read = TensorReader(plan.quantization)
+    try:
+        for name in tqdm(names[done:], desc="dense tensors", disable=not progress,
+                         unit="tensor", initial=done, total=len(names)):  # fmt: skip
+            t, fmt = plan.dense[name], formats.get(name)
+            if fmt is None:
+                crc = writer.write(name, read(t))
+            else:
+                if fmt.source:  # the checkpoint's own FP8 weight and tile scales
+                    parts = [read.raw(t.parts["weight"]), read.raw(t.parts["scale"]).float()]
+                else:
+                    parts = fmt.quantize(read(t))
+                crc = 0
+                for (part_name, dtype, shape), tensor in zip(
+                    fmt.tensors(name, t.shape), parts, strict=True
+                ):
+                    if tensor.dtype != DTYPES[dtype] or tuple(tensor.shape) != shape:
+                        raise ConvertError(
+                            f"{name}: {part_name} is {tensor.dtype} {tuple(tensor.shape)}, the "
+                            f"{fmt.name} format needs {dtype} {shape}"
+                        )
+                    crc = writer.write(part_name, tensor, crc)
+            end = writer.commit()
+            if journal is not None:
+                journal.commit({"dense": name, "specs": writer.written, "end": end, "crc32": crc})
+                done += 1
+                if written is not None:
+                    written["dense"] = written.get("dense", 0) + 1
+                fault("dense", done)
+    finally:
+        read.close()
+        writer.close()
+    return record
+
+
+def _verified(path: Path, journal: Journal, kind: str, names: list[Any]) -> list[dict[str, Any]]:
+    """The journal's `kind` records, in order, whose bytes in `path` still have their crc32;
+    the rest are dropped from the journal. A dense record covers the bytes after the previous
+    one's end (the first: after the header), an experts record its blob's stride."""
+    records = journal.of(kind)
+    kept: list[dict[str, Any]] = []
+    if records and path.exists():
+        with open(path, "rb") as f:
+            for i, r in enumerate(records):
+                if i >= len(names) or r[kind] != names[i]:
+                    break
+                if kind == "dense":
+                    if kept:
+                        begin = kept[-1]["end"]
+                    else:
+                        begin = 8 + struct.unpack("<Q", f.read(8).ljust(8, b"\0"))[0]
+                    f.seek(begin)
+                    data = f.read(max(0, r["end"] - begin))
+                    whole = len(data) == r["end"] - begin
+                else:
+                    f.seek(r["offset"])
+                    data = f.read(r["stride"])
+                    whole = len(data) == r["stride"]
+                if not whole or zlib.crc32(data) != r["crc32"]:
+                    break
+                kept.append(r)
+    if len(kept) != len(records):
+        journal.rewrite([r for r in journal.records if kind not in r] + kept)
+    return kept
 
 
 def _write_experts(
-    plan: ConversionPlan, fmt: BlobFormat, path: Path, progress: bool
+    plan: ConversionPlan,
+    fmt: BlobFormat,
+    path: Path,
+    progress: bool,
+    journal: Journal | None = None,
+    written: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
+    """experts.bin, one blob per (layer, expert) at a fixed stride; returns their index records.
+    With a `journal`, each blob is committed there once written, and those it holds whose bytes
+    still match are not computed again (`written["blob"]` counts the blobs that are)."""
     n_exp = plan.model_config.num_experts
     stride = align_up(fmt.nbytes, BLOB_ALIGN)
     read = TensorReader(plan.quantization)
     canonical = canonical_fp4_expert if format_kind(fmt) != "raw" else canonical_expert
-    blobs = []
     modules = {**plan.experts, **plan.mtp_experts}  # MTP layers after the main stack's
     keys = [(layer, e) for layer in sorted(modules) for e in range(n_exp)]
-    with open(path, "wb") as f, contextlib.closing(read):
-        for i, (layer, e) in enumerate(
-            tqdm(keys, desc="experts", disable=not progress, unit="expert")
-        ):
+    blobs: list[dict[str, Any]] = []
+    mode = "wb"
+    if journal is not None:
+        if journal.has_stage("experts"):
+            return [r["entry"] for r in journal.of("blob")]
+        blobs = [r["entry"] for r in journal.of("blob")]  # checked by _build (_verified)
+        mode = "r+b" if blobs else "wb"
+    with open(path, mode) as f, contextlib.closing(read):
+        f.truncate(len(blobs) * stride)
+        f.seek(len(blobs) * stride)
+        for i in tqdm(range(len(blobs), len(keys)), desc="experts", disable=not progress,
+                      unit="expert", initial=len(blobs), total=len(keys)):  # fmt: skip
+            layer, e = keys[i]
             tensors = canonical(modules[layer], e, read)
             blob = torch.zeros(stride, dtype=torch.uint8)
             for spec in fmt.tensors:
@@ -747,6 +1162,17 @@ def _write_experts(
                 blob[spec.offset : spec.offset + spec.nbytes] = (
                     t.contiguous().view(-1).view(torch.uint8)
                 )
-            f.write(blob.numpy().tobytes())
-            blobs.append(blob_index_entry(layer, e, i * stride, fmt, blob))
+            data = blob.numpy().tobytes()
+            f.write(data)
+            entry = blob_index_entry(layer, e, i * stride, fmt, blob)
+            blobs.append(entry)
+            if journal is not None:
+                f.flush()
+                journal.commit(
+                    {"blob": i, "offset": i * stride, "stride": stride,
+                     "crc32": zlib.crc32(data), "entry": entry}
+                )  # fmt: skip
+                if written is not None:
+                    written["blob"] = written.get("blob", 0) + 1
+                fault("experts", i + 1)
     return blobs

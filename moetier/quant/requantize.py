@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -34,8 +36,17 @@ from moetier.quant.fp4 import (
     unpack_nibbles,
 )
 from moetier.quant.q2s import pack_codes, quantize_q2s
-from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, Store, blob_index_entry
+from moetier.quant.store import (
+    BLOB_ALIGN,
+    EXPERTS_FILE,
+    INDEX_FILE,
+    Store,
+    blob_index_entry,
+    crc32,
+)
+from moetier.quant.work_folder import Journal, fault, say
 
+REQUANTIZE_JOURNAL = "experts.requantize.jsonl"  # resume=True: the experts re-encoded so far
 # (layer, expert) -> (H of the gate_up input [H, H], H of the down input [I, I])
 Hessians = Mapping[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -172,6 +183,7 @@ def requantize_experts(
     progress: bool = True,
     delta: str | None = None,
     overrides: Sequence[Override] = (),
+    resume: bool = False,
 ) -> None:
     """Replace the store's unquantized experts by `kind` blobs (q2s, int2, affine2, nvfp4, mxfp4,
     nested); `down_group` defaults to 16 for q2s and to `group` otherwise. `overrides` change the
@@ -185,7 +197,11 @@ def requantize_experts(
     where the engine applies it.
 
     q2s without `hessians` rounds to nearest with an MSE scale search; with them, GPTQ rounding
-    and Hessian-refitted scales (quant/q2s.py). The other formats round to nearest."""
+    and Hessian-refitted scales (quant/q2s.py). The other formats round to nearest.
+
+    `resume`: each re-encoded expert is committed to a journal beside (REQUANTIZE_JOURNAL), and
+    a call stopped midway is continued by the next one with the same arguments: the experts
+    whose bytes still match their journal crc32 are kept, the others re-encoded."""
     if kind not in EXPERT_KINDS:
         raise ValueError(f"unknown expert format {kind!r}: choose one of {', '.join(EXPERT_KINDS)}")
     if delta not in (None, *DELTA_KINDS) or (delta is not None and kind == "nested"):
@@ -231,13 +247,24 @@ def requantize_experts(
     blobs = []
     new_path = store_dir / (EXPERTS_FILE + f".{kind}")
     delta_path = store_dir / (EXPERTS_FILE + ".delta")
-    offset = 0
+    journal = Journal(store_dir / REQUANTIZE_JOURNAL) if resume else None
+    kept = _kept(journal, new_path, delta_path, delta_stride) if journal is not None else []
+    for record in kept:
+        blobs += [record["base"], *([record["delta"]] if record["delta"] else [])]
+    offset = kept[-1]["end"] if kept else 0
+    if kept:
+        say(f"{len(kept)} of {len(keys)} experts were re-encoded by an earlier run and are kept")
+    mode = "r+b" if kept else "wb"
     # Delta blobs go to a side file, appended after all base blobs at the end, so that the base
     # plane is one contiguous region and no plane is ever held in memory whole.
-    with open(new_path, "wb") as f, open(delta_path, "wb") as delta_file:
-        for i, (layer, expert) in enumerate(
-            tqdm(keys, desc=f"{kind} experts", disable=not progress)
-        ):
+    with open(new_path, mode) as f, open(delta_path, mode) as delta_file:
+        f.truncate(offset)
+        f.seek(offset)
+        delta_file.truncate(len(kept) * delta_stride)
+        delta_file.seek(len(kept) * delta_stride)
+        for i in tqdm(range(len(kept), len(keys)), desc=f"{kind} experts", disable=not progress,
+                      initial=len(kept), total=len(keys)):  # fmt: skip
+            layer, expert = keys[i]
             source = store.read_blob(layer, expert)
             fmt_in, fmt = store.blob_format(layer), formats[layer]
             blob = torch.zeros(strides[layer], dtype=torch.uint8)
@@ -284,6 +311,20 @@ def requantize_experts(
                         layer, expert, base_bytes + i * delta_stride, delta_fmt, delta_blob, "delta"
                     )
                 )
+            if journal is not None:
+                f.flush()
+                delta_file.flush()
+                journal.commit(
+                    {
+                        "requantized": i,
+                        "end": offset,
+                        "crc32": crc32(blob),
+                        "delta_crc32": crc32(delta_blob) if delta_fmt is not None else None,
+                        "base": blobs[-2] if delta_fmt is not None else blobs[-1],
+                        "delta": blobs[-1] if delta_fmt is not None else None,
+                    }
+                )
+                fault("requantize", i + 1)
         delta_file.flush()
         with open(delta_path, "rb") as side:
             shutil.copyfileobj(side, f, 16 * 2**20)
@@ -311,6 +352,36 @@ def requantize_experts(
     store.close()
     os.replace(new_path, store_dir / EXPERTS_FILE)
     (store_dir / INDEX_FILE).write_text(json.dumps(index, indent=1))
+    if journal is not None:
+        journal.close()
+        journal.path.unlink()
+
+
+def _kept(
+    journal: Journal, new_path: Path, delta_path: Path, delta_stride: int
+) -> list[dict[str, Any]]:
+    """The journal's re-encoded experts, in order, whose base and delta bytes still have their
+    crc32; the journal keeps only those."""
+    kept: list[dict[str, Any]] = []
+    records = journal.of("requantized")
+    if records and new_path.exists() and delta_path.exists():
+        with open(new_path, "rb") as f, open(delta_path, "rb") as side:
+            for i, record in enumerate(records):
+                begin = kept[-1]["end"] if kept else 0
+                f.seek(begin)
+                side.seek(i * delta_stride)
+                base = f.read(record["end"] - begin)
+                delta = side.read(delta_stride)
+                if (
+                    record["requantized"] != i
+                    or zlib.crc32(base) != record["crc32"]
+                    or (record["delta"] and zlib.crc32(delta) != record["delta_crc32"])
+                ):
+                    break
+                kept.append(record)
+    if len(kept) != len(records):
+        journal.rewrite([r for r in journal.records if "requantized" not in r] + kept)
+    return kept
 
 
 def _put(blob: torch.Tensor, spec: TensorSpec, value: torch.Tensor) -> None:

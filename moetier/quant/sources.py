@@ -202,24 +202,32 @@ class TensorReader:
         self._files: dict[Path, tuple[int, int, dict[str, Any]]] = {}  # fd, data start, header
 
     def raw(self, t: SourceTensor, index: int | None = None) -> torch.Tensor:
-        if t.file not in self._files:  # shards were checked whole when the plan was made
-            with open(t.file, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
-            self._files[t.file] = (os.open(t.file, os.O_RDONLY), 8 + header_len, header)
-        fd, data_start, header = self._files[t.file]
-        begin, end = header[t.key]["data_offsets"]
-        shape = tuple(t.shape)
-        if index is not None:  # entry `index` of dim 0: a contiguous run of the tensor's bytes
-            entry = (end - begin) // shape[0]
-            begin, end, shape = begin + index * entry, begin + (index + 1) * entry, shape[1:]
-        out = torch.empty(end - begin, dtype=torch.uint8)
-        view, done = out.numpy().data, 0
-        while done < end - begin:
-            n = os.preadv(fd, [view[done:]], data_start + begin + done)
-            if n <= 0:
-                raise ValueError(f"{t.file}: short read of {t.key}; download the shard again")
-            done += n
+        try:
+            if t.file not in self._files:  # shards were checked whole when the plan was made
+                with open(t.file, "rb") as f:
+                    (header_len,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(header_len))
+                self._files[t.file] = (os.open(t.file, os.O_RDONLY), 8 + header_len, header)
+            fd, data_start, header = self._files[t.file]
+            begin, end = header[t.key]["data_offsets"]
+            shape = tuple(t.shape)
+            if index is not None:  # entry `index` of dim 0: a contiguous run of its bytes
+                entry = (end - begin) // shape[0]
+                begin, end, shape = begin + index * entry, begin + (index + 1) * entry, shape[1:]
+            out = torch.empty(end - begin, dtype=torch.uint8)
+            view, done = out.numpy().data, 0
+            while done < end - begin:
+                n = os.preadv(fd, [view[done:]], data_start + begin + done)
+                if n <= 0:
+                    raise ConvertError(f"{t.file}: short read of {t.key}; download the shard again")
+                done += n
+        except (OSError, struct.error, KeyError, ValueError) as err:
+            if isinstance(err, ConvertError):
+                raise
+            raise ConvertError(
+                f"{t.file}: reading {t.key} failed ({type(err).__name__}: {err}); the shard "
+                "changed or is damaged since the conversion started: download it again"
+            ) from None
         return out.view(DTYPES[t.dtype]).view(shape)
 
     def close(self) -> None:

@@ -428,7 +428,34 @@ GPT_OSS_120B = dict(
     torch_dtype="bfloat16",
 )
 
-# GLM-4.5 and gpt-oss-120b with their layer kinds kept and every size cut down (CPU tests).
+# MiniMax-M2 (MiniMaxAI/MiniMax-M2, 230B parameters, 10B active): config.json as published on
+# the Hugging Face hub, read from public copies of that file (they agree with transformers'
+# MiniMaxM2Config defaults): 62 layers, all MoE, 256 experts of 1536, top-8, sigmoid router with
+# a correction bias, GQA 48 query / 8 KV heads of 128 with q/k norm over the whole projection,
+# rotary_dim 64 of 128 (written as transformers reads it: partial_rotary_factor 0.5). Left out:
+# the multi-token-prediction modules (use_mtp, num_mtp_modules 3).
+MINIMAX_M2 = dict(
+    model_type="minimax_m2",
+    architectures=["MiniMaxM2ForCausalLM"],
+    vocab_size=200064,
+    hidden_size=3072,
+    intermediate_size=1536,  # each expert's
+    num_hidden_layers=62,
+    num_attention_heads=48,
+    num_key_value_heads=8,
+    head_dim=128,
+    num_local_experts=256,
+    num_experts_per_tok=8,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+    max_position_embeddings=196608,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    eos_token_id=200020,
+    torch_dtype="bfloat16",
+)
+
+# GLM-4.5, gpt-oss-120b and MiniMax-M2 with their layer kinds kept and every size cut down
+# (CPU tests).
 TINY_GLM_4_5 = dict(
     GLM_4_5,
     vocab_size=512,
@@ -459,6 +486,19 @@ TINY_GPT_OSS_120B = dict(
     eos_token_id=0,
     pad_token_id=0,
 )
+TINY_MINIMAX_M2 = dict(
+    MINIMAX_M2,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    eos_token_id=0,
+)
 
 # The shapes a synthetic store can be written at, by name (`moetier bench --shape NAME`,
 # `moetier plan --shape NAME`).
@@ -473,6 +513,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "gpt-oss-120b": GPT_OSS_120B,
     "glm-4.5-tiny": TINY_GLM_4_5,
     "gpt-oss-120b-tiny": TINY_GPT_OSS_120B,
+    "minimax-m2": MINIMAX_M2,
+    "minimax-m2-tiny": TINY_MINIMAX_M2,
     "deepseek-v3": DEEPSEEK_V3,
     "kimi-k2": KIMI_K2,
     "qwen3-235b-a22b": QWEN3_235B_A22B,

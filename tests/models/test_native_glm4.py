@@ -209,8 +209,13 @@ def test_cuda_graph_decode_step_replays_eager(stores, dtype_name, compiled):
 
 @pytest.mark.gpu
 def test_cuda_logits_and_graphed_engine(stores):
+    check_cuda_logits_and_graphed_engine(stores)
+
+
+def check_cuda_logits_and_graphed_engine(stores) -> None:
     """On the GPU in fp32: logits against HF within 1e-4; the engine's decode steps read pages
-    in the decode kernel and replay from CUDA graphs, each request as alone."""
+    in the decode kernel and replay from CUDA graphs, each request as alone. stores: (the HF
+    checkpoint, its bf16 store, ...)."""
     loaded = load_model(stores[1], EngineConfig(device="cuda", dtype="float32", native=True))
     ref = hf_reference(stores[0], torch.float32, "cuda")
     ids = prompt(loaded.model_config.vocab_size, length=20, device="cuda")

@@ -129,7 +129,8 @@ def test_refuses_missing_and_truncated_shards(tmp_path):
     ):
         convert(sharded, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
-    assert not list(tmp_path.glob(".out.tmp-*"))  # nothing half-written left behind
+    # a refused source writes nothing: no work folder, no lock left behind
+    assert not list(tmp_path.glob(".out.*")), list(tmp_path.iterdir())
 
 
 def test_refuses_missing_expert(tiny, tmp_path):

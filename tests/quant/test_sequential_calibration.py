@@ -281,23 +281,29 @@ def test_batched_q2s_on_cuda_equals_cpu(mode):
 
 @pytest.mark.gpu
 def test_calibrated_conversion_on_cuda_matches_cpu(tiny, tmp_path):
+    """The GPU's sums run in another order, so a GPTQ rounding can flip, and each flip reaches
+    every later column of its row and every later layer (on the H100 up to 29% of one matrix's
+    codes differed). What must hold is the quality: the CUDA store's logits are as close to
+    the HF forward as the CPU store's (within 10%) and closer than round to nearest."""
     src = tiny.checkpoint("qwen3_moe")
     text = _calib(tmp_path)
+    from transformers import AutoModelForCausalLM
+
     from moetier.quant.calibration.sequential import convert_calibrated
 
-    stores = {
-        dev: Store(
-            convert_calibrated(src, tmp_path / dev, text, tokens=1024, device=dev, progress=False)
-        )  # fmt: skip
+    paths = {
+        dev: convert_calibrated(src, tmp_path / dev, text, tokens=1024, device=dev, progress=False)
         for dev in ("cpu", "cuda")
     }
-    for layer in stores["cpu"].moe_layers:
-        fmt = stores["cpu"].blob_format(layer)
-        for e in range(stores["cpu"].model_config.num_experts):
-            for name in ("gate_up", "down"):
-                a = expert_matrix(stores["cpu"].blob(layer, e), fmt, name)
-                b = expert_matrix(stores["cuda"].blob(layer, e), fmt, name)
-                assert (a != b).float().mean().item() < 0.02
+    paths["rtn"] = convert_quantized(src, tmp_path / "rtn", progress=False)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    models = {name: load_model(path, CPU32) for name, path in paths.items()}
+    ids = torch.tensor([models["rtn"].tokenizer.encode(TEXT * 2)[:96]])
+    with torch.no_grad():
+        want = ref(ids).logits
+        err = {n: ((m.model(ids).logits - want) ** 2).mean().item() for n, m in models.items()}
+    assert err["cuda"] < err["rtn"], err
+    assert abs(err["cuda"] - err["cpu"]) <= 0.1 * err["cpu"], err
 
 
 @pytest.mark.parametrize("mode", ["gptq", "diag"])

@@ -28,7 +28,9 @@ def test_tiered_decode_bench_smoke(tmp_path):
     links = lines[0]
     assert links["case"] == "links" and all(links[f"{k}_GB/s"] > 0 for k in ("hbm", "h2d", "disk"))
     offload = [r for r in lines if r["case"] == "decode-accelerate"]  # HF + accelerate baseline
-    assert [r["gpu_fraction"] for r in offload] == [0.25] and offload[0]["tok_s"] > 0
+    assert [r["gpu_fraction"] for r in offload] == [0.25]
+    assert "tok_s" in offload[0], (offload[0], done.stderr[-3000:])  # a failed case: its error
+    assert offload[0]["tok_s"] > 0
     prefill = [r for r in lines if r["case"] == "prefill-tiered"]  # streamed from the host tier
     assert [r["gpu_fraction"] for r in prefill] == [0.25] and prefill[0]["host_MB"] > 0
     p = prefill[0]

@@ -38,8 +38,10 @@ from moetier.quant.convert import (
     ConversionPlan,
     _copy_aux_files,
     _write_dense,
+    check_free_space,
     dequantized_dtype,
     plan_conversion,
+    planned_store_bytes,
     store_index,
 )
 from moetier.quant.dense_formats import DensePolicy
@@ -121,12 +123,6 @@ def convert_calibrated(
         "device": dev.type,
     }
     work = WorkFolder(dst.parent / f".{dst.name}.calibration", settings)
-    if work.dense_index() is None:
-        _copy_aux_files(src, work.store)
-        work.commit_dense(_write_dense(plan, work.store / "dense.safetensors", progress, policy))
-    dense_tensors = work.dense_index()
-    assert dense_tensors is not None
-
     expert_layers = sorted({**plan.experts, **plan.mtp_experts})
     codecs = layer_codecs("q2s", group, down_group, overrides, expert_layers)
     dims = (cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias)
@@ -148,6 +144,12 @@ def convert_calibrated(
     dtype = torch.float32
     if dev.type == "cuda":
         dtype = getattr(torch, dequantized_dtype(src) if plan.quantization else plan.expert_dtype)
+    _check_space(src, plan, plans, policy, chunks, dtype, work, dst)
+    if work.dense_index() is None:
+        _copy_aux_files(src, work.store)
+        work.commit_dense(_write_dense(plan, work.store / "dense.safetensors", progress, policy))
+    dense_tensors = work.dense_index()
+    assert dense_tensors is not None
     per_expert = bytes_per_expert(mode, cfg.hidden_size, cfg.expert_intermediate_size, group)
     if chunk_bytes is None:
         chunk_bytes = 2 * 2**30
@@ -172,6 +174,34 @@ def convert_calibrated(
     _finish(plan, plans, work, dst, policy, dense_tensors, mode, group, down_group, delta,
             overrides, chunks.numel())  # fmt: skip
     return dst
+
+
+def _check_space(
+    src: Path,
+    plan: ConversionPlan,
+    plans: dict[int, LayerPlan],
+    policy: DensePolicy,
+    chunks: torch.Tensor,
+    dtype: torch.dtype,
+    work: WorkFolder,
+    dst: Path,
+) -> None:
+    """Free disk for what is still to be written: the store without its experts, each layer's
+    blobs twice (the layer files, then experts.bin made from them) and two layers' outputs."""
+    n_exp = plan.model_config.num_experts
+    blobs = 0
+    for p in plans.values():
+        blobs += align_up(p.fmt.nbytes, BLOB_ALIGN)
+        blobs += align_up(p.delta_fmt.nbytes, BLOB_ALIGN) if p.delta_fmt is not None else 0
+    outputs = 2 * chunks.numel() * plan.model_config.hidden_size * torch.finfo(dtype).bits // 8
+    planned = planned_store_bytes(src, plan, policy) + 2 * blobs * n_exp + outputs
+    present = sum(p.stat().st_size for p in work.path.rglob("*") if p.is_file())
+    try:
+        check_free_space(work.path, dst, planned - present)
+    except ConvertError:
+        if work.dense_index() is None and not work.committed():
+            work.remove()  # nothing done yet: nothing to resume
+        raise
 
 
 def _preflight(

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from moetier.quant.work_folder import open_work_folder, write_text
+
 KILL_ENV = "MOETIER_CALIBRATION_KILL_AFTER"  # test hook: SIGKILL once this many layers committed
 
 
@@ -31,16 +33,9 @@ class WorkFolder:
         self.path = path
         self.layers_dir = path / "layers"
         self.store = path / "store"
-        settings_file = path / "settings.json"
-        if path.exists():
-            old = json.loads(settings_file.read_text()) if settings_file.is_file() else None
-            if old != settings:
-                print(f"{path}: written under other settings, starting afresh", flush=True)
-                shutil.rmtree(path)
+        open_work_folder(path, settings)  # cleared where other settings wrote it
         self.layers_dir.mkdir(parents=True, exist_ok=True)
         self.store.mkdir(exist_ok=True)
-        if not settings_file.is_file():
-            _write_text(settings_file, json.dumps(settings, indent=1, sort_keys=True))
         self.committed_here = 0
 
     # --- dense part -------------------------------------------------------------------------
@@ -49,7 +44,7 @@ class WorkFolder:
         return json.loads(path.read_text()) if path.is_file() else None
 
     def commit_dense(self, dense_tensors: dict[str, Any]) -> None:
-        _write_text(self.path / "dense.json", json.dumps(dense_tensors, indent=1))
+        write_text(self.path / "dense.json", json.dumps(dense_tensors, indent=1))
 
     # --- layers -----------------------------------------------------------------------------
     def committed(self) -> list[int]:
@@ -83,7 +78,7 @@ class WorkFolder:
             torch.save(_to_cpu(outputs), tmp)
             os.replace(tmp, self.layers_dir / f"hidden-{layer}.pt")
             record = {**record, "outputs": f"hidden-{layer}.pt"}
-        _write_text(self.layers_dir / f"{layer}.json", json.dumps(record, indent=1))
+        write_text(self.layers_dir / f"{layer}.json", json.dumps(record, indent=1))
         for old in self.layers_dir.glob("hidden-*.pt"):
             if old.name != record.get("outputs"):
                 old.unlink()
@@ -102,12 +97,6 @@ class WorkFolder:
 
     def remove(self) -> None:
         shutil.rmtree(self.path)
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _to_cpu(value: Any) -> Any:

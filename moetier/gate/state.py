@@ -1,0 +1,89 @@
+"""`Gate`: one `--delta` rule with what it reads across calls: per-layer tables, the routers
+(for entropy and margin), the previous step's confidence per row and forced rows, kept as
+device tensors that the engine writes and the next step reads (no host sync)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moetier.config import DeltaRule
+from moetier.gate.policies import GateInputs, decide
+from moetier.gate.tables import read_table, table_path
+
+
+class Gate:
+    """decide(layer, hidden, ids, weights, resident) -> [T, k] bool mask."""
+
+    def __init__(self, rule: DeltaRule, store: Path | None = None, device: str = "cpu") -> None:
+        self.rule = rule
+        self.device = torch.device(device)
+        terms = rule.terms()
+        self.needs_router = bool(terms & {"entropy", "margin"})
+        # term (with @FILE) -> layer -> [E] table
+        self.tables: dict[str, dict[int, torch.Tensor]] = {}
+        for product in rule.score:
+            for term in product:
+                if term.partition("@")[0] in ("sensitivity", "hot") and term not in self.tables:
+                    if store is None and "@" not in term:
+                        raise ValueError(f"the gate's {term} term needs a store or @FILE")
+                    path = table_path(term, store or Path("."))
+                    self.tables[term] = read_table(path, self.device)
+        self.routers: dict[int, torch.Tensor] = {}  # layer -> router weight [E, H]
+        # the previous step's next-token confidence per row [rows] and forced rows [rows]:
+        # written in place by the engine (observe / force), read by the next call whose
+        # token count matches
+        self.confidence: torch.Tensor | None = None
+        self.forced: torch.Tensor | None = None
+
+    def set_routers(self, routers: dict[int, torch.Tensor]) -> None:
+        """Each MoE layer's router weight [E, H] (entropy and margin recompute its softmax)."""
+        self.routers = {layer: w.detach() for layer, w in routers.items()}
+
+    def observe(self, logits: torch.Tensor) -> None:
+        """The sampler's distribution of this step, logits [rows, V]: keep each row's top
+        probability on the device for the next step's `confidence` term."""
+        top = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+        if self.confidence is None or self.confidence.shape != top.shape:
+            self.confidence = top.detach().clone()
+        else:
+            self.confidence.copy_(top)
+
+    def force(self, rows: torch.Tensor | None) -> None:
+        """Rows inside a structured span ([rows] bool; None: none): their pairs get the delta."""
+        self.forced = rows
+
+    def inputs(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        resident: torch.Tensor | None = None,
+    ) -> GateInputs:
+        tokens = topk_ids.shape[0]
+        probs = None
+        if self.needs_router:
+            router = self.routers.get(layer)
+            if router is None:
+                raise ValueError(f"the gate's entropy / margin needs layer {layer}'s router")
+            probs = torch.softmax(hidden.float() @ router.float().t(), dim=-1)
+        tables = {term: rows[layer] for term, rows in self.tables.items() if layer in rows}
+        confidence = self.confidence
+        if confidence is not None and confidence.shape[0] != tokens:
+            confidence = None
+        forced = self.forced
+        if forced is not None and forced.shape[0] != tokens:
+            forced = None
+        return GateInputs(topk_ids, topk_weights, probs, confidence, forced, resident, tables)
+
+    def decide(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        resident: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return decide(self.rule, self.inputs(layer, hidden, topk_ids, topk_weights, resident))
