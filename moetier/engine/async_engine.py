@@ -16,10 +16,11 @@ import queue
 import sys
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from moetier.engine.engine import Engine, Output
+from moetier.engine.quality_meter import MeterStats
 from moetier.engine.sampler import SamplingParams
 
 _IDS = itertools.count()
@@ -38,6 +39,7 @@ class EngineStats:
     steps: int = 0
     preemptions: int = 0
     aborted: int = 0
+    meter: MeterStats | None = None  # the quality meter's totals (--quality-meter), if on
 
 
 class AsyncEngine:
@@ -235,6 +237,7 @@ class AsyncEngine:
             steps=self.stats.steps + int(stepped),
             preemptions=scheduler.preemptions,
             aborted=engine.aborted,
+            meter=replace(engine.meter.stats) if engine.meter is not None else None,
         )
         with self._lock:
             if not engine.has_work and not self._streams and self._commands.empty():

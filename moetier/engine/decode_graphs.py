@@ -53,10 +53,15 @@ class DecodeGraph:
     """One key's decode step: static inputs, their host staging copies (pinned on CUDA), and
     the step captured into a CUDA graph on them (or run eagerly on them: `captured` False)."""
 
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+    def __init__(self, rows: int, width: int, device: torch.device, gate: bool = False) -> None:
         self.ids = torch.zeros(rows, 1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.int64, device=device)
         self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        # `gate`: the confidence gate's row inputs (engine/gate_rows.py): forced rows, staged
+        # from the host like the others, and each row's previous top probability, written on
+        # the device
+        self.forced = torch.zeros(rows, dtype=torch.bool, device=device) if gate else None
+        self.confidence = torch.ones(rows, device=device) if gate else None
         pin = device.type == "cuda"
         self.staged = [
             torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t)
@@ -71,14 +76,24 @@ class DecodeGraph:
         return self.table.shape[0], self.table.shape[1]
 
     @property
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.ids, self.positions, self.table
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """The static inputs staged from the host: ids, positions, table (and forced rows)."""
+        gate = () if self.forced is None else (self.forced,)
+        return self.ids, self.positions, self.table, *gate
+
+    def _args(self) -> tuple[torch.Tensor, ...]:
+        """What the step is called with: the inputs, then the gate's confidence rows."""
+        return self.inputs if self.confidence is None else (*self.inputs, self.confidence)
 
     def host_inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """numpy views of the staging copies: what `stage` copies in. (The previous replay's
-        copies are done: the sampled tokens were read back since.)"""
-        ids, positions, table = (t.numpy() for t in self.staged)
+        """numpy views of the staging copies of ids, positions and table: what `stage` copies
+        in. (The previous replay's copies are done: the sampled tokens were read back since.)"""
+        ids, positions, table = (t.numpy() for t in self.staged[:3])
         return ids, positions, table
+
+    def host_forced(self) -> np.ndarray | None:
+        """The staging copy of the forced rows (None: no gate inputs)."""
+        return self.staged[3].numpy() if self.forced is not None else None
 
     def capture(self, step: Callable[..., torch.Tensor], pool: Any) -> None:
         """Warm up on a side stream (compiles a compiled step; writes what the replays
@@ -87,15 +102,15 @@ class DecodeGraph:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # a compiled step's first call compiles, the second is steady
-                step(self.ids, self.positions, self.table)
+                step(*self._args())
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = step(self.ids, self.positions, self.table)
+            self.logits = step(*self._args())
 
     def run_eagerly(self, step: Callable[..., torch.Tensor]) -> None:
         """No capture: `replay` runs `step` on the static inputs (the graph's shapes, CPU)."""
-        self._eager = lambda: step(self.ids, self.positions, self.table)
+        self._eager = lambda: step(*self._args())
 
     def stage(self) -> None:
         """Copy the staged host inputs in (asynchronously; queued before the next replay)."""

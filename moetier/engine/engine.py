@@ -23,6 +23,7 @@ from typing import Any
 
 from moetier.engine.detokenizer import StreamingDetokenizer, end_token_ids
 from moetier.engine.kv_pages import PagePool
+from moetier.engine.quality_meter import QualityMeter
 from moetier.engine.reasoning_budget import ReasoningBudget
 from moetier.engine.runner import PagedRunner, TransformersRunner
 from moetier.engine.sampler import SamplingParams, TokenLogprob
@@ -103,6 +104,16 @@ class EngineLimits:
     prefix_caching: bool = field(
         default=True, metadata={"help": "reuse the KV pages of a cached prompt prefix"}
     )
+    quality_meter: float = field(
+        default=0.0,
+        metadata={
+            "help": "the confidence gate's live quality meter: this fraction of requests also "
+            "runs with the delta plane everywhere (a twin sequence: twice their compute and "
+            "KV), and /metrics shows the gated model's mean KLD and top-token disagreement "
+            "against it (needs a store with a delta plane and a --delta rule other than all "
+            "or none; docs/gate.md)"
+        },
+    )
 
 
 class Engine:
@@ -128,6 +139,15 @@ class Engine:
         self.aborted = 0  # requests ended by `abort` (clients gone)
         self.vocab_size = int(loaded.model.config.vocab_size)
         self._grammars: Any = None
+        self.meter: QualityMeter | None = None
+        if limits.quality_meter > 0:
+            if self.runner.gate_rows is None:
+                raise ValueError(
+                    "--quality-meter compares the gated model with the delta everywhere: it "
+                    "needs a store with a delta plane (moetier convert --delta nvfp4) and a "
+                    "--delta rule other than all or none (e.g. weight:0.34)"
+                )
+            self.meter = QualityMeter(limits.quality_meter)
 
     @property
     def has_work(self) -> bool:
@@ -191,8 +211,12 @@ class Engine:
             request = Request(sid, list(prompt_ids), limit, seq_params, end_ids, ignore_eos)
             # every prompt position's logits are needed: none taken from the prefix cache
             request.prefix_cache = seq_params.prompt_logprobs is None
+            # a grammar-constrained output is a structured span: the gate gives it the delta
+            request.gate_forced = params.grammar is not None
             requests.append(request)
         self.scheduler.add(requests[0])
+        if self.meter is not None and n == 1 and self.meter.pick():
+            self._add_twin(requests[0])
         held = requests[1:]
         if not self.pool.prefix_caching:  # nothing to share: no reason to wait
             for request in held:
@@ -206,6 +230,40 @@ class Engine:
             if matcher is not None:
                 self.runner.matchers[request.id] = matcher
         return requests[0]
+
+    def _add_twin(self, request: Request) -> None:
+        """The quality meter's twin of `request` (engine/quality_meter.py): the same prompt,
+        the delta everywhere, its own KV, fed the tokens `request` samples."""
+        assert self.meter is not None
+        twin = Request(
+            self.meter.attach(request.id),
+            list(request.prompt),
+            request.max_tokens,
+            SamplingParams(temperature=0.0),
+            ignore_eos=True,
+        )
+        twin.prefix_cache, twin.private_kv, twin.gate_forced = False, True, True
+        self.scheduler.add(twin)
+        self.runner.keep_logits |= {request.id, twin.id}
+
+    def _end_twin(self, twin: str) -> None:
+        assert self.meter is not None
+        self.scheduler.finish(twin, "abort")
+        self.runner.release(twin)
+        self.meter.end(twin)
+
+    def _sequence_ended(self, request: Request, completed: bool) -> None:
+        """A sequence ended: a metered one's twin goes on to compare the rest of its text
+        (`completed`) or ends with it."""
+        if self.meter is not None:
+            twin = self.meter.twin_of.get(request.id)
+            twin_request = self.scheduler.requests.get(twin) if twin is not None else None
+            if twin_request is not None and len(twin_request.output) >= len(request.output):
+                completed = False  # the twin has compared every index already: it ends too
+            twin = self.meter.sequence_ended(request.id, request.output, completed)
+            if twin is not None:
+                self._end_twin(twin)
+            self.runner.keep_logits.discard(request.id)
 
     def check(
         self,
@@ -253,8 +311,10 @@ class Engine:
             return []
         outputs = []
         for sid in family.sequences:
-            self.scheduler.finish(sid, reason)
+            request = self.scheduler.finish(sid, reason)
             self.runner.release(sid)
+            if request is not None:
+                self._sequence_ended(request, completed=False)
             stream = self.streams.pop(sid, None)
             if stream is not None and sid in family.open:
                 outputs.append(self._output(stream, family, "", [], reason))
@@ -266,11 +326,22 @@ class Engine:
         step = self.scheduler.schedule()
         for request in step.preempted:
             self.runner.forget_kv(request.id)
-        sampled = [item.request.id for item in step.items if item.samples]  # before update
+        meter = self.meter
+        sampled = [  # before update; the meter's twins are not the client's
+            item.request.id
+            for item in step.items
+            if item.samples and (meter is None or not meter.is_twin(item.request.id))
+        ]
         lookahead = self.runner.lookahead and self._steady(step)
         if lookahead:  # the next step's positions in pages already, where pages are free
             self.scheduler.reserve_next(step)
         result = self.runner.run(step, lookahead)
+        if meter is not None and result.kept:  # twins take their sequences' tokens
+            known = {sid: self.streams[sid].request.output for sid in meter.twin_of
+                     if sid in self.streams}  # fmt: skip
+            known |= {item.request.id: item.request.output for item in step.items}
+            for twin in meter.take(result.kept, result.tokens, known):
+                self._end_twin(twin)  # every index compared
         outputs = []
         for sid, by_position in result.prompt_logprobs.items():
             if sid in self.streams:
@@ -282,6 +353,9 @@ class Engine:
             if sid in self.streams:
                 self.streams[sid].logprobs.append(logprob)
         finished = {r.id for r in self.scheduler.update(step, result.tokens)}
+        if meter is not None:
+            for twin in [sid for sid in finished if meter.is_twin(sid)]:
+                self._end_twin(twin)
         for sid in sampled:
             stream = self.streams.get(sid)
             if stream is None:
@@ -309,6 +383,8 @@ class Engine:
             return False
         if any(item.count != 1 or not item.samples for item in step.items):
             return False
+        if self.meter is not None and any(self.meter.is_twin(i.request.id) for i in step.items):
+            return False  # a twin's next token is its sequence's, known only on the host
         return any(
             len(item.request.output) + 1 < (item.request.max_tokens or 0) for item in step.items
         )
@@ -345,6 +421,7 @@ class Engine:
             text += stream.detok.flush()
         self.streams.pop(request.id, None)
         self.runner.release(request.id)
+        self._sequence_ended(request, completed=True)
         out = self._output(stream, family, text, self._take_unsent(stream), request.finish_reason)
         family.open.discard(request.id)
         if not family.open:

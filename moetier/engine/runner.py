@@ -38,6 +38,7 @@ from moetier.engine.decode_graphs import (
     bucket_of,
     context_ladder,
 )
+from moetier.engine.gate_rows import GateRows
 from moetier.engine.graph_placement import ZeroCopyRebalance, place_for_graphs
 from moetier.engine.sampler import to_device
 from moetier.engine.scheduler import Scheduled, Step
@@ -67,6 +68,8 @@ class PagedRunner(StepSampler):
         self.loaded = loaded
         self.model = model
         self.device = loaded.device
+        gate = loaded.runtime.gate
+        self.gate_rows = GateRows(gate, self.device) if gate is not None else None
         self.page_size = page_size
         self.scratch_page = num_pages  # padding rows of a graphed step write here
         self.cache: torch.Tensor = model.new_cache(
@@ -179,6 +182,8 @@ class PagedRunner(StepSampler):
                 prompt = logits.index_select(0, to_device([s.item for s in spans], self.device))
             return self._sample(picked, [items[i] for i in sampling], prompt, spans)
         self._ahead = None
+        if self.gate_rows is not None:
+            self.gate_rows.set_step(items, per_token=True)
         hidden = self._packed(items)  # [N, H]
         if not sampling and not spans:
             return Sampled()
@@ -212,14 +217,21 @@ class PagedRunner(StepSampler):
             graph = self._graph(bucket, needed)
             if graph is not None:
                 pages = self._decode_inputs(items, *graph.host_inputs())
+                forced = graph.host_forced()
+                if self.gate_rows is not None and forced is not None:
+                    assert graph.confidence is not None
+                    self.gate_rows.stage(items, forced, graph.confidence)
                 graph.stage()
-                launch = _Launch(graph.ids, graph.positions, graph.table, graph.replay, pages, True)
+                launch = _Launch(graph.ids, graph.positions, graph.table, graph.replay, pages, True,
+                                 graph.confidence)  # fmt: skip
                 return launch.run()[:rows], launch
         width = max(len(item.request.pages) for item in items)
         ids, positions = torch.empty(2, rows, 1, dtype=torch.int64).unbind(0)
         table = torch.empty(rows, width, dtype=torch.int32)
         pages = self._decode_inputs(items, ids.numpy(), positions.numpy(), table.numpy())
         ids, positions, table = (t.to(self.device) for t in (ids, positions, table))
+        if self.gate_rows is not None:
+            self.gate_rows.set_step(items, per_token=False)
         step = functools.partial(self._eager_step, ids, positions, table)
         launch = _Launch(ids, positions, table, step, pages)
         return launch.run(), launch
@@ -265,6 +277,11 @@ class PagedRunner(StepSampler):
                 launch.pages[row] = max(launch.pages[row], needed)
         launch.ids[:rows, 0].copy_(tokens)
         launch.positions[:rows] += 1
+        if self.gate_rows is not None and self.gate_rows.uses_confidence:  # this step's tops
+            if launch.confidence is not None:
+                launch.confidence[:rows].copy_(self.gate_rows.confidence_rows(items, False))
+            elif not launch.fixed:
+                self.gate_rows.set_step(items, per_token=False)
         self.ahead_launched += 1
         self._ahead = _Ahead(
             {item.request.id: (row, item.start + 1) for row, item in enumerate(items)},
@@ -285,10 +302,16 @@ class PagedRunner(StepSampler):
         graph.positions.copy_(launch.positions)
         graph.table[:, :width].copy_(launch.table)
         graph.table[:, width:].fill_(self.scratch_page)
+        old = self.graphs.get((launch.ids.shape[0], width))
+        if graph.forced is not None and old is not None and old.forced is not None:
+            graph.forced.copy_(old.forced)  # the rows' gate inputs move with them
+        if graph.confidence is not None and launch.confidence is not None:
+            graph.confidence.copy_(launch.confidence)
         self.ahead_moved += 1
         return _Launch(
-            graph.ids, graph.positions, graph.table, graph.replay, list(launch.pages), True
-        )
+            graph.ids, graph.positions, graph.table, graph.replay, list(launch.pages), True,
+            graph.confidence,
+        )  # fmt: skip
 
     def _graph(self, rows: int, needed: int) -> DecodeGraph | None:
         """The decode step of `rows` rows (a batch bucket) at the smallest context bucket that
@@ -303,8 +326,11 @@ class PagedRunner(StepSampler):
         """Capture the decode graph of `rows` rows and a page table `width` pages wide (every
         row padding: the scratch page); without CUDA graphs (`fixed_shapes` on CPU) the step
         runs eagerly on those inputs. None if capturing fails (that key's steps run eagerly)."""
-        graph = DecodeGraph(rows, width, self.device)
+        graph = DecodeGraph(rows, width, self.device, gate=self.gate_rows is not None)
         self._decode_inputs([], *graph.host_inputs())
+        forced = graph.host_forced()
+        if forced is not None:
+            forced.fill(False)
         for static, staged in zip(graph.inputs, graph.staged, strict=True):
             static.copy_(staged)
         step = functools.partial(self._step_fn, cache=self.cache)
@@ -329,11 +355,22 @@ class PagedRunner(StepSampler):
         return graph
 
     def _graph_step(
-        self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, cache: torch.Tensor
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        table: torch.Tensor,
+        forced: torch.Tensor | None = None,
+        confidence: torch.Tensor | None = None,
+        *,
+        cache: torch.Tensor,
     ) -> Any:
         """One decode step; the cache comes as an argument: a graph input of the compiled step,
         which `moetier::write_pages` updates in place. Keys gathered where the attention needs
-        them, over the table's width (the step's context bucket)."""
+        them, over the table's width (the step's context bucket). forced / confidence: the
+        confidence gate's rows (engine/gate_rows.py), static inputs of the graph."""
+        if self.gate_rows is not None and forced is not None:
+            self.gate_rows.gate.forced = forced
+            self.gate_rows.gate.confidence = confidence if self.gate_rows.uses_confidence else None
         batch = AttentionBatch.decode(
             positions, table, self.page_size, with_keys=self.gather_decode_keys
         )
@@ -378,6 +415,7 @@ class _Launch:
     run: Callable[[], torch.Tensor]
     pages: list[int]  # per row: the entries of its page table that hold its pages
     fixed: bool = False  # a DecodeGraph's inputs (keyed by batch and context bucket)
+    confidence: torch.Tensor | None = None  # a DecodeGraph's gate confidence rows
 
 
 @dataclass
@@ -427,6 +465,8 @@ class TransformersRunner(StepSampler):
         self.device = loaded.device
         self.caches: dict[str, Any] = {}
         self.cache_arg = cache_argument(self.model)
+        gate = loaded.runtime.gate
+        self.gate_rows = GateRows(gate, self.device) if gate is not None else None
 
     @torch.inference_mode()
     def run(self, step: Step, lookahead: bool = False) -> Sampled:
@@ -444,6 +484,8 @@ class TransformersRunner(StepSampler):
             if cache is None:
                 raise RuntimeError(f"request {request.id} resumes at {item.start} with no cache")
             ids = request.tokens[item.start : item.start + item.count]
+            if self.gate_rows is not None:
+                self.gate_rows.set_step([item], per_token=True)
             out = self.model(
                 input_ids=torch.tensor([ids], device=self.device),
                 use_cache=True,

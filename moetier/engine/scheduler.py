@@ -58,6 +58,12 @@ class Request:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
     preemptions: int = 0
     prefix_cache: bool = True  # False: compute every position (its prompt logprobs need them)
+    # every (token, expert) pair of its positions takes the delta plane (the confidence gate's
+    # forced rows: a grammar-constrained output, the quality meter's full-delta twin)
+    gate_forced: bool = False
+    # its KV neither comes from the prefix cache nor enters it (the quality meter's twin, whose
+    # KV is computed with the delta everywhere)
+    private_kv: bool = False
     arrival: int = field(default_factory=lambda: next(_ARRIVALS))
     _tokens: list[int] = field(default_factory=list, repr=False)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
@@ -223,17 +229,19 @@ class Scheduler:
     def update(self, step: Step, sampled: Mapping[str, int]) -> list[Request]:
         """Record a computed step: positions advance, full pages enter the prefix cache, each
         sampling item's token (`sampled[request.id]`) is appended; returns the requests that
-        finished (eos or max_tokens). Items of requests finished meanwhile are skipped."""
+        finished (eos or max_tokens). Items of requests finished meanwhile are skipped; a
+        sampling item with no token in `sampled` computes its last position again next step."""
         done = []
         for item in step.items:
             request = item.request
             if request.state is not State.RUNNING:
                 continue
-            request.computed = item.start + item.count
+            token = sampled.get(request.id) if item.samples else None
+            waits = item.samples and token is None  # its last position is computed again
+            request.computed = item.start + item.count - int(waits)
             self._commit_full_pages(request)
-            if not item.samples:
-                continue
-            token = sampled[request.id]
+            if token is None:  # no token to append (not sampling, or waiting: the quality
+                continue  # meter's twin for its sequence's token)
             request._append(token)
             reason = None
             if token in request.eos_ids and not request.ignore_eos:
@@ -269,7 +277,7 @@ class Scheduler:
     def _take_cached_prefix(self, request: Request) -> None:
         """On admission: the longest cached run of the request's full pages, leaving at least
         one position to compute (its logits give the next token)."""
-        if request.pages or not request.prefix_cache:
+        if request.pages or not request.prefix_cache or request.private_kv:
             return
         size = self.pool.page_size
         request._hashes = page_hashes(request.tokens, size, request._hashes)
@@ -280,6 +288,8 @@ class Scheduler:
         request.computed = request._committed = len(pages) * size
 
     def _commit_full_pages(self, request: Request) -> None:
+        if request.private_kv:
+            return
         full = request.computed // self.pool.page_size
         if full <= request._committed // self.pool.page_size:
             return

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from moetier.engine.gate_rows import GateRows
 from moetier.engine.sampler import (
     SamplingParams,
     TokenLogprob,
@@ -43,6 +44,8 @@ class Sampled:
     tokens: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
+    # the raw logits [V] (float32, on the device) of the rows of `StepSampler.keep_logits`
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class _HostCopy:
@@ -79,6 +82,7 @@ class PendingSample:
     failed: set[int]
     width: int
     table: bool = False  # the copy is the logprob table, not the tokens alone
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # Sampled.kept
 
     def host(self) -> list[Any]:
         return self.copy.get()
@@ -106,12 +110,19 @@ class StepSampler:
         self.matchers: dict[str, Any] = {}  # request id -> grammar matcher (set by the engine)
         self.prompt_masks: dict[str, torch.Tensor] = {}  # [V] bool: tokens in the prompt
         self.positions_run = 0  # positions computed over the runner's life (tests, metrics)
+        # the confidence gate's row inputs (engine/gate_rows.py), where the model has a gate
+        self.gate_rows: GateRows | None = None
+        # requests whose rows' raw logits a step hands back (Sampled.kept: the quality meter)
+        self.keep_logits: set[str] = set()
 
     def release(self, request_id: str) -> None:
         """Forget a finished or preempted-for-good request's state."""
         self.generators.pop(request_id, None)
         self.matchers.pop(request_id, None)
         self.prompt_masks.pop(request_id, None)
+        self.keep_logits.discard(request_id)
+        if self.gate_rows is not None:
+            self.gate_rows.release(request_id)
 
     def forget_kv(self, request_id: str) -> None:
         """A preempted request's KV outside the page pool, if any, is dropped (it is
@@ -155,10 +166,18 @@ class StepSampler:
         after this (the next step launched ahead) does not delay `_sample_finish`."""
         spans = spans or []
         params = [item.request.params or DEFAULT_PARAMS for item in items]
+        if self.gate_rows is not None:  # each row's top probability, for its next step
+            self.gate_rows.observe(logits, items)
+        kept = {}
+        if self.keep_logits:
+            for row, item in enumerate(items):
+                if item.request.id in self.keep_logits:
+                    kept[item.request.id] = logits[row].float().clone()
         if not spans and all(p.plain_greedy for p in params):
             # the common path: one argmax and one device-to-host copy for every row
             chosen = logits.argmax(dim=-1)  # [S]
-            return PendingSample(items, spans, params, chosen, _HostCopy(chosen), set(), 0)
+            copy = _HostCopy(chosen)
+            return PendingSample(items, spans, params, chosen, copy, set(), 0, kept=kept)
         failed: set[int] = set()
         raw = logits.float()
         chosen, ok = self._choose(raw, items, params, failed)
@@ -180,15 +199,18 @@ class StepSampler:
             blocks.append(_logprob_rows(prompt_logits.float(), target_ids, None, width, True))
         table = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
         copy = _HostCopy(table)
-        return PendingSample(items, spans, params, chosen, copy, failed, width, table=True)
+        return PendingSample(
+            items, spans, params, chosen, copy, failed, width, table=True, kept=kept
+        )
 
     def _sample_finish(self, pending: PendingSample) -> Sampled:
         """The host half of `_sample`: wait for the copy, feed grammars, -> what was sampled."""
         items, params = pending.items, pending.params
         host = pending.host()
         if not pending.table:
-            return Sampled({item.request.id: t for item, t in zip(items, host, strict=True)})
-        out = Sampled()
+            tokens = {item.request.id: t for item, t in zip(items, host, strict=True)}
+            return Sampled(tokens, kept=pending.kept)
+        out = Sampled(kept=pending.kept)
         width = pending.width
         for row, item in enumerate(items):
             if row in pending.failed:

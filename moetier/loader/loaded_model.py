@@ -4,7 +4,6 @@ device and dtype, the experts runtime over the slot pool, the store's tokenizer.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,12 +143,10 @@ def experts_runtime(
         engine_config.delta_threshold(),
     )
     rule = engine_config.delta_rule()
-    if (
-        rule is not None
-        and runtime.delta_threshold is not None
-        and math.isnan(runtime.delta_threshold)
-    ):
-        from moetier.gate.state import Gate  # a --delta rule beyond all / weight:T
+    if rule is not None and not rule.everywhere and runtime.delta_threshold is not None:
+        # every rule but all / none, weight:T too: forced rows (grammar-constrained output,
+        # the quality meter's twin) take the delta whatever the rule
+        from moetier.gate.state import Gate
 
         runtime.gate = Gate(rule, store.path, str(device))
     share = engine_config.cpu_share()

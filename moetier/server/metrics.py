@@ -1,5 +1,6 @@
 """`/metrics` through prometheus_client: a collector that reads, at each scrape, the engine's
-queues, pages, prefix-cache tokens, steps, preemptions and aborts (`moetier_engine_*`) and the
+queues, pages, prefix-cache tokens, steps, preemptions and aborts (`moetier_engine_*`), the
+confidence gate's quality meter where it is on (`moetier_quality_meter_*`), and the
 residency counters per tier (`moetier_residency_*`, residency/telemetry.py's METRICS), and the
 server's answers by route and status and its failed streams (`moetier_http_*`), each sample
 labelled with the model's name; the exposition format follows the scraper's Accept
@@ -30,6 +31,18 @@ ENGINE_METRICS = (
     ("steps_total", "counter", "engine steps run", "steps"),
     ("preemptions_total", "counter", "requests preempted for KV pages", "preemptions"),
     ("aborted_total", "counter", "requests ended early (client gone, shutdown)", "aborted"),
+)  # fmt: skip
+# the confidence gate's live quality meter (--quality-meter; engine/quality_meter.py):
+# (name, kind, help, the MeterStats field)
+METER_METRICS = (
+    ("requests_total", "counter", "requests metered (each with a delta-everywhere twin)",
+     "requests"),
+    ("positions_total", "counter", "output positions compared with the delta everywhere",
+     "positions"),
+    ("kld_mean", "gauge", "mean KL divergence (nats) of the delta-everywhere model's next-token "
+     "distribution from the gated model's, over the positions compared", "mean_kld"),
+    ("top1_disagreement_rate", "gauge", "share of the positions compared where the gated and "
+     "delta-everywhere models' top tokens differ", "disagreement_rate"),
 )  # fmt: skip
 
 
@@ -62,6 +75,10 @@ class ServerCollector(Collector):
             for name, kind, help_text, attr in ENGINE_METRICS:
                 family = _family(f"moetier_engine_{name}", kind, help_text, ["model"])
                 family.add_metric([self.model_name], float(getattr(stats, attr)))
+                yield family
+            for name, kind, help_text, attr in METER_METRICS if stats.meter is not None else ():
+                family = _family(f"moetier_quality_meter_{name}", kind, help_text, ["model"])
+                family.add_metric([self.model_name], float(getattr(stats.meter, attr)))
                 yield family
         if self.http is not None:
             answered = CounterMetricFamily(

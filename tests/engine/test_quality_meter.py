@@ -1,0 +1,189 @@
+"""The confidence gate in the serving engine: forced rows (engine/gate_rows.py) and the live
+quality meter (engine/quality_meter.py).
+
+The meter's figures are checked against an offline measurement of the same text: the
+transformers model class, once gated and once with the delta everywhere, over each request's
+prompt and output; the meter (a twin sequence per metered request) must give the same mean KLD
+and top-token disagreements. Forced rows take the delta whatever the rule: a forced request
+under a rule that picks no pair decodes as the delta-everywhere model does."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from moetier.config import DeltaRule, EngineConfig
+from moetier.engine.engine import Engine, EngineLimits
+from moetier.engine.gate_rows import GateRows
+from moetier.engine.sampler import SamplingParams
+from moetier.engine.scheduler import Request, Scheduled
+from moetier.gate.state import Gate
+from moetier.loader.load import load_model
+from moetier.loader.quantize import convert_quantized
+
+GATED = "weight:0.15"  # the tiny random router spreads weight thinly: some pairs pass
+NOTHING = "weight:2"  # no routing weight reaches 2: no pair gets the delta
+PROMPTS = [[5, 9, 13, 17, 21, 25, 29], [40, 41, 42], list(range(60, 83))]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A tiny qwen3_moe with weights ten times the usual scale (initializer_range 0.2), so
+    that its experts' quantisation moves its distributions measurably."""
+    from tiny_models import build_tiny
+
+    root = tmp_path_factory.mktemp("meter")
+    checkpoint = build_tiny("qwen3_moe", root / "hf", initializer_range=0.2)
+    convert_quantized(checkpoint, root / "delta", delta="nvfp4", progress=False)
+    return root / "delta"
+
+
+def native(store, delta):
+    config = EngineConfig(native=True, device="cpu", dtype="float32", delta=delta)
+    return load_model(store, config)
+
+
+def drain(engine, prompts, prepare=None):
+    """Add every prompt (greedy, 10 tokens), step until done -> (tokens, steps) per request."""
+    for i, prompt in enumerate(prompts):
+        request = engine.add(f"r{i}", prompt, GREEDY)
+        if prepare is not None:
+            prepare(request)
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_work:
+        for out in engine.step():
+            assert out.request_id in tokens, "the meter's twins never reach the client"
+            tokens[out.request_id] += out.token_ids
+    return tokens
+
+
+def offline(store, prompts, outputs):
+    """KL(delta everywhere || gated) and top-token disagreements at every output index, by the
+    transformers model class over prompt + output."""
+    config = dict(native=False, device="cpu", dtype="float32")
+    gated = load_model(store, EngineConfig(**config, delta=GATED)).model
+    full = load_model(store, EngineConfig(**config, delta="all")).model
+    klds, differs = [], 0
+    with torch.no_grad():
+        for prompt, output in zip(prompts, outputs, strict=True):
+            ids = torch.tensor([prompt + output])
+            span = slice(len(prompt) - 1, len(prompt) - 1 + len(output))
+            g = torch.log_softmax(gated(ids).logits[0, span].double(), -1)
+            f = torch.log_softmax(full(ids).logits[0, span].double(), -1)
+            klds += (f.exp() * (f - g)).sum(-1).tolist()
+            differs += int((f.argmax(-1) != g.argmax(-1)).sum())
+    return sum(klds) / len(klds), differs, len(klds)
+
+
+def test_meter_agrees_with_the_offline_measurement(store):
+    plain = Engine(native(store, GATED), EngineLimits(num_pages=64, page_size=4))
+    expected = drain(plain, PROMPTS)
+    engine = Engine(native(store, GATED), EngineLimits(num_pages=64, page_size=4,
+                                                        quality_meter=1.0))  # fmt: skip
+    got = drain(engine, PROMPTS)
+    assert got == expected  # the twins change nothing the client sees
+    stats = engine.meter.stats
+    mean, differs, positions = offline(store, PROMPTS, [got[f"r{i}"] for i in range(3)])
+    assert stats.requests == 3
+    assert stats.positions == positions == sum(len(t) for t in got.values())
+    assert mean > 1e-6  # the gate leaves a gap to close
+    assert stats.mean_kld == pytest.approx(mean, rel=0.02)
+    assert stats.disagreements == differs
+    # everything handed back: no twin left running, no page held, nothing of theirs cached
+    assert not engine.has_work and not engine.meter.twin_of and not engine.runner.keep_logits
+    assert engine.pool.used_pages == 0
+    assert engine.pool.stats.hit_tokens == plain.pool.stats.hit_tokens
+
+
+def test_meter_with_fixed_shape_steps_and_preemption(store):
+    """Decode steps on a graph's static inputs (the gate's rows staged there) and a KV budget
+    so small that twins and requests are preempted: the same figures as without."""
+    loose = Engine(native(store, GATED), EngineLimits(num_pages=64, page_size=4,
+                                                       quality_meter=1.0))  # fmt: skip
+    drain(loose, PROMPTS)
+    tight = Engine(native(store, GATED), EngineLimits(num_pages=12, page_size=4,
+                                                       quality_meter=1.0))  # fmt: skip
+    tight.runner.fixed_shapes = True
+    got = drain(tight, PROMPTS)
+    assert tight.scheduler.preemptions > 0
+    assert tight.meter.stats.positions == sum(len(t) for t in got.values())
+    assert tight.meter.stats.mean_kld == pytest.approx(loose.meter.stats.mean_kld, rel=1e-3)
+
+
+def test_meter_refuses_a_model_without_a_gate(store):
+    with pytest.raises(ValueError, match="--delta rule other than all or none"):
+        Engine(native(store, "all"), EngineLimits(num_pages=16, page_size=4, quality_meter=0.5))
+
+
+def test_forced_rows_take_the_delta_whatever_the_rule(store):
+    everywhere = drain(Engine(native(store, "all"), EngineLimits(num_pages=64, page_size=4)),
+                       PROMPTS)  # fmt: skip
+    nowhere = drain(Engine(native(store, NOTHING), EngineLimits(num_pages=64, page_size=4)),
+                    PROMPTS)  # fmt: skip
+    assert everywhere != nowhere  # the delta changes the greedy text of this model
+    loaded = native(store, NOTHING)
+    engine = Engine(loaded, EngineLimits(num_pages=64, page_size=4))
+    forced = drain(engine, PROMPTS, prepare=lambda r: setattr(r, "gate_forced", True))
+    assert forced == everywhere
+    assert loaded.runtime.delta_pairs == loaded.runtime.pairs > 0
+    loaded = native(store, NOTHING)  # one forced request among others: only its rows
+    engine = Engine(loaded, EngineLimits(num_pages=64, page_size=4))
+    mixed = drain(engine, PROMPTS, prepare=lambda r: setattr(r, "gate_forced", r.id == "r1"))
+    assert mixed == {"r0": nowhere["r0"], "r1": everywhere["r1"], "r2": nowhere["r2"]}
+    assert 0 < loaded.runtime.delta_pairs < loaded.runtime.pairs
+
+
+def test_gate_rows_keep_each_requests_confidence():
+    gate = Gate(DeltaRule.parse("budget:0.5:weight*confidence"))
+    rows = GateRows(gate, torch.device("cpu"))
+    requests = [Request(f"q{i}", [1, 2, 3]) for i in range(70)]  # more than the first table
+    for r in requests:
+        r._append(4)  # one output token: the next position is a decode
+    items = [Scheduled(r, 3, 1) for r in requests]
+    logits = torch.randn(70, 11)
+    rows.observe(logits, items)
+    top = torch.softmax(logits, -1).amax(-1)
+    order = [5, 69, 0]
+    got = rows.confidence_rows([items[i] for i in order], per_token=False)
+    assert torch.equal(got, top[order])
+    # a packed step: prompt tokens read 1.0, a decode token its request's value
+    fresh = Request("new", [7, 8, 9])
+    chunk = Scheduled(fresh, 0, 3)
+    got = rows.confidence_rows([chunk, items[2]], per_token=True)
+    assert got.tolist() == [1.0, 1.0, 1.0, pytest.approx(float(top[2]))]
+    rows.release("q5")
+    rows.set_step([items[1]], per_token=False)
+    assert gate.forced is None and torch.equal(gate.confidence, top[[1]])
+
+
+def test_metrics_show_the_meter(store):
+    """`moetier serve --quality-meter 1`: /metrics gives the meter's totals (prometheus_client's
+    own parser reads them back), equal to the engine's."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from moetier.engine.async_engine import AsyncEngine
+    from moetier.server.app import create_app
+
+    engine = Engine(native(store, GATED), EngineLimits(num_pages=64, page_size=4,
+                                                        quality_meter=1.0))  # fmt: skip
+    app = create_app(AsyncEngine(engine), "tiny")
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 6, "temperature": 0}
+    with TestClient(app) as http:
+        assert http.post("/v1/completions", json=body).status_code == 200
+        for _ in range(100):  # the engine's stats follow its step, which may end after the answer
+            text = http.get("/metrics").text
+            scraped = {s.name: s.value for f in text_string_to_metric_families(text)
+                       for s in f.samples}  # fmt: skip
+            if scraped.get("moetier_quality_meter_positions_total"):
+                break
+            time.sleep(0.05)
+    stats = engine.meter.stats
+    assert stats.positions == 6
+    assert scraped["moetier_quality_meter_requests_total"] == 1
+    assert scraped["moetier_quality_meter_positions_total"] == 6
+    assert scraped["moetier_quality_meter_kld_mean"] == pytest.approx(stats.mean_kld)
+    assert scraped["moetier_quality_meter_top1_disagreement_rate"] == stats.disagreement_rate
