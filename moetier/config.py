@@ -607,6 +607,17 @@ class EngineConfig:
         },
     )
 
+    delta_memory: str = field(
+        default="",
+        metadata={
+            "help": "the delta cache: this much of the expert cache (e.g. 4GiB) holds delta "
+            "planes only, those the gate applied most, kept apart from the base planes, which "
+            "the rest holds by use; where the experts do not all fit the GPU and are read "
+            "zero-copy from --host-memory (a delta off the GPU is read from host RAM). Empty: "
+            "base and delta planes share the cache, a delta ranked as its expert"
+        },
+    )
+
     cpu_experts: str = field(
         default="off",
         metadata={

@@ -44,7 +44,7 @@ def place_for_graphs(loaded: LoadedModel) -> bool:
             return False
         try:
             stage, guesses = _staging(loaded, runtime)
-            runtime.enable_zero_copy(stage=stage)
+            runtime.enable_zero_copy(stage=stage, delta_slots=delta_slots(loaded))
         except ValueError as zc_exc:
             print(f"moetier: decoding without CUDA graphs ({zc_exc})", file=sys.stderr)
             return False
@@ -59,6 +59,17 @@ def place_for_graphs(loaded: LoadedModel) -> bool:
         return True
     runtime.residency.host = None  # every blob is on the GPU: free the pinned host copies
     return True
+
+
+def delta_slots(loaded: LoadedModel) -> int | None:
+    """--delta-memory in expert slots (None: not given, the planes share the cache)."""
+    text = loaded.engine_config.delta_memory
+    if not text:
+        return None
+    from moetier.residency.planner import parse_bytes
+
+    slot = loaded.runtime.residency.slot_bytes
+    return parse_bytes(text) // slot
 
 
 def _staging(

@@ -19,7 +19,7 @@ it meters, and is exact.
 
 from __future__ import annotations
 
-import random
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,11 +46,11 @@ class MeterStats:
 
 
 class QualityMeter:
-    def __init__(self, fraction: float, seed: int = 0) -> None:
+    def __init__(self, fraction: float) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"--quality-meter {fraction}: use a fraction of requests in [0, 1]")
         self.fraction = fraction
-        self._rng = random.Random(seed)
+        self._seen = 0  # requests offered to `pick`
         self.twin_of: dict[str, str] = {}  # sequence id -> its twin's id
         self.sequence_of: dict[str, str] = {}  # twin id -> its sequence's id
         self._gated: dict[tuple[str, int], torch.Tensor] = {}  # (sequence, index) -> logits
@@ -59,8 +59,11 @@ class QualityMeter:
         self.stats = MeterStats()
 
     def pick(self) -> bool:
-        """Whether the next request is metered."""
-        return self.fraction > 0 and self._rng.random() < self.fraction
+        """Whether the next request is metered: evenly spaced, so that of the first n
+        requests ceil(n * fraction) are (the first request among them)."""
+        before = math.ceil(self._seen * self.fraction - 1e-9)
+        self._seen += 1
+        return math.ceil(self._seen * self.fraction - 1e-9) > before
 
     def attach(self, sequence_id: str) -> str:
         """Meter `sequence_id`: -> its twin's id (the engine adds the twin's request)."""

@@ -153,13 +153,18 @@ class ExpertsRuntime:
         return ["base"] + (["delta"] if self.delta_threshold is not None else [])
 
     def enable_zero_copy(
-        self, host: HostTier | None = None, hot: list[BlobKey] | None = None, stage: int = 0
+        self,
+        host: HostTier | None = None,
+        hot: list[BlobKey] | None = None,
+        stage: int = 0,
+        delta_slots: int | None = None,
     ) -> ZeroCopyPlacement:
         """Zero-copy mode: every blob addressable without a host sync, `hot` blobs (default:
         the first the pool holds, layer by layer) in GPU slots and every other blob read by the
         kernel from its pinned row in `host` (default: the pool's host tier). `forward` then
         runs one kernel call per layer from fixed tables, capturable in a CUDA graph;
         `zero_copy.rebalance()` between steps moves the hot set. Numbers are unchanged.
+        `delta_slots`: a delta cache of that many slots (`--delta-memory`; ZeroCopyPlacement).
         `stage`: that many pool slots per layer become staging slots: with predictors set
         (`enable_prefetch`), each one-token step copies the next layer's best guesses off the
         GPU into them on a side stream, overlapping the next layer's attention
@@ -175,10 +180,10 @@ class ExpertsRuntime:
             raise ValueError("zero-copy reads need the host tier in pinned memory")
         self._check_capturable("use zero-copy mode")
         placement = ZeroCopyPlacement(
-            self.residency, host, list(self.formats), self.planes(), stage=stage
+            self.residency, host, list(self.formats), self.planes(), stage, delta_slots
         )
         if hot is None:
-            hot = [k for k in placement.keys if k in host]
+            hot = placement.hot_keys(placement.scores)  # all zero: key order, base first
         placement.promote(hot[: max(0, self.residency.capacity - len(placement.fixed))])
         self.zero_copy = placement
         return placement
@@ -284,6 +289,8 @@ class ExpertsRuntime:
                 stage_join(zc.table[index], index)  # this layer's staged copies have landed
             if self.count_accesses:
                 zc.record(index, topk_ids)
+                if mask is not None and zc.delta_slots is not None:
+                    zc.record_delta(index, topk_ids, mask)  # the delta cache's ranking
             guess = staging and layer in self.predictors and self.guess_from == "input"
             if guess:  # the next layer's scores, on the side stream beside this layer's kernel
                 self._score_next(layer, hidden)

@@ -46,9 +46,14 @@ class ZeroCopyPlacement:
         layers: Sequence[int],
         planes: Sequence[str],
         stage: int = 0,
+        delta_slots: int | None = None,
     ) -> None:
         """`stage`: staging slots per layer (reserved from the pool) for guessed experts that
-        the decode step copies in ahead of their layer (`moetier::stage_guesses`)."""
+        the decode step copies in ahead of their layer (`moetier::stage_guesses`).
+        `delta_slots`: the delta cache (`--delta-memory`): that many of the pool's slots hold
+        delta blobs only, chosen by how often the gate applied each expert's delta
+        (`record_delta`), the others base blobs by their pairs; None: both planes share the
+        slots, a delta blob ranked as its expert."""
         if pool.host is not None and pool.host is not host:
             raise ValueError("the zero-copy host tier must be the slot pool's host tier")
         if host.row_bytes > pool.slot_bytes:
@@ -66,6 +71,16 @@ class ZeroCopyPlacement:
         self.stage = stage
         reserved = pool.reserve(stage * len(self.layers)) if stage else []
         self.fixed = [k for k in self.keys if k not in host]  # only the GPU can hold these
+        if delta_slots is not None:
+            if "delta" not in self.planes:
+                raise ValueError("--delta-memory: this model applies no delta plane")
+            room = pool.capacity - len(self.fixed)
+            if not 0 <= delta_slots <= room:
+                raise ValueError(
+                    f"--delta-memory asks for {delta_slots} expert slots of the {room} the "
+                    "expert cache has: lower it or raise the GPU budget"
+                )
+        self.delta_slots = delta_slots
         if len(self.fixed) > pool.capacity:
             raise ValueError(
                 f"zero-copy reads need every blob off the GPU in the host tier: "
@@ -111,6 +126,10 @@ class ZeroCopyPlacement:
         self.gpu_pairs = torch.zeros((), dtype=torch.int64, device=device)
         self.scores = torch.zeros(shape, dtype=torch.float64)  # host: decayed counts
         self._seen = torch.zeros(shape, dtype=torch.int64)
+        # the delta cache: pairs that applied each expert's delta (device), decayed (host)
+        self.delta_counts = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.delta_scores = torch.zeros(shape, dtype=torch.float64)
+        self._delta_seen = torch.zeros(shape, dtype=torch.int64)
         self.promotions = 0
         self.promoted_bytes = 0
         # every table entry at its host row (demote_all), slots free for a streamed prefill,
@@ -175,17 +194,35 @@ class ZeroCopyPlacement:
                     self.pool.pool.numel(), self.gpu_pairs,
                     self.stage_first * self.pool.slot_bytes, self.staged_pairs)  # fmt: skip
 
-    def hot_keys(self, scores: torch.Tensor) -> list[BlobKey]:
+    def record_delta(self, index: int, topk_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Count layer `index`'s pairs that apply the delta ([T, k] ids and gate mask) per
+        expert, on the device (no host sync; capturable): the delta cache's ranking."""
+        self.delta_counts[index].index_add_(0, topk_ids.flatten().long(), mask.flatten().long())
+
+    def hot_keys(
+        self, scores: torch.Tensor, delta_scores: torch.Tensor | None = None
+    ) -> list[BlobKey]:
         """Blobs by descending score [layers, E] (ties: resident first, then key order), as
-        many as the pool holds beyond the fixed ones; a delta blob scores as its expert."""
+        many as the pool holds beyond the fixed ones; a delta blob scores as its expert. With
+        a delta cache (`delta_slots`): that many delta blobs by `delta_scores` and base blobs
+        by `scores` for the rest."""
         resident = set(self.pool.resident())
-        flat = scores.flatten().tolist()
         e = self.num_experts
-        ranked = sorted(
-            (k for k in self.keys if k in self.host),
-            key=lambda k: (-flat[self.layer_index[k[0]] * e + k[1]], k not in resident),
-        )
-        return ranked[: max(0, self.pool.capacity - len(self.fixed))]
+        room = max(0, self.pool.capacity - len(self.fixed))
+
+        def ranked(keys: list[BlobKey], values: torch.Tensor) -> list[BlobKey]:
+            flat = values.flatten().tolist()
+            return sorted(
+                keys, key=lambda k: (-flat[self.layer_index[k[0]] * e + k[1]], k not in resident)
+            )
+
+        keys = [k for k in self.keys if k in self.host]
+        if self.delta_slots is None:
+            return ranked(keys, scores)[:room]
+        delta = ranked([k for k in keys if k[2] == "delta"], self.delta_scores
+                       if delta_scores is None else delta_scores)[: self.delta_slots]  # fmt: skip
+        base = ranked([k for k in keys if k[2] != "delta"], scores)
+        return base[: room - len(delta)] + delta
 
     def rebalance(self, decay: float = 0.5) -> int:
         """Host side, between steps: fold the counts since the last call into decayed scores
@@ -193,6 +230,10 @@ class ZeroCopyPlacement:
         counts = self.counts.cpu()
         self.scores = self.scores * decay + (counts - self._seen).double()
         self._seen = counts
+        if self.delta_slots is not None:
+            used = self.delta_counts.cpu()
+            self.delta_scores = self.delta_scores * decay + (used - self._delta_seen).double()
+            self._delta_seen = used
         return self.promote(self.hot_keys(self.scores))
 
     def gather(

@@ -187,3 +187,14 @@ def test_metrics_show_the_meter(store):
     assert scraped["moetier_quality_meter_positions_total"] == 6
     assert scraped["moetier_quality_meter_kld_mean"] == pytest.approx(stats.mean_kld)
     assert scraped["moetier_quality_meter_top1_disagreement_rate"] == stats.disagreement_rate
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.1, 0.3, 1.0])
+def test_meter_picks_an_even_share(fraction):
+    from moetier.engine.quality_meter import QualityMeter
+
+    meter = QualityMeter(fraction)
+    picks = [meter.pick() for _ in range(40)]
+    assert picks[0] and sum(picks) == round(40 * fraction)
+    with pytest.raises(ValueError, match="a fraction of requests"):
+        QualityMeter(1.5)

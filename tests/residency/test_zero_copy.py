@@ -295,3 +295,76 @@ def test_guess_source_is_checked(tiny):
         loaded.runtime.enable_prefetch(
             *router_weights(loaded.model, sorted(loaded.runtime.formats)), guess_from="residual"
         )
+
+
+@pytest.fixture(scope="module")
+def delta_store(tiny, tmp_path_factory):
+    from moetier.loader.quantize import convert_quantized
+
+    path = tmp_path_factory.mktemp("zc-delta") / "delta"
+    convert_quantized(tiny.checkpoint("qwen3_moe"), path, delta="nvfp4", progress=False)
+    return path
+
+
+def test_delta_cache_keeps_the_most_applied_deltas(delta_store):
+    """--delta-memory: of 6 slots, 2 hold delta blobs only, those the gate applied most
+    (counted on the device), the other 4 the most used base blobs; logits bit-identical to a
+    cache that holds everything."""
+    config = dict(native=False, device="cpu", dtype="float32", delta="weight:0.15")
+    ids = torch.randint(1, 300, (2, 9), generator=torch.Generator().manual_seed(5))
+    full = logits(load_model(delta_store, EngineConfig(**config)), ids)
+    loaded = load_model(
+        delta_store, EngineConfig(**config, expert_cache_slots=6, host_memory="64MiB")
+    )
+    zc = loaded.runtime.enable_zero_copy(delta_slots=2)
+    assert torch.equal(logits(loaded, ids), full)
+    applied = zc.delta_counts.clone()
+    assert 0 < int(applied.sum()) < int(zc.counts.sum())  # the gate applied some deltas
+    zc.rebalance()
+    resident = loaded.runtime.residency.resident()
+    deltas = [k for k in resident if k[2] == "delta"]
+    bases = [k for k in resident if k[2] == "base"]
+    assert len(deltas) == 2 and len(bases) == 4
+    on = torch.zeros_like(applied, dtype=torch.bool)
+    for layer, e, _ in deltas:
+        on[zc.layer_index[layer], e] = True
+    assert applied[on].min() >= applied[~on].max()  # the two most applied
+    assert (
+        bool((zc.delta_table < zc.slots)[on].all()) and int((zc.delta_table < zc.slots).sum()) == 2
+    )
+    assert torch.equal(logits(loaded, ids), full)
+    with pytest.raises(ValueError, match="asks for 7 expert slots of the 6"):
+        load_model(
+            delta_store, EngineConfig(**config, expert_cache_slots=6, host_memory="64MiB")
+        ).runtime.enable_zero_copy(delta_slots=7)
+
+
+@pytest.mark.gpu
+def test_delta_cache_in_the_serving_engines_graphs(delta_store):
+    """`--delta-memory` through the serving engine on CUDA: the graphs' zero-copy placement
+    gets a delta cache of the asked slots, and greedy text equals a cache holding everything."""
+    from moetier.engine.engine import Engine, EngineLimits
+    from moetier.engine.sampler import SamplingParams
+
+    config = dict(native=True, device="cuda", dtype="float32", delta="weight:0.15")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+    def text(loaded):
+        engine = Engine(loaded, EngineLimits(num_pages=64, page_size=16, max_num_seqs=4))
+        for i, prompt in enumerate([[5, 9, 13], [40, 41, 42, 43, 44]]):
+            engine.add(f"r{i}", prompt, greedy)
+        out = {"r0": [], "r1": []}
+        while engine.has_work:
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+        return out
+
+    want = text(load_model(delta_store, EngineConfig(**config)))
+    probe = load_model(delta_store, EngineConfig(**config, expert_cache_slots=6))
+    two = 2 * probe.runtime.residency.slot_bytes
+    cache = dict(expert_cache_slots=6, host_memory="64MiB", delta_memory=f"{two}B")
+    loaded = load_model(delta_store, EngineConfig(**config, **cache))
+    assert text(loaded) == want
+    zc = loaded.runtime.zero_copy
+    assert zc is not None and zc.delta_slots == 2
+    assert int(zc.delta_counts.sum()) > 0
