@@ -607,6 +607,14 @@ class EngineConfig:
         },
     )
 
+    mtp_file: str = field(
+        default="",
+        metadata={
+            "help": "an MTP layer for a model without one (a safetensors file of "
+            "model.layers.{num_hidden_layers}.* tensors, e.g. scripts/train_mtp.py's): loaded "
+            "beside the model for speculative decoding (--speculative-tokens)"
+        },
+    )
     delta_memory: str = field(
         default="",
         metadata={

@@ -104,6 +104,14 @@ class EngineLimits:
     prefix_caching: bool = field(
         default=True, metadata={"help": "reuse the KV pages of a cached prompt prefix"}
     )
+    speculative_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "speculative decoding with the model's MTP layer: drafts per step (0 = "
+            "off); each step verifies a request's last token and its drafts together, greedy "
+            "output unchanged (plain greedy requests only, for now; docs/serve.md)"
+        },
+    )
     quality_meter: float = field(
         default=0.0,
         metadata={
@@ -139,6 +147,13 @@ class Engine:
         self.aborted = 0  # requests ended by `abort` (clients gone)
         self.vocab_size = int(loaded.model.config.vocab_size)
         self._grammars: Any = None
+        self.speculative = limits.speculative_tokens
+        if self.speculative < 0:
+            raise ValueError(f"--speculative-tokens {self.speculative}: use 0 (off) or more")
+        if self.speculative:
+            if not isinstance(self.runner, PagedRunner):
+                raise ValueError("speculative decoding needs a native model file (--native)")
+            self.runner.enable_speculative()
         self.meter: QualityMeter | None = None
         if limits.quality_meter > 0:
             if self.runner.gate_rows is None:
@@ -352,7 +367,9 @@ class Engine:
         for sid, logprob in result.logprobs.items():
             if sid in self.streams:
                 self.streams[sid].logprobs.append(logprob)
-        finished = {r.id for r in self.scheduler.update(step, result.tokens)}
+        finished = {r.id for r in self.scheduler.update(step, result.tokens, result.accepted)}
+        if self.speculative:
+            self._draft(step)
         if meter is not None:
             for twin in [sid for sid in finished if meter.is_twin(sid)]:
                 self._end_twin(twin)
@@ -374,6 +391,28 @@ class Engine:
             if stream is not None:
                 outputs.append(self._advance(stream, sid in finished))
         return outputs
+
+    def _draft(self, step: Step) -> None:
+        """Drafts for the next step of each request of this one that goes on decoding (plain
+        greedy, no grammar, logprobs or quality meter), where pages for them are free."""
+        assert isinstance(self.runner, PagedRunner) and self.runner.drafter is not None
+        ready = []
+        for item in step.items:
+            request = item.request
+            params = request.params
+            if (
+                request.computed != len(request.tokens) - 1
+                or params is None
+                or not params.plain_greedy
+                or request.id in self.runner.matchers
+                or request.id in self.runner.keep_logits
+                or request.gate_forced
+                or not self.scheduler.reserve(request, len(request.tokens) + self.speculative)
+            ):
+                continue
+            ready.append(request)
+        if ready:
+            self.runner.drafter.draft(ready, self.speculative, self.runner.cache)
 
     def _steady(self, step: Step) -> bool:
         """Whether the next step is likely this one's rows decoding again: every item a

@@ -42,6 +42,7 @@ from moetier.engine.gate_rows import GateRows
 from moetier.engine.graph_placement import ZeroCopyRebalance, place_for_graphs
 from moetier.engine.sampler import to_device
 from moetier.engine.scheduler import Scheduled, Step
+from moetier.engine.speculative import MTPDrafter, verify_greedy
 from moetier.engine.step_sampler import Sampled, StepSampler
 from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
@@ -106,9 +107,31 @@ class PagedRunner(StepSampler):
         self._ahead: _Ahead | None = None
         self.ahead_launched = self.ahead_taken = 0  # steps launched ahead, and those used
         self._compiled = False
+        # speculative decoding with the model's MTP layer (enable_speculative)
+        self.drafter: MTPDrafter | None = None
         if self.use_graphs and loaded.engine_config.compile_decode:
             self.compile_step()
         self.warm_up_seconds = self.warm_up(max_rows)
+
+    def enable_speculative(self) -> MTPDrafter:
+        """Draft with the model's MTP layer (engine/speculative.py): every step then runs on
+        the packed path, which keeps the hidden states the layer reads."""
+        if getattr(self.model, "mtp", None) is None:
+            raise ValueError(
+                "speculative decoding drafts with the model's MTP layer, and this model has "
+                "none: convert a checkpoint that ships one, or give --mtp-file"
+            )
+        self.drafter = MTPDrafter(self.model, self.page_size, self.device)
+        return self.drafter
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
+
+    def forget_kv(self, request_id: str) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
 
     def compile_step(self) -> None:
         """Run the fixed-shape decode steps through torch.compile (the CUDA graphs' default;
@@ -160,7 +183,8 @@ class PagedRunner(StepSampler):
             self._ahead = None
             return Sampled()
         self.positions_run += step.num_tokens
-        decoding = all(item.count == 1 for item in items)
+        # (speculative decoding: every step packed, which keeps its hidden states)
+        decoding = all(item.count == 1 for item in items) and self.drafter is None
         # the pinned path's pairs; zero-copy: the hot set moves between steps
         self._rebalance.step(step.num_tokens, prefill=not decoding)
         sampling = [i for i, item in enumerate(items) if item.samples]
@@ -185,19 +209,51 @@ class PagedRunner(StepSampler):
         if self.gate_rows is not None:
             self.gate_rows.set_step(items, per_token=True)
         hidden = self._packed(items)  # [N, H]
-        if not sampling and not spans:
-            return Sampled()
         starts = [0]
         for item in items:
             starts.append(starts[-1] + item.count)
-        rows = [starts[i + 1] - 1 for i in sampling]
+        if self.drafter is not None:  # what the MTP layer reads after this step
+            for i, item in enumerate(items):
+                self.drafter.keep(item.request.id, item.start, hidden[starts[i] : starts[i + 1]])
+        if not sampling and not spans:
+            return Sampled()
+        verify = [i for i in sampling if items[i].drafts]
+        plain = [i for i in sampling if not items[i].drafts]
+        rows = [starts[i + 1] - 1 for i in plain]
         rows += [starts[s.item] + s.start - items[s.item].start + j for s in spans
                  for j in range(s.count)]  # fmt: skip
         logits = self.model.lm_head(
-            hidden.index_select(0, to_device(rows, self.device))
+            hidden.index_select(0, to_device(rows, self.device, torch.int64))
         )  # [S + P, V]: the sampling rows, then the prompt logprob rows
-        picked, prompt = logits[: len(sampling)], logits[len(sampling) :]
-        return self._sample(picked, [items[i] for i in sampling], prompt, spans)
+        picked, prompt = logits[: len(plain)], logits[len(plain) :]
+        result = self._sample(picked, [items[i] for i in plain], prompt, spans) if (
+            plain or spans) else Sampled()  # fmt: skip
+        if verify:
+            self._verify([items[i] for i in verify], hidden, [starts[i + 1] for i in verify],
+                         result)  # fmt: skip
+        return result
+
+    def _verify(
+        self, items: list[Scheduled], hidden: torch.Tensor, ends: list[int], result: Sampled
+    ) -> None:
+        """Items with drafts (plain greedy): the model's choice at the last token's position and
+        each draft's (one read back for all) -> the drafts kept and the token after them."""
+        assert self.drafter is not None
+        rows = [end - item.drafts - 1 + j for item, end in zip(items, ends, strict=True)
+                for j in range(item.drafts + 1)]  # fmt: skip
+        choices = self.model.lm_head(
+            hidden.index_select(0, to_device(rows, self.device, torch.int64))
+        )
+        flat = choices.argmax(dim=-1).tolist()
+        at = 0
+        for item in items:
+            request = item.request
+            kept, token = verify_greedy(request.drafts[: item.drafts],
+                                        flat[at : at + item.drafts + 1])  # fmt: skip
+            at += item.drafts + 1
+            result.tokens[request.id] = token
+            result.accepted[request.id] = kept
+            self.drafter.stats.add(item.drafts, len(kept))
 
     def _decode_logits(self, items: list[Scheduled]) -> tuple[torch.Tensor, _Launch | None]:
         """-> the logits [R, V] of the decode rows, and the inputs they ran on where those are
@@ -399,7 +455,12 @@ class PagedRunner(StepSampler):
     def _packed(self, items: list[Scheduled]) -> torch.Tensor:
         spans = [(item.start, item.count, item.request.pages) for item in items]
         batch = AttentionBatch.packed(spans, self.page_size, self.device)
-        tokens = [t for item in items for t in item.request.tokens[item.start :][: item.count]]
+        tokens = [  # an item's known tokens, then its drafts (speculative decoding)
+            t
+            for item in items
+            for t in item.request.tokens[item.start :][: item.count - item.drafts]
+            + item.request.drafts[: item.drafts]
+        ]
         ids = torch.tensor([tokens], device=self.device)
         return self.model.model(ids, batch.positions, self.cache, batch)[0]
 

@@ -64,6 +64,9 @@ class Request:
     # its KV neither comes from the prefix cache nor enters it (the quality meter's twin, whose
     # KV is computed with the delta everywhere)
     private_kv: bool = False
+    # speculative decoding: tokens proposed after the last one (an MTP layer's drafts), computed
+    # with it by the next step and kept as far as the model agrees (`update`'s `accepted`)
+    drafts: list[int] = field(default_factory=list)
     arrival: int = field(default_factory=lambda: next(_ARRIVALS))
     _tokens: list[int] = field(default_factory=list, repr=False)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
@@ -92,14 +95,15 @@ class Scheduled:
     request: Request
     start: int
     count: int
+    drafts: int = 0  # the last `drafts` positions hold the request's drafts (speculative)
 
     @property
     def samples(self) -> bool:
-        return self.start + self.count == len(self.request.tokens)
+        return self.start + self.count - self.drafts == len(self.request.tokens)
 
     @property
     def is_prefill(self) -> bool:
-        return self.start < len(self.request.prompt) or self.count > 1
+        return self.start < len(self.request.prompt) or self.count - self.drafts > 1
 
 
 @dataclass
@@ -194,6 +198,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             count = min(len(request.tokens) - request.computed, budget)
+            drafts = self._drafts(request, count, budget)
+            count += drafts
             while not self._grow(request, request.computed + count):
                 victim = self.running.pop()  # the newest; never one already scheduled
                 self._preempt(victim)
@@ -201,7 +207,7 @@ class Scheduler:
                 if victim is request:
                     break
             if request.state is State.RUNNING:
-                items.append(Scheduled(request, request.computed, count))
+                items.append(Scheduled(request, request.computed, count, drafts))
                 budget -= count
                 i += 1
         while (
@@ -226,11 +232,33 @@ class Scheduler:
             budget -= count
         return Step(items, preempted)
 
-    def update(self, step: Step, sampled: Mapping[str, int]) -> list[Request]:
+    def _drafts(self, request: Request, count: int, budget: int) -> int:
+        """Draft positions a decoding request computes with its last token: its drafts, as
+        far as the token budget, the context and max_tokens leave room."""
+        if count != 1 or not request.drafts:
+            request.drafts = []
+            return 0
+        room = min(
+            budget - 1,
+            self.max_model_len - len(request.tokens),
+            (request.max_tokens or 0) - len(request.output) - 1,
+        )
+        del request.drafts[max(0, room) :]
+        return len(request.drafts)
+
+    def update(
+        self,
+        step: Step,
+        sampled: Mapping[str, int],
+        accepted: Mapping[str, list[int]] | None = None,
+    ) -> list[Request]:
         """Record a computed step: positions advance, full pages enter the prefix cache, each
         sampling item's token (`sampled[request.id]`) is appended; returns the requests that
         finished (eos or max_tokens). Items of requests finished meanwhile are skipped; a
-        sampling item with no token in `sampled` computes its last position again next step."""
+        sampling item with no token in `sampled` computes its last position again next step.
+        An item with drafts: `accepted[request.id]` the drafts the model agreed with (a prefix of
+        them), appended before the sampled token; the positions of the others are computed
+        again (their KV is overwritten when they are)."""
         done = []
         for item in step.items:
             request = item.request
@@ -238,21 +266,30 @@ class Scheduler:
                 continue
             token = sampled.get(request.id) if item.samples else None
             waits = item.samples and token is None  # its last position is computed again
-            request.computed = item.start + item.count - int(waits)
-            self._commit_full_pages(request)
-            if token is None:  # no token to append (not sampling, or waiting: the quality
-                continue  # meter's twin for its sequence's token)
-            request._append(token)
+            kept = list((accepted or {}).get(request.id, ()))[: item.drafts]
+            request.drafts = []
             reason = None
-            if token in request.eos_ids and not request.ignore_eos:
-                reason = "stop"
-            elif len(request.output) >= (request.max_tokens or 0):
-                reason = "length"
+            for new in [*kept, token] if token is not None else []:
+                request._append(new)
+                if new in request.eos_ids and not request.ignore_eos:
+                    reason = "stop"
+                elif len(request.output) >= (request.max_tokens or 0):
+                    reason = "length"
+                if reason is not None:
+                    break
+            computed = item.start + item.count - item.drafts + len(kept) - int(waits)
+            request.computed = min(computed, len(request.tokens))  # (ended at a kept draft)
+            self._commit_full_pages(request)
             if reason is not None:
                 self.running.remove(request)
                 self._end(request, reason)
                 done.append(request)
         return done
+
+    def reserve(self, request: Request, positions: int) -> bool:
+        """Pages for `positions` positions of a running request, where free pages allow (no
+        preemption): a speculative step's drafts. -> whether it has them."""
+        return request.state is State.RUNNING and self._grow(request, positions)
 
     def reserve_next(self, step: Step) -> None:
         """Give each item's request the page of its next position now where a page is free
@@ -306,6 +343,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
+        request.drafts = []
         request.state = State.WAITING
         request.preemptions += 1
         self.preemptions += 1

@@ -46,6 +46,8 @@ class Sampled:
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
     # the raw logits [V] (float32, on the device) of the rows of `StepSampler.keep_logits`
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
+    # speculative decoding: the drafts kept (before `tokens[id]`), by request id
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 class _HostCopy:

@@ -154,6 +154,10 @@ def load_native(
             object.__setattr__(module, "qkv_proj", fused)  # not registered: no second name
     model.eval()
 
+    if engine_config.mtp_file:  # (the MTP layers stores keep are for families not wired yet)
+        from moetier.loader.mtp import attach_mtp
+
+        attach_mtp(model, store, engine_config.mtp_file, device, dtype)
     runtime = experts_runtime(store, engine_config, device, kv_positions)
     for module in model.modules():
         if isinstance(module, family.moe_block_class):

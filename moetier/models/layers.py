@@ -343,9 +343,8 @@ class GQACausalLM(NativeCausalLM):
         """A zeroed KV cache [layers, 2, pages, kv_heads, page_size, head_dim] (the static
         cache: one page of max_len positions per row)."""
         c = self.config
-        return new_kv_cache(
-            c.num_layers, pages, c.num_kv_heads, page_size, c.head_dim, dtype, device
-        )
+        layers = c.num_layers + (1 if getattr(self, "mtp", None) is not None else 0)  # MTP's
+        return new_kv_cache(layers, pages, c.num_kv_heads, page_size, c.head_dim, dtype, device)
 
 
 class MLP(nn.Module):

@@ -1,0 +1,135 @@
+"""Speculative decoding with the model's own MTP layer (models/mtp.py; research/serving.md §3).
+
+Each decoding request carries drafts (`Request.drafts`): the next step computes its last token
+and its k drafts together (one packed chunk of k + 1 positions, so the experts op reads each
+distinct expert once for all of them) and keeps the drafts as far as the model agrees
+(`verify_greedy`: the longest prefix of drafts equal to the model's own greedy choices, then the
+model's token after it). Greedy output is the same as without drafts, token for token.
+
+`MTPDrafter` proposes them. The MTP layer at position p reads the main model's final hidden
+state h_p and the embedding of token p + 1; its own KV sits in the paged cache's layer
+num_hidden_layers, at the main model's pages and positions. After each step the drafter runs
+the layer over every position whose next token is now known (catch-up: hidden states kept from
+the main model's steps, `keep`), the last one giving the first draft; then it applies the layer
+again on its own output and draft (EAGLE-style) for the others, writing their KV at the next
+positions (overwritten by the catch-up once the real tokens are known). Eager steps (the packed
+path); only for plain-greedy requests (sampled requests would need rejection sampling, not done
+yet), without grammars or logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moetier.engine.sampler import to_device
+from moetier.engine.scheduler import Request
+from moetier.models.attention_batch import AttentionBatch
+
+
+@dataclass
+class SpecStats:
+    """Drafts proposed and accepted by position (index 0: the first draft after a token)."""
+
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    steps: int = 0  # verify steps (one per request and step with drafts)
+
+    def add(self, proposed: int, kept: int) -> None:
+        grow = max(0, proposed - len(self.drafted))
+        self.drafted += [0] * grow
+        self.accepted += [0] * grow
+        for j in range(proposed):
+            self.drafted[j] += 1
+            self.accepted[j] += int(j < kept)
+        self.steps += 1
+
+    @property
+    def acceptance(self) -> float:
+        """Share of drafts accepted."""
+        return sum(self.accepted) / sum(self.drafted) if sum(self.drafted) else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Drafts accepted per verify step (tokens a step gives: this + 1)."""
+        return sum(self.accepted) / self.steps if self.steps else 0.0
+
+
+def verify_greedy(drafts: list[int], choices: list[int]) -> tuple[list[int], int]:
+    """`choices` the model's greedy token at the last token's position and at each draft's
+    (len(drafts) + 1 of them) -> (the drafts kept, the model's token after them)."""
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == choices[kept]:
+        kept += 1
+    return drafts[:kept], choices[kept]
+
+
+class MTPDrafter:
+    def __init__(self, model: Any, page_size: int, device: torch.device) -> None:
+        self.model = model
+        self.mtp = model.mtp
+        self.page_size = page_size
+        self.device = device
+        # request id -> (first position, the main model's hidden states from it on [n, H])
+        self._hidden: dict[str, tuple[int, torch.Tensor]] = {}
+        self._done: dict[str, int] = {}  # request id -> positions whose MTP KV is in the cache
+        self.stats = SpecStats()
+
+    def forget(self, request_id: str) -> None:
+        self._hidden.pop(request_id, None)
+        self._done.pop(request_id, None)
+
+    def keep(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        """The main model's final hidden states of positions start.. ([n, H]) of a step."""
+        old = self._hidden.get(request_id)
+        if old is not None and old[0] <= start <= old[0] + old[1].shape[0]:
+            hidden = torch.cat([old[1][: start - old[0]], hidden])
+            start = old[0]
+        self._hidden[request_id] = (start, hidden)
+        self._done.setdefault(request_id, start)
+
+    @torch.inference_mode()
+    def draft(self, requests: list[Request], k: int, cache: torch.Tensor) -> None:
+        """Set `drafts` (k tokens) of each request, whose pages hold its next k + 1 positions;
+        a request with no kept hidden state for a position it needs gets none."""
+        spans, embeds_ids, rows, ready = [], [], [], []
+        for request in requests:
+            kept = self._hidden.get(request.id)
+            done = min(self._done.get(request.id, request.computed), request.computed - 1)
+            if kept is None or not kept[0] <= done or done < 0:
+                continue
+            first, hidden = kept
+            end = request.computed  # positions [done, end): their next tokens are known
+            if first + hidden.shape[0] < end:
+                continue
+            spans.append((done, end - done, request.pages))
+            embeds_ids += request.tokens[done + 1 : end + 1]
+            rows.append(hidden[done - first : end - first])
+            ready.append(request)
+        if not ready:
+            return
+        model = self.model.model
+        batch = AttentionBatch.packed(spans, self.page_size, self.device)
+        ids = to_device(embeds_ids, self.device, torch.int64)[None]
+        embeds = model.embed_tokens(ids)
+        cos, sin = model.rotary_emb(batch.positions, embeds.dtype)
+        out = self.mtp(embeds, torch.cat(rows)[None], cos, sin, batch, cache)[0]  # [N, H]
+        ends = torch.tensor([s[1] for s in spans]).cumsum(0) - 1
+        last = out.index_select(0, ends.to(self.device))  # [R, H]
+        drafts = [self.mtp.logits(last, self.model.lm_head).argmax(-1)]
+        for request, (start, count, _) in zip(ready, spans, strict=True):
+            self._done[request.id] = start + count
+            first, hidden = self._hidden[request.id]
+            self._hidden[request.id] = (start + count, hidden[start + count - first :])
+        for j in range(1, k):  # chained: the layer's own output and draft, one position on
+            chain = [(request.computed + j - 1, 1, request.pages) for request in ready]
+            batch = AttentionBatch.packed(chain, self.page_size, self.device)
+            embeds = model.embed_tokens(drafts[-1][None])
+            cos, sin = model.rotary_emb(batch.positions, embeds.dtype)
+            last = self.mtp(embeds, last[None], cos, sin, batch, cache)[0]
+            drafts.append(self.mtp.logits(last, self.model.lm_head).argmax(-1))
+        table = torch.stack(drafts, dim=1).tolist()  # [R, k]: one read back
+        for request, tokens in zip(ready, table, strict=True):
+            request.drafts = list(tokens)

@@ -1,0 +1,188 @@
+"""Speculative decoding with an MTP layer (engine/speculative.py, models/mtp.py): greedy output
+is the engine's without drafts, token for token, whatever the drafts (an MTP layer of random
+weights, which the model rarely agrees with, and drafts taken from the true continuation with
+wrong tokens mixed in, which it mostly does), under preemption too; the MTP layer's forward is
+its formula over the checkpoint's tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moetier.config import EngineConfig
+from moetier.engine.engine import Engine, EngineLimits
+from moetier.engine.kv_pages import PagePool
+from moetier.engine.sampler import SamplingParams
+from moetier.engine.scheduler import Request, Scheduler
+from moetier.engine.speculative import SpecStats, verify_greedy
+from moetier.loader.load import load_model
+
+PROMPTS = [[5, 9, 13, 17, 21, 25, 29], [40, 41, 42], list(range(60, 83))]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=14)
+
+
+def native(store, **config):
+    return load_model(store, EngineConfig(native=True, device="cpu", dtype="float32", **config))
+
+
+@pytest.fixture(scope="module")
+def store(tiny):
+    return tiny.store("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def mtp_file(store, tmp_path_factory):
+    """A random MTP layer for the tiny qwen3_moe, in the checkpoint's names."""
+    from moetier.models.mtp import MTPLayer
+
+    model = native(store).model
+    config = model.config
+    torch.manual_seed(3)
+    block = type(model.model.layers[0])(config, config.num_layers)
+    layer = MTPLayer(block, config.hidden_size, config.vocab_size, config.rms_norm_eps, False)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    prefix = f"model.layers.{config.num_layers}."
+    tensors = {}
+    for name, value in layer.state_dict().items():
+        key = name.removeprefix("block.") if name.startswith("block.") else name
+        tensors[prefix + key] = value.contiguous()
+    path = tmp_path_factory.mktemp("mtp") / "mtp.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+def drain(engine, prompts=PROMPTS, params=GREEDY):
+    for i, prompt in enumerate(prompts):
+        engine.add(f"r{i}", prompt, params)
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_work:
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return out
+
+
+def test_verify_greedy_keeps_the_agreeing_prefix():
+    assert verify_greedy([4, 5, 6], [4, 5, 6, 7]) == ([4, 5, 6], 7)
+    assert verify_greedy([4, 9, 6], [4, 5, 6, 7]) == ([4], 5)
+    assert verify_greedy([9, 5], [4, 5, 6]) == ([], 4)
+    stats = SpecStats()
+    stats.add(3, 1)
+    stats.add(2, 2)
+    assert stats.drafted == [2, 2, 1] and stats.accepted == [2, 1, 0]
+    assert stats.acceptance == 3 / 5 and stats.mean_accepted == 1.5
+
+
+def test_scheduler_appends_the_kept_drafts_and_stops_at_eos():
+    scheduler = Scheduler(PagePool(16, 4), 64)
+    request = Request("a", [1, 2, 3], max_tokens=10, eos_ids=frozenset({99}))
+    scheduler.add(request)
+    step = scheduler.schedule()
+    scheduler.update(step, {"a": 7})
+    request.drafts = [8, 9, 10]
+    step = scheduler.schedule()
+    assert [(i.start, i.count, i.drafts) for i in step.items] == [(3, 4, 3)]
+    scheduler.update(step, {"a": 11}, {"a": [8, 9]})  # two kept, the third rejected
+    assert request.output == [7, 8, 9, 11] and request.computed == 6 and not request.drafts
+    request.drafts = [99, 5]
+    step = scheduler.schedule()
+    done = scheduler.update(step, {"a": 6}, {"a": [99, 5]})
+    assert done == [request] and request.output[-1] == 99 and request.finish_reason == "stop"
+
+
+def test_drafts_never_pass_max_tokens_or_the_context():
+    scheduler = Scheduler(PagePool(16, 4), 8)
+    request = Request("a", [1, 2, 3], max_tokens=3)
+    scheduler.add(request)
+    scheduler.update(scheduler.schedule(), {"a": 7})
+    request.drafts = [1, 2, 3, 4]
+    step = scheduler.schedule()
+    assert step.items[0].drafts == 1  # one more token may follow it: 3 - 1 - 1
+
+
+def test_greedy_output_is_unchanged_with_a_random_mtp_layer(store, mtp_file):
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
+    engine = Engine(native(store, mtp_file=str(mtp_file)),
+                    EngineLimits(num_pages=64, page_size=4, speculative_tokens=3))  # fmt: skip
+    assert drain(engine) == want
+    stats = engine.runner.drafter.stats
+    assert stats.steps > 0 and len(stats.drafted) == 3  # drafts were proposed and verified
+
+
+@pytest.mark.parametrize("pages", [64, 10])
+def test_greedy_output_is_unchanged_with_good_and_bad_drafts(store, mtp_file, pages):
+    """Drafts from the true continuation, every third one wrong: most are accepted, and the
+    text is the plain engine's (with 10 pages of 4, requests are preempted)."""
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
+    engine = Engine(native(store, mtp_file=str(mtp_file)),
+                    EngineLimits(num_pages=pages, page_size=4, speculative_tokens=3))  # fmt: skip
+    drafter = engine.runner.drafter
+    real = drafter.draft
+    calls = []
+
+    def oracle(requests, k, cache):
+        real(requests, k, cache)  # the MTP layer runs (its KV written), then drafts replaced
+        for request in requests:
+            truth = want[request.id][len(request.output) :]
+            drafts = truth[:k] + [1] * max(0, k - len(truth))
+            calls.append(len(drafts))
+            if len(calls) % 3 == 0:
+                drafts[len(calls) % k] = (drafts[len(calls) % k] + 1) % 300
+            request.drafts = drafts
+
+    drafter.draft = oracle
+    assert drain(engine) == want
+    assert drafter.stats.acceptance > 0.5
+    if pages == 10:
+        assert engine.scheduler.preemptions > 0
+    assert engine.pool.used_pages == 0
+
+
+def test_sampled_and_logprob_requests_get_no_drafts(store, mtp_file):
+    engine = Engine(native(store, mtp_file=str(mtp_file)),
+                    EngineLimits(num_pages=64, page_size=4, speculative_tokens=2))  # fmt: skip
+    drain(engine, params=SamplingParams(temperature=0.8, seed=1, max_new_tokens=6))
+    drain(engine, params=SamplingParams(temperature=0.0, logprobs=2, max_new_tokens=6))
+    assert engine.runner.drafter.stats.steps == 0
+
+
+def test_the_mtp_layer_is_its_formula(store, mtp_file):
+    """enorm / hnorm / eh_proj / the block / shared_head.norm and the main LM head, recomputed
+    from the file's tensors by hand for one position."""
+    from safetensors.torch import load_file
+
+    loaded = native(store, mtp_file=str(mtp_file))
+    model = loaded.model
+    n = model.config.num_layers
+    t = {k.removeprefix(f"model.layers.{n}."): v for k, v in load_file(str(mtp_file)).items()}
+    eps = model.config.rms_norm_eps
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    hidden = torch.randn(1, 1, model.config.hidden_size)
+    token = torch.tensor([[7]])
+    embeds = model.model.embed_tokens(token)
+    x = torch.cat([rms(embeds, t["enorm.weight"]), rms(hidden, t["hnorm.weight"])], -1)
+    x = x @ t["eh_proj.weight"].t()
+    cache = model.new_cache(2, 4, torch.float32, "cpu")
+    assert cache.shape[0] == n + 1  # the MTP layer's KV: one more layer
+    from moetier.models.attention_batch import AttentionBatch
+
+    batch = AttentionBatch.packed([(0, 1, [0])], 4, "cpu")
+    cos, sin = model.model.rotary_emb(batch.positions, x.dtype)
+    with torch.no_grad():
+        block_out = model.mtp.block(x, cos, sin, batch, cache)
+        got = model.mtp.logits(model.mtp(embeds, hidden, cos, sin, batch, cache), model.lm_head)
+    want = rms(block_out, t["shared_head.norm.weight"]) @ model.lm_head.weight.t()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_without_mtp_refuses_speculation(store, tmp_path):
+    with pytest.raises(ValueError, match="has none"):
+        Engine(native(store), EngineLimits(num_pages=16, page_size=4, speculative_tokens=2))
+    empty = tmp_path / "none.safetensors"
+    save_file({"x": torch.zeros(1)}, str(empty))
+    with pytest.raises(ValueError, match="has no MTP layer"):
+        native(store, mtp_file=str(empty))
