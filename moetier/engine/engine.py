@@ -393,8 +393,8 @@ class Engine:
         return outputs
 
     def _draft(self, step: Step) -> None:
-        """Drafts for the next step of each request of this one that goes on decoding (plain
-        greedy, no grammar, logprobs or quality meter), where pages for them are free."""
+        """Drafts for the next step of each request of this one that goes on decoding (no
+        penalties, bias, grammar, logprobs or quality meter), where pages for them are free."""
         assert isinstance(self.runner, PagedRunner) and self.runner.drafter is not None
         ready = []
         for item in step.items:
@@ -403,7 +403,7 @@ class Engine:
             if (
                 request.computed != len(request.tokens) - 1
                 or params is None
-                or not params.plain_greedy
+                or not params.speculable
                 or request.id in self.runner.matchers
                 or request.id in self.runner.keep_logits
                 or request.gate_forced

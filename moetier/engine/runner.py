@@ -40,9 +40,14 @@ from moetier.engine.decode_graphs import (
 )
 from moetier.engine.gate_rows import GateRows
 from moetier.engine.graph_placement import ZeroCopyRebalance, place_for_graphs
-from moetier.engine.sampler import to_device
+from moetier.engine.sampler import filtered_rows, sampling_tensors, to_device
 from moetier.engine.scheduler import Scheduled, Step
-from moetier.engine.speculative import MTPDrafter, verify_greedy
+from moetier.engine.speculative import (
+    MTPDrafter,
+    rejection_rows,
+    verify_greedy,
+    verify_sampled,
+)
 from moetier.engine.step_sampler import Sampled, StepSampler
 from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
@@ -236,24 +241,48 @@ class PagedRunner(StepSampler):
     def _verify(
         self, items: list[Scheduled], hidden: torch.Tensor, ends: list[int], result: Sampled
     ) -> None:
-        """Items with drafts (plain greedy): the model's choice at the last token's position and
-        each draft's (one read back for all) -> the drafts kept and the token after them."""
+        """Items with drafts: the target's logits at the last token's position and each
+        draft's -> the drafts kept and the token after them (greedy: the longest agreeing
+        prefix; sampled: speculative sampling, engine/speculative.py), one read back."""
         assert self.drafter is not None
         rows = [end - item.drafts - 1 + j for item, end in zip(items, ends, strict=True)
                 for j in range(item.drafts + 1)]  # fmt: skip
-        choices = self.model.lm_head(
+        logits = self.model.lm_head(
             hidden.index_select(0, to_device(rows, self.device, torch.int64))
         )
-        flat = choices.argmax(dim=-1).tolist()
+        back: list[torch.Tensor] = []  # per item: greedy choices, or accepts and tokens
         at = 0
         for item in items:
-            request = item.request
-            kept, token = verify_greedy(request.drafts[: item.drafts],
-                                        flat[at : at + item.drafts + 1])  # fmt: skip
+            params = item.request.params
+            rows_of = logits[at : at + item.drafts + 1]
             at += item.drafts + 1
+            if params.temperature == 0:
+                back.append(rows_of.argmax(dim=-1))
+                continue
+            settings = sampling_tensors([params] * (item.drafts + 1), self.device)
+            sort = params.top_k > 0 or params.top_p < 1
+            probs = filtered_rows(rows_of, *settings, sort=sort).softmax(dim=-1)
+            proposed = to_device(item.request.drafts[: item.drafts], self.device, torch.int64)
+            generator = None
+            if params.seed is not None:
+                generator = self._generator(item.request.id, params.seed)
+            accept, tokens = rejection_rows(probs, proposed, generator)
+            back.append(torch.cat([accept.long(), tokens]))
+        host = torch.cat(back).tolist() if back else []
+        at = 0
+        for item in items:
+            request, k = item.request, item.drafts
+            if request.params.temperature == 0:
+                kept, token = verify_greedy(request.drafts[:k], host[at : at + k + 1])
+                at += k + 1
+            else:
+                flags = [bool(v) for v in host[at : at + k]]
+                kept, token = verify_sampled(request.drafts[:k], flags,
+                                             host[at + k : at + 2 * k + 1])  # fmt: skip
+                at += 2 * k + 1
             result.tokens[request.id] = token
             result.accepted[request.id] = kept
-            self.drafter.stats.add(item.drafts, len(kept))
+            self.drafter.stats.add(k, len(kept))
 
     def _decode_logits(self, items: list[Scheduled]) -> tuple[torch.Tensor, _Launch | None]:
         """-> the logits [R, V] of the decode rows, and the inputs they ran on where those are

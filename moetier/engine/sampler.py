@@ -111,6 +111,19 @@ class SamplingParams:
         )
 
     @property
+    def speculable(self) -> bool:
+        """Whether speculative drafts may be verified for it (engine/speculative.py): a
+        distribution of temperature, top-k, top-p and min-p alone, no token reported back."""
+        return (
+            not self.penalized
+            and not self.logit_bias
+            and self.grammar is None
+            and self.reasoning_budget is None
+            and self.logprobs is None
+            and self.prompt_logprobs is None
+        )
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits: nothing to apply before the argmax, no logprobs."""
         return (

@@ -13,8 +13,10 @@ the layer over every position whose next token is now known (catch-up: hidden st
 the main model's steps, `keep`), the last one giving the first draft; then it applies the layer
 again on its own output and draft (EAGLE-style) for the others, writing their KV at the next
 positions (overwritten by the catch-up once the real tokens are known). Eager steps (the packed
-path); only for plain-greedy requests (sampled requests would need rejection sampling, not done
-yet), without grammars or logprobs.
+path). Sampled requests keep a draft with the target's probability of it and draw the token
+after a rejection from the rest of that distribution (`rejection_rows`: speculative sampling
+with point-mass proposals), so their tokens follow the target distribution; requests with
+penalties, logit bias, grammars or logprobs decode one token a step.
 """
 
 from __future__ import annotations
@@ -55,6 +57,39 @@ class SpecStats:
     def mean_accepted(self) -> float:
         """Drafts accepted per verify step (tokens a step gives: this + 1)."""
         return sum(self.accepted) / self.steps if self.steps else 0.0
+
+
+def rejection_rows(
+    probs: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling with drafts proposed greedily (a draft's proposal distribution is a
+    point mass on it): probs [k + 1, V], the target's distribution at the last token's position
+    and at each draft's; drafts [k]. -> (accept [k] bool: draft j is kept with probability
+    p_j(d_j), on the device; tokens [k + 1]: row j < k a draw from p_j without d_j
+    (renormalised: what follows a rejection at j), row k a draw from p_k (what follows k kept
+    drafts)). The tokens emitted are then distributed as the target's own draws
+    (`verify_sampled` takes them)."""
+    k = drafts.shape[0]
+    rows = torch.arange(k, device=probs.device)
+    kept_p = probs[rows, drafts]  # [k]
+    uniform = torch.rand(k, device=probs.device, generator=generator)
+    accept = uniform < kept_p
+    residual = probs.clone()
+    residual[rows, drafts] = 0.0
+    noise = torch.empty_like(residual).exponential_(generator=generator)
+    noise = noise.clamp(min=torch.finfo(noise.dtype).tiny)
+    tokens = (residual / noise).argmax(dim=-1)  # an exponential race: a draw from each row
+    return accept, tokens
+
+
+def verify_sampled(
+    drafts: list[int], accept: list[bool], tokens: list[int]
+) -> tuple[list[int], int]:
+    """`rejection_rows`' results on the host -> (the drafts kept, the token after them)."""
+    kept = 0
+    while kept < len(drafts) and accept[kept]:
+        kept += 1
+    return drafts[:kept], tokens[kept]
 
 
 def verify_greedy(drafts: list[int], choices: list[int]) -> tuple[list[int], int]:

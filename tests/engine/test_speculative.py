@@ -139,12 +139,78 @@ def test_greedy_output_is_unchanged_with_good_and_bad_drafts(store, mtp_file, pa
     assert engine.pool.used_pages == 0
 
 
-def test_sampled_and_logprob_requests_get_no_drafts(store, mtp_file):
+def test_logprob_and_penalised_requests_get_no_drafts(store, mtp_file):
     engine = Engine(native(store, mtp_file=str(mtp_file)),
                     EngineLimits(num_pages=64, page_size=4, speculative_tokens=2))  # fmt: skip
-    drain(engine, params=SamplingParams(temperature=0.8, seed=1, max_new_tokens=6))
     drain(engine, params=SamplingParams(temperature=0.0, logprobs=2, max_new_tokens=6))
+    drain(engine, params=SamplingParams(temperature=0.7, presence_penalty=0.5, max_new_tokens=6))
     assert engine.runner.drafter.stats.steps == 0
+
+
+# chi-square's 99.9% quantile by degrees of freedom (a fixed seed: the test is deterministic)
+CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of `counts` against `probs` over the tokens of mass > 0, and its
+    degrees of freedom."""
+    live = probs > 0
+    expected = probs[live] * counts.sum()
+    stat = float(((counts[live] - expected) ** 2 / expected).sum())
+    assert int(counts[~live].sum()) == 0  # nothing outside the support
+    return stat, int(live.sum()) - 1
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """Drafts d0, d1 proposed greedily; the first token emitted is distributed as p0, the
+    second (after d0) as p1, the third (after d0 d1) as p2, by chi-square at 99.9%."""
+    from moetier.engine.speculative import rejection_rows, verify_sampled
+
+    p = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.10, 0.00],
+                      [0.05, 0.40, 0.05, 0.20, 0.10, 0.20],
+                      [0.10, 0.10, 0.10, 0.30, 0.00, 0.40]])  # fmt: skip
+    drafts = [1, 3]
+    generator = torch.Generator().manual_seed(11)
+    first = torch.zeros(6)
+    second = torch.zeros(6)
+    third = torch.zeros(6)
+    trials = 20000
+    for _ in range(trials):
+        accept, tokens = rejection_rows(p, torch.tensor(drafts), generator)
+        kept, token = verify_sampled(drafts, accept.tolist(), tokens.tolist())
+        emitted = [*kept, token]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[1]] += 1
+        if len(emitted) > 2:
+            third[emitted[2]] += 1
+    assert int(second.sum()) == int(first[1])  # a second token only after d0
+    for counts, probs in ((first, p[0]), (second, p[1]), (third, p[2])):
+        stat, df = chi2(counts, probs)
+        assert stat < CHI2_999[df], (stat, counts.tolist())
+
+
+def test_sampled_requests_with_top_k_1_decode_as_greedy(store, mtp_file):
+    """top_k 1 leaves one token per position: sampled requests with drafts (random MTP and
+    mostly-right ones) must give the greedy text."""
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
+    one = SamplingParams(temperature=0.9, top_k=1, seed=5, max_new_tokens=14)
+    engine = Engine(native(store, mtp_file=str(mtp_file)),
+                    EngineLimits(num_pages=64, page_size=4, speculative_tokens=3))  # fmt: skip
+    drafter = engine.runner.drafter
+    real = drafter.draft
+
+    def mostly_right(requests, k, cache):
+        real(requests, k, cache)
+        for request in requests:
+            truth = want[request.id][len(request.output) :]
+            request.drafts = (truth[:k] + [2] * k)[:k]
+            if len(request.output) % 2:
+                request.drafts[-1] = (request.drafts[-1] + 1) % 300
+
+    drafter.draft = mostly_right
+    assert drain(engine, params=one) == want
+    assert drafter.stats.acceptance > 0.5
 
 
 def test_the_mtp_layer_is_its_formula(store, mtp_file):
