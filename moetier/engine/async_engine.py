@@ -22,6 +22,7 @@ from typing import Any
 from moetier.engine.engine import Engine, Output
 from moetier.engine.quality_meter import MeterStats
 from moetier.engine.sampler import SamplingParams
+from moetier.engine.speculative import SpecStats
 
 _IDS = itertools.count()
 
@@ -40,6 +41,7 @@ class EngineStats:
     preemptions: int = 0
     aborted: int = 0
     meter: MeterStats | None = None  # the quality meter's totals (--quality-meter), if on
+    spec: SpecStats | None = None  # speculative decoding's drafts (--speculative-tokens), if on
 
 
 class AsyncEngine:
@@ -238,6 +240,7 @@ class AsyncEngine:
             preemptions=scheduler.preemptions,
             aborted=engine.aborted,
             meter=replace(engine.meter.stats) if engine.meter is not None else None,
+            spec=engine.spec_stats(),
         )
         with self._lock:
             if not engine.has_work and not self._streams and self._commands.empty():

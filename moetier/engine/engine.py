@@ -28,6 +28,7 @@ from moetier.engine.reasoning_budget import ReasoningBudget
 from moetier.engine.runner import PagedRunner, TransformersRunner
 from moetier.engine.sampler import SamplingParams, TokenLogprob
 from moetier.engine.scheduler import Request, Scheduler, Step
+from moetier.engine.speculative import SpecStats
 from moetier.loader.loaded_model import LoadedModel
 
 DEFAULT_PAGE_SIZE = 16
@@ -391,6 +392,14 @@ class Engine:
             if stream is not None:
                 outputs.append(self._advance(stream, sid in finished))
         return outputs
+
+    def spec_stats(self) -> SpecStats | None:
+        """A copy of speculative decoding's counters (None: off)."""
+        drafter = getattr(self.runner, "drafter", None)
+        if drafter is None:
+            return None
+        stats = drafter.stats
+        return SpecStats(list(stats.drafted), list(stats.accepted), stats.steps)
 
     def _draft(self, step: Step) -> None:
         """Drafts for the next step of each request of this one that goes on decoding (no

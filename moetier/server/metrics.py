@@ -1,6 +1,7 @@
 """`/metrics` through prometheus_client: a collector that reads, at each scrape, the engine's
 queues, pages, prefix-cache tokens, steps, preemptions and aborts (`moetier_engine_*`), the
-confidence gate's quality meter where it is on (`moetier_quality_meter_*`), and the
+confidence gate's quality meter where it is on (`moetier_quality_meter_*`), speculative
+decoding's drafts where it is on (`moetier_spec_*`), and the
 residency counters per tier (`moetier_residency_*`, residency/telemetry.py's METRICS), and the
 server's answers by route and status and its failed streams (`moetier_http_*`), each sample
 labelled with the model's name; the exposition format follows the scraper's Accept
@@ -15,6 +16,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from moetier.engine.async_engine import EngineStats
+from moetier.engine.speculative import SpecStats
 from moetier.residency.telemetry import METRICS, ResidencyTelemetry
 from moetier.server.state import ServerState
 
@@ -76,6 +78,8 @@ class ServerCollector(Collector):
                 family = _family(f"moetier_engine_{name}", kind, help_text, ["model"])
                 family.add_metric([self.model_name], float(getattr(stats, attr)))
                 yield family
+            if stats.spec is not None:
+                yield from _spec_families(stats.spec, self.model_name)
             for name, kind, help_text, attr in METER_METRICS if stats.meter is not None else ():
                 family = _family(f"moetier_quality_meter_{name}", kind, help_text, ["model"])
                 family.add_metric([self.model_name], float(getattr(stats.meter, attr)))
@@ -104,6 +108,37 @@ class ServerCollector(Collector):
                 for tier, tier_counters in counters.tiers.items():
                     family.add_metric([tier, self.model_name], float(value(tier_counters)))
                 yield family
+
+
+def _spec_families(spec: SpecStats, model: str) -> Iterator[Metric]:
+    """Speculative decoding (--speculative-tokens): drafts proposed and accepted by position
+    (0: the first draft after a token), verify steps, and the mean drafts accepted a step."""
+    drafted = CounterMetricFamily(
+        "moetier_spec_drafted_total", "draft tokens proposed, by position in the draft",
+        labels=["position", "model"],
+    )  # fmt: skip
+    accepted = CounterMetricFamily(
+        "moetier_spec_accepted_total", "draft tokens accepted, by position in the draft",
+        labels=["position", "model"],
+    )  # fmt: skip
+    for position, (d, a) in enumerate(zip(spec.drafted, spec.accepted, strict=True)):
+        drafted.add_metric([str(position), model], d)
+        accepted.add_metric([str(position), model], a)
+    yield drafted
+    yield accepted
+    steps = CounterMetricFamily(
+        "moetier_spec_verify_steps_total",
+        "a request's steps that verified drafts",
+        labels=["model"],
+    )
+    steps.add_metric([model], spec.steps)
+    yield steps
+    mean = GaugeMetricFamily(
+        "moetier_spec_mean_accepted", "draft tokens accepted per verify step (a step gives "
+        "this + 1 tokens)", labels=["model"],
+    )  # fmt: skip
+    mean.add_metric([model], spec.mean_accepted)
+    yield mean
 
 
 def registry_of(collector: ServerCollector) -> CollectorRegistry:

@@ -252,3 +252,36 @@ def test_a_model_without_mtp_refuses_speculation(store, tmp_path):
     save_file({"x": torch.zeros(1)}, str(empty))
     with pytest.raises(ValueError, match="has no MTP layer"):
         native(store, mtp_file=str(empty))
+
+
+def test_metrics_show_the_drafts(store, mtp_file):
+    """/metrics through the app: drafted and accepted by position, equal to the engine's."""
+    import time
+
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from moetier.engine.async_engine import AsyncEngine
+    from moetier.server.app import create_app
+
+    engine = Engine(native(store, mtp_file=str(mtp_file)),
+                    EngineLimits(num_pages=64, page_size=4, speculative_tokens=2))  # fmt: skip
+    app = create_app(AsyncEngine(engine), "tiny")
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 8, "temperature": 0}
+    with TestClient(app) as http:
+        assert http.post("/v1/completions", json=body).status_code == 200
+        for _ in range(100):
+            samples = {(s.name, s.labels.get("position")): s.value
+                       for f in text_string_to_metric_families(http.get("/metrics").text)
+                       for s in f.samples}  # fmt: skip
+            steps = engine.runner.drafter.stats.steps  # final: the answer came after its step
+            if samples.get(("moetier_spec_verify_steps_total", None)) == steps:
+                break  # /metrics follows the engine's step, which may end after the answer
+            time.sleep(0.05)
+    stats = engine.runner.drafter.stats
+    assert stats.steps > 0
+    assert samples[("moetier_spec_verify_steps_total", None)] == stats.steps
+    for position, (d, a) in enumerate(zip(stats.drafted, stats.accepted, strict=True)):
+        assert samples[("moetier_spec_drafted_total", str(position))] == d
+        assert samples[("moetier_spec_accepted_total", str(position))] == a
+    assert samples[("moetier_spec_mean_accepted", None)] == pytest.approx(stats.mean_accepted)
