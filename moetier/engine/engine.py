@@ -18,6 +18,7 @@ loop.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,7 +29,7 @@ from moetier.engine.reasoning_budget import ReasoningBudget
 from moetier.engine.runner import PagedRunner, TransformersRunner
 from moetier.engine.sampler import SamplingParams, TokenLogprob
 from moetier.engine.scheduler import Request, Scheduler, Step
-from moetier.engine.speculative import SpecStats
+from moetier.engine.speculative import SpecPolicy, SpecStats
 from moetier.loader.loaded_model import LoadedModel
 
 DEFAULT_PAGE_SIZE = 16
@@ -113,6 +114,13 @@ class EngineLimits:
             "output unchanged (plain greedy requests only, for now; docs/serve.md)"
         },
     )
+    speculative_policy: str = field(
+        default="auto",
+        metadata={
+            "help": "when drafts are made: auto (per batch size, whichever of drafting or not "
+            "gave more tokens a second in this engine's own measured decode steps) or always"
+        },
+    )
     quality_meter: float = field(
         default=0.0,
         metadata={
@@ -151,6 +159,11 @@ class Engine:
         self.speculative = limits.speculative_tokens
         if self.speculative < 0:
             raise ValueError(f"--speculative-tokens {self.speculative}: use 0 (off) or more")
+        if limits.speculative_policy not in ("auto", "always"):
+            raise ValueError(
+                f"--speculative-policy {limits.speculative_policy!r}: use auto or always"
+            )
+        self.spec_policy = SpecPolicy() if limits.speculative_policy == "auto" else None
         if self.speculative:
             if not isinstance(self.runner, PagedRunner):
                 raise ValueError("speculative decoding needs a native model file (--native)")
@@ -339,6 +352,7 @@ class Engine:
     def step(self) -> list[Output]:
         """Schedule and run one batch; -> an Output for every sequence that produced a token or
         finished in it."""
+        began = time.perf_counter()
         step = self.scheduler.schedule()
         for request in step.preempted:
             self.runner.forget_kv(request.id)
@@ -371,6 +385,13 @@ class Engine:
         finished = {r.id for r in self.scheduler.update(step, result.tokens, result.accepted)}
         if self.speculative:
             self._draft(step)
+            decodes = all(not item.is_prefill for item in step.items)
+            if self.spec_policy is not None and step.items and decodes:
+                given = sum(len(result.accepted.get(item.request.id, ())) + 1
+                            for item in step.items if item.request.id in result.tokens)  # fmt: skip
+                drafted = any(item.drafts for item in step.items)
+                seconds = time.perf_counter() - began  # (its drafting for the next included)
+                self.spec_policy.record(len(step.items), drafted, given, seconds)
         if meter is not None:
             for twin in [sid for sid in finished if meter.is_twin(sid)]:
                 self._end_twin(twin)
@@ -420,7 +441,7 @@ class Engine:
             ):
                 continue
             ready.append(request)
-        if ready:
+        if ready and (self.spec_policy is None or self.spec_policy.choose(len(ready))):
             self.runner.drafter.draft(ready, self.speculative, self.runner.cache)
 
     def _steady(self, step: Step) -> bool:

@@ -168,3 +168,62 @@ class MTPDrafter:
         table = torch.stack(drafts, dim=1).tolist()  # [R, k]: one read back
         for request, tokens in zip(ready, table, strict=True):
             request.drafts = list(tokens)
+
+
+@dataclass
+class _Rates:
+    """Decaying sums of a choice's measured steps: tokens given and seconds taken."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
+        self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class SpecPolicy:
+    """Whether drafting pays at a batch size, from the engine's own measured decode steps: per
+    batch bucket (1, 2, 4 ... rows), the tokens a step gives its rows and the seconds it takes,
+    with drafts and without (decaying sums); the faster choice by tokens a second wins, and
+    every `explore` steps of a bucket the other is tried once, so a change (longer contexts, a
+    colder expert cache, lower acceptance) is seen. A bucket tries drafting first, then
+    without. Verifying k + 1 tokens of every row reads the union of their experts: where that
+    costs more than the accepted drafts give (large batches, experts off the GPU), drafting
+    turns itself off at that batch size."""
+
+    def __init__(self, explore: int = 32, decay: float = 0.9) -> None:
+        self.explore = explore
+        self.decay = decay
+        self.buckets: dict[int, tuple[_Rates, _Rates]] = {}  # rows bucket -> (plain, drafted)
+        self._since: dict[int, int] = {}  # steps since the other choice was tried
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(0, rows - 1).bit_length()
+
+    def choose(self, rows: int) -> bool:
+        """Draft for the next step of `rows` decoding rows?"""
+        key = self.bucket(rows)
+        plain, drafted = self.buckets.setdefault(key, (_Rates(), _Rates()))
+        if drafted.steps == 0:
+            return True
+        if plain.steps == 0:
+            return False
+        best = drafted.rate >= plain.rate
+        self._since[key] = self._since.get(key, 0) + 1
+        if self._since[key] >= self.explore:
+            self._since[key] = 0
+            return not best
+        return best
+
+    def record(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step of `rows` rows (with drafts or not) gave `tokens` in `seconds`."""
+        plain, with_drafts = self.buckets.setdefault(self.bucket(rows), (_Rates(), _Rates()))
+        (with_drafts if drafted else plain).add(tokens, seconds, self.decay)

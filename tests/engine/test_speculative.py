@@ -116,7 +116,8 @@ def test_greedy_output_is_unchanged_with_good_and_bad_drafts(store, mtp_file, pa
     text is the plain engine's (with 10 pages of 4, requests are preempted)."""
     want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
     engine = Engine(native(store, mtp_file=str(mtp_file)),
-                    EngineLimits(num_pages=pages, page_size=4, speculative_tokens=3))  # fmt: skip
+                    EngineLimits(num_pages=pages, page_size=4, speculative_tokens=3,
+                                 speculative_policy="always"))  # fmt: skip
     drafter = engine.runner.drafter
     real = drafter.draft
     calls = []
@@ -196,7 +197,8 @@ def test_sampled_requests_with_top_k_1_decode_as_greedy(store, mtp_file):
     want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
     one = SamplingParams(temperature=0.9, top_k=1, seed=5, max_new_tokens=14)
     engine = Engine(native(store, mtp_file=str(mtp_file)),
-                    EngineLimits(num_pages=64, page_size=4, speculative_tokens=3))  # fmt: skip
+                    EngineLimits(num_pages=64, page_size=4, speculative_tokens=3,
+                                 speculative_policy="always"))  # fmt: skip
     drafter = engine.runner.drafter
     real = drafter.draft
 
@@ -285,3 +287,28 @@ def test_metrics_show_the_drafts(store, mtp_file):
         assert samples[("moetier_spec_drafted_total", str(position))] == d
         assert samples[("moetier_spec_accepted_total", str(position))] == a
     assert samples[("moetier_spec_mean_accepted", None)] == pytest.approx(stats.mean_accepted)
+
+
+def test_policy_drafts_where_its_measured_steps_give_more_tokens_a_second():
+    from moetier.engine.speculative import SpecPolicy
+
+    policy = SpecPolicy(explore=10)
+    assert policy.choose(1)  # a new bucket tries drafting first
+    policy.record(1, True, 3, 0.012)  # one row: 3 tokens in 12 ms with drafts
+    assert not policy.choose(1)  # then without
+    policy.record(1, False, 1, 0.010)  # 1 token in 10 ms
+    assert policy.choose(1)  # 250 tokens/s against 100
+    policy.record(12, True, 24, 0.200)  # 12 rows (bucket 16): 120 tokens/s with drafts
+    policy.record(16, False, 16, 0.050)  # 320 without
+    picks = [policy.choose(16) for _ in range(20)]
+    assert picks.count(True) == 2 and picks[9] and picks[19]  # off, but tried every 10th
+    assert [SpecPolicy.bucket(r) for r in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+
+
+def test_auto_policy_keeps_the_greedy_text(store, mtp_file):
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
+    engine = Engine(native(store, mtp_file=str(mtp_file)),
+                    EngineLimits(num_pages=64, page_size=4, speculative_tokens=2))  # fmt: skip
+    assert engine.spec_policy is not None
+    assert drain(engine) == want
+    assert engine.spec_policy.buckets  # decode steps were measured
