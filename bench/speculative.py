@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--mtp-file", required=True)
     parser.add_argument("--tokens-file", type=Path, required=True)
     parser.add_argument("--k", default="1,2,3")
+    parser.add_argument("--policy", default="always", help="--speculative-policy (always: "
+                        "drafts at every step, acceptance over all of them)")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -54,8 +56,9 @@ def main() -> None:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
 
     def run(k: int) -> tuple[dict[str, list[int]], float, Engine]:
-        engine = Engine(loaded, EngineLimits(num_pages=4096, page_size=16,
-                                             speculative_tokens=k))  # fmt: skip
+        limits = EngineLimits(num_pages=4096, page_size=16, speculative_tokens=k,
+                              speculative_policy=args.policy)  # fmt: skip
+        engine = Engine(loaded, limits)
         began = time.perf_counter()
         for i, prompt in enumerate(prompts):
             engine.add(f"p{i}", prompt, greedy, max_tokens=args.new_tokens, ignore_eos=True)
@@ -76,7 +79,7 @@ def main() -> None:
         stats = engine.runner.drafter.stats
         emit({**run_info(), "bench": "speculative", "store": args.store.name,
               "mtp_file": Path(args.mtp_file).name, "text": args.tokens_file.name,
-              "config": {"k": k, "prompts": len(prompts), "prompt_tokens": size,
+              "config": {"k": k, "policy": args.policy, "prompts": len(prompts), "prompt_tokens": size,
                          "new_tokens": args.new_tokens, "dtype": args.dtype},
               "drafted_by_position": stats.drafted, "accepted_by_position": stats.accepted,
               "acceptance_by_position": share(stats.accepted, stats.drafted),
