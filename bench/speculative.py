@@ -79,8 +79,9 @@ def main() -> None:
         stats = engine.runner.drafter.stats
         emit({**run_info(), "bench": "speculative", "store": args.store.name,
               "mtp_file": Path(args.mtp_file).name, "text": args.tokens_file.name,
-              "config": {"k": k, "policy": args.policy, "prompts": len(prompts), "prompt_tokens": size,
-                         "new_tokens": args.new_tokens, "dtype": args.dtype},
+              "config": {"k": k, "policy": args.policy, "prompts": len(prompts),
+                         "prompt_tokens": size, "new_tokens": args.new_tokens,
+                         "dtype": args.dtype},
               "drafted_by_position": stats.drafted, "accepted_by_position": stats.accepted,
               "acceptance_by_position": share(stats.accepted, stats.drafted),
               "acceptance": round(stats.acceptance, 4),
