@@ -82,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             flag, type=int, default=default, help=f"{help_text} (default: {default})"
         )
     bench.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="speculative decoding with the model's MTP layer (--mtp-file for a model without "
+        "one): drafts per step, drafting at every step; the JSON gives the acceptance by "
+        "position (default: 0, off)",
+    )
+    bench.add_argument(
         "--json",
         action="store_true",
         help="one JSON line per case on stdout (commit, device, versions, config, figures, "
@@ -102,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     with _store(args) as store_path:
         speeds, links = _links(device, store_path)
         _say(f"loading {store_path.name}")
-        limits = _limits(cases)
+        limits = _limits(cases, args.speculative_tokens)
         loaded = load_model(store_path, engine_config, limits.num_pages * limits.page_size)
         engine = Engine(loaded, limits)  # compiles and captures its decode steps now
         info = run_info()
@@ -156,16 +164,17 @@ def _links(device: str, store_path: Path) -> tuple[Any, dict[str, Any]]:
     return speeds, link_gbps(speeds)
 
 
-def _limits(cases: list[Any]) -> Any:
-    """The engine's limits for these cases: KV pages for the largest case's rows, as many rows
-    a step, and room to read a case's prompts in few steps."""
+def _limits(cases: list[Any], speculative: int = 0) -> Any:
+    """The engine's limits for these cases: KV pages for the largest case's rows (and their
+    drafts), as many rows a step, and room to read a case's prompts in few steps."""
     from moetier.engine.engine import EngineLimits
 
     page = EngineLimits().page_size
-    pages = max(c.rows * -(-(c.prompt_tokens + c.new_tokens) // page) for c in cases)
+    pages = max(c.rows * -(-(c.prompt_tokens + c.new_tokens + speculative) // page) for c in cases)
     rows = max(c.rows for c in cases)
     tokens = max(EngineLimits().max_num_batched_tokens, max(c.prompt_tokens for c in cases))
-    return EngineLimits(num_pages=pages, max_num_seqs=rows, max_num_batched_tokens=tokens)
+    return EngineLimits(num_pages=pages, max_num_seqs=rows, max_num_batched_tokens=tokens,
+                        speculative_tokens=speculative, speculative_policy="always")  # fmt: skip
 
 
 def _timed(engine: Any, case: Any, speeds: Any, warmup: int, progress: bool) -> dict[str, Any]:

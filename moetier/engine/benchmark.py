@@ -177,6 +177,7 @@ def run_case(
     )
     decode_start = marks[0]
     counters = runtime.telemetry().since(decode_start)
+    spec = engine.spec_stats()
     decode_steps = timing.steps - 1
     cache = runtime.residency.tier_name
     requests = counters[cache].hits + counters[cache].misses
@@ -202,6 +203,14 @@ def run_case(
         "hit_rate": round(counters[cache].hits / requests, 4) if requests else None,
         "bytes_per_token": {tier: round(n / tokens) for tier, n in served.items()},
     }
+    if spec is not None:  # the acceptance over the engine's life (warm-up runs included)
+        record["speculative"] = {
+            "k": engine.speculative,
+            "drafted_by_position": spec.drafted,
+            "accepted_by_position": spec.accepted,
+            "acceptance": round(spec.acceptance, 4),
+            "mean_accepted": round(spec.mean_accepted, 4),
+        }
     record.update(floor_fields(loaded, case.rows, speeds, ms_per_step))
     return record
 

@@ -312,3 +312,19 @@ def test_auto_policy_keeps_the_greedy_text(store, mtp_file):
     assert engine.spec_policy is not None
     assert drain(engine) == want
     assert engine.spec_policy.buckets  # decode steps were measured
+
+
+def test_moetier_bench_reports_the_acceptance(store, mtp_file, capsys):
+    import json
+
+    from moetier.cli.main import main
+
+    args = ["bench", str(store), "--device", "cpu", "--json", "--native", "--batch", "2",
+            "--prompt-tokens", "6", "--new-tokens", "8", "--warmup", "0",
+            "--mtp-file", str(mtp_file), "--speculative-tokens", "2"]  # fmt: skip
+    assert main(args) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    spec = line["speculative"]
+    assert spec["k"] == 2 and len(spec["drafted_by_position"]) == 2
+    assert sum(spec["drafted_by_position"]) > 0 and 0 <= spec["acceptance"] <= 1
+    assert line["tokens_out"] == 16
