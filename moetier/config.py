@@ -607,6 +607,13 @@ class EngineConfig:
         },
     )
 
+    mtp: bool = field(
+        default=False,
+        metadata={
+            "help": "load the MTP layer the store keeps (a checkpoint that ships one: "
+            "DeepSeek-V3, GLM-4.x), for speculative decoding; on with --speculative-tokens"
+        },
+    )
     mtp_file: str = field(
         default="",
         metadata={

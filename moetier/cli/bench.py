@@ -106,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
     cases = _cases(args)
     engine_config = dataclass_from_args(EngineConfig, args)
+    if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
+        engine_config = dataclasses.replace(engine_config, mtp=True)
     device = engine_config.resolved_device().split(":")[0]
     with _store(args) as store_path:
         speeds, links = _links(device, store_path)

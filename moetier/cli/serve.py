@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     engine_config = dataclass_from_args(EngineConfig, args)
     params = dataclass_from_args(SamplingParams, args)
     limits = dataclass_from_args(EngineLimits, args)
+    if limits.speculative_tokens > 0:  # drafts come from the model's MTP layer
+        engine_config = dataclasses.replace(engine_config, mtp=True)
     kv_positions = (limits.num_pages + 1) * limits.page_size  # the page pool and its scratch page
     check_engine_config(args.store, engine_config, kv_positions)  # a bad store or budget: now
     name = args.model_name or Path(args.store).resolve().name

@@ -123,8 +123,8 @@ class PagedRunner(StepSampler):
         the packed path, which keeps the hidden states the layer reads."""
         if getattr(self.model, "mtp", None) is None:
             raise ValueError(
-                "speculative decoding drafts with the model's MTP layer, and this model has "
-                "none: convert a checkpoint that ships one, or give --mtp-file"
+                "speculative decoding drafts with the model's MTP layer, and none is loaded: "
+                "load the store's with --mtp (a checkpoint that ships one), or give --mtp-file"
             )
         self.drafter = MTPDrafter(self.model, self.page_size, self.device)
         return self.drafter

@@ -146,7 +146,8 @@ class MTPDrafter:
         if not ready:
             return
         model = self.model.model
-        batch = AttentionBatch.packed(spans, self.page_size, self.device)
+        fold = getattr(model, "layer_batch", lambda b: b)  # (MLA: one latent key, all heads)
+        batch = fold(AttentionBatch.packed(spans, self.page_size, self.device))
         ids = to_device(embeds_ids, self.device, torch.int64)[None]
         embeds = model.embed_tokens(ids)
         cos, sin = model.rotary_emb(batch.positions, embeds.dtype)
@@ -160,7 +161,7 @@ class MTPDrafter:
             self._hidden[request.id] = (start + count, hidden[start + count - first :])
         for j in range(1, k):  # chained: the layer's own output and draft, one position on
             chain = [(request.computed + j - 1, 1, request.pages) for request in ready]
-            batch = AttentionBatch.packed(chain, self.page_size, self.device)
+            batch = fold(AttentionBatch.packed(chain, self.page_size, self.device))
             embeds = model.embed_tokens(drafts[-1][None])
             cos, sin = model.rotary_emb(batch.positions, embeds.dtype)
             last = self.mtp(embeds, last[None], cos, sin, batch, cache)[0]

@@ -154,10 +154,10 @@ def load_native(
             object.__setattr__(module, "qkv_proj", fused)  # not registered: no second name
     model.eval()
 
-    if engine_config.mtp_file:  # (the MTP layers stores keep are for families not wired yet)
+    if engine_config.mtp or engine_config.mtp_file:  # speculative decoding's drafter
         from moetier.loader.mtp import attach_mtp
 
-        attach_mtp(model, store, engine_config.mtp_file, device, dtype)
+        attach_mtp(model, store, engine_config.mtp_file, device, dtype, family.keep_fp32)
     runtime = experts_runtime(store, engine_config, device, kv_positions)
     for module in model.modules():
         if isinstance(module, family.moe_block_class):

@@ -109,10 +109,14 @@ class DeepseekV3Model(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.rotary_emb(positions, x.dtype)  # [B, T, rope_dim]
         batch = batch or AttentionBatch.static(positions, cache.shape[2])
-        folded = batch.head_folded(self.num_heads)  # one latent key for all heads
+        folded = self.layer_batch(batch)
         for layer in self.layers:
             x = layer(x, cos, sin, folded, cache)
         return self.norm(x)
+
+    def layer_batch(self, batch: AttentionBatch) -> AttentionBatch:
+        """The batch the decoder layers take (an MTP layer's too): one latent key for all heads."""
+        return batch.head_folded(self.num_heads)
 
 
 class DeepseekV3ForCausalLM(NativeCausalLM):
@@ -137,4 +141,5 @@ class DeepseekV3ForCausalLM(NativeCausalLM):
         static cache: one page of max_len positions per row)."""
         c = self.config
         width = c.kv_lora_rank + c.qk_rope_head_dim
-        return new_latent_cache(c.num_layers, pages, page_size, width, dtype, device)
+        layers = c.num_layers + (1 if getattr(self, "mtp", None) is not None else 0)  # MTP's
+        return new_latent_cache(layers, pages, page_size, width, dtype, device)

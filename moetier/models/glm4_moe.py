@@ -72,6 +72,11 @@ class Glm4MoeForCausalLM(GQACausalLM):
         if config.model_type != "glm4_moe":
             raise ValueError(f"native glm4_moe model asked to build {config.model_type!r}")
         self.config = config
+        self.qk_norm = qk_norm
         layers = [DecoderLayer(config, i, qk_norm) for i in range(config.num_layers)]
         self.model = GQADecoderModel(config, rotary, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def new_layer(self, config: DecoderConfig, layer: int) -> DecoderLayer:
+        """A decoder layer of this model's kind at index `layer` (an MTP layer's block)."""
+        return DecoderLayer(config, layer, self.qk_norm)

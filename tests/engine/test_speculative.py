@@ -248,7 +248,7 @@ def test_the_mtp_layer_is_its_formula(store, mtp_file):
 
 
 def test_a_model_without_mtp_refuses_speculation(store, tmp_path):
-    with pytest.raises(ValueError, match="has none"):
+    with pytest.raises(ValueError, match="none is loaded"):
         Engine(native(store), EngineLimits(num_pages=16, page_size=4, speculative_tokens=2))
     empty = tmp_path / "none.safetensors"
     save_file({"x": torch.zeros(1)}, str(empty))
@@ -328,3 +328,44 @@ def test_moetier_bench_reports_the_acceptance(store, mtp_file, capsys):
     assert spec["k"] == 2 and len(spec["drafted_by_position"]) == 2
     assert sum(spec["drafted_by_position"]) > 0 and 0 <= spec["acceptance"] <= 1
     assert line["tokens_out"] == 16
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def shipped(request, tiny, tmp_path_factory):
+    """A tiny checkpoint of a family whose releases ship an MTP layer with an MoE block
+    (`model.layers.{L}.*`, random weights), converted: the store keeps the layer."""
+    from tiny_models import skip_without_transformers_family
+
+    from moetier.quant.convert import convert
+    from tests.quant.test_mtp_layers import with_mtp_layer
+
+    family = request.param
+    skip_without_transformers_family(family)
+    root = tmp_path_factory.mktemp(f"mtp-{family}")
+    with_mtp_layer(tiny.checkpoint(family), root / "hf", family)
+    return convert(root / "hf", root / "store", progress=False)
+
+
+def test_shipped_mtp_layers_draft_and_keep_the_greedy_text(shipped):
+    """The store's own MTP layer (an MoE block: its experts through the same runtime), k = 2:
+    the greedy text of the model without it, with its drafts and with mostly-right ones."""
+    want = drain(Engine(native(shipped), EngineLimits(num_pages=64, page_size=4)))
+    loaded = native(shipped, mtp=True)
+    layer = loaded.model.config.num_layers
+    assert layer in loaded.runtime.formats  # the MTP layer's experts joined the runtime
+    limits = EngineLimits(num_pages=64, page_size=4, speculative_tokens=2,
+                          speculative_policy="always")  # fmt: skip
+    engine = Engine(loaded, limits)
+    assert drain(engine) == want
+    assert engine.runner.drafter.stats.steps > 0
+    engine = Engine(native(shipped, mtp=True), limits)
+    real = engine.runner.drafter.draft
+
+    def mostly_right(requests, k, cache):
+        real(requests, k, cache)
+        for request in requests:
+            request.drafts = (want[request.id][len(request.output) :] + [3] * k)[:k]
+
+    engine.runner.drafter.draft = mostly_right
+    assert drain(engine) == want
+    assert engine.runner.drafter.stats.acceptance > 0.8
