@@ -109,9 +109,11 @@ class EngineLimits:
     speculative_tokens: int = field(
         default=0,
         metadata={
-            "help": "speculative decoding with the model's MTP layer: drafts per step (0 = "
-            "off); each step verifies a request's last token and its drafts together, greedy "
-            "output unchanged (plain greedy requests only, for now; docs/serve.md)"
+            "help": "speculative decoding with the model's MTP layer (--mtp, --mtp-file): drafts "
+            "per step (0 = off); each step verifies a request's last token and its drafts "
+            "together, greedy output unchanged, sampled output drawn from the model's own "
+            "distribution (requests with penalties, bias, grammars or logprobs: one token a "
+            "step; docs/serve.md)"
         },
     )
     speculative_policy: str = field(
