@@ -611,7 +611,8 @@ class EngineConfig:
         default=False,
         metadata={
             "help": "load the MTP layer the store keeps (a checkpoint that ships one: "
-            "DeepSeek-V3, GLM-4.x), for speculative decoding; on with --speculative-tokens"
+            "DeepSeek-V3, GLM-4.x, GLM-5), for speculative decoding; on with "
+            "--speculative-tokens"
         },
     )
     mtp_file: str = field(

@@ -5,8 +5,8 @@ without (`--mtp-file`, e.g. scripts/train_mtp.py's). The layer's block is the fa
 decoder layer at index num_hidden_layers, so its attention writes the cache's extra layer; where
 the store keeps the layer's routed experts (DeepSeek-V3, GLM-4.x: an MoE block), they join the
 main model's expert layers (the same tiers, the same runtime). Wired: qwen3_moe (dense block,
-from a file), deepseek_v3 and glm4_moe; glm_moe_dsa (its indexer) and deepseek_v4 (another
-layout) not yet."""
+from a file), deepseek_v3, glm4_moe and glm_moe_dsa (GLM-5: the block runs its own indexer);
+deepseek_v4 (its `mtp.` layout, hyper-connections) and Qwen3-Next / Qwen3.5 not yet."""
 
 from __future__ import annotations
 
@@ -20,7 +20,12 @@ from torch import nn
 from moetier.models.mtp import MTPLayer, module_name
 from moetier.quant.store import DENSE_FILE, Store
 
-MTP_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")  # whose MTP block is built here
+MTP_FAMILIES = (
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "glm_moe_dsa",
+)  # whose MTP block is built here
 
 
 def attach_mtp(

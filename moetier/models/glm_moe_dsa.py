@@ -15,6 +15,7 @@ indexer's key, written and read with the paged cache's rules (models/attention_b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,6 +233,14 @@ class GlmMoeDsaForCausalLM(NativeCausalLM):
         self.model = GlmMoeDsaModel(config, dsa, rotary)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    def new_layer(self, config: DecoderConfig, layer: int) -> DecoderLayer:
+        """A decoder layer at index `layer` (an MTP layer's block: past the stack, it runs its
+        own indexer)."""
+        types = self.dsa.indexer_types
+        if layer >= len(types):
+            types = (*types, *("full",) * (layer + 1 - len(types)))
+        return DecoderLayer(config, dataclasses.replace(self.dsa, indexer_types=types), layer)
+
     def new_cache(
         self, pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
@@ -239,4 +248,5 @@ class GlmMoeDsaForCausalLM(NativeCausalLM):
         (the static cache: one page of max_len positions per row)."""
         c = self.config
         width = c.kv_lora_rank + c.qk_rope_head_dim + self.dsa.index_head_dim
-        return new_latent_cache(c.num_layers, pages, page_size, width, dtype, device)
+        layers = c.num_layers + (1 if getattr(self, "mtp", None) is not None else 0)  # MTP's
+        return new_latent_cache(layers, pages, page_size, width, dtype, device)

@@ -54,7 +54,8 @@ class MTPLayer(nn.Module):
         """embeds: the next tokens' embeddings, hidden: the previous hidden states (the main
         model's, or this layer's own when chaining), both [B, T, H] -> [B, T, H]."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return self.block(x, cos, sin, batch, cache)
+        out = self.block(x, cos, sin, batch, cache)
+        return out[0] if isinstance(out, tuple) else out  # (GLM-5's layers hand on more)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         head = self.shared_head.head if self.shared_head.head is not None else lm_head

@@ -330,7 +330,7 @@ def test_moetier_bench_reports_the_acceptance(store, mtp_file, capsys):
     assert line["tokens_out"] == 16
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "glm_moe_dsa"])
 def shipped(request, tiny, tmp_path_factory):
     """A tiny checkpoint of a family whose releases ship an MTP layer with an MoE block
     (`model.layers.{L}.*`, random weights), converted: the store keeps the layer."""
