@@ -73,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`moetier convert --dense` writes it (default: bf16)",
     )
     bench.add_argument(
+        "--delta-plane",
+        choices=["nvfp4"],
+        help="with --shape: a delta plane of random NVFP4 blobs too, which --delta applies "
+        "(the confidence gate's steps)",
+    )
+    bench.add_argument(
         "--batch",
         default="1",
         help="batch sizes, comma separated: one case each, its rows decoded together (default: 1)",
@@ -228,7 +234,7 @@ def _store(args: argparse.Namespace) -> Iterator[Path]:
     from moetier.quant.synthetic import shape, synthetic_store_bytes, write_synthetic_store
 
     hf_config = shape(args.shape, args.layers)
-    size = synthetic_store_bytes(hf_config)
+    size = synthetic_store_bytes(hf_config, delta=args.delta_plane)
     with tempfile.TemporaryDirectory(prefix="moetier-bench-") as tmp:
         free = shutil.disk_usage(tmp).free
         if size > free:
@@ -254,6 +260,7 @@ def _store(args: argparse.Namespace) -> Iterator[Path]:
             DEFAULT_STORE,
             progress=sys.stderr.isatty(),
             dense=DensePolicy.parse(args.dense),
+            delta=args.delta_plane,
         )
         yield path
 

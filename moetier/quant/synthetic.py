@@ -589,16 +589,22 @@ def dense_and_experts(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], 
     return dense, {m.layer: path for path, m in modules.items()}
 
 
-def synthetic_store_bytes(hf_config: dict[str, Any], experts: str = "q2s") -> int:
+def synthetic_store_bytes(
+    hf_config: dict[str, Any], experts: str = "q2s", delta: str | None = None
+) -> int:
     """Bytes `write_synthetic_store` writes for `hf_config`: bf16 dense tensors and one
-    aligned blob per (MoE layer, expert)."""
+    aligned blob per (MoE layer, expert) and plane."""
     from moetier.config import ModelConfig
-    from moetier.core.layout import align_up
+    from moetier.core.layout import align_up, fp4_expert_format
     from moetier.quant.store import BLOB_ALIGN
 
     dense, moe = dense_and_experts(meta_model(hf_config))
-    blobs = len(moe) * ModelConfig.from_hf(hf_config).num_experts
+    cfg = ModelConfig.from_hf(hf_config)
+    blobs = len(moe) * cfg.num_experts
     stride = align_up(expert_format(hf_config, experts).nbytes, BLOB_ALIGN)
+    if delta is not None:
+        dfmt = fp4_expert_format(delta, cfg.hidden_size, cfg.expert_intermediate_size, False)
+        stride += align_up(dfmt.nbytes, BLOB_ALIGN)
     return sum(t.numel() * 2 for t in dense.values()) + blobs * stride
 
 
@@ -611,6 +617,7 @@ def write_synthetic_store(
     distinct: int = 8,
     progress: bool = False,
     dense: DensePolicy | None = None,
+    delta: str | None = None,
 ) -> Path:
     """A moetier store of a model of `hf_config` (any family transformers builds) with random
     weights, written directly: dense tensors random bf16 (norms 1, integer buffers 0) one at a
@@ -618,7 +625,8 @@ def write_synthetic_store(
     `distinct` random blobs repeated over all (layer, expert) slots, never an unquantized
     expert. For benchmarks at shapes no checkpoint is at hand for; `tokenizer_from` (a store or
     HF directory) lends its tokenizer files; `progress`: a progress bar of the layers written;
-    `dense`: the dense classes' formats, as `moetier convert --dense` (quant/dense_formats.py)."""
+    `dense`: the dense classes' formats, as `moetier convert --dense` (quant/dense_formats.py);
+    `delta` "nvfp4": a delta plane of random NVFP4 blobs too (the gate's benchmarks)."""
     from moetier.config import ModelConfig
     from moetier.core.layout import align_up
     from moetier.quant.convert import _SafetensorsWriter
@@ -684,22 +692,39 @@ def write_synthetic_store(
         random_blob(fmt, gen, blob, fitted_grid=False)
         blobs.append(blob)
     num_experts = ModelConfig.from_hf(hf_config).num_experts
+    planes = [("base", fmt, stride, blobs)]
+    if delta is not None:
+        if delta != "nvfp4":
+            raise ValueError(f"synthetic delta planes are nvfp4, not {delta!r}")
+        from moetier.core.layout import fp4_expert_format
+
+        cfg = ModelConfig.from_hf(hf_config)
+        dfmt = fp4_expert_format("nvfp4", cfg.hidden_size, cfg.expert_intermediate_size, False)
+        dstride = align_up(dfmt.nbytes, BLOB_ALIGN)
+        deltas = []
+        for _ in range(distinct):
+            blob = torch.zeros(dstride, dtype=torch.uint8)
+            random_blob(dfmt, gen, blob)
+            deltas.append(blob)
+        planes.append(("delta", dfmt, dstride, deltas))
     index_blobs = []
+    offset = 0
     with open(dst / EXPERTS_FILE, "wb") as f:
-        for n, layer in enumerate(
-            tqdm(sorted(moe), desc="layers", unit="layer", disable=not progress)
-        ):
-            for expert in range(num_experts):
-                i = n * num_experts + expert
-                blob = blobs[i % distinct]
-                f.write(blob.numpy().tobytes())
-                index_blobs.append(blob_index_entry(layer, expert, i * stride, fmt, blob))
+        for plane, pfmt, pstride, pblobs in planes:
+            for n, layer in enumerate(
+                tqdm(sorted(moe), desc=f"{plane} layers", unit="layer", disable=not progress)
+            ):
+                for expert in range(num_experts):
+                    blob = pblobs[(n * num_experts + expert) % distinct]
+                    f.write(blob.numpy().tobytes())
+                    index_blobs.append(blob_index_entry(layer, expert, offset, pfmt, blob, plane))
+                    offset += pstride
     index = {
         "version": STORE_VERSION,
         "model_type": hf_config["model_type"],
         "source_dtype": "bfloat16",
         "alignment": BLOB_ALIGN,
-        "formats": {fmt.name: fmt.to_json()},
+        "formats": {pfmt.name: pfmt.to_json() for _, pfmt, _, _ in planes},
         "moe_modules": {str(layer): path for layer, path in sorted(moe.items())},
         "skipped_source_tensors": [],
         "blobs": index_blobs,

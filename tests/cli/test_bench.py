@@ -87,6 +87,27 @@ def test_bench_a_synthetic_shape(capsys):
     assert not Path(said.group(1)).exists()  # the temporary store is gone
 
 
+def test_bench_a_synthetic_shape_with_a_delta_plane(capsys, tmp_path):
+    """`--delta-plane nvfp4`: the synthetic store has a delta blob per expert (NVFP4), which the
+    gate applies under --delta (a budget of a quarter of each call's pairs)."""
+    from moetier.quant.store import Store
+    from moetier.quant.synthetic import shape, synthetic_store_bytes, write_synthetic_store
+
+    config = shape("tiny", 1)
+    path = write_synthetic_store(tmp_path / "s", config, delta="nvfp4")
+    store = Store(path)
+    assert store.has_plane("delta") and len(store.blobs) == 2 * 32
+    assert store.blob_format(store.moe_layers[0], "delta").name == "nvfp4"
+    size = sum(f.stat().st_size for f in path.iterdir() if f.suffix != ".json")
+    assert synthetic_store_bytes(config, delta="nvfp4") <= size
+    lines, _ = bench_lines(capsys, "--shape", "tiny", "--layers", "1", "--delta-plane", "nvfp4",
+                           "--delta", "budget:0.25:weight", "--native", "--prompt-tokens", "8",
+                           "--new-tokens", "3", "--warmup", "0")  # fmt: skip
+    assert lines[0]["experts_format"] == ["nvfp4", "q2s-g32-down-g16"]
+    assert lines[0]["engine"]["delta"] == "budget:0.25:weight"
+    check_figures(lines[0], 1, 8, 3)
+
+
 @pytest.mark.parametrize("name", ["glm-5-tiny", "deepseek-v4-flash-tiny"])
 def test_bench_a_real_shape_slice(capsys, name):
     """`moetier bench --shape glm-5 --layers 1` (and DeepSeek-V4-Flash) as its -tiny copy (a
