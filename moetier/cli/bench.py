@@ -96,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "position (default: 0, off)",
     )
     bench.add_argument(
+        "--mtp-replay",
+        metavar="RATES",
+        help="with --speculative-tokens on random weights (--shape: the synthetic store gets an "
+        "MTP layer): keep drafts at these acceptance rates by position (e.g. 0.5,0.22, as "
+        "bench/speculative.py measures them) instead of by the model's choices: timing only",
+    )
+    bench.add_argument(
         "--json",
         action="store_true",
         help="one JSON line per case on stdout (commit, device, versions, config, figures, "
@@ -121,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
         limits = _limits(cases, args.speculative_tokens)
         loaded = load_model(store_path, engine_config, limits.num_pages * limits.page_size)
         engine = Engine(loaded, limits)  # compiles and captures its decode steps now
+        if args.mtp_replay:
+            drafter = getattr(engine.runner, "drafter", None)
+            if drafter is None:
+                raise ValueError("--mtp-replay goes with --speculative-tokens")
+            drafter.replay([float(v) for v in args.mtp_replay.split(",")])
         info = run_info()
         config = {
             "store": loaded.name,
@@ -261,6 +273,7 @@ def _store(args: argparse.Namespace) -> Iterator[Path]:
             progress=sys.stderr.isatty(),
             dense=DensePolicy.parse(args.dense),
             delta=args.delta_plane,
+            mtp=args.speculative_tokens > 0,
         )
         yield path
 

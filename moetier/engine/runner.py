@@ -272,11 +272,17 @@ class PagedRunner(StepSampler):
         at = 0
         for item in items:
             request, k = item.request, item.drafts
+            replayed = self.drafter.replayed(k)  # (benchmarks on random weights)
             if request.params.temperature == 0:
-                kept, token = verify_greedy(request.drafts[:k], host[at : at + k + 1])
+                choices = host[at : at + k + 1]
+                kept, token = verify_greedy(request.drafts[:k], choices)
+                if replayed is not None:
+                    kept, token = request.drafts[:replayed], choices[replayed]
                 at += k + 1
             else:
                 flags = [bool(v) for v in host[at : at + k]]
+                if replayed is not None:
+                    flags = [j < replayed for j in range(k)]
                 kept, token = verify_sampled(request.drafts[:k], flags,
                                              host[at + k : at + 2 * k + 1])  # fmt: skip
                 at += 2 * k + 1

@@ -21,6 +21,7 @@ penalties, logit bias, grammars or logprobs decode one token a step.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +112,25 @@ class MTPDrafter:
         self._hidden: dict[str, tuple[int, torch.Tensor]] = {}
         self._done: dict[str, int] = {}  # request id -> positions whose MTP KV is in the cache
         self.stats = SpecStats()
+        # benchmarks on random weights (`replay`): drafts kept at given rates, not by the model
+        self._replay: list[float] | None = None
+        self._rng = random.Random(0)
+
+    def replay(self, acceptance: list[float]) -> None:
+        """Benchmarks on random weights, whose drafts the model never agrees with: keep drafts
+        at measured rates instead (acceptance[j]: the share of steps that keep draft j, as
+        SpecStats reports it, non-increasing), the model's token at the first one not kept
+        after them. The text is then not the model's: timing only."""
+        if any(b > a for a, b in zip(acceptance, acceptance[1:], strict=False)):
+            raise ValueError(f"replayed acceptance {acceptance} must not increase by position")
+        self._replay = list(acceptance)
+
+    def replayed(self, drafts: int) -> int | None:
+        """Drafts kept under `replay` (None: not replaying)."""
+        if self._replay is None:
+            return None
+        u = self._rng.random()
+        return sum(1 for j in range(drafts) if j < len(self._replay) and u < self._replay[j])
 
     def forget(self, request_id: str) -> None:
         self._hidden.pop(request_id, None)

@@ -618,6 +618,7 @@ def write_synthetic_store(
     progress: bool = False,
     dense: DensePolicy | None = None,
     delta: str | None = None,
+    mtp: bool = False,
 ) -> Path:
     """A moetier store of a model of `hf_config` (any family transformers builds) with random
     weights, written directly: dense tensors random bf16 (norms 1, integer buffers 0) one at a
@@ -626,7 +627,10 @@ def write_synthetic_store(
     expert. For benchmarks at shapes no checkpoint is at hand for; `tokenizer_from` (a store or
     HF directory) lends its tokenizer files; `progress`: a progress bar of the layers written;
     `dense`: the dense classes' formats, as `moetier convert --dense` (quant/dense_formats.py);
-    `delta` "nvfp4": a delta plane of random NVFP4 blobs too (the gate's benchmarks)."""
+    `delta` "nvfp4": a delta plane of random NVFP4 blobs too (the gate's benchmarks); `mtp`: an
+    MTP layer too (`model.layers.{num_hidden_layers}.*`, DeepSeek's layout with the family's
+    dense decoder block; qwen3_moe), kept as a converted store keeps one (speculative decoding's
+    benchmarks)."""
     from moetier.config import ModelConfig
     from moetier.core.layout import align_up
     from moetier.quant.convert import _SafetensorsWriter
@@ -640,6 +644,8 @@ def write_synthetic_store(
     )
 
     dense_meta, moe = dense_and_experts(meta_model(hf_config))
+    mtp_meta = mtp_tensors(hf_config) if mtp else {}
+    dense_meta.update(mtp_meta)
     fmt = expert_format(hf_config, experts)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(hf_config, indent=1))
@@ -732,5 +738,28 @@ def write_synthetic_store(
     }
     if dense is not None:
         index["dense"] = {"policy": dense.to_json(), "tensors": quantized}
+    if mtp_meta:
+        layer = int(hf_config["num_hidden_layers"])
+        index["mtp_layers"] = {str(layer): {"prefix": f"model.layers.{layer}.", "experts": None}}
+        index["mtp_dense"] = sorted(mtp_meta)
     (dst / INDEX_FILE).write_text(json.dumps(index))
     return dst
+
+
+def mtp_tensors(hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The (meta) tensors of one MTP layer for `hf_config`, by checkpoint name: enorm, hnorm,
+    eh_proj, shared_head.norm and a dense decoder block of the family at index
+    num_hidden_layers (qwen3_moe: its mlp_only_layers make it dense)."""
+    if hf_config["model_type"] != "qwen3_moe":
+        raise ValueError(f"synthetic MTP layers are qwen3_moe's, not {hf_config['model_type']}'s")
+    layer = int(hf_config["num_hidden_layers"])
+    prefix = f"model.layers.{layer}."
+    bigger = {**hf_config, "num_hidden_layers": layer + 1, "mlp_only_layers": [layer]}
+    state = meta_model(bigger).state_dict()
+    out = {k: v for k, v in state.items() if k.startswith(prefix)}
+    hidden = int(hf_config["hidden_size"])
+    for name, shape_ in (("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
+                         ("eh_proj.weight", (hidden, 2 * hidden)),
+                         ("shared_head.norm.weight", (hidden,))):  # fmt: skip
+        out[prefix + name] = torch.empty(shape_, device="meta", dtype=torch.bfloat16)
+    return out

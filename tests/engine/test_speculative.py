@@ -369,3 +369,29 @@ def test_shipped_mtp_layers_draft_and_keep_the_greedy_text(shipped):
     engine.runner.drafter.draft = mostly_right
     assert drain(engine) == want
     assert engine.runner.drafter.stats.acceptance > 0.8
+
+
+@pytest.mark.parametrize("rates, kept", [("1,1", [1.0, 1.0]), ("0,0", [0.0, 0.0])])
+def test_bench_replays_acceptance_on_a_synthetic_shape(capsys, rates, kept):
+    """`moetier bench --shape tiny --speculative-tokens 2 --mtp-replay R`: the synthetic store
+    gets an MTP layer; drafts are kept at the replayed rates (all, none), the counts hold."""
+    import json
+
+    from moetier.cli.main import main
+
+    args = ["bench", "--shape", "tiny", "--layers", "1", "--device", "cpu", "--json",
+            "--native", "--prompt-tokens", "6", "--new-tokens", "9", "--warmup", "0",
+            "--speculative-tokens", "2", "--mtp-replay", rates]  # fmt: skip
+    assert main(args) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    spec = line["speculative"]
+    rate = [a / d for a, d in zip(spec["accepted_by_position"], spec["drafted_by_position"],
+                                  strict=True)]  # fmt: skip
+    assert rate == kept and line["tokens_out"] == 9
+
+
+def test_replayed_rates_must_not_increase(store, mtp_file):
+    engine = Engine(native(store, mtp_file=str(mtp_file)),
+                    EngineLimits(num_pages=16, page_size=4, speculative_tokens=2))  # fmt: skip
+    with pytest.raises(ValueError, match="must not increase"):
+        engine.runner.drafter.replay([0.2, 0.5])
