@@ -9,6 +9,10 @@ experts call's pairs by its score; mean KLD against the reference on `--chunks` 
             gate_up delta: the first projection's change alone
   fit-R     w^2 ||x A||^2, A [H, H] least squares of the pair's output change on x (ridge),
             fitted per (layer, expert) on `--calibration` text (R > 0: its rank-R truncation)
+  down-R    w^2 ||S h||^2, h the expert's base hidden activation silu(G x) * (U x), S the down
+            delta's top-R singular directions (R = 0: all): what a kernel deciding after its
+            base gate_up could see (qwen3_moe's silu)
+  inkernel-R  down-R plus sketch-R
   weight    w (the routing weight)
 
   PYTHONPATH=. python bench/studies/gate_pair_scores.py STORE REFERENCE TEXT \\
@@ -119,6 +123,42 @@ def main() -> None:
                 maps[(layer, e)] = delta[e].t()  # x @ [H, R]
         return by_map(maps)
 
+    def inkernel(rank: int, with_gate_up: bool) -> Score:
+        """w^2 (||S_gu x||^2 + ||S_d h||^2), h = silu(G x) * (U x) the expert's base hidden
+        activation (what a kernel that ran the base gate_up first would hold): S_d the down
+        delta's top `rank` singular directions (0: all); with_gate_up False: that term alone."""
+        per: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for layer in sorted(runtime.formats):
+            fmt, dfmt = store.blob_format(layer, "base"), store.blob_format(layer, "delta")
+            dgu = gate_up_delta(layer)
+            for e in range(experts):
+                b, d = store.read_blob(layer, e, "base"), store.read_blob(layer, e, "delta")
+                ddown = expert_matrix_with_delta(b, fmt, d, dfmt, "down") - expert_matrix(
+                    b, fmt, "down"
+                )  # fmt: skip  [H, I]
+                sgu, sd = dgu[e], ddown
+                if rank > 0:
+                    _, s1, v1 = torch.linalg.svd(sgu, full_matrices=False)
+                    sgu = s1[:rank, None] * v1[:rank]
+                    _, s2, v2 = torch.linalg.svd(sd, full_matrices=False)
+                    sd = s2[:rank, None] * v2[:rank]
+                per[(layer, e)] = (expert_matrix(b, fmt, "gate_up"), sgu, sd)
+
+        def score(layer: int, hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> Any:
+            values = torch.zeros(ids.shape)
+            x = hidden.float()
+            for e in ids.unique().tolist():
+                gu, sgu, sd = per[(layer, e)]
+                gate, up = (x @ gu.t()).chunk(2, dim=-1)
+                h = torch.nn.functional.silu(gate) * up
+                energy = (h @ sd.t()).pow(2).sum(-1, keepdim=True)
+                if with_gate_up:
+                    energy = energy + (x @ sgu.t()).pow(2).sum(-1, keepdim=True)
+                values = torch.where(ids == e, energy.expand_as(values), values)
+            return budget_mask(w.float().pow(2) * values, budget)
+
+        return score
+
     fitted: dict[tuple[int, int], torch.Tensor] = {}
 
     def fit(rank: int) -> Score:
@@ -149,6 +189,8 @@ def main() -> None:
         kind, _, rank = variant.partition("-")
         if kind == "sketch":
             fn = sketch(int(rank))
+        elif kind in ("inkernel", "down"):
+            fn = inkernel(int(rank), with_gate_up=kind == "inkernel")
         elif kind == "fit":
             fn = fit(int(rank))
         else:
