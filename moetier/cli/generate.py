@@ -5,6 +5,7 @@ path `moetier serve` and `moetier bench` run: the same compiled, graphed decode 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -17,6 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--prompt", help="raw text to continue")
     what.add_argument("--chat", help="a user message, wrapped in the model's chat template")
     parser.add_argument("--system", help="system message for --chat")
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="speculative decoding with the model's MTP layer (the store's, or --mtp-file): "
+        "drafts per step (default: 0, off)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from moetier.loader.load import load_model
 
     engine_config = dataclass_from_args(EngineConfig, args)
+    if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
+        engine_config = dataclasses.replace(engine_config, mtp=True)
     params = dataclass_from_args(SamplingParams, args)
     loaded = load_model(args.store, engine_config)
     tokenizer = loaded.tokenizer
@@ -41,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     context = int(loaded.model.config.max_position_embeddings)
     positions = min(context, len(prompt_ids) + params.max_new_tokens)
     page = EngineLimits().page_size
-    engine = Engine(loaded, EngineLimits(num_pages=-(-positions // page) + 1, max_num_seqs=1))
+    positions += max(0, args.speculative_tokens)  # the last step's drafts
+    limits = EngineLimits(num_pages=-(-positions // page) + 1, max_num_seqs=1,
+                          speculative_tokens=args.speculative_tokens)  # fmt: skip
+    engine = Engine(loaded, limits)
     timing = GenerationTiming(rows=1, prompt_tokens=len(prompt_ids))
     start = time.perf_counter()
     request = engine.add("generate", prompt_ids, params, chat=args.chat is not None)
@@ -58,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
             timing.decode_seconds = now - first
     timing.new_tokens = len(request.output)
     timing.steps = timing.new_tokens
+    spec = engine.spec_stats()
+    if spec is not None and spec.steps:
+        shares = [round(a / d, 3) for a, d in zip(spec.accepted, spec.drafted, strict=True) if d]
+        print(f"moetier: speculative: {spec.mean_accepted + 1:.2f} tokens a verify step, "
+              f"drafts accepted by position {shares}", file=sys.stderr)  # fmt: skip
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(f"moetier: {timing.summary()}", file=sys.stderr)

@@ -395,3 +395,16 @@ def test_replayed_rates_must_not_increase(store, mtp_file):
                     EngineLimits(num_pages=16, page_size=4, speculative_tokens=2))  # fmt: skip
     with pytest.raises(ValueError, match="must not increase"):
         engine.runner.drafter.replay([0.2, 0.5])
+
+
+def test_moetier_generate_with_drafts_writes_the_same_text(store, mtp_file, capsys):
+    from moetier.cli.main import main
+
+    base = ["generate", str(store), "--device", "cpu", "--native", "--prompt", "hello world",
+            "--max-new-tokens", "12", "--temperature", "0"]  # fmt: skip
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main([*base, "--mtp-file", str(mtp_file), "--speculative-tokens", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain
+    assert "tokens a verify step" in out.err
