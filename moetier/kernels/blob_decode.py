@@ -129,7 +129,14 @@ def _f32_at(ptr, offset):
 
 @triton.jit
 def _e4m3(byte):
-    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    """E4M3 (uint8) -> float32 through FP16's bit layout, on every architecture (float8e4nv
+    does not exist before sm_89: the kernels did not compile for sm_80 / sm_86): sign to bit
+    15, exponent and mantissa shifted into FP16's places; FP16's exponent bias is 8 above
+    E4M3's, so the FP16 value times 2^8 is the E4M3 value, subnormals included (E4M3 has no
+    infinities; its NaN, never a scale, decodes as 480)."""
+    b = byte.to(tl.uint16)
+    half = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 256.0
 
 
 @triton.jit

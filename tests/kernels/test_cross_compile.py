@@ -1,0 +1,56 @@
+"""The experts kernels the dispatcher chooses compile for every architecture users have (sm_80,
+86, 89, 90, 100, 120), without a GPU: bench/cross_compile.py (moetier/kernels/cross_compile.py:
+Triton's compiler and bundled ptxas, the wrappers run on CPU tensors of the Qwen3-30B-A3B shape
+as they would on such a GPU) in a subprocess, since this process's Triton is in interpreter mode
+(conftest). Every expert format and delta plane, decode (1 token) and prefill (64 tokens); the
+full sweep over the families' shapes is the script's default (docs/kernels.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+def sweep(*args: str) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # (Triton 3.9 warns when it is unset)
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "cross_compile.py"), *args],
+                         capture_output=True, text=True, env=env, timeout=1200)  # fmt: skip
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert run.returncode == 0, (run.stderr[-3000:], [x for x in lines if "error" in x])
+    return lines
+
+
+@pytest.mark.slow
+def test_experts_kernels_compile_for_every_architecture():
+    lines = sweep("--shapes", "qwen3-30b-a3b", "--tokens", "1,64")
+    summary = lines[-1]
+    assert summary["summary"] and summary["failures"] == 0
+    records = lines[:-1]
+    caps = {r["cap"] for r in records}
+    assert caps == {80, 86, 89, 90, 100, 120}
+    for cap in caps:  # every format, decode and prefill, on each architecture
+        cases = {(r["format"], r["tokens"]) for r in records if r["cap"] == cap}
+        assert len(cases) == 7 * 2, (cap, sorted(cases))
+    assert all(0 < r["registers"] <= 255 for r in records)
+
+
+def test_a_failing_case_fails_the_sweep():
+    """A case that cannot be built (here an expert format that does not exist) is a failure
+    line and a non-zero exit, not a skip."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "cross_compile.py"), "--caps", "90",
+         "--shapes", "qwen3-30b-a3b", "--formats", "nope", "--tokens", "1"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert run.returncode == 1
+    assert "error" in lines[0] and lines[-1]["failures"] == 1
