@@ -99,10 +99,20 @@ def compile_for(cap: int) -> Iterator[Session]:
         )  # fmt: skip
         return kernel
 
+    from moetier.kernels import moe_dispatch
+
     major, minor = divmod(cap, 10)
-    with (
-        mock.patch.object(JITFunction, "run", run),
-        mock.patch.object(torch.cuda, "get_device_capability", lambda *_: (major, minor)),
-        mock.patch.object(torch.cuda, "get_device_name", lambda *_: NAMES.get(cap, f"sm_{cap}")),
-    ):
-        yield session
+    name = NAMES.get(cap, f"sm_{cap}")
+    moe_dispatch.tuned_configs.cache_clear()
+    try:
+        with (
+            mock.patch.object(JITFunction, "run", run),
+            mock.patch.object(torch.cuda, "get_device_capability", lambda *_: (major, minor)),
+            mock.patch.object(torch.cuda, "get_device_name", lambda *_: name),
+            # the dispatcher's tuned tables as that card would find them
+            mock.patch.object(moe_dispatch, "_device_name", lambda: name.replace(" ", "_")),
+            mock.patch.object(moe_dispatch, "_capability", lambda: (major, minor)),
+        ):
+            yield session
+    finally:
+        moe_dispatch.tuned_configs.cache_clear()

@@ -150,12 +150,38 @@ def _device_name() -> str:
     return torch.cuda.get_device_name().replace(" ", "_")
 
 
+# the compute capability of each card a tuned table ships for: a card without its own table
+# takes one of its architecture's (an H100 the H200's), else the generic defaults
+TUNED_CAPABILITY = {"NVIDIA_H200": (9, 0)}
+
+
+def _capability() -> tuple[int, int] | None:
+    import torch
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
 @functools.cache
 def tuned_configs(device_name: str) -> dict[str, dict[str, int | bool]]:
-    """{"gemv:<n>x<k>" | "gemm:<n>x<k>": KernelChoice fields} for this GPU, {} if untuned."""
+    """{"gemv:<n>x<k>" | "gemm:<n>x<k>": KernelChoice fields} for this GPU: its own table, else
+    a tuned card's of the same architecture, else {} (the generic defaults); which one is said
+    once on stderr."""
+    import sys
+
     path = CONFIG_DIR / f"{device_name}.json"
+    source = device_name
     if not path.exists():
-        return {}
+        cap = _capability() if device_name != "cpu" else None
+        same = [card for card, c in sorted(TUNED_CAPABILITY.items()) if c == cap]
+        if not same:
+            if device_name != "cpu":
+                print(f"moetier: kernel configs: generic defaults (none tuned for "
+                      f"{device_name} or its architecture)", file=sys.stderr)  # fmt: skip
+            return {}
+        source = same[0]
+        path = CONFIG_DIR / f"{source}.json"
+        print(f"moetier: kernel configs: {source}'s (same architecture as {device_name}, "
+              "which has none of its own)", file=sys.stderr)  # fmt: skip
     data: dict[str, dict[str, int | bool]] = json.loads(path.read_text())
     return data
 
