@@ -90,12 +90,18 @@ def main() -> int:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--tokens", default="1,4,64", help="tokens a call (decode, prefill)")
     args = parser.parse_args()
+    import triton
+
+    from moetier.core.provenance import git_commit
+
+    run = {"commit": git_commit(), "triton": triton.__version__, "torch": torch.__version__}
     failures = compiled = 0
     for cap in [int(c) for c in args.caps.split(",")]:
         for shape in args.shapes.split(","):
             for fmt_name in args.formats.split(","):
                 for tokens in [int(t) for t in args.tokens.split(",")]:
-                    case = {"cap": cap, "shape": shape, "format": fmt_name, "tokens": tokens}
+                    case = {**run, "cap": cap, "shape": shape, "format": fmt_name,
+                            "tokens": tokens}  # fmt: skip
                     try:
                         with compile_for(cap) as session:
                             experts_call(shape, fmt_name, tokens)
@@ -110,7 +116,7 @@ def main() -> int:
                         print(json.dumps({**case, "kernel": r.kernel, "registers": r.registers,
                                           "stack": r.stack, "local": r.local, "shared": r.shared,
                                           "num_warps": r.num_warps}), flush=True)  # fmt: skip
-    print(json.dumps({"summary": True, "compiled": compiled, "failures": failures}))
+    print(json.dumps({**run, "summary": True, "compiled": compiled, "failures": failures}))
     return 1 if failures else 0
 
 
