@@ -1,4 +1,5 @@
-"""The experts kernels the dispatcher chooses compile for every architecture users have (sm_80,
+"""The experts kernels the dispatcher chooses, and the rest of a decode step's kernels (dense
+GEMV, paged attention, K/V write, router), compile for every architecture users have (sm_80,
 86, 89, 90, 100, 120), without a GPU: bench/cross_compile.py (moetier/kernels/cross_compile.py:
 Triton's compiler and bundled ptxas, the wrappers run on CPU tensors of the Qwen3-30B-A3B shape
 as they would on such a GPU) in a subprocess, since this process's Triton is in interpreter mode
@@ -36,9 +37,13 @@ def test_experts_kernels_compile_for_every_architecture():
     records = lines[:-1]
     caps = {r["cap"] for r in records}
     assert caps == {80, 86, 89, 90, 100, 120}
-    for cap in caps:  # every format, decode and prefill, on each architecture
-        cases = {(r["format"], r["tokens"]) for r in records if r["cap"] == cap}
+    others = {"_dense_gemv_kernel", "_decode_attention_kernel", "_write_kv_kernel",
+              "_router_topk_kernel"}  # fmt: skip
+    for cap in caps:  # every format, decode and prefill, and the step's other kernels
+        mine = [r for r in records if r["cap"] == cap]
+        cases = {(r["format"], r["tokens"]) for r in mine if r["format"] != "-"}
         assert len(cases) == 7 * 2, (cap, sorted(cases))
+        assert {r["kernel"] for r in mine if r["format"] == "-"} == others
     assert all(0 < r["registers"] <= 255 for r in records)
 
 
