@@ -91,5 +91,4 @@ def attach_mtp(
             fuse()
     model.mtp = mtp.to(device).eval().requires_grad_(False)
     if routed:  # the MTP layer's experts join the main model's (residency, runtime, plans)
-        store.moe_modules[layer] = store.mtp_modules[layer]
-        store.blobs.update({k: v for k, v in store.mtp_blobs.items() if k[0] == layer})
+        store.adopt_mtp_experts(layer)

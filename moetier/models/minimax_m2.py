@@ -14,8 +14,6 @@ computes it:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,12 +21,12 @@ from torch import nn
 from moetier.config import DecoderConfig
 from moetier.models.layers import (
     Attention,
-    Experts,
     GQACausalLM,
     GQADecoderModel,
     PreNormLayer,
     RotaryEmbedding,
 )
+from moetier.models.qwen3_moe import SparseMoeBlock
 
 KEEP_FP32 = ("e_score_correction_bias", "mlp.gate.weight")
 
@@ -50,26 +48,18 @@ class MiniMaxM2TopKRouter(nn.Module):
         return ids, weights / weights.sum(dim=-1, keepdim=True)
 
 
-class MiniMaxM2SparseMoeBlock(nn.Module):
-    """Router `gate` and the block's own `e_score_correction_bias`, routed experts (the store's
-    blobs; the loader sets `experts`)."""
+class MiniMaxM2SparseMoeBlock(SparseMoeBlock):
+    """Qwen3-MoE's block with MiniMax-M2's router `gate` and the block's own
+    `e_score_correction_bias`; routed experts are the store's blobs (the loader sets
+    `experts`)."""
 
     def __init__(self, config: DecoderConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
+        super().__init__(config, layer)
         self.gate = MiniMaxM2TopKRouter(config.hidden_size, config.num_experts, config.top_k)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
-        self.experts: Experts | None = None  # set by the loader
-        # the experts runtime's look at the layer output (`PreNormLayer`; set by the loader)
-        self.after_residual: Callable[[int, torch.Tensor], None] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.experts is None:
-            raise RuntimeError("experts not wired: load native models with moetier.loader")
-        batch, tokens, hidden = x.shape
-        flat = x.reshape(-1, hidden)  # [B*T, H]
-        ids, weights = self.gate(flat, self.e_score_correction_bias)
-        return self.experts(self.layer, flat, ids, weights).view(batch, tokens, hidden)
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate(flat, self.e_score_correction_bias)
 
 
 class DecoderLayer(PreNormLayer):

@@ -34,7 +34,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.gate = SoftmaxTopKRouter(
+        self.gate: nn.Module = SoftmaxTopKRouter(
             config.hidden_size, config.num_experts, config.top_k, config.norm_topk_prob
         )
         self.experts: Experts | None = None  # set by the loader
@@ -46,8 +46,12 @@ class SparseMoeBlock(nn.Module):
             raise RuntimeError("experts not wired: load native models with moetier.loader")
         batch, tokens, hidden = x.shape
         flat = x.reshape(-1, hidden)  # [B*T, H]
-        ids, weights = self.gate(flat)
+        ids, weights = self.route(flat)
         return self.experts(self.layer, flat, ids, weights).view(batch, tokens, hidden)
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, H] -> top-k expert ids and routing weights [T, k]."""
+        return self.gate(flat)
 
 
 class DecoderLayer(PreNormLayer):

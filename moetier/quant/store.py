@@ -132,6 +132,13 @@ class Store:
     def moe_layers(self) -> list[int]:
         return sorted(self.moe_modules)
 
+    def adopt_mtp_experts(self, layer: int) -> None:
+        """MTP layer `layer`'s routed experts join the main model's (`moe_modules`, `blobs`),
+        so that sizing, residency and the experts runtime treat them alike (an MTP layer loaded
+        for speculative decoding)."""
+        self.moe_modules[layer] = self.mtp_modules[layer]
+        self.blobs.update({k: v for k, v in self.mtp_blobs.items() if k[0] == layer})
+
     @property
     def expert_layers(self) -> list[int]:
         """Every layer with expert blobs: the main model's MoE layers, then MTP layers'."""
