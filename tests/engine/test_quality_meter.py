@@ -198,3 +198,33 @@ def test_meter_picks_an_even_share(fraction):
     assert picks[0] and sum(picks) == round(40 * fraction)
     with pytest.raises(ValueError, match="a fraction of requests"):
         QualityMeter(1.5)
+
+
+def cuda(store, delta, graphs=True):
+    config = EngineConfig(native=True, device="cuda", dtype="float32", delta=delta,
+                          cuda_graph=graphs)  # fmt: skip
+    return load_model(store, config)
+
+
+@pytest.mark.gpu
+def test_gate_and_meter_inside_cuda_graphs(store):
+    """On CUDA the gate's inputs (forced rows, each request's confidence) are staged into the
+    graphs' static inputs: the graphed engine's text equals the eager CUDA engine's, its meter
+    agrees with the offline measurement, and forced rows decode as the delta everywhere."""
+    eager = Engine(cuda(store, GATED, graphs=False), EngineLimits(num_pages=64, page_size=4))
+    want = drain(eager, PROMPTS)
+    engine = Engine(cuda(store, GATED), EngineLimits(num_pages=64, page_size=4,
+                                                     quality_meter=1.0))  # fmt: skip
+    assert engine.runner.use_graphs
+    got = drain(engine, PROMPTS)
+    assert engine.runner.graphs  # decode steps were replayed from graphs
+    assert got == want
+    mean, differs, positions = offline(store, PROMPTS, [got[f"r{i}"] for i in range(3)])
+    assert engine.meter.stats.positions == positions
+    assert engine.meter.stats.mean_kld == pytest.approx(mean, rel=0.02)
+    everywhere = drain(Engine(cuda(store, "all"), EngineLimits(num_pages=64, page_size=4)),
+                       PROMPTS)  # fmt: skip
+    forced = Engine(cuda(store, NOTHING), EngineLimits(num_pages=64, page_size=4))
+    got = drain(forced, PROMPTS, prepare=lambda r: setattr(r, "gate_forced", r.id == "r1"))
+    assert forced.runner.graphs
+    assert got["r1"] == everywhere["r1"]

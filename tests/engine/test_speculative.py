@@ -408,3 +408,31 @@ def test_moetier_generate_with_drafts_writes_the_same_text(store, mtp_file, caps
     out = capsys.readouterr()
     assert out.out == plain
     assert "tokens a verify step" in out.err
+
+
+@pytest.mark.gpu
+def test_greedy_output_is_unchanged_with_drafts_on_cuda(store, mtp_file):
+    """On CUDA (plain decode steps replayed from graphs, verify steps packed): the drafted
+    engine's greedy text equals the plain one's, with the random layer's drafts and with drafts
+    from the true continuation (most accepted)."""
+    cuda = dict(device="cuda", dtype="float32", native=True)
+    plain = Engine(load_model(store, EngineConfig(**cuda)), EngineLimits(num_pages=64, page_size=4))
+    want = drain(plain, PROMPTS)
+    assert plain.runner.graphs
+    loaded = load_model(store, EngineConfig(**cuda, mtp_file=str(mtp_file)))
+    limits = EngineLimits(num_pages=64, page_size=4, speculative_tokens=2,
+                          speculative_policy="always")  # fmt: skip
+    assert drain(Engine(loaded, limits)) == want
+    engine = Engine(loaded, limits)
+    drafter = engine.runner.drafter
+    real = drafter.draft
+
+    def oracle(requests, k, cache):
+        real(requests, k, cache)
+        for request in requests:
+            truth = want[request.id][len(request.output) :]
+            request.drafts = truth[:k] + [1] * max(0, k - len(truth))
+
+    drafter.draft = oracle
+    assert drain(engine) == want
+    assert drafter.stats.acceptance > 0.5
