@@ -463,8 +463,9 @@ class Engine:
     def _advance(self, stream: _Stream, finished: bool) -> Output:
         request = stream.request
         family = self.requests[stream.parent]
-        new = request.output[stream.sent :]
-        logprobs = stream.logprobs[stream.sent :] if request.params.logprobs is not None else []
+        start = stream.sent
+        new = request.output[start:]
+        logprobs = stream.logprobs[start:] if request.params.logprobs is not None else []
         stream.sent = len(request.output)
         text, stopped = "", False
         for k, token in enumerate(new):
@@ -478,6 +479,10 @@ class Engine:
             piece, stopped = stream.detok.push(token)
             text += piece
             if stopped:
+                # a verify step appends several tokens: those after the stop string's are
+                # neither sent nor counted
+                del request.output[start + k + 1 :]
+                stream.sent = len(request.output)
                 break
         if stopped:  # a stop string: "stop" even on the last allowed token
             if not finished:

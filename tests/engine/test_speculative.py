@@ -436,3 +436,45 @@ def test_greedy_output_is_unchanged_with_drafts_on_cuda(store, mtp_file):
     drafter.draft = oracle
     assert drain(engine) == want
     assert drafter.stats.acceptance > 0.5
+
+
+def test_a_stop_string_inside_the_accepted_drafts_ends_the_count_there(store, mtp_file):
+    """A verify step appends up to k + 1 tokens; where a stop string ends at the first of
+    them, the ones after it are neither sent nor counted in completion_tokens (as without
+    drafts)."""
+    prompt, greedy = PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=12)
+    plain = Engine(native(store), EngineLimits(num_pages=64, page_size=4))
+    plain.add("a", prompt, greedy)
+    tokens, text, ends = [], "", []  # ends: the text's length after each token
+    while plain.has_work:
+        for o in plain.step():
+            tokens += o.token_ids
+            text += o.text
+            ends.append(len(text))
+    # a stop string ending with a token in the middle of the answer, seen nowhere before
+    stop = next((text[: ends[j]][-2:] for j in range(3, len(ends) - 3)
+                 if ends[j] >= 2 and text.find(text[: ends[j]][-2:]) == ends[j] - 2), None)  # fmt: skip
+    assert stop and len(tokens) >= 6, "the tiny model's answer has a stop string to find"
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop=(stop,))
+    outputs = {}
+    for drafts in (0, 3):
+        limits = EngineLimits(num_pages=64, page_size=4, speculative_tokens=drafts,
+                              speculative_policy="always")  # fmt: skip
+        engine = Engine(native(store, mtp_file=str(mtp_file)) if drafts else native(store), limits)
+        if drafts:
+            drafter, real = engine.runner.drafter, engine.runner.drafter.draft
+
+            def oracle(requests, k, cache, real=real):
+                real(requests, k, cache)
+                for request in requests:
+                    request.drafts = (tokens[len(request.output) :] + [1] * k)[:k]
+
+            drafter.draft = oracle
+        engine.add("a", prompt, params)
+        got, last = "", None
+        while engine.has_work:
+            for o in engine.step():
+                got, last = got + o.text, o
+        outputs[drafts] = (got, last.finish_reason, last.completion_tokens, last.token_ids)
+    assert outputs[3][:3] == outputs[0][:3]
+    assert outputs[0][1] == "stop" and outputs[0][2] < len(tokens)
