@@ -452,8 +452,8 @@ def test_a_stop_string_inside_the_accepted_drafts_ends_the_count_there(store, mt
             text += o.text
             ends.append(len(text))
     # a stop string ending with a token in the middle of the answer, seen nowhere before
-    stop = next((text[: ends[j]][-2:] for j in range(3, len(ends) - 3)
-                 if ends[j] >= 2 and text.find(text[: ends[j]][-2:]) == ends[j] - 2), None)  # fmt: skip
+    cuts = [text[: ends[j]][-2:] for j in range(3, len(ends) - 3) if ends[j] >= 2]
+    stop = next((c for c in cuts if text.find(c) + 2 in ends[3:-3]), None)
     assert stop and len(tokens) >= 6, "the tiny model's answer has a stop string to find"
     params = SamplingParams(temperature=0.0, max_new_tokens=12, stop=(stop,))
     outputs = {}
