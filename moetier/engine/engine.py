@@ -429,22 +429,30 @@ class Engine:
         penalties, bias, grammar, logprobs or quality meter), where pages for them are free."""
         assert isinstance(self.runner, PagedRunner) and self.runner.drafter is not None
         ready = []
+        drafter = self.runner.drafter
         for item in step.items:
             request = item.request
             params = request.params
             if (
-                request.computed != len(request.tokens) - 1
-                or params is None
+                params is None
                 or not params.speculable
                 or request.id in self.runner.matchers
                 or request.id in self.runner.keep_logits
                 or request.gate_forced
-                or not self.scheduler.reserve(request, len(request.tokens) + self.speculative)
+            ):
+                drafter.forget(request.id)  # never drafts: keeps no hidden states
+                continue
+            if request.computed != len(request.tokens) - 1 or not self.scheduler.reserve(
+                request, len(request.tokens) + self.speculative
             ):
                 continue
             ready.append(request)
-        if ready and (self.spec_policy is None or self.spec_policy.choose(len(ready))):
-            self.runner.drafter.draft(ready, self.speculative, self.runner.cache)
+        if not ready:
+            return
+        if self.spec_policy is None or self.spec_policy.choose(len(ready)):
+            drafter.draft(ready, self.speculative, self.runner.cache)
+        else:  # no drafts this step: the MTP layer's KV still kept up, in batches
+            drafter.catch_up(ready, self.runner.cache)
 
     def _steady(self, step: Step) -> bool:
         """Whether the next step is likely this one's rows decoding again: every item a

@@ -270,6 +270,7 @@ class PagedRunner(StepSampler):
             back.append(torch.cat([accept.long(), tokens]))
         host = torch.cat(back).tolist() if back else []
         at = 0
+        last_rows, row = [], 0  # per item: the logits row its token after the kept drafts is of
         for item in items:
             request, k = item.request, item.drafts
             replayed = self.drafter.replayed(k)  # (benchmarks on random weights)
@@ -288,7 +289,12 @@ class PagedRunner(StepSampler):
                 at += 2 * k + 1
             result.tokens[request.id] = token
             result.accepted[request.id] = kept
+            last_rows.append(row + len(kept))
+            row += k + 1
             self.drafter.stats.add(k, len(kept))
+        if self.gate_rows is not None:  # the confidence gate's next step reads these rows' tops
+            picked = to_device(last_rows, self.device, torch.int64)
+            self.gate_rows.observe(logits.index_select(0, picked), items)
 
     def _decode_logits(self, items: list[Scheduled]) -> tuple[torch.Tensor, _Launch | None]:
         """-> the logits [R, V] of the decode rows, and the inputs they ran on where those are

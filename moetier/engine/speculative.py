@@ -102,6 +102,11 @@ def verify_greedy(drafts: list[int], choices: list[int]) -> tuple[list[int], int
     return drafts[:kept], choices[kept]
 
 
+# hidden states a request may keep for the MTP layer while its steps draft nothing, before
+# the layer runs over them (MTPDrafter.catch_up): 64 x hidden size x 2 bytes a request
+STASH_POSITIONS = 64
+
+
 class MTPDrafter:
     def __init__(self, model: Any, page_size: int, device: torch.device) -> None:
         self.model = model
@@ -145,10 +150,27 @@ class MTPDrafter:
         self._hidden[request_id] = (start, hidden)
         self._done.setdefault(request_id, start)
 
+    def stashed(self, request_id: str) -> int:
+        """Positions of the main model's hidden states kept for the request."""
+        kept = self._hidden.get(request_id)
+        return 0 if kept is None else int(kept[1].shape[0])
+
     @torch.inference_mode()
-    def draft(self, requests: list[Request], k: int, cache: torch.Tensor) -> None:
-        """Set `drafts` (k tokens) of each request, whose pages hold its next k + 1 positions;
-        a request with no kept hidden state for a position it needs gets none."""
+    def catch_up(self, requests: list[Request], cache: torch.Tensor) -> None:
+        """Steps that draft nothing (the policy's choice) still keep hidden states for the MTP
+        layer's KV: requests holding more than STASH_POSITIONS of them have the layer run over
+        those now (one packed call), so the stash stays small and a later draft finds its
+        KV complete."""
+        behind = [r for r in requests if self.stashed(r.id) > STASH_POSITIONS]
+        if behind:
+            self._catch_up(behind, cache)
+
+    def _catch_up(
+        self, requests: list[Request], cache: torch.Tensor
+    ) -> tuple[list[Request], torch.Tensor | None]:
+        """Run the MTP layer over each request's positions whose next token is known and whose
+        MTP KV is not yet in the cache -> (the requests it ran for, the layer's output at each
+        one's last position [R, H])."""
         spans, embeds_ids, rows, ready = [], [], [], []
         for request in requests:
             kept = self._hidden.get(request.id)
@@ -164,7 +186,7 @@ class MTPDrafter:
             rows.append(hidden[done - first : end - first])
             ready.append(request)
         if not ready:
-            return
+            return ready, None
         model = self.model.model
         fold = getattr(model, "layer_batch", lambda b: b)  # (MLA: one latent key, all heads)
         batch = fold(AttentionBatch.packed(spans, self.page_size, self.device))
@@ -174,11 +196,22 @@ class MTPDrafter:
         out = self.mtp(embeds, torch.cat(rows)[None], cos, sin, batch, cache)[0]  # [N, H]
         ends = torch.tensor([s[1] for s in spans]).cumsum(0) - 1
         last = out.index_select(0, ends.to(self.device))  # [R, H]
-        drafts = [self.mtp.logits(last, self.model.lm_head).argmax(-1)]
         for request, (start, count, _) in zip(ready, spans, strict=True):
             self._done[request.id] = start + count
             first, hidden = self._hidden[request.id]
             self._hidden[request.id] = (start + count, hidden[start + count - first :])
+        return ready, last
+
+    @torch.inference_mode()
+    def draft(self, requests: list[Request], k: int, cache: torch.Tensor) -> None:
+        """Set `drafts` (k tokens) of each request, whose pages hold its next k + 1 positions;
+        a request with no kept hidden state for a position it needs gets none."""
+        ready, last = self._catch_up(requests, cache)
+        if last is None:
+            return
+        model = self.model.model
+        fold = getattr(model, "layer_batch", lambda b: b)
+        drafts = [self.mtp.logits(last, self.model.lm_head).argmax(-1)]
         for j in range(1, k):  # chained: the layer's own output and draft, one position on
             chain = [(request.computed + j - 1, 1, request.pages) for request in ready]
             batch = fold(AttentionBatch.packed(chain, self.page_size, self.device))

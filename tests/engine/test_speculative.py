@@ -478,3 +478,82 @@ def test_a_stop_string_inside_the_accepted_drafts_ends_the_count_there(store, mt
         outputs[drafts] = (got, last.finish_reason, last.completion_tokens, last.token_ids)
     assert outputs[3][:3] == outputs[0][:3]
     assert outputs[0][1] == "stop" and outputs[0][2] < len(tokens)
+
+
+def test_steps_without_drafts_keep_the_mtp_layer_caught_up(store, mtp_file):
+    """While the policy drafts nothing, a request's kept hidden states stay within
+    STASH_POSITIONS (the MTP layer runs over them in batches), and once drafting resumes its
+    drafts are those of an engine that drafted all along (the layer's KV is complete)."""
+    from moetier.engine.speculative import STASH_POSITIONS
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=150)
+    seen = {}
+    for off_until in (0, 110):  # output tokens before drafting starts
+        limits = EngineLimits(num_pages=64, page_size=4, speculative_tokens=2)
+        engine = Engine(native(store, mtp_file=str(mtp_file)), limits)
+        engine.spec_policy.choose = lambda rows, e=engine, n=off_until: all(
+            len(r.output) >= n for r in e.scheduler.running
+        )
+        drafter, real, drafts, stash = engine.runner.drafter, engine.runner.drafter.draft, {}, []
+
+        def record(requests, k, cache, real=real, drafts=drafts, drafter=drafter, stash=stash):
+            real(requests, k, cache)
+            for r in requests:
+                drafts[len(r.output)] = list(r.drafts)
+
+        drafter.draft = record
+        engine.add("a", PROMPTS[0], params)
+        tokens = []
+        while engine.has_work:
+            for o in engine.step():
+                tokens += o.token_ids
+            stash.append(drafter.stashed("a"))
+        seen[off_until] = (tokens, drafts, max(stash[:-1]))
+    assert seen[110][0] == seen[0][0]
+    assert seen[110][2] <= STASH_POSITIONS + 1 < seen[110][2] * 2
+    both = [n for n in seen[110][1] if n >= 110 and n in seen[0][1]]
+    assert len(both) >= 10 and all(seen[110][1][n] == seen[0][1][n] for n in both)
+
+
+def test_verify_steps_update_the_confidence_gate(tiny, tmp_path_factory, mtp_file):
+    """Under a gate rule with the confidence term, a verify step leaves each request's top
+    probability of the distribution its last token came from, as a plain decode step does:
+    the table after each step equals the engine's without drafts at the same output length
+    (within 2%: a verify step's drafted tokens see confidence 1.0, so the gate's choices,
+    and the logits, move a little)."""
+    from moetier.loader.quantize import convert_quantized
+
+    delta_store = tmp_path_factory.mktemp("gated") / "delta"
+    convert_quantized(tiny.checkpoint("qwen3_moe"), delta_store, delta="nvfp4", progress=False)
+    rule = "budget:0.5:weight*confidence"
+    tops = {}
+    for drafts in (0, 2):
+        limits = EngineLimits(num_pages=64, page_size=4, speculative_tokens=drafts,
+                              speculative_policy="always")  # fmt: skip
+        config = {"mtp_file": str(mtp_file)} if drafts else {}
+        engine = Engine(native(delta_store, delta=rule, **config), limits)
+        if drafts:
+            real = engine.runner.drafter.draft
+
+            def oracle(requests, k, cache, real=real):
+                real(requests, k, cache)
+                for request in requests:
+                    request.drafts = (tops[0]["tokens"][len(request.output) :] + [1] * k)[:k]
+
+            engine.runner.drafter.draft = oracle
+        request = engine.add("a", PROMPTS[2], GREEDY)
+        rows = engine.runner.gate_rows
+        seen, tokens = {}, []
+        while engine.has_work:
+            for o in engine.step():
+                tokens += o.token_ids
+            if engine.has_work:
+                seen[len(request.output)] = float(rows.top[rows._slot("a")])
+        tops[drafts] = {"tokens": tokens, "seen": seen}
+    assert tops[2]["tokens"] == tops[0]["tokens"]
+    assert engine.runner.drafter.stats.acceptance > 0.5
+    common = [n for n in tops[2]["seen"] if n in tops[0]["seen"]]
+    assert len(common) >= 3
+    for n in common:
+        assert tops[2]["seen"][n] == pytest.approx(tops[0]["seen"][n], rel=0.02), n
+    assert any(v < 0.999 for v in tops[0]["seen"].values())  # a table worth comparing
