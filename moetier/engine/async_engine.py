@@ -229,9 +229,11 @@ class AsyncEngine:
     def _update_stats(self, stepped: bool) -> None:
         engine = self.engine
         pool, scheduler = engine.pool, engine.scheduler
-        self.stats = EngineStats(
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
+        meter = engine.meter
+        twins = (lambda r: meter.is_twin(r.id)) if meter is not None else (lambda r: False)
+        self.stats = EngineStats(  # the quality meter's twins are no client's requests
+            running=sum(1 for r in scheduler.running if not twins(r)),
+            waiting=sum(1 for r in scheduler.waiting if not twins(r)),
             pages_used=pool.used_pages,
             pages_free=pool.free_pages,
             prefix_queried_tokens=pool.stats.queried_tokens,

@@ -228,3 +228,24 @@ def test_gate_and_meter_inside_cuda_graphs(store):
     got = drain(forced, PROMPTS, prepare=lambda r: setattr(r, "gate_forced", r.id == "r1"))
     assert forced.runner.graphs
     assert got["r1"] == everywhere["r1"]
+
+
+def test_twins_are_not_counted_as_requests(store):
+    """/metrics' running and waiting requests count the clients' requests, not the meter's
+    twins beside them."""
+    from moetier.engine.async_engine import AsyncEngine
+
+    engine = Engine(native(store, GATED), EngineLimits(num_pages=64, page_size=4,
+                                                        quality_meter=1.0))  # fmt: skip
+    wrapper = AsyncEngine(engine)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add(f"r{i}", prompt, GREEDY)
+    counted, with_twins = [], 0
+    while engine.has_work:
+        engine.step()
+        wrapper._update_stats(stepped=True)
+        counted.append(wrapper.stats.running + wrapper.stats.waiting)
+        if engine.meter.twin_of:
+            with_twins += 1
+            assert len(engine.scheduler.running) + len(engine.scheduler.waiting) > counted[-1]
+    assert max(counted) == 3 and with_twins > 0
