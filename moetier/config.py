@@ -652,6 +652,24 @@ class EngineConfig:
         },
     )
 
+    gpus: int = field(
+        default=1,
+        metadata={
+            "help": "expert parallel over this many processes, one GPU each (torch.distributed: "
+            "NCCL on CUDA, gloo on CPU with --device cpu): every MoE layer's experts split "
+            "between them, each with its own expert cache, dense layers on every one; or run "
+            "under torchrun, which sets WORLD_SIZE (docs/multi-gpu.md). Budgets are per GPU"
+        },
+    )
+    expert_hotness: str = field(
+        default="",
+        metadata={
+            "help": "with --gpus N: how often each expert is used, to split experts between the "
+            "GPUs at equal expected load: a routing trace .npz (expert_ids [MoE layers, tokens, "
+            'k]) or a table {"layers": {"<layer>": [E counts]}}; empty: round-robin'
+        },
+    )
+
     def cpu_share(self) -> float | None:
         """--cpu-experts: None = off, -1 = auto (the cost model), F = a forced share."""
         if self.cpu_experts == "off":

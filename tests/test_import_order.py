@@ -19,8 +19,9 @@ LEVELS = {
     "models": 5,
     "loader": 6,
     "engine": 7,
-    "server": 8,
-    "cli": 9,
+    "parallel": 8,
+    "server": 9,
+    "cli": 10,
 }
 ROOT = Path(moetier.__file__).parent
 

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from typing import Any
 
 from moetier.cli.common import add_model_arguments
 
@@ -30,17 +31,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from moetier.cli.flags import dataclass_from_args
     from moetier.config import EngineConfig
-    from moetier.engine.engine import Engine, EngineLimits
-    from moetier.engine.prompts import chat_prompt_ids
-    from moetier.engine.sampler import SamplingParams
-    from moetier.engine.timing import GenerationTiming
-    from moetier.loader.load import load_model
+    from moetier.parallel import launch
 
     engine_config = dataclass_from_args(EngineConfig, args)
     if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
+    # --gpus N: N ranks, this body on rank 0 (moetier/parallel/launch.py)
+    return launch.run(lambda session: _generate(args, engine_config, session), __name__, args,
+                      engine_config, args.store)  # fmt: skip
+
+
+def _generate(args: argparse.Namespace, engine_config: Any, session: Any) -> int:
+    from moetier.cli.flags import dataclass_from_args
+    from moetier.engine.engine import Engine, EngineLimits
+    from moetier.engine.prompts import chat_prompt_ids
+    from moetier.engine.sampler import SamplingParams
+    from moetier.engine.timing import GenerationTiming
+
     params = dataclass_from_args(SamplingParams, args)
-    loaded = load_model(args.store, engine_config)
+    loaded = session.load_model(args.store, engine_config)
     tokenizer = loaded.tokenizer
     if args.chat is not None:
         messages = [{"role": "system", "content": args.system}] if args.system else []

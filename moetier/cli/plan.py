@@ -69,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=4096, help="KV cache tokens per row")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="expert parallel over this many GPUs (as generate/serve/bench --gpus): the budgets "
+        "are each GPU's, which holds the dense part, the KV cache and its share of the experts",
+    )
+    parser.add_argument(
         "--zero-copy-stage",
         type=int,
         default=3,
@@ -115,6 +122,11 @@ def run(args: argparse.Namespace) -> int:
     if args.shape is None and _is_shape_name(args.store):
         args.shape, args.store = args.store, str(DEFAULT_STORE)
     if args.predict or args.disk or args.json or args.write_recipe:
+        if args.gpus != 1:
+            raise ValueError(
+                "--predict models one GPU's links; with --gpus N plan without it (each GPU's "
+                "split) or measure with `moetier bench --gpus N`"
+            )
         return _predict(args)
     budgets = dict(
         gpu_memory=parse_bytes(args.gpu_memory),
@@ -124,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         zero_copy_stage=args.zero_copy_stage,
         embeddings_host=args.embeddings == "host",
     )
+    if args.gpus != 1:
+        budgets["ranks"] = args.gpus
     if args.shape is not None:
         if Path(args.store) != DEFAULT_STORE:
             raise ValueError("give a STORE or --shape, not both")

@@ -10,6 +10,7 @@ from moetier.config import EngineConfig
 from moetier.loader.hf_model import load_transformers
 from moetier.loader.loaded_model import LoadedModel, kv_plan_arguments
 from moetier.loader.native import has_native_file, load_native
+from moetier.models.experts import ExpertShard
 from moetier.quant.store import Store
 from moetier.residency.slot_pool import make_policy
 
@@ -18,23 +19,34 @@ def load_model(
     store_path: str | Path,
     engine_config: EngineConfig | None = None,
     kv_positions: int | None = None,
+    shard: ExpertShard | None = None,
 ) -> LoadedModel:
     """The model of a store: with `engine_config.native` (the default) the native model file of
     its model_type where it has one (loader/native.py), else the transformers model class.
     kv_positions: the KV cache the --gpu-memory plan sets aside (default: one 4096-token
-    sequence; the server's page pool)."""
+    sequence; the server's page pool). shard: expert parallel (moetier/parallel), this rank's
+    experts only; native model files only."""
     engine_config = engine_config or EngineConfig()
-    check_engine_config(store_path, engine_config, kv_positions)
+    ranks = shard.ranks if shard is not None else 1
+    check_engine_config(store_path, engine_config, kv_positions, ranks)
     if engine_config.native and has_native_file(store_path):
-        return load_native(store_path, engine_config, kv_positions)
+        return load_native(store_path, engine_config, kv_positions, shard)
+    if shard is not None:
+        raise ValueError(
+            "expert parallel (--gpus N) runs native model files: this store's family has none "
+            "(or --no-native was given); run it with --gpus 1"
+        )
     return load_transformers(store_path, engine_config, kv_positions)
 
 
 def check_engine_config(
-    store_path: str | Path, engine_config: EngineConfig, kv_positions: int | None = None
+    store_path: str | Path,
+    engine_config: EngineConfig,
+    kv_positions: int | None = None,
+    ranks: int = 1,
 ) -> None:
     """Fail on a bad cache policy or a --gpu-memory the dense part and `kv_positions` of KV
-    cache do not fit, before any weight is loaded."""
+    cache do not fit (on each of `ranks` GPUs), before any weight is loaded."""
     make_policy(engine_config.cache_policy)
     if engine_config.expert_reads not in ("mmap", "direct"):
         raise ValueError(f"--expert-reads {engine_config.expert_reads!r}: use mmap or direct")
@@ -46,4 +58,4 @@ def check_engine_config(
             kv = kv_plan_arguments(kv_positions)
             embeddings_host = engine_config.embeddings == "host"
             plan(Store(store_path), parse_bytes(engine_config.gpu_memory), host, **kv,
-                 embeddings_host=embeddings_host)  # fmt: skip
+                 embeddings_host=embeddings_host, ranks=ranks)  # fmt: skip

@@ -11,7 +11,7 @@ import torch
 
 from moetier.config import EngineConfig, ModelConfig
 from moetier.core.layout import DTYPES
-from moetier.models.experts import ExpertsRuntime
+from moetier.models.experts import ExpertShard, ExpertsRuntime
 from moetier.models.host_embedding import embeddings_to_host
 from moetier.quant.store import Store
 from moetier.quant.verify import FirstReadCheck
@@ -90,10 +90,13 @@ def experts_runtime(
     engine_config: EngineConfig,
     device: torch.device,
     kv_positions: int | None = None,
+    shard: ExpertShard | None = None,
 ) -> ExpertsRuntime:
     """The slot pool (sized by the engine config's budget, after `kv_positions` of KV cache:
-    default the planner's one 4096-token sequence) and the experts runtime over it."""
+    default the planner's one 4096-token sequence) and the experts runtime over it. `shard`
+    (expert parallel): this rank's experts only, in its slots and host tier; budgets per rank."""
     budget = int(engine_config.expert_cache_mb * 2**20)
+    ranks = shard.ranks if shard is not None else 1
     if engine_config.gpu_memory:
         import sys
 
@@ -106,6 +109,7 @@ def experts_runtime(
             host_budget,
             **kv_plan_arguments(kv_positions),
             embeddings_host=engine_config.embeddings == "host",
+            ranks=ranks,
         )
         print(placement.render(), file=sys.stderr)
         budget = max(1, placement.gpu_expert_bytes)
@@ -117,13 +121,21 @@ def experts_runtime(
         from moetier.residency.planner import parse_bytes
 
         host = HostTier.for_budget(
-            store, parse_bytes(engine_config.host_memory), check=check, progress=load_progress
+            store,
+            parse_bytes(engine_config.host_memory),
+            exclude=_not_owned(store, shard),
+            check=check,
+            progress=load_progress,
         )
+    max_slots = engine_config.expert_cache_slots
+    if shard is not None:  # room for this rank's blobs at most
+        owned = len(store.blobs) - len(_not_owned(store, shard))
+        max_slots = min(max_slots, owned) if max_slots > 0 else owned
     residency = SlotPool.for_budget(
         store,
         device,
         budget,
-        engine_config.expert_cache_slots,
+        max_slots,
         make_policy(engine_config.cache_policy, len(store.moe_layers)),
         DiskReader.for_store(store) if engine_config.expert_reads == "direct" else None,
         host,
@@ -142,6 +154,8 @@ def experts_runtime(
         delta_formats,
         engine_config.delta_threshold(),
     )
+    if shard is not None:
+        runtime.set_shard(shard)
     rule = engine_config.delta_rule()
     if rule is not None and not rule.everywhere and runtime.delta_threshold is not None:
         # every rule but all / none, weight:T too: forced rows (grammar-constrained output,
@@ -159,6 +173,14 @@ def experts_runtime(
         if hybrid.speeds is not None:
             print(describe(hybrid.speeds), file=sys.stderr)
     return runtime
+
+
+def _not_owned(store: Store, shard: ExpertShard | None) -> set[tuple[int, int, str]]:
+    """The store's blobs of experts another rank owns (none without a shard)."""
+    if shard is None:
+        return set()
+    owned = {layer: set(experts) for layer, experts in shard.owned.items()}
+    return {key for key in store.blobs if key[1] not in owned.get(key[0], ())}
 
 
 def kv_plan_arguments(kv_positions: int | None) -> dict[str, int]:

@@ -32,6 +32,7 @@ from moetier.models.deepseek_v4 import KEEP_FP32 as DEEPSEEK_V4_FP32
 from moetier.models.deepseek_v4 import DeepseekV4ForCausalLM, DeepseekV4MoE
 from moetier.models.deepseek_v4 import setup as deepseek_v4_setup
 from moetier.models.dense_linear import fuse_dense_qkv, quantize_linears
+from moetier.models.experts import ExpertShard
 from moetier.models.layers import Attention, RotaryEmbedding
 from moetier.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
 from moetier.quant.store import DENSE_FILE, Store
@@ -103,9 +104,13 @@ def has_native_file(store_path: str | Path) -> bool:
 
 
 def load_native(
-    store_path: str | Path, engine_config: EngineConfig, kv_positions: int | None = None
+    store_path: str | Path,
+    engine_config: EngineConfig,
+    kv_positions: int | None = None,
+    shard: ExpertShard | None = None,
 ) -> LoadedModel:
-    """The native model of the store's model_type; ValueError if that family has none."""
+    """The native model of the store's model_type; ValueError if that family has none.
+    `shard`: expert parallel, this rank's experts only (loaded_model.experts_runtime)."""
     from transformers import AutoConfig
 
     store = Store(store_path)
@@ -158,7 +163,7 @@ def load_native(
         from moetier.loader.mtp import attach_mtp
 
         attach_mtp(model, store, engine_config.mtp_file, device, dtype, family.keep_fp32)
-    runtime = experts_runtime(store, engine_config, device, kv_positions)
+    runtime = experts_runtime(store, engine_config, device, kv_positions, shard)
     for module in model.modules():
         if isinstance(module, family.moe_block_class):
             setattr(module, "experts", runtime.forward)  # noqa: B010

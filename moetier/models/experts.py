@@ -59,6 +59,20 @@ class HybridCpu:
     splits: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu) misses per call
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """This process's part of expert parallelism (`--gpus N`, moetier/parallel): the experts it
+    owns in each MoE layer (residency/partition.py) and `combine(layer, out)`, which sums the
+    pairs' rows out [T, k, H] float32 over the ranks in place. Each row is computed by the one
+    rank that owns its expert and is zero on the others, so the sum is that row exactly and
+    the result is bit-identical to one process's."""
+
+    rank: int
+    ranks: int
+    owned: dict[int, list[int]]
+    combine: Callable[[int, torch.Tensor], None]
+
+
 class ExpertsRuntime:
     """Routes each MoE layer's (hidden, top-k) through the slot pool and the kernel."""
 
@@ -115,6 +129,34 @@ class ExpertsRuntime:
         # layer-streamed prefill from this many tokens per call (0: off)
         self.stream_tokens = STREAM_TOKENS
         self.hybrid: HybridCpu | None = None  # hybrid misses (enable_hybrid)
+        # expert parallel (set_shard): this rank's experts per layer; None: every expert here
+        self.shard: ExpertShard | None = None
+        self._owned: dict[int, frozenset[int]] = {}
+
+    def set_shard(self, shard: ExpertShard) -> None:
+        """Expert parallel: compute only the pairs of `shard.owned`'s experts (the others' rows
+        stay zero) and combine every layer's rows with the other ranks' before the sum. Set
+        before anything is pinned, placed or prefetched."""
+        if self.pinned or self.zero_copy is not None:
+            raise ValueError("set the expert shard before pinning or placing experts")
+        missing = [layer for layer in self.formats if layer not in shard.owned]
+        if missing:
+            raise ValueError(f"the expert shard names no experts for MoE layers {missing}")
+        self.shard = shard
+        self._owned = {layer: frozenset(experts) for layer, experts in shard.owned.items()}
+
+    def _mine(self, layer: int, experts: list[int]) -> list[int]:
+        """Of `experts`, those this rank computes (all of them without a shard)."""
+        if self.shard is None:
+            return experts
+        owned = self._owned[layer]
+        return [e for e in experts if e in owned]
+
+    def _combined(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        """out [T, k, H] with the other ranks' rows added (expert parallel; else as it is)."""
+        if self.shard is not None:
+            self.shard.combine(layer, out)
+        return out
 
     def _check_capturable(self, what: str) -> None:
         """On CUDA, every layer's formats must run in the Triton kernels (the reference path
@@ -171,6 +213,11 @@ class ExpertsRuntime:
         (`moetier::stage_guesses`)."""
         if self.pinned:
             raise ValueError("experts are pinned already: zero-copy mode replaces pin_all")
+        if self.shard is not None:
+            raise ValueError(
+                "zero-copy decode is not built for expert parallel (--gpus N) yet: its steps run "
+                "on the residency path"
+            )
         host = host if host is not None else self.residency.host
         if host is None:
             raise ValueError(
@@ -232,7 +279,10 @@ class ExpertsRuntime:
         is computed into its own row either way). Raises ValueError when the pool is too small."""
         store = self.residency.store
         needed = sum(
-            1 for key in store.blobs if key[2] == "base" or self.delta_threshold is not None
+            1
+            for key in store.blobs
+            if (key[2] == "base" or self.delta_threshold is not None)
+            and (self.shard is None or key[1] in self._owned.get(key[0], ()))
         )
         if needed > self.residency.capacity:
             raise ValueError(
@@ -243,8 +293,9 @@ class ExpertsRuntime:
         if self.zero_copy is not None:
             raise ValueError("zero-copy mode is on: pin_all would replace it")
         self._check_capturable("pin")
-        experts = list(range(store.model_config.num_experts))
+        every = list(range(store.model_config.num_experts))
         for layer in self.formats:
+            experts = self._mine(layer, every)  # expert parallel: this rank's, the rest -1
             with_delta = experts if self.delta_threshold is not None else []
             self.pinned[layer] = self.residency.ensure_planes(layer, experts, with_delta)
 
@@ -265,7 +316,7 @@ class ExpertsRuntime:
             # counted: a mutated int would make torch.compile recompile the step every call)
             base_table, delta_table = self.pinned[layer]
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
-            return _sum_pairs(out, hidden.dtype)
+            return _sum_pairs(self._combined(layer, out), hidden.dtype)
         zc = self.zero_copy
         streamed = 0 < self.stream_tokens <= topk_ids.shape[0]
         if zc is not None and layer in zc.layer_index and streamed and not zc.fixed:
@@ -310,7 +361,7 @@ class ExpertsRuntime:
             self.delta_pairs += int(mask.sum())
         # host syncs: residency decisions are made on the host (the reference path); the
         # distinct experts are found on the device, so one sync moves at most E ints
-        needed = torch.unique(topk_ids).tolist()  # sorted
+        needed = self._mine(layer, torch.unique(topk_ids).tolist())  # sorted
         weight_sum = None  # each expert's summed routing weight, for weight-aware policies only
         if self.residency.policy.weighted:
             weight_sum = (
@@ -363,7 +414,7 @@ class ExpertsRuntime:
             self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
         if cpu_part is not None:
             self._finish_cpu_part(cpu_part, out)
-        return out.sum(dim=1).to(hidden.dtype)  # [T, H]
+        return self._combined(layer, out).sum(dim=1).to(hidden.dtype)  # [T, H]
 
     def enable_hybrid(self, share: float | None = None, threads: int = 0) -> HybridCpu:
         """Hybrid misses on the residency path (eager steps): in each layer the misses that are
@@ -564,6 +615,7 @@ class ExpertsRuntime:
 
     def _prefetch_next(self, layer: int, hidden: torch.Tensor, current: list[BlobKey]) -> None:
         following, experts = self._predict(layer, hidden, self.prefetch_m)
+        experts = self._mine(following, experts)
         keys = _keys(following, experts, experts if self.delta_threshold == 0 else [])
         self._predicted[following] = keys
         self.residency.prefetch(keys, protect=current)
@@ -588,7 +640,7 @@ class ExpertsRuntime:
         else:
             following = layers[layers.index(layer) + 1]
             experts = list(range(self.residency.store.model_config.num_experts))
-        experts = experts[:capacity]
+        experts = self._mine(following, experts)[:capacity]
         return _keys(following, experts, experts if self.delta_threshold == 0 else [])
 
     def _run(

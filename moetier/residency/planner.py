@@ -52,6 +52,7 @@ class Plan:
     staging: int = 0  # of the GPU slots, those zero-copy decode stages guesses in (all layers)
     stage: int = 0  # their --zero-copy-stage (per MoE layer)
     host_embedding_bytes: int = 0  # --embeddings host: the table in host RAM
+    ranks: int = 1  # expert parallel (--gpus N): this plan is each GPU's, its 1 / N of experts
 
     @property
     def gpu_expert_bytes(self) -> int:
@@ -66,7 +67,15 @@ class Plan:
 
     def render(self, hit_rates: tuple[float, ...] = (0.5, 0.75, 0.9)) -> str:
         mib = 2**20
-        lines = [
+        lines = (
+            [
+                f"per GPU, each of {self.ranks} (expert parallel): dense layers and KV cache on "
+                f"every GPU, each GPU's blob counts its share of the experts"
+            ]
+            if self.ranks > 1
+            else []
+        )
+        lines += [
             f"GPU:  dense {self.dense_bytes / mib:,.0f} MiB + KV cache {self.kv_bytes / mib:,.0f} "
             f"MiB + workspace {self.workspace_bytes / mib:,.0f} MiB + expert slots "
             f"{self.gpu_expert_bytes / mib:,.0f} MiB ({self.gpu_base_slots} of {self.base_blobs} "
@@ -109,12 +118,15 @@ def plan(
     workspace: int = WORKSPACE_BYTES,
     zero_copy_stage: int = 0,
     embeddings_host: bool = False,
+    ranks: int = 1,
 ) -> Plan:
     """Split `gpu_memory` and `host_memory` (bytes) between the parts of `store`; ValueError
     when the dense part, KV cache and workspace alone do not fit on the GPU. With experts off
     the GPU and a host tier, `zero_copy_stage` staging slots per MoE layer are counted among
     the GPU slots (`zero_copy.staging_slots`). With `embeddings_host` the embedding table is
-    counted in host RAM instead of on the GPU (`--embeddings host`)."""
+    counted in host RAM instead of on the GPU (`--embeddings host`). `ranks` > 1: expert
+    parallel, the budgets are each GPU's (and its host share's), which holds the dense part,
+    the whole KV cache and ceil(E / ranks) experts of each layer (`_per_rank`)."""
     slot = align_up(max(e.nbytes for e in store.blobs.values()), TENSOR_ALIGN)
     base = sum(1 for key in store.blobs if key[2] == "base")
     # quantized dense weights (and their scales) as stored, other floating tensors at the dtype
@@ -124,8 +136,9 @@ def plan(
     sizes = _Sizes(
         dense, slot, base, len(store.blobs) - base, len(store.moe_layers), host_embedding
     )
-    return _plan(store.model_config, sizes, gpu_memory, host_memory, max_context, batch,
-                 dtype_bytes, workspace, zero_copy_stage)  # fmt: skip
+    return _plan(store.model_config, _per_rank(sizes, store.model_config, ranks), gpu_memory,
+                 host_memory, max_context, batch, dtype_bytes, workspace,
+                 zero_copy_stage)  # fmt: skip
 
 
 def plan_shape(
@@ -140,6 +153,7 @@ def plan_shape(
     zero_copy_stage: int = 0,
     embeddings_host: bool = False,
     dense: DensePolicy | None = None,
+    ranks: int = 1,
 ) -> Plan:
     """`plan` for the store `hf_config` (a config.json dict) would convert to with `experts`
     blobs (quant/synthetic.expert_format: "q2s" or "bfloat16", or a BlobFormat) and `dense`
@@ -166,8 +180,8 @@ def plan_shape(
         else:
             nbytes += size
     sizes = _Sizes(nbytes, slot, moe_layers * cfg.num_experts, 0, moe_layers, host_embedding)
-    return _plan(cfg, sizes, gpu_memory, host_memory, max_context, batch, dtype_bytes,
-                 workspace, zero_copy_stage)  # fmt: skip
+    return _plan(cfg, _per_rank(sizes, cfg, ranks), gpu_memory, host_memory, max_context,
+                 batch, dtype_bytes, workspace, zero_copy_stage)  # fmt: skip
 
 
 def _shape_tensors(
@@ -219,6 +233,23 @@ class _Sizes:
     delta: int
     moe_layers: int
     host_embedding: int = 0  # --embeddings host: the table's bytes in host RAM
+    ranks: int = 1  # expert parallel: base and delta count one rank's share
+
+
+def _per_rank(sizes: _Sizes, cfg: ModelConfig, ranks: int) -> _Sizes:
+    """One rank's sizes under expert parallel over `ranks` GPUs: dense (replicated) as it is,
+    the blobs of the busiest rank: ceil(E / ranks) experts of each layer
+    (residency/partition.py caps every rank at that)."""
+    if ranks < 1:
+        raise ValueError(f"--gpus must be at least 1, got {ranks}")
+    if ranks == 1:
+        return sizes
+    share = -(-cfg.num_experts // ranks)  # experts of a layer on the busiest rank
+    per_layer = max(1, cfg.num_experts)
+    base = sizes.base // per_layer * share
+    delta = sizes.delta // per_layer * share
+    return _Sizes(sizes.dense_bytes, sizes.slot, base, delta, sizes.moe_layers,
+                  sizes.host_embedding, ranks)  # fmt: skip
 
 
 def _plan(
@@ -258,5 +289,6 @@ def _plan(
     stage = staging_slots(zero_copy_stage, gpu_base + gpu_delta, layers)
     if gpu_base == base or host == 0:
         stage = 0  # every expert pinned, or no zero-copy decode
-    return Plan(dense, kv, workspace, slot, base, delta, gpu_base, gpu_delta, host,
-                layers * cfg.top_k, stage * layers, stage, sizes.host_embedding)  # fmt: skip
+    per_token = -(-layers * cfg.top_k // sizes.ranks)  # a rank's share, at balanced load
+    return Plan(dense, kv, workspace, slot, base, delta, gpu_base, gpu_delta, host, per_token,
+                stage * layers, stage, sizes.host_embedding, sizes.ranks)  # fmt: skip

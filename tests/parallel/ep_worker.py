@@ -1,0 +1,94 @@
+"""Test worker: greedy requests of different prompt lengths through the serving engine (prompt
+chunks and decode rows mixed in steps), one JSON line of their tokens on stdout. Run as one
+process, or as one rank of several with torchrun's variables set (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), as tests/parallel/test_expert_parallel.py starts it.
+
+    python tests/parallel/ep_worker.py STORE [--hotness FILE] [--spawn N] [--fail-rank R]
+    python tests/parallel/ep_worker.py STORE --hang-rank R   (the combine's timeout)
+
+--spawn N starts N ranks itself (launch.run's spawn path, as `moetier generate --gpus N`);
+--fail-rank R: rank R raises at start; --hang-rank R: every rank joins the group, then rank R
+sleeps while the others run one expert combine, which must fail with a clear error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("store")
+    parser.add_argument("--hotness", default="")
+    parser.add_argument("--spawn", type=int, default=1)
+    parser.add_argument("--fail-rank", type=int, default=-1)
+    parser.add_argument("--hang-rank", type=int, default=-1)
+    return run(parser.parse_args(argv))
+
+
+def hang(rank: int, hang_rank: int) -> int:
+    """Every rank joins; `hang_rank` then sleeps, the others run a combine: its error."""
+    from moetier.parallel.experts import Combine
+    from moetier.parallel.group import join
+
+    group = join("cpu")
+    if rank == hang_rank:
+        time.sleep(10)  # past the others' 3 s timeout, then away
+        return 0
+    began = time.perf_counter()
+    try:
+        Combine(group)(3, torch.zeros(2, 2, 4))
+    except RuntimeError as err:
+        print(json.dumps({"error": str(err), "seconds": time.perf_counter() - began}))
+        return 0
+    return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """The worker as a verb's run (launch.spawn calls it in each rank it starts)."""
+    from moetier.config import EngineConfig
+    from moetier.engine.engine import Engine, EngineLimits
+    from moetier.engine.sampler import SamplingParams
+    from moetier.parallel import launch
+
+    rank = int(os.environ.get("RANK", "0"))
+    if args.hang_rank >= 0:
+        return hang(rank, args.hang_rank)
+    if rank == args.fail_rank and "WORLD_SIZE" in os.environ:
+        raise ValueError(f"rank {rank} fails on purpose")
+    torch.manual_seed(0)
+    config = EngineConfig(device="cpu", expert_hotness=args.hotness, gpus=args.spawn)
+    limits = EngineLimits(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=12)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate((5, 17, 2, 9))]
+
+    def body(session: launch.Session) -> int:
+        loaded = session.load_model(args.store, config, (limits.num_pages + 1) * limits.page_size)
+        engine = Engine(loaded, limits)
+        params = SamplingParams(temperature=0.0, max_new_tokens=8)
+        requests = [engine.add(str(i), p, params, ignore_eos=True) for i, p in enumerate(prompts)]
+        while engine.has_work:
+            engine.step()
+        runtime = loaded.runtime
+        shard = runtime.shard
+        resident = sorted({(k[0], k[1]) for k in runtime.residency._slots})
+        print(json.dumps({
+            "tokens": [list(r.output) for r in requests],
+            "ranks": session.ranks,
+            "forwards": session.leader.forwards if session.leader else 0,
+            "combines": getattr(shard.combine, "calls", 0) if shard else 0,
+            "owned": {str(k): v for k, v in shard.owned.items()} if shard else None,
+            "resident": resident,
+        }))  # fmt: skip
+        return 0
+
+    return launch.run(body, "ep_worker", args, config, args.store)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,167 @@
+"""Expert parallel on CPU: two gloo processes on one host over loopback, as torchrun starts
+them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; multi-node runs use the same variables) or
+as `--gpus 2` spawns them. The greedy tokens must equal one process's, with each rank holding
+only its share of the experts; a rank that fails or stops answering must end the run with an
+error that says so, not a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetier.parallel.launch import free_port
+
+WORKER = Path(__file__).parent / "ep_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.setdefault("TRITON_INTERPRET", "1")
+    env.update(extra)
+    return env
+
+
+def _one_process(*args: str) -> dict:
+    out = subprocess.run([sys.executable, str(WORKER), *args], env=_env(), capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _torchrun_ranks(ranks: int, *args: str, timeout: float = 120, **env: str) -> list:
+    """`ranks` worker processes with torchrun's variables: (returncode, stdout, stderr) each."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), *args],
+            env=_env(
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(ranks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                **env,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )  # fmt: skip
+        for r in range(ranks)
+    ]
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            results.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_two_ranks_give_one_process_tokens(tiny, model_type, tmp_path):
+    store = str(tiny.store(model_type))
+    alone = _one_process(store)
+    args = [store]
+    if model_type == "deepseek_v3":  # the hotness path: experts split by a routing trace
+        from moetier.quant.store import Store
+
+        s = Store(store)
+        experts = s.model_config.num_experts
+        rng = np.random.default_rng(0)
+        ids = rng.choice(experts, size=(len(s.moe_layers), 64, 2), p=np.r_[[0.5], [0.5 / (
+            experts - 1)] * (experts - 1)])  # fmt: skip
+        np.savez(tmp_path / "trace.npz", expert_ids=ids)
+        args += ["--hotness", str(tmp_path / "trace.npz")]
+    results = _torchrun_ranks(2, *args)
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+    line = json.loads(results[0][1].strip().splitlines()[-1])
+    assert line["tokens"] == alone["tokens"]
+    assert line["ranks"] == 2 and line["forwards"] > 0 and line["combines"] > 0
+    owned = {int(layer): set(experts) for layer, experts in line["owned"].items()}
+    for experts in owned.values():
+        assert 0 < len(experts) < 8  # split: rank 0 owns some of each layer's experts, not all
+    assert all(e in owned[layer] for layer, e in line["resident"])  # only its own are cached
+    assert not results[1][1].strip()  # the follower prints nothing
+
+
+@pytest.mark.slow
+def test_generate_gpus_2_spawns_ranks_with_the_same_text(tiny):
+    store = str(tiny.store("qwen3_moe"))
+    command = [sys.executable, "-m", "moetier", "generate", store, "--prompt", "hello there",
+               "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu"]  # fmt: skip
+    one = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120)
+    two = subprocess.run(command + ["--gpus", "2"], env=_env(), capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.strip()
+
+
+def test_a_failing_rank_stops_the_run_with_its_error(tiny):
+    store = str(tiny.store("qwen3_moe"))
+    command = [sys.executable, str(WORKER), store, "--spawn", "2", "--fail-rank", "1"]
+    out = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode != 0
+    assert "rank 1 fails on purpose" in out.stderr
+    assert "rank 1 of 2 exited with status 1" in out.stderr
+
+
+@pytest.mark.slow
+def test_a_silent_rank_times_out_with_a_clear_error():
+    results = _torchrun_ranks(2, "unused", "--hang-rank", "1", timeout=60, MOETIER_DIST_TIMEOUT="3")
+    code, stdout, stderr = results[0]
+    assert code == 0, stderr[-3000:]
+    error = json.loads(stdout.strip().splitlines()[-1])
+    assert "expert combine of MoE layer 3 failed" in error["error"]
+    assert "did not join within 3 s" in error["error"]
+    assert error["seconds"] < 30
+
+
+def test_a_missing_rank_fails_the_join_with_a_clear_error(tiny):
+    port = str(free_port())
+    out = subprocess.run(
+        [sys.executable, str(WORKER), str(tiny.store("qwen3_moe"))],
+        env=_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=port, MOETIER_DIST_TIMEOUT="2"),
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "rank 0 of 2 could not join the others" in out.stderr
+
+
+def test_gpus_beyond_this_machine_is_refused_with_what_to_do():
+    from moetier.config import EngineConfig
+    from moetier.parallel.launch import check_devices, wanted_ranks
+
+    with pytest.raises(ValueError, match="--gpus 2 needs 2 GPUs and this machine has 0"):
+        check_devices(EngineConfig(gpus=2), 2)
+    check_devices(EngineConfig(gpus=2, device="cpu"), 2)  # CPU processes over gloo
+    assert wanted_ranks(EngineConfig()) == 1
+    with pytest.raises(ValueError, match="give 1 or more"):
+        wanted_ranks(EngineConfig(gpus=0))
+
+
+def test_what_expert_parallel_does_not_do_yet_is_refused(tiny):
+    from moetier.config import EngineConfig
+    from moetier.parallel.launch import rank_config
+
+    store = tiny.store("qwen3_moe")
+    with pytest.raises(ValueError, match="speculative decoding"):
+        rank_config(EngineConfig(mtp=True), store)
+    with pytest.raises(ValueError, match="native model files"):
+        rank_config(EngineConfig(native=False), store)
+    config = rank_config(EngineConfig(), store)
+    assert not config.cuda_graph and not config.lookahead and not config.compile_decode
