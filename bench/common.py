@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from moetier.residency.links import time_cuda, time_host
+from moetier.kernels.timing import WARM_S, graph_ms, time_cuda  # noqa: F401 (re-exported)
+from moetier.residency.links import time_host
 
 
 def emit(record: dict[str, Any], sink: list[dict[str, Any]] | None = None) -> None:
@@ -38,30 +39,6 @@ def _read_kernel() -> Any:
         tl.store(out + tl.program_id(0), tl.sum(acc, axis=0))
 
     return read_words
-
-
-WARM_S = 0.05  # seconds of replays before a graph is timed
-
-
-def graph_ms(fn_list: list[Any]) -> float:
-    """Median ms per call of the calls in fn_list, replayed as one CUDA graph, after WARM_S
-    seconds of replays (identical configs timed twice in one run after 3 warm-up replays
-    differed by 5-7%, the first timed the slower; after WARM_S, 0.987-1.027x on the H200:
-    docs/benchmarks.md)."""
-    import time
-
-    for fn in fn_list:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fn_list:
-            fn()
-    start = time.perf_counter()
-    while time.perf_counter() - start < WARM_S:
-        graph.replay()
-        torch.cuda.synchronize()
-    return time_cuda(graph.replay, reps=20) / len(fn_list)
 
 
 def read_floor_ms(nbytes: int, l2_bytes: int = 50 * 2**20) -> float:

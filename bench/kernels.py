@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, replace
 from dataclasses import fields as dataclass_fields
@@ -35,10 +36,20 @@ from moetier.core.layout import (
     raw_expert_format,
 )
 from moetier.kernels import moe_dispatch
+from moetier.kernels import tune as tuning
 from moetier.kernels.blob_decode import matrix_spec
-from moetier.kernels.moe_dispatch import KernelChoice, config_key
+from moetier.kernels.moe_dispatch import KernelChoice
 from moetier.kernels.moe_triton import moe_slots_triton
 from moetier.kernels.q2s_gemv import q2s_gemv_supports
+from moetier.kernels.tune import (  # noqa: F401 (L2_BYTES, weight_bytes: the studies' too)
+    GEMV_FIELDS,
+    L2_BYTES,
+    ExpertsCase,
+    config_entry,
+    routing_count,
+    time_case,
+    weight_bytes,
+)
 from moetier.quant.synthetic import random_blob
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,7 +65,6 @@ SHAPES = {  # name: (hidden, expert intermediate, experts, top-k)
     "eval-moe-70m": (512, 256, 32, 4),
 }
 TOKENS = [1, 2, 4, 8, 16, 64, 512, 4096]
-L2_BYTES = 50 * 2**20
 
 
 def q2s_format(shape: str) -> BlobFormat:
@@ -63,18 +73,10 @@ def q2s_format(shape: str) -> BlobFormat:
     return q2s_expert_format(hidden, inter, False, 32, 16)
 
 
-def weight_bytes(fmt: BlobFormat) -> int:
-    return sum(t.nbytes for t in fmt.tensors)
-
-
-class Case:
-    """All experts of one layer in a GPU pool (base slots, then delta slots). Routings are
-    each token's top-k of random scores, or with `Case.routing = "distinct"` a call's pairs
-    all on different experts while there are enough of them (a study: the q2s GEMV reads and
-    decodes an expert once per pair, so duplicates cost it about as much as distinct ones)."""
-
-    routing = "random"
-    first_pdl = True  # `--first-launch` (the module's docstring)
+class Case(ExpertsCase):
+    """All experts of one layer of `shape` in a GPU pool (`ExpertsCase`: routings, the call),
+    q2s blobs with the b = 3a grid (what the converter writes) or a fitted grid (b != 3a: the
+    format allows it; the kernel's second pass over the words for the high bits' sums)."""
 
     def __init__(
         self,
@@ -83,49 +85,14 @@ class Case:
         delta: BlobFormat | None,
         distinct: int = 4,
         fitted_grid: bool = False,
+        device: str = "cuda",
     ):
-        self.hidden, self.inter, self.experts, self.top_k = SHAPES[shape]
-        self.fmt, self.delta = fmt, delta
-        slot = max(fmt.nbytes, delta.nbytes if delta else 0)
-        self.slot_bytes = (slot + 4095) // 4096 * 4096
-        n = self.experts * (2 if delta else 1)
-        self.pool = torch.empty(n, self.slot_bytes, dtype=torch.uint8, device="cuda")
-        gen = torch.Generator().manual_seed(0)
-        # a few distinct random blobs copied into every slot; q2s with the b = 3a grid (what
-        # the converter writes), or a fitted grid (b != 3a: the format allows it; the kernel's
-        # second pass over the words for the high bits' sums)
-        base = [random_blob(fmt, gen, fitted_grid=fitted_grid).cuda() for _ in range(distinct)]
-        for e in range(self.experts):
-            self.pool[e, : fmt.nbytes] = base[e % distinct]
-        if delta:
-            dblobs = [random_blob(delta, gen).cuda() for _ in range(distinct)]
-            for e in range(self.experts):
-                self.pool[self.experts + e, : delta.nbytes] = dblobs[e % distinct]
-        self.slot_table = torch.arange(self.experts, dtype=torch.int32, device="cuda")
-        self.delta_table = self.slot_table + self.experts if delta else None
-        # the slots' byte offsets, made once and passed to every call as the public op passes
-        # the residency manager's (made per call by a default, they were two more launches)
-        self.offsets = torch.arange(n, dtype=torch.int64, device="cuda") * self.slot_bytes
+        _, _, experts, top_k = SHAPES[shape]
 
-    def routings(self, tokens: int, count: int, seed: int) -> list[dict[str, torch.Tensor]]:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        sets = []
-        for _ in range(count):
-            scores = torch.rand(tokens, self.experts, device="cuda", generator=gen)
-            ids = scores.topk(self.top_k, dim=1).indices
-            if self.routing == "distinct" and tokens * self.top_k <= self.experts:
-                perm = torch.randperm(self.experts, device="cuda", generator=gen)
-                ids = perm[: tokens * self.top_k].view(tokens, self.top_k)
-            sets.append(
-                dict(
-                    x=torch.randn(tokens, self.hidden, device="cuda", dtype=torch.bfloat16),
-                    ids=ids,
-                    w=torch.rand(tokens, self.top_k, device="cuda", generator=gen),
-                    mask=torch.ones(tokens, self.top_k, dtype=torch.bool, device="cuda"),
-                    out=torch.empty(tokens, self.top_k, self.hidden, device="cuda"),
-                )
-            )
-        return sets
+        def blob(f: BlobFormat, gen: torch.Generator) -> torch.Tensor:
+            return random_blob(f, gen, fitted_grid=fitted_grid)
+
+        super().__init__(fmt, delta, experts, top_k, blob, distinct, device)
 
     def bytes_per_call(
         self, r: dict[str, torch.Tensor], split_k: int, int8: bool = False, quant_in: bool = False
@@ -146,14 +113,6 @@ class Case:
             io += pairs * self.inter * (4 + 3) + (0 if quant_in else tokens * self.hidden * 5)
         delta = distinct * weight_bytes(self.delta) if self.delta else 0
         return distinct * weight_bytes(self.fmt) + io, delta
-
-    def call(self, r: dict[str, torch.Tensor], choice: tuple[KernelChoice, KernelChoice] | None):
-        moe_slots_triton(
-            r["x"], r["ids"], r["w"], self.slot_table, self.pool, self.fmt, ExpertActivation(),
-            r["out"], delta_mask=r["mask"] if self.delta else None,
-            delta_table=self.delta_table, delta_fmt=self.delta, slot_offsets=self.offsets,
-            choice=choice, first_pdl=self.first_pdl,
-        )  # fmt: skip
 
 
 class ZeroCopyCase(Case):
@@ -224,17 +183,6 @@ def make_case(name: str, shape: str) -> Case:
     return Case(shape, q2s, None)
 
 
-def routing_count(tokens: int, case: Case) -> int:
-    active = min(case.experts, tokens * case.top_k) * weight_bytes(case.fmt)
-    return max(2, min(32, 4 * L2_BYTES // max(1, active) + 1))
-
-
-def time_case(case: Case, tokens: int, choice=None, max_sets: int = 32) -> tuple[float, dict]:  # type: ignore[no-untyped-def, type-arg]
-    sets = case.routings(tokens, min(max_sets, routing_count(tokens, case)), seed=tokens)
-    ms = graph_ms([lambda r=r: case.call(r, choice) for r in sets])
-    return ms, sets[0]
-
-
 class GroupedMM:
     """bf16 baseline: tokens sorted by expert, torch._grouped_mm over dequantised weights."""
 
@@ -264,166 +212,45 @@ class GroupedMM:
 
 
 def time_config(case: Case, tokens: int, c_gu: KernelChoice, c_dn: KernelChoice) -> float:
-    """ms per call with these (gate_up, down) configs; inf for a config the compiler rejects
-    (e.g. out of shared memory)."""
-    try:
-        ms = time_case(case, tokens, (c_gu, c_dn), max_sets=8)[0]
-        print(f"# {tokens} {ms:.4f} ms {c_gu} / {c_dn}", file=sys.stderr)
-        return ms
-    except Exception as exc:  # noqa: BLE001
-        print(f"# skip {c_gu} / {c_dn}: {type(exc).__name__}", file=sys.stderr)
-        return float("inf")
+    """ms per call with these (gate_up, down) configs, said on stderr; inf for a config the
+    compiler rejects (e.g. out of shared memory)."""
+    return tuning.time_config(
+        case, tokens, c_gu, c_dn, log=lambda line: print(line, file=sys.stderr)
+    )
+
+
+def _search(case: Case, job: tuning.Job) -> dict[str, dict]:  # type: ignore[type-arg]
+    """The job's best entries, every candidate timed on `case` (no time bound)."""
+    result = tuning.search(job, lambda _, t, gu, dn: time_config(case, t, gu, dn), math.inf)
+    assert result is not None
+    return result.entries
+
+
+def _launches(case: Case) -> tuple[tuple[int, int], tuple[int, int]]:
+    gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
+    assert gu is not None and dn is not None
+    return (gu.n, gu.k), (dn.n, dn.k)
 
 
 def tune(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
-    """Best (gate_up, down) configs for this case: gate_up swept with down at its default, then
-    down with the best gate_up. Returns {config key: fields}."""
-    pairs = tokens * case.top_k
-    gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
-    assert gu is not None and dn is not None
-    default_gu = moe_dispatch.choose(pairs, case.experts, gu.n, gu.k)
-    default_dn = moe_dispatch.choose(pairs, case.experts, dn.n, dn.k)
-    if not default_gu.grouped:
-        cands = [
-            replace(default_gu, block_n=bn, block_k=bk, split_k=sk)
-            for bn in (16, 32, 64) for bk in (128, 256) for sk in (1, 2, 4, 8)
-            if bn * bk <= 8192
-        ] + [
-            replace(moe_dispatch.GEMM, block_m=16, block_n=bn, block_k=bk, split_k=sk)
-            for bn, bk, sk in [(64, 128, 1), (64, 128, 4), (32, 256, 2)]
-        ]  # fmt: skip
-    else:
-        cands = [
-            replace(default_gu, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-            for bm, bn, bk, w, st in [
-                (16, 64, 32, 4, 3), (32, 64, 32, 4, 3), (64, 64, 32, 4, 3), (64, 128, 32, 8, 3),
-                (64, 128, 32, 4, 4), (128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (32, 128, 32, 4, 4),
-            ]
-        ]  # fmt: skip
-
-    def timed(c_gu: KernelChoice, c_dn: KernelChoice) -> float:
-        return time_config(case, tokens, c_gu, c_dn)
-
-    def partner(c: KernelChoice) -> KernelChoice:  # down with the same pair grouping
-        return replace(c, split_k=1) if c.grouped else default_dn
-
-    best_gu = min(cands, key=lambda c: timed(c, partner(c)))
-    dn_cands = {
-        replace(c, split_k=1)
-        for c in cands
-        if c.grouped == best_gu.grouped and c.block_m == best_gu.block_m
-    }
-    best_dn = min(dn_cands, key=lambda c: timed(best_gu, c))
-    fields = ("grouped", "use_dot", "block_m", "block_n", "block_k", "split_k", "num_warps",
-              "num_stages")  # fmt: skip
-    return {
-        config_key(pairs, case.experts, gu.n, gu.k): config_entry(best_gu, fields),
-        config_key(pairs, case.experts, dn.n, dn.k): config_entry(best_dn, fields),
-    }
-
-
-# the q2s GEMV config fields a tuned table entry holds
-GEMV_FIELDS = ("block_n", "block_k", "num_warps", "int8_act", "group_acc", "prefetch_l2",
-               "quant_in", "quant_pdl", "depth", "pipe", "pipe_x", "split_k", "pairs",
-               "row_tiles", "maxnreg", "next_l2", "next_l2_at", "unroll", "gluon",
-               "prime", "delta_ahead", "wait_first")  # fmt: skip
-
-
-def config_entry(c: KernelChoice, fields: tuple[str, ...]) -> dict[str, object]:
-    """A tuned table entry: these fields of c."""
-    return {f: getattr(c, f) for f in fields}
+    """Best (gate_up, down) configs of the generic kernel for this case (`tuning.generic_job`).
+    Returns {config key: fields}."""
+    gu, dn = _launches(case)
+    return _search(case, tuning.generic_job(gu, dn, [tokens], case.experts, case.top_k))
 
 
 def tune_q2s_gemv(case: Case, tokens: list[int], suffix: str = "") -> dict[str, dict]:  # type: ignore[type-arg]
-    """Best q2s GEMV kernel configs (rows per program, BLOCK_K, warps) for gate_up, then down,
-    for all of `tokens` at once (one config serves every decode size, or with a `suffix`
-    `:p<P>` the calls of at most P pairs: the score is the sum over them of each time over
-    the first candidate's); for a ZeroCopyCase the `q2s-gemv-zc:`
-    configs (reads over PCIe: whole rows per K tile are among the candidates), for a case with
-    a delta plane the `q2s-gemv-delta:` ones (depth 1; pipe_x and prefetch_l2 per launch)."""
-    gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
-    assert gu is not None and dn is not None
-    zero_copy = isinstance(case, ZeroCopyCase)
-    delta = case.delta is not None
-    cands = [
-        # int8 activations only: the float path lost every shape by 2-3x (docs/benchmarks.md)
-        replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w, int8_act=True)
-        for bn, bk, w in [(64, 512, 4), (128, 512, 4), (128, 512, 8), (64, 256, 4),
-                          (128, 256, 4), (32, 512, 4), (64, 1024, 4), (32, 256, 2),
-                          # the H200's hand-found winners at 1-2 tokens (docs/benchmarks.md)
-                          (32, 1024, 4), (64, 512, 8)]
-    ] + [
-        # int8 sums per q2s group: half the accumulators, so 32 words and rows per thread fit
-        replace(moe_dispatch.Q2S_GEMV, block_n=bn, block_k=bk, num_warps=w, group_acc=True)
-        for bn, bk, w in [(64, 512, 4), (64, 1024, 8), (128, 512, 8), (64, 1024, 4),
-                          (128, 512, 4), (128, 1024, 8)]
-        + ([(32, 1024, 4), (32, 2048, 4), (32, 2048, 8), (64, 2048, 8)] if zero_copy else [])
-    ]  # fmt: skip
-    # each tile also with its activations and scales through shared memory (pipe_x): it
-    # changes registers and stalls enough to reorder the tiles (H200: only tried on the
-    # winning tile, it won DeepSeek-V3 6-11%)
-    if not delta:  # (with a delta: tried on the winners below, to keep the sweep short)
-        cands += [replace(c, pipe_x=True) for c in cands]
-    first: list[float] = []
-
-    def score(c_gu: KernelChoice, c_dn: KernelChoice) -> float:
-        times = [time_config(case, t, c_gu, c_dn) for t in tokens]
-        if not first:
-            first.extend(times)
-        return sum(ms / ref for ms, ref in zip(times, first, strict=True))
-
-    best_gu = min(
-        cands, key=lambda c: score(c, replace(moe_dispatch.Q2S_GEMV, int8_act=c.int8_act))
-    )
-    best_dn = min(
-        (c for c in cands if c.int8_act == best_gu.int8_act), key=lambda c: score(best_gu, c)
-    )
-    # then, greedily, each option on one launch, kept where it wins: rows asked for in L2
-    # first (sm_90; won at some shapes, lost at DeepSeek-V3's); more K tiles of weights in
-    # flight, two in registers (depth 2) or 2-3 ahead through shared memory by Triton's
-    # pipeliner (pipe 3, 4); gate_up rounding x itself (one launch fewer; a q2s-only case);
-    # the rounding launches with programmatic dependent launch (quant_pdl); K in two ranges
-    # (split_k 2: more programs, shorter chains of K tiles, for few pairs); two pairs of an
-    # expert per program (pairs 2: its rows read once for both); two row tiles a program
-    # (row_tiles 2: its blob found once for both), with registers capped at 128 (maxnreg);
-    # gate_up asking L2 for down's weights when done (next_l2), or in the Gluon kernel 1-2 K tiles
-    # before its loop's end (next_l2_at); gate_up's K loop unrolled twice; the Gluon kernel's
-    # second K tile asked for before its wait (prime); sums per q2s group (group_acc);
-    # the Gluon kernel (gluon); with a delta, the delta's next K tile loaded ahead (delta_ahead)
-    best = score(best_gu, best_dn)
-    ahead = ({"pipe_x": True},) if delta else ({"depth": 2}, {"pipe": 3}, {"pipe": 4})
-    options = [("gu", {"prefetch_l2": True}), ("dn", {"prefetch_l2": True})]
-    options += [(launch, a) for launch in ("gu", "dn") for a in ahead]
-    two = ("split_k",) if delta else ("split_k", "pairs")  # (no pairs with a delta plane)
-    options += [(launch, {f: 2}) for launch in ("gu", "dn") for f in two]
-    options += [] if delta else [("gu", {"quant_in": True}), ("gu", {"quant_pdl": True})]
-    options += [(launch, {"row_tiles": 2, "maxnreg": 128}) for launch in ("gu", "dn")]
-    options += [("gu", {"next_l2": True, "next_l2_at": at}) for at in (0, 1, 2)]
-    options += [("gu", {"unroll": 2})] + [(launch, {"prime": True}) for launch in ("gu", "dn")]
-    # gate_up first in the call waiting before it reads anything (a no-op back to back: tune
-    # with --first-launch after)
-    options += [("gu", {"wait_first": True})]
-    # sums per q2s group on the winning tiles (H200: the delta configs at Qwen3-30B-A3B,
-    # 0.88-0.91x the time a call, where the tile sweep had only tried it on other tiles)
-    options += [(launch, {"group_acc": True}) for launch in ("gu", "dn")]
-    if delta:
-        options += [(launch, {"delta_ahead": True}) for launch in ("gu", "dn")]
-    # the Gluon kernel on a launch (no delta plane; gate_up rounding x and h itself, or reading
-    # the rounding launch's words: at 1 token a lone launch rounding x once won): a tile it
-    # cannot run raises, which scores inf
-    options += [] if delta else [("gu", {"gluon": True, "quant_in": True}), ("gu", {"gluon": True}),
-                                 ("dn", {"gluon": True})]  # fmt: skip
-    for launch, option in options:
-        c_gu = replace(best_gu, **option) if launch == "gu" else best_gu
-        c_dn = replace(best_dn, **option) if launch == "dn" else best_dn
-        got = score(c_gu, c_dn)
-        if got < best:
-            best_gu, best_dn, best = c_gu, c_dn, got
-    key = "q2s-gemv-zc" if zero_copy else "q2s-gemv-delta" if delta else "q2s-gemv"
-    return {
-        f"{key}:{gu.n}x{gu.k}{suffix}": config_entry(best_gu, GEMV_FIELDS),
-        f"{key}:{dn.n}x{dn.k}{suffix}": config_entry(best_dn, GEMV_FIELDS),
-    }
+    """Best q2s GEMV kernel configs (`tuning.q2s_gemv_job`: tiles for gate_up, then down, then
+    options one launch at a time) for all of `tokens` at once (one config serves every decode
+    size, or with a `suffix` `:p<P>` the calls of at most P pairs: the score is the sum over
+    them of each time over the first pair's); for a ZeroCopyCase the `q2s-gemv-zc:` configs
+    (reads over PCIe: whole rows per K tile are among the candidates), for a case with a delta
+    plane the `q2s-gemv-delta:` ones (depth 1; pipe_x and prefetch_l2 per launch)."""
+    gu, dn = _launches(case)
+    sm90 = moe_dispatch._capability() == (9, 0)
+    zero_copy, delta = isinstance(case, ZeroCopyCase), case.delta is not None
+    job = tuning.q2s_gemv_job(gu, dn, tokens, case.top_k, suffix, zero_copy, delta, sm90)
+    return _search(case, job)
 
 
 def sweep_joint(case: Case, shape: str, tokens: int, info: dict, keep: int = 8):  # type: ignore[no-untyped-def, type-arg]
@@ -527,35 +354,9 @@ def _short(c: KernelChoice) -> dict[str, object]:
 
 
 def tune_q2s_mma(case: Case, tokens: int) -> dict[str, dict]:  # type: ignore[type-arg]
-    """Best q2s prefill kernel (`q2s_mma.py`) configs: gate_up swept with down at its default,
-    then down over the candidates with the best gate_up's BLOCK_M."""
-    pairs = tokens * case.top_k
-    gu, dn = matrix_spec(case.fmt, "gate_up"), matrix_spec(case.fmt, "down")
-    assert gu is not None and dn is not None
-    rows = moe_dispatch.mean_rows(pairs, case.experts)
-    base = moe_dispatch.Q2S_MMA
-    cands = [
-        replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-        for bm, bn, bk, w, st in [
-            (16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (32, 128, 64, 4, 3),
-            (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 64, 8, 3),
-            (64, 64, 128, 4, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 4), (32, 64, 128, 4, 3),
-        ]
-        if bm <= max(16, 2 * rows)
-    ]  # fmt: skip
-    dn_default = moe_dispatch.choose_q2s_mma(pairs, case.experts, (gu.n, gu.k), (dn.n, dn.k))[1]
-    best_gu = min(
-        cands, key=lambda c: time_config(case, tokens, c, replace(dn_default, block_m=c.block_m))
-    )
-    best_dn = min(
-        (c for c in cands if c.block_m == best_gu.block_m),
-        key=lambda c: time_config(case, tokens, best_gu, c),
-    )
-    fields = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-    return {
-        f"q2s-mma:{gu.n}x{gu.k}:m{rows}": config_entry(best_gu, fields),
-        f"q2s-mma:{dn.n}x{dn.k}:m{rows}": config_entry(best_dn, fields),
-    }
+    """Best q2s prefill kernel (`q2s_mma.py`) configs (`tuning.q2s_mma_job`)."""
+    gu, dn = _launches(case)
+    return _search(case, tuning.q2s_mma_job(gu, dn, tokens, case.experts, case.top_k))
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, int | bool], str]:

@@ -14,6 +14,7 @@ VERBS = {
     "quality": "KL divergence and perplexity of a store against its Hugging Face reference",
     "plan": "print where a store's weights, KV cache and experts go under memory budgets",
     "bench": "measure prefill and decode speed on this machine, next to its floor",
+    "tune": "time the experts kernels' configurations on this GPU and keep the fastest",
     "verify": "check a store's index and every expert blob's checksum",
     "parse": "split raw model output on stdin into content, reasoning and tool calls (JSON)",
 }
@@ -21,6 +22,8 @@ VERBS = {
 # verbs whose checkpoint or store argument may be a Hugging Face Hub id (cli/hub.py)
 HUB_VERBS = ("convert", "serve", "generate", "bench")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# verbs that say once, on a CUDA card without tuned kernel configs, how to tune them
+TUNED_VERBS = ("serve", "generate")
 
 
 def set_log_level(level: str, given: bool = True) -> None:
@@ -41,6 +44,22 @@ def set_log_level(level: str, given: bool = True) -> None:
         logger = logging.getLogger(name)
         if given or not logger.level:
             logger.setLevel(number)
+
+
+def say_untuned(store: str) -> None:
+    """A warning, once, where this CUDA card has neither the user's tuned kernel table nor a
+    shipped one: how to tune (`moe_dispatch.untuned_hint`); nothing on CPU."""
+    import logging
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from moetier.kernels.moe_dispatch import untuned_hint
+
+    hint = untuned_hint(store)
+    if hint:
+        logging.getLogger("moetier.cli").warning(hint)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             from moetier.cli import hub
 
             hub.resolve(args, argv[0])
+        if argv[0] in TUNED_VERBS:
+            say_untuned(str(args.store))
         return int(module.run(args) or 0)
     except (ValueError, FileNotFoundError) as err:
         print(f"moetier {argv[0]}: error: {err}", file=sys.stderr)

@@ -2,18 +2,25 @@
 
 GEMV (one program per (token, expert) pair, broadcast-multiply and sum over K, split-K to fill
 the GPU) for decode; GEMM (pairs grouped per expert into BLOCK_M rows, `tl.dot`) for prefill.
-Tuned tile sizes live in configs/<gpu name>.json (written by bench/kernels.py --tune); without a
-file for this GPU the defaults below apply.
+Tuned tile sizes come from the user's table (`moetier tune`, in the cache folder) over the
+shipped configs/<gpu name>.json (written by bench/kernels.py --tune), or a card of the same
+architecture's (`tuned_configs`); where neither has an entry the defaults below apply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
+import logging
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+from moetier.kernels import tuned_tables
+
+CONFIG_DIR = Path(__file__).parent / "configs"  # the shipped tables, configs/<card>.json
 # Pairs per call above which the grouped tl.dot kernel wins (tokens * top_k).
 GEMM_MIN_PAIRS = 128
 # The same for q2s, whose GEMV kernel (H200, Qwen3-30B-A3B and DeepSeek shapes) still beats the
@@ -153,6 +160,9 @@ def _device_name() -> str:
 # the compute capability of each card a tuned table ships for: a card without its own table
 # takes one of its architecture's (an H100 the H200's), else the generic defaults
 TUNED_CAPABILITY = {"NVIDIA_H200": (9, 0)}
+log = logging.getLogger(__name__)
+# the table every lookup reads while set (`using_table`), whatever the card
+_OVERRIDE: dict[str, dict[str, Any]] | None = None
 
 
 def _capability() -> tuple[int, int] | None:
@@ -161,29 +171,77 @@ def _capability() -> tuple[int, int] | None:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
-@functools.cache
-def tuned_configs(device_name: str) -> dict[str, dict[str, int | bool]]:
-    """{"gemv:<n>x<k>" | "gemm:<n>x<k>": KernelChoice fields} for this GPU: its own table, else
-    a tuned card's of the same architecture, else {} (the generic defaults); which one is said
-    once on stderr."""
-    import sys
-
+def shipped_table(device_name: str) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """(the card whose shipped table this GPU takes, that table): its own, else a tuned card's
+    of the same architecture (`TUNED_CAPABILITY`), else (None, {})."""
     path = CONFIG_DIR / f"{device_name}.json"
-    source = device_name
-    if not path.exists():
-        cap = _capability() if device_name != "cpu" else None
-        same = [card for card, c in sorted(TUNED_CAPABILITY.items()) if c == cap]
-        if not same:
-            if device_name != "cpu":
-                print(f"moetier: kernel configs: generic defaults (none tuned for "
-                      f"{device_name} or its architecture)", file=sys.stderr)  # fmt: skip
-            return {}
-        source = same[0]
-        path = CONFIG_DIR / f"{source}.json"
-        print(f"moetier: kernel configs: {source}'s (same architecture as {device_name}, "
-              "which has none of its own)", file=sys.stderr)  # fmt: skip
-    data: dict[str, dict[str, int | bool]] = json.loads(path.read_text())
-    return data
+    if path.exists():
+        return device_name, tuned_tables.read_table(path)
+    cap = _capability() if device_name != "cpu" else None
+    same = [card for card, c in sorted(TUNED_CAPABILITY.items()) if c == cap]
+    if not same:
+        return None, {}
+    return same[0], tuned_tables.read_table(CONFIG_DIR / f"{same[0]}.json")
+
+
+@functools.cache
+def tuned_configs(device_name: str) -> dict[str, dict[str, Any]]:
+    """{"gemv:<n>x<k>" | "q2s-gemv:<n>x<k>" | ...: KernelChoice fields} for this GPU, first found
+    first: the user's table for this card, driver and Triton (`moetier tune`), over the card's
+    shipped table, else over the shipped table of a card of the same architecture; else the
+    generic defaults ({}). Which ones is logged once (info); CPU reads none.
+    $MOETIER_KERNEL_CONFIGS names one table file to read alone ("defaults": none)."""
+    if _OVERRIDE is not None:
+        return _OVERRIDE
+    forced = os.environ.get(tuned_tables.TABLE_ENV)
+    if forced:
+        table = {} if forced == "defaults" else tuned_tables.read_table(Path(forced))
+        log.info("kernel configs: %s only ($%s)", forced, tuned_tables.TABLE_ENV)
+        return table
+    if device_name == "cpu":
+        return {}
+    user_path = tuned_tables.user_table_path(device_name)
+    user = tuned_tables.read_table(user_path) if user_path.exists() else {}
+    source, shipped = shipped_table(device_name)
+    said = [f"tuned on this card ({user_path})"] if user else []
+    if source == device_name:
+        said.append(f"shipped for {source}")
+    elif source:
+        said.append(f"shipped for {source} (same architecture)")
+    log.info("kernel configs for %s: %s", device_name,
+             ", then ".join(said + ["generic defaults"]))  # fmt: skip
+    return tuned_tables.layered(user, shipped)
+
+
+def untuned_hint(store: str = "STORE") -> str | None:
+    """How to tune, for a CUDA card with neither a user table (`moetier tune`) nor a shipped
+    one of its own; None elsewhere (CPU, a tuned card, a table forced by the environment)."""
+    name = _device_name()
+    if name == "cpu" or os.environ.get(tuned_tables.TABLE_ENV):
+        return None
+    path = tuned_tables.user_table_path(name)
+    if path.exists() or (CONFIG_DIR / f"{name}.json").exists():
+        return None
+    source, _ = shipped_table(name)
+    running = f"{source}'s (same architecture)" if source else "the generic defaults"
+    return (f"no kernel configs tuned for {name} with this driver and Triton: running "
+            f"{running}. `moetier tune {store}` times them on this card (5 minutes at most) "
+            f"and keeps the fastest in {path}")  # fmt: skip
+
+
+@contextlib.contextmanager
+def using_table(table: dict[str, dict[str, Any]] | None) -> Iterator[None]:
+    """Every lookup reads `table` alone inside (None: the usual tables; {}: the generic
+    defaults): the tuner's starting point, a benchmark's A/B of tables in one process."""
+    global _OVERRIDE
+    before = _OVERRIDE
+    _OVERRIDE = table
+    tuned_configs.cache_clear()
+    try:
+        yield
+    finally:
+        _OVERRIDE = before
+        tuned_configs.cache_clear()
 
 
 def mean_rows(pairs: int, num_experts: int) -> int:

@@ -16,28 +16,12 @@ from typing import Any
 
 import torch
 
+from moetier.kernels.timing import time_cuda
 from moetier.quant.store import Store
 from moetier.residency.cost import LinkSpeeds
 from moetier.residency.disk import DiskReader
 
 LINKS = ("hbm", "h2d", "zero_copy", "disk")
-
-
-def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def time_host(fn: Callable[[], object], reps: int = 5) -> float:

@@ -61,23 +61,29 @@ def test_a_failing_case_fails_the_sweep():
     assert "error" in lines[0] and lines[-1]["failures"] == 1
 
 
-def test_a_card_without_its_own_table_takes_its_architectures(monkeypatch, capsys):
+def test_a_card_without_its_own_table_takes_its_architectures(monkeypatch, caplog, tmp_path):
     """An H100 (sm_90, no table of its own) gets the H200's tuned configs and says so once; a
     card of an architecture nobody tuned gets the generic defaults and says that; CPU is
-    silent."""
+    silent. (No user table: the cache is an empty folder.)"""
+    import logging
+
     from moetier.kernels import moe_dispatch
 
+    monkeypatch.setenv("MOETIER_CACHE", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="moetier.kernels.moe_dispatch")
     h200 = moe_dispatch.CONFIG_DIR / "NVIDIA_H200.json"
     moe_dispatch.tuned_configs.cache_clear()
     monkeypatch.setattr(moe_dispatch, "_capability", lambda: (9, 0))
     table = moe_dispatch.tuned_configs("NVIDIA_H100_80GB_HBM3")
     assert table == json.loads(h200.read_text()) and table
     moe_dispatch.tuned_configs("NVIDIA_H100_80GB_HBM3")  # cached: said once
-    err = capsys.readouterr().err
-    assert err.count("NVIDIA_H200's (same architecture as NVIDIA_H100_80GB_HBM3") == 1
+    said = " / ".join(r.getMessage() for r in caplog.records)
+    assert said.count("shipped for NVIDIA_H200 (same architecture)") == 1
+    caplog.clear()
     moe_dispatch.tuned_configs.cache_clear()
     monkeypatch.setattr(moe_dispatch, "_capability", lambda: (8, 6))
     assert moe_dispatch.tuned_configs("NVIDIA_GeForce_RTX_3090") == {}
-    assert "generic defaults" in capsys.readouterr().err
-    assert moe_dispatch.tuned_configs("cpu") == {} and capsys.readouterr().err == ""
+    assert "generic defaults" in caplog.records[0].getMessage()
+    caplog.clear()
+    assert moe_dispatch.tuned_configs("cpu") == {} and not caplog.records
     moe_dispatch.tuned_configs.cache_clear()
