@@ -226,9 +226,11 @@ class ExpertsRuntime:
         if self.residency.device.type == "cuda" and not host.pinned:
             raise ValueError("zero-copy reads need the host tier in pinned memory")
         self._check_capturable("use zero-copy mode")
+        mtp_layers = list(getattr(self.residency.store, "mtp_modules", {}))
         placement = ZeroCopyPlacement(
-            self.residency, host, list(self.formats), self.planes(), stage, delta_slots
-        )
+            self.residency, host, list(self.formats), self.planes(), stage, delta_slots,
+            preferred=mtp_layers,  # drafting reads them k times a step: kept on the GPU
+        )  # fmt: skip
         if hot is None:
             hot = placement.hot_keys(placement.scores)  # all zero: key order, base first
         placement.promote(hot[: max(0, self.residency.capacity - len(placement.fixed))])

@@ -36,6 +36,10 @@ def staging_slots(stage: int, capacity: int, layers: int) -> int:
     return max(0, min(stage, capacity // (4 * layers)))
 
 
+# the share of the GPU's expert slots that `preferred` layers' blobs may take first
+PREFERRED_SHARE = 0.25
+
+
 class ZeroCopyPlacement:
     """Tables addressing the blobs of `layers` × experts × `planes` in `pool` or `host`."""
 
@@ -47,13 +51,18 @@ class ZeroCopyPlacement:
         planes: Sequence[str],
         stage: int = 0,
         delta_slots: int | None = None,
+        preferred: Sequence[int] = (),
     ) -> None:
         """`stage`: staging slots per layer (reserved from the pool) for guessed experts that
         the decode step copies in ahead of their layer (`moetier::stage_guesses`).
         `delta_slots`: the delta cache (`--delta-memory`): that many of the pool's slots hold
         delta blobs only, chosen by how often the gate applied each expert's delta
         (`record_delta`), the others base blobs by their pairs; None: both planes share the
-        slots, a delta blob ranked as its expert."""
+        slots, a delta blob ranked as its expert.
+        `preferred`: layers whose base blobs take GPU slots before any other's, whatever their
+        counts, while they fill at most PREFERRED_SHARE of the slots (an MTP layer: drafting
+        runs it k times a step, one token a row each, so each of its misses is read again for
+        every draft instead of once for the step's k + 1 tokens as in the main layers)."""
         if pool.host is not None and pool.host is not host:
             raise ValueError("the zero-copy host tier must be the slot pool's host tier")
         if host.row_bytes > pool.slot_bytes:
@@ -81,6 +90,7 @@ class ZeroCopyPlacement:
                     "expert cache has: lower it or raise the GPU budget"
                 )
         self.delta_slots = delta_slots
+        self.preferred = [layer for layer in preferred if layer in self.layer_index]
         if len(self.fixed) > pool.capacity:
             raise ValueError(
                 f"zero-copy reads need every blob off the GPU in the host tier: "
@@ -217,11 +227,14 @@ class ZeroCopyPlacement:
             )
 
         keys = [k for k in self.keys if k in self.host]
+        first = [k for k in keys if k[0] in self.preferred and k[2] == "base"]
+        if len(first) > room * PREFERRED_SHARE:
+            first = []  # too many to prefer: ranked with the others
         if self.delta_slots is None:
-            return ranked(keys, scores)[:room]
+            return list(dict.fromkeys([*first, *ranked(keys, scores)]))[:room]
         delta = ranked([k for k in keys if k[2] == "delta"], self.delta_scores
                        if delta_scores is None else delta_scores)[: self.delta_slots]  # fmt: skip
-        base = ranked([k for k in keys if k[2] != "delta"], scores)
+        base = list(dict.fromkeys([*first, *ranked([k for k in keys if k[2] != "delta"], scores)]))
         return base[: room - len(delta)] + delta
 
     def rebalance(self, decay: float = 0.5) -> int:

@@ -368,3 +368,27 @@ def test_delta_cache_in_the_serving_engines_graphs(delta_store):
     zc = loaded.runtime.zero_copy
     assert zc is not None and zc.delta_slots == 2
     assert int(zc.delta_counts.sum()) > 0
+
+
+def test_preferred_layers_take_the_gpu_slots_first(tiny, monkeypatch):
+    """An MTP layer's experts (`preferred`) hold GPU slots whatever the counts, while they fit
+    PREFERRED_SHARE of them; beyond it they are ranked with the others. Logits unchanged."""
+    from moetier.residency import zero_copy
+
+    ids = torch.randint(1, 300, (2, 7), generator=torch.Generator().manual_seed(4))
+    full = logits(load(tiny), ids)
+    for share, preferred in ((1.0, True), (zero_copy.PREFERRED_SHARE, False)):
+        monkeypatch.setattr(zero_copy, "PREFERRED_SHARE", share)
+        loaded = load(tiny, expert_cache_slots=8, host_memory="64MiB")
+        layer = max(loaded.runtime.formats)  # stands for an MTP layer (8 experts, 8 slots)
+        monkeypatch.setattr(loaded.runtime.residency.store, "mtp_modules", {layer: None})
+        zc = loaded.runtime.enable_zero_copy()
+        row = zc.layer_index[layer]
+        for _ in range(2):  # as placed, then after a rebalance by the counts
+            assert torch.equal(logits(loaded, ids), full)
+            on_gpu = zc.table < zc.slots
+            assert int(on_gpu.sum()) == 8
+            assert bool(on_gpu[row].all()) == preferred
+            zc.rebalance()
+        if not preferred:  # ranked by the counts like every other layer
+            assert zc.counts[on_gpu].min() >= zc.counts[~on_gpu].max()
