@@ -13,8 +13,10 @@ kernels), the ladder is one width, the whole table: the graphs are per batch buc
 
 `DecodeGraph` holds one key's static inputs (ids and positions [B, 1], page table [B, W]), their
 host staging copies, and the step captured on them into a CUDA graph, or (`captured` False: CPU
-tests) the step itself, run eagerly on the same inputs. `DecodeGraphs` keeps them by key, least
-recently used dropped first beyond a cap.
+tests) the step itself, run eagerly on the same inputs. The step gives the logits [B, V] and the
+final hidden states [B, H] (what speculative decoding's MTP layer reads; engine/runner.py runs a
+verify step's k + 1 positions of a request as k + 1 of these rows). `DecodeGraphs` keeps them
+by key, least recently used dropped first beyond a cap.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class DecodeGraph:
         ]
         self.graph: Any = None
         self.logits: torch.Tensor | None = None
-        self._eager: Callable[[], torch.Tensor] | None = None
+        self.hidden: torch.Tensor | None = None  # the last replay's final hidden states [B, H]
+        self._eager: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def key(self) -> Key:
@@ -95,9 +98,9 @@ class DecodeGraph:
         """The staging copy of the forced rows (None: no gate inputs)."""
         return self.staged[3].numpy() if self.forced is not None else None
 
-    def capture(self, step: Callable[..., torch.Tensor], pool: Any) -> None:
+    def capture(self, step: Callable[..., tuple[torch.Tensor, torch.Tensor]], pool: Any) -> None:
         """Warm up on a side stream (compiles a compiled step; writes what the replays
-        write), then capture."""
+        write), then capture. `step` -> (logits, hidden)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -106,9 +109,9 @@ class DecodeGraph:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.logits = step(*self._args())
+            self.logits, self.hidden = step(*self._args())
 
-    def run_eagerly(self, step: Callable[..., torch.Tensor]) -> None:
+    def run_eagerly(self, step: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
         """No capture: `replay` runs `step` on the static inputs (the graph's shapes, CPU)."""
         self._eager = lambda: step(*self._args())
 
@@ -119,9 +122,10 @@ class DecodeGraph:
 
     def replay(self) -> torch.Tensor:
         """Run the step on the static inputs as they are -> the logits (a captured graph's own
-        buffer)."""
+        buffer; `hidden` then holds the rows' final hidden states)."""
         if self._eager is not None:
-            return self._eager()
+            self.logits, self.hidden = self._eager()
+            return self.logits
         self.graph.replay()
         assert self.logits is not None
         return self.logits

@@ -169,7 +169,7 @@ class Engine:
         if self.speculative:
             if not isinstance(self.runner, PagedRunner):
                 raise ValueError("speculative decoding needs a native model file (--native)")
-            self.runner.enable_speculative()
+            self.runner.enable_speculative(self.speculative)
         self.meter: QualityMeter | None = None
         if limits.quality_meter > 0:
             if self.runner.gate_rows is None:

@@ -80,15 +80,24 @@ class GateRows:
             self.confidence_rows(items, per_token) if self.uses_confidence else None
         )
 
-    def stage(self, items: list[Scheduled], forced: np.ndarray, confidence: torch.Tensor) -> None:
+    def stage(
+        self,
+        items: list[Scheduled],
+        forced: np.ndarray,
+        confidence: torch.Tensor,
+        per_token: bool = False,
+    ) -> None:
         """A graph's rows: `forced` (its host staging buffer [rows], padding rows False) and
-        `confidence` (its static device buffer [rows], padding rows 1.0) filled in."""
+        `confidence` (its static device buffer [rows], padding rows 1.0) filled in. per_token:
+        a row per token of each item (a speculative step's rows: an item's last token and its
+        drafts), as a packed step's tokens see them."""
+        flags = self.forced_of(items, per_token)
         forced.fill(False)
-        forced[: len(items)] = self.forced_of(items, per_token=False)
+        forced[: len(flags)] = flags
         if self.uses_confidence:
-            confidence[len(items) :].fill_(1.0)
-            if items:
-                confidence[: len(items)].copy_(self.confidence_rows(items, per_token=False))
+            confidence[len(flags) :].fill_(1.0)
+            if flags:
+                confidence[: len(flags)].copy_(self.confidence_rows(items, per_token))
 
     def observe(self, logits: torch.Tensor, items: list[Scheduled]) -> None:
         """The rows' sampled distributions (raw logits [S, V], in `items`' order): each

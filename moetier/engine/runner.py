@@ -8,10 +8,13 @@ where the attention has `pages_in_kernel`: GQA and MLA; the keys gathered from t
 elsewhere); on CUDA with the experts placed for graphs, such steps replay a CUDA graph captured
 per (batch bucket, context bucket) (engine/decode_graphs.py: 1, 2, 4 ... 64 rows, padding rows
 on a scratch page; where keys are gathered, a page-table width from a geometric ladder that holds
-every row's position, else the whole table). Any other step packs every item's tokens into
-one row [1, N] (prefill chunks and decodes mixed; models/attention_batch.py), and only the
-positions whose next token is sampled (and those whose prompt logprobs a request asks for) go
-through the LM head.
+every row's position, else the whole table). Speculative decoding's steps (a request's last
+token and its k drafts) replay the same graphs where a batch bucket holds their tokens: each
+token a decode row of its request's page table at its own position, the step's K/V rows all
+written before any row attends (each layer writes, then attends), so a draft's row sees the
+rows before it (`_rows_step`). Any other step packs every item's tokens into one row [1, N]
+(prefill chunks and decodes mixed; models/attention_batch.py), and only the positions whose next
+token is sampled (and those whose prompt logprobs a request asks for) go through the LM head.
 `TransformersRunner` (the transformers model class): each request its own DynamicCache, its
 items run one after another; no prefix cache (its KV is not in pages).
 Sampling the step's rows is engine/step_sampler.py's (both runners derive from StepSampler).
@@ -77,6 +80,7 @@ class PagedRunner(StepSampler):
         gate = loaded.runtime.gate
         self.gate_rows = GateRows(gate, self.device) if gate is not None else None
         self.page_size = page_size
+        self.max_rows = max_rows
         self.scratch_page = num_pages  # padding rows of a graphed step write here
         self.cache: torch.Tensor = model.new_cache(
             num_pages + 1, page_size, loaded.dtype, self.device
@@ -105,7 +109,7 @@ class PagedRunner(StepSampler):
         self._rebalance = ZeroCopyRebalance(loaded.runtime)
         # the graphed step through torch.compile (inductor fuses the norms, rotary and residual
         # adds), compiled at warm-up and kept in inductor's disk cache
-        self._step_fn: Callable[..., torch.Tensor] = self._graph_step
+        self._step_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._graph_step
         # launch the next decode step before the host handles this one's tokens (run's
         # `lookahead`): where steps are CUDA graphs (eager steps: tests set it)
         self.lookahead = self.use_graphs and loaded.engine_config.lookahead
@@ -114,19 +118,36 @@ class PagedRunner(StepSampler):
         self._compiled = False
         # speculative decoding with the model's MTP layer (enable_speculative)
         self.drafter: MTPDrafter | None = None
+        # steps with drafts run on a graph's fixed-shape inputs (replayed from the CUDA graph
+        # where graphs are on), and those run packed (more rows than the largest bucket, a
+        # prompt chunk among them, no graphs)
+        self.verify_graphed = self.verify_packed = 0
         if self.use_graphs and loaded.engine_config.compile_decode:
             self.compile_step()
         self.warm_up_seconds = self.warm_up(max_rows)
 
-    def enable_speculative(self) -> MTPDrafter:
-        """Draft with the model's MTP layer (engine/speculative.py): every step then runs on
-        the packed path, which keeps the hidden states the layer reads."""
+    def enable_speculative(self, drafts: int = 0) -> MTPDrafter:
+        """Draft with the model's MTP layer (engine/speculative.py), `drafts` a step: every
+        step then keeps the final hidden states the layer reads. Steps whose items are each one
+        token and its drafts run as decode rows (a token a row) on the graphs of the batch
+        buckets that hold them (those up to max_rows x (drafts + 1) rows captured now), others
+        packed. No steps launched ahead: the next step's tokens are known only after drafting."""
         if getattr(self.model, "mtp", None) is None:
             raise ValueError(
                 "speculative decoding drafts with the model's MTP layer, and none is loaded: "
                 "load the store's with --mtp (a checkpoint that ships one), or give --mtp-file"
             )
         self.drafter = MTPDrafter(self.model, self.page_size, self.device)
+        self.lookahead = False
+        if self.use_graphs:
+            began = time.perf_counter()
+            width = self.context_buckets[0]
+            for bucket in GRAPH_BUCKETS:
+                if (bucket, width) not in self.graphs and (bucket, width) not in self.graphs.failed:
+                    self._capture(bucket, width)
+                if bucket >= self.max_rows * (drafts + 1):
+                    break
+            self.warm_up_seconds += time.perf_counter() - began
         return self.drafter
 
     def release(self, request_id: str) -> None:
@@ -188,10 +209,12 @@ class PagedRunner(StepSampler):
             self._ahead = None
             return Sampled()
         self.positions_run += step.num_tokens
-        # (speculative decoding: every step packed, which keeps its hidden states)
+        # (speculative decoding: steps keep their hidden states, below)
         decoding = all(item.count == 1 for item in items) and self.drafter is None
+        # speculative decoding: the step's tokens as rows of a graph's inputs (None: packed)
+        graph = self._rows_graph(items) if self.drafter is not None else None
         # the pinned path's pairs; zero-copy: the hot set moves between steps
-        self._rebalance.step(step.num_tokens, prefill=not decoding)
+        self._rebalance.step(step.num_tokens, prefill=not decoding and graph is None)
         sampling = [i for i, item in enumerate(items) if item.samples]
         spans = self.prompt_spans(items)
         if decoding:
@@ -211,9 +234,19 @@ class PagedRunner(StepSampler):
                 prompt = logits.index_select(0, to_device([s.item for s in spans], self.device))
             return self._sample(picked, [items[i] for i in sampling], prompt, spans)
         self._ahead = None
-        if self.gate_rows is not None:
-            self.gate_rows.set_step(items, per_token=True)
-        hidden = self._packed(items)  # [N, H]
+        every: torch.Tensor | None = None  # the logits of every token (a graph's rows)
+        if graph is not None:
+            every, hidden = self._rows_step(items, graph)  # [N, V], [N, H]
+        else:
+            if self.gate_rows is not None:
+                self.gate_rows.set_step(items, per_token=True)
+            hidden = self._packed(items)  # [N, H]
+        if any(item.drafts for item in items):
+            if graph is not None:
+                self.verify_graphed += 1
+            else:
+                self.verify_packed += 1
+        head = functools.partial(self._head, hidden, every)
         starts = [0]
         for item in items:
             starts.append(starts[-1] + item.count)
@@ -227,29 +260,41 @@ class PagedRunner(StepSampler):
         rows = [starts[i + 1] - 1 for i in plain]
         rows += [starts[s.item] + s.start - items[s.item].start + j for s in spans
                  for j in range(s.count)]  # fmt: skip
-        logits = self.model.lm_head(
-            hidden.index_select(0, to_device(rows, self.device, torch.int64))
-        )  # [S + P, V]: the sampling rows, then the prompt logprob rows
-        picked, prompt = logits[: len(plain)], logits[len(plain) :]
-        result = self._sample(picked, [items[i] for i in plain], prompt, spans) if (
-            plain or spans) else Sampled()  # fmt: skip
+        result = Sampled()
+        if plain or spans:
+            logits = head(rows)  # [S + P, V]: the sampling rows, then the prompt logprob rows
+            picked, prompt = logits[: len(plain)], logits[len(plain) :]
+            result = self._sample(picked, [items[i] for i in plain], prompt, spans)
         if verify:
-            self._verify([items[i] for i in verify], hidden, [starts[i + 1] for i in verify],
+            self._verify([items[i] for i in verify], head, [starts[i + 1] for i in verify],
                          result)  # fmt: skip
         return result
 
+    def _head(
+        self, hidden: torch.Tensor, every: torch.Tensor | None, rows: list[int]
+    ) -> torch.Tensor:
+        """The logits of the step's token rows `rows`: taken from `every` (a graph step's, all
+        rows) where there, else the LM head over those rows of `hidden`."""
+        index = to_device(rows, self.device, torch.int64)
+        if every is not None:
+            return every.index_select(0, index)
+        return self.model.lm_head(hidden.index_select(0, index))
+
     def _verify(
-        self, items: list[Scheduled], hidden: torch.Tensor, ends: list[int], result: Sampled
+        self,
+        items: list[Scheduled],
+        head: Callable[[list[int]], torch.Tensor],
+        ends: list[int],
+        result: Sampled,
     ) -> None:
         """Items with drafts: the target's logits at the last token's position and each
-        draft's -> the drafts kept and the token after them (greedy: the longest agreeing
-        prefix; sampled: speculative sampling, engine/speculative.py), one read back."""
+        draft's (`head` of the step's token rows) -> the drafts kept and the token after them
+        (greedy: the longest agreeing prefix; sampled: speculative sampling,
+        engine/speculative.py), one read back."""
         assert self.drafter is not None
         rows = [end - item.drafts - 1 + j for item, end in zip(items, ends, strict=True)
                 for j in range(item.drafts + 1)]  # fmt: skip
-        logits = self.model.lm_head(
-            hidden.index_select(0, to_device(rows, self.device, torch.int64))
-        )
+        logits = head(rows)
         back: list[torch.Tensor] = []  # per item: greedy choices, or accepts and tokens
         at = 0
         for item in items:
@@ -332,6 +377,54 @@ class PagedRunner(StepSampler):
         step = functools.partial(self._eager_step, ids, positions, table)
         launch = _Launch(ids, positions, table, step, pages)
         return launch.run(), launch
+
+    def _rows_graph(self, items: list[Scheduled]) -> DecodeGraph | None:
+        """Speculative decoding: the graph (or, `fixed_shapes`, the inputs) whose rows hold the
+        step's tokens, one a row, where every item is one token and its drafts (decodes and
+        verify items) and a batch bucket holds their tokens; None: the packed path."""
+        if not (self.use_graphs or self.fixed_shapes):
+            return None
+        if any(item.count - item.drafts != 1 for item in items):
+            return None
+        bucket = bucket_of(GRAPH_BUCKETS, sum(item.count for item in items))
+        if bucket is None:
+            return None
+        needed = max((item.start + item.count - 1) // self.page_size + 1 for item in items)
+        return self._graph(bucket, needed)
+
+    def _rows_step(
+        self, items: list[Scheduled], graph: DecodeGraph
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step's tokens as `graph`'s decode rows: an item's last token and its drafts
+        k + 1 consecutive rows at positions start .. start + k, each with the request's page
+        table. Every layer writes all rows' K/V before any row attends (one stream: the write,
+        the fused K/V write kernel included, precedes the attention kernel; SDPA gathers after
+        the write), and a row sees the positions up to its own, so a draft's row attends to the
+        rows before it as a packed chunk's token does. -> the logits [N, V] (the graph's
+        buffer) and final hidden states [N, H] (a copy: the MTP layer keeps them) of the N
+        tokens, in the packed path's order."""
+        ids, positions, table = graph.host_inputs()
+        table.fill(self.scratch_page)
+        ids.fill(0)
+        positions.fill(0)
+        width = table.shape[1]
+        row = 0
+        for item in items:
+            request, count = item.request, item.count
+            known = request.tokens[item.start : item.start + count - item.drafts]
+            pages = request.pages[:width]
+            table[row : row + count, : len(pages)] = pages
+            ids[row : row + count, 0] = known + request.drafts[: item.drafts]
+            positions[row : row + count, 0] = np.arange(item.start, item.start + count)
+            row += count
+        forced = graph.host_forced()
+        if self.gate_rows is not None and forced is not None:
+            assert graph.confidence is not None
+            self.gate_rows.stage(items, forced, graph.confidence, per_token=True)
+        graph.stage()
+        logits = graph.replay()
+        assert graph.hidden is not None
+        return logits[:row], graph.hidden[:row].clone()
 
     def _eager_step(
         self, ids: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
@@ -461,17 +554,20 @@ class PagedRunner(StepSampler):
         *,
         cache: torch.Tensor,
     ) -> Any:
-        """One decode step; the cache comes as an argument: a graph input of the compiled step,
-        which `moetier::write_pages` updates in place. Keys gathered where the attention needs
-        them, over the table's width (the step's context bucket). forced / confidence: the
-        confidence gate's rows (engine/gate_rows.py), static inputs of the graph."""
+        """One decode step -> (logits [B, V], final hidden states [B, H]: speculative
+        decoding's MTP layer reads them; a buffer the LM head reads anyway). The cache comes as
+        an argument: a graph input of the compiled step, which `moetier::write_pages` updates
+        in place. Keys gathered where the attention needs them, over the table's width (the
+        step's context bucket). forced / confidence: the confidence gate's rows
+        (engine/gate_rows.py), static inputs of the graph."""
         if self.gate_rows is not None and forced is not None:
             self.gate_rows.gate.forced = forced
             self.gate_rows.gate.confidence = confidence if self.gate_rows.uses_confidence else None
         batch = AttentionBatch.decode(
             positions, table, self.page_size, with_keys=self.gather_decode_keys
         )
-        return self.model.lm_head(self.model.model(ids, positions, cache, batch)[:, 0])
+        hidden = self.model.model(ids, positions, cache, batch)[:, 0]
+        return self.model.lm_head(hidden), hidden
 
     def _decode_inputs(
         self, items: list[Scheduled], ids: np.ndarray, positions: np.ndarray, table: np.ndarray

@@ -140,6 +140,106 @@ def test_greedy_output_is_unchanged_with_good_and_bad_drafts(store, mtp_file, pa
     assert engine.pool.used_pages == 0
 
 
+def oracle_drafts(engine, want, wrong_every=3):
+    """Replace the MTP layer's drafts (after it ran: its KV written) by the true continuation,
+    every `wrong_every`-th call's one draft wrong."""
+    drafter = engine.runner.drafter
+    real, calls = drafter.draft, []
+
+    def oracle(requests, k, cache):
+        real(requests, k, cache)
+        for request in requests:
+            truth = want[request.id][len(request.output) :]
+            drafts = truth[:k] + [1] * max(0, k - len(truth))
+            calls.append(len(drafts))
+            if len(calls) % wrong_every == 0:
+                drafts[len(calls) % k] = (drafts[len(calls) % k] + 1) % 300
+            request.drafts = drafts
+
+    drafter.draft = oracle
+
+
+def fixed_shape_engine(loaded, pages, drafts=3, gathered=True):
+    """An engine whose decode and verify steps run on the CUDA graphs' fixed-shape inputs (CPU:
+    run eagerly on them); gathered False: the decode batches without gathered keys, the
+    attention through the decode kernels (Triton's interpreter), as on CUDA."""
+    limits = EngineLimits(num_pages=pages, page_size=4, speculative_tokens=drafts,
+                          speculative_policy="always")  # fmt: skip
+    engine = Engine(loaded, limits)
+    engine.runner.fixed_shapes = True
+    engine.runner.gather_decode_keys = gathered
+    return engine
+
+
+def check_rows_equal_packed(engine, monkeypatch):
+    """Every graphed speculative step computed again on the packed path: hidden states equal."""
+    runner = engine.runner
+    original, seen = runner._rows_step, []
+
+    def both(items, graph):
+        every, hidden = original(items, graph)
+        packed = runner._packed(items)  # rewrites the same K/V rows
+        seen.append(sum(item.drafts for item in items))
+        assert (hidden - packed).abs().max().item() <= 1e-4 * max(1.0, packed.abs().max().item())
+        return every, hidden
+
+    monkeypatch.setattr(runner, "_rows_step", both)
+    return seen
+
+
+@pytest.mark.parametrize("pages", [64, 10])
+def test_verify_steps_on_fixed_shape_rows_keep_the_greedy_text(store, mtp_file, pages,
+                                                               monkeypatch):  # fmt: skip
+    """Speculative steps as decode rows on the graphs' fixed-shape inputs (a request's last
+    token and its drafts consecutive rows): the plain engine's greedy text with the random
+    layer's drafts and with the true continuation's (every third call one wrong); each such
+    step's hidden states equal the packed path's; 10 pages of 4: requests are preempted."""
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
+    engine = fixed_shape_engine(native(store, mtp_file=str(mtp_file)), pages)
+    seen = check_rows_equal_packed(engine, monkeypatch)
+    assert drain(engine) == want
+    assert engine.runner.verify_graphed > 0 and any(seen)
+    engine = fixed_shape_engine(native(store, mtp_file=str(mtp_file)), pages)
+    oracle_drafts(engine, want)
+    assert drain(engine) == want
+    runner = engine.runner
+    assert runner.drafter.stats.acceptance > 0.5 and runner.verify_graphed > 0
+    if pages == 10:
+        assert engine.scheduler.preemptions > 0
+    else:  # every step after the prompts' is one of decode rows
+        assert runner.verify_packed == 0
+    assert engine.pool.used_pages == 0 and not runner.lookahead
+
+
+def test_verify_rows_through_the_decode_kernels(store, mtp_file, monkeypatch):
+    """The decode batches as on CUDA: no gathered keys, the GQA decode kernel attending and the
+    fused K/V write kernel writing (both under Triton's interpreter), a request's rows in one
+    launch each: the plain engine's greedy text, drafts mostly right."""
+    from moetier.kernels import paged_kv
+    from moetier.models import attention_batch, layers
+
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
+    writes, attends = [], []
+
+    def fused(cache, layer, page, offset, k, v):
+        writes.append(page.shape)
+        paged_kv.write_kv_pages_triton(cache, layer, page, offset, k, v)
+
+    monkeypatch.setattr(attention_batch, "write_kv_pages", fused)
+    engine = fixed_shape_engine(native(store, mtp_file=str(mtp_file)), 64, drafts=2,
+                                gathered=False)  # fmt: skip
+    real = layers.decode_attention
+    monkeypatch.setattr(layers, "decode_attention", lambda *a: attends.append(a[4]) or real(*a))
+    oracle_drafts(engine, want)
+    assert drain(engine) == want
+    assert engine.runner.verify_graphed > 0 and engine.runner.drafter.stats.acceptance > 0.5
+    rows = [p.tolist() for p in attends if p.shape[0] >= 3]
+    # one launch held a request's last token and both drafts: consecutive positions
+    assert any(any(r[i + 1] == r[i] + 1 == r[i + 2] - 1 for i in range(len(r) - 2))
+               for r in rows)  # fmt: skip
+    assert writes
+
+
 def test_logprob_and_penalised_requests_get_no_drafts(store, mtp_file):
     engine = Engine(native(store, mtp_file=str(mtp_file)),
                     EngineLimits(num_pages=64, page_size=4, speculative_tokens=2))  # fmt: skip
@@ -330,8 +430,7 @@ def test_moetier_bench_reports_the_acceptance(store, mtp_file, capsys):
     assert line["tokens_out"] == 16
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "glm_moe_dsa"])
-def shipped(request, tiny, tmp_path_factory):
+def shipped_store(tiny, tmp_path_factory, family):
     """A tiny checkpoint of a family whose releases ship an MTP layer with an MoE block
     (`model.layers.{L}.*`, random weights), converted: the store keeps the layer."""
     from tiny_models import skip_without_transformers_family
@@ -339,11 +438,20 @@ def shipped(request, tiny, tmp_path_factory):
     from moetier.quant.convert import convert
     from tests.quant.test_mtp_layers import with_mtp_layer
 
-    family = request.param
     skip_without_transformers_family(family)
     root = tmp_path_factory.mktemp(f"mtp-{family}")
     with_mtp_layer(tiny.checkpoint(family), root / "hf", family)
     return convert(root / "hf", root / "store", progress=False)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "glm_moe_dsa"])
+def shipped(request, tiny, tmp_path_factory):
+    return shipped_store(tiny, tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tiny, tmp_path_factory):
+    return shipped_store(tiny, tmp_path_factory, "deepseek_v3")
 
 
 def test_shipped_mtp_layers_draft_and_keep_the_greedy_text(shipped):
@@ -369,6 +477,52 @@ def test_shipped_mtp_layers_draft_and_keep_the_greedy_text(shipped):
     engine.runner.drafter.draft = mostly_right
     assert drain(engine) == want
     assert engine.runner.drafter.stats.acceptance > 0.8
+
+
+@pytest.mark.parametrize("pages, gathered", [(64, True), (10, True), (64, False)])
+def test_deepseek_verify_rows_keep_the_greedy_text(deepseek, pages, gathered, monkeypatch):
+    """deepseek_v3 with its shipped MTP layer (MLA, its MoE block's experts in the runtime):
+    speculative steps as fixed-shape decode rows give the greedy text of the model without
+    drafts, with the layer's drafts and with mostly-right ones; gathered False: the rows attend
+    through the MLA decode kernel (Triton's interpreter), as on CUDA; 10 pages: preempted."""
+    from moetier.kernels.mla_decode import mla_decode
+    from moetier.models import layers
+
+    want = drain(Engine(native(deepseek), EngineLimits(num_pages=64, page_size=4)))
+    calls = []
+    monkeypatch.setattr(layers, "mla_decode", lambda *a: calls.append(a[3]) or mla_decode(*a))
+    engine = fixed_shape_engine(native(deepseek, mtp=True), pages, drafts=2, gathered=gathered)
+    seen = check_rows_equal_packed(engine, monkeypatch)
+    assert drain(engine) == want
+    assert engine.runner.verify_graphed > 0 and any(seen)
+    engine = fixed_shape_engine(native(deepseek, mtp=True), pages, drafts=2, gathered=gathered)
+    oracle_drafts(engine, want)
+    assert drain(engine) == want
+    assert engine.runner.drafter.stats.acceptance > 0.5 and engine.runner.verify_graphed > 0
+    assert (pages == 10) == (engine.scheduler.preemptions > 0)
+    assert bool(calls) == (not gathered)  # the kernel took the rows only without gathered keys
+
+
+def test_sampled_verify_rows_keep_seeded_sampling(store, mtp_file):
+    """Seeded sampled requests with drafts: on fixed-shape rows the tokens the packed verify
+    steps draw (the same generator draws from logits equal to float error), and a second run
+    the same; top_k 1 gives the greedy text."""
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
+    seeded = SamplingParams(temperature=0.8, seed=7, max_new_tokens=14)
+    runs = []
+    for fixed in (False, True, True):
+        engine = fixed_shape_engine(native(store, mtp_file=str(mtp_file)), 64)
+        engine.runner.fixed_shapes = fixed
+        oracle_drafts(engine, want)
+        runs.append(drain(engine, params=seeded))
+        assert (engine.runner.verify_graphed > 0) == fixed
+        assert (engine.runner.verify_packed > 0) == (not fixed)
+    assert runs[0] == runs[1] == runs[2]
+    engine = fixed_shape_engine(native(store, mtp_file=str(mtp_file)), 64)
+    oracle_drafts(engine, want)
+    one = SamplingParams(temperature=0.9, top_k=1, seed=5, max_new_tokens=14)
+    assert drain(engine, params=one) == want
+    assert engine.runner.verify_graphed > 0
 
 
 @pytest.mark.parametrize("rates, kept", [("1,1", [1.0, 1.0]), ("0,0", [0.0, 0.0])])
@@ -411,31 +565,35 @@ def test_moetier_generate_with_drafts_writes_the_same_text(store, mtp_file, caps
 
 
 @pytest.mark.gpu
-def test_greedy_output_is_unchanged_with_drafts_on_cuda(store, mtp_file):
-    """On CUDA (plain decode steps replayed from graphs, verify steps packed): the drafted
-    engine's greedy text equals the plain one's, with the random layer's drafts and with drafts
-    from the true continuation (most accepted)."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_greedy_output_is_unchanged_with_drafts_on_cuda(family, request):
+    """On CUDA, decode and verify steps replayed from the batch buckets' graphs (a verify
+    step's tokens as decode rows: the GQA decode kernel and fused K/V write, or MLA's decode
+    kernel): the drafted engine's greedy text equals the plain one's, with the layer's drafts
+    and with drafts from the true continuation (most accepted); no verify step ran packed."""
+    if family == "qwen3_moe":
+        store, extra = request.getfixturevalue("store"), {}
+        extra["mtp_file"] = str(request.getfixturevalue("mtp_file"))
+    else:
+        store, extra = request.getfixturevalue("deepseek"), {"mtp": True}
     cuda = dict(device="cuda", dtype="float32", native=True)
     plain = Engine(load_model(store, EngineConfig(**cuda)), EngineLimits(num_pages=64, page_size=4))
     want = drain(plain, PROMPTS)
     assert plain.runner.graphs
-    loaded = load_model(store, EngineConfig(**cuda, mtp_file=str(mtp_file)))
+    loaded = load_model(store, EngineConfig(**cuda, **extra))
     limits = EngineLimits(num_pages=64, page_size=4, speculative_tokens=2,
                           speculative_policy="always")  # fmt: skip
-    assert drain(Engine(loaded, limits)) == want
     engine = Engine(loaded, limits)
-    drafter = engine.runner.drafter
-    real = drafter.draft
-
-    def oracle(requests, k, cache):
-        real(requests, k, cache)
-        for request in requests:
-            truth = want[request.id][len(request.output) :]
-            request.drafts = truth[:k] + [1] * max(0, k - len(truth))
-
-    drafter.draft = oracle
+    assert engine.runner.use_graphs
     assert drain(engine) == want
-    assert drafter.stats.acceptance > 0.5
+    assert engine.runner.verify_graphed > 0 and engine.runner.verify_packed == 0
+    engine = Engine(loaded, limits)
+    oracle_drafts(engine, want)
+    assert drain(engine) == want
+    runner = engine.runner
+    assert runner.drafter.stats.acceptance > 0.5
+    assert runner.verify_graphed > 0 and runner.verify_packed == 0
+    assert all(runner.graphs.get(key).graph is not None for key in runner.graphs)  # captured
 
 
 def test_a_stop_string_inside_the_accepted_drafts_ends_the_count_there(store, mtp_file):
@@ -515,12 +673,14 @@ def test_steps_without_drafts_keep_the_mtp_layer_caught_up(store, mtp_file):
     assert len(both) >= 10 and all(seen[110][1][n] == seen[0][1][n] for n in both)
 
 
-def test_verify_steps_update_the_confidence_gate(tiny, tmp_path_factory, mtp_file):
+@pytest.mark.parametrize("fixed", [False, True])
+def test_verify_steps_update_the_confidence_gate(tiny, tmp_path_factory, mtp_file, fixed):
     """Under a gate rule with the confidence term, a verify step leaves each request's top
     probability of the distribution its last token came from, as a plain decode step does:
     the table after each step equals the engine's without drafts at the same output length
     (within 2%: a verify step's drafted tokens see confidence 1.0, so the gate's choices,
-    and the logits, move a little)."""
+    and the logits, move a little). fixed: steps on the graphs' fixed-shape inputs (the gate's
+    rows staged there, a token a row in verify steps)."""
     from moetier.loader.quantize import convert_quantized
 
     delta_store = tmp_path_factory.mktemp("gated") / "delta"
@@ -532,6 +692,7 @@ def test_verify_steps_update_the_confidence_gate(tiny, tmp_path_factory, mtp_fil
                               speculative_policy="always")  # fmt: skip
         config = {"mtp_file": str(mtp_file)} if drafts else {}
         engine = Engine(native(delta_store, delta=rule, **config), limits)
+        engine.runner.fixed_shapes = fixed
         if drafts:
             real = engine.runner.drafter.draft
 
@@ -552,6 +713,7 @@ def test_verify_steps_update_the_confidence_gate(tiny, tmp_path_factory, mtp_fil
         tops[drafts] = {"tokens": tokens, "seen": seen}
     assert tops[2]["tokens"] == tops[0]["tokens"]
     assert engine.runner.drafter.stats.acceptance > 0.5
+    assert (engine.runner.verify_graphed > 0) == fixed
     common = [n for n in tops[2]["seen"] if n in tops[0]["seen"]]
     assert len(common) >= 3
     for n in common:
