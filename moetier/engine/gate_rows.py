@@ -64,8 +64,9 @@ class GateRows:
         for item in items:
             slot = self._slot(item.request.id)
             if per_token:  # the chunk's tokens: only a decode token has a previous step
-                decode = item.count == 1 and item.start >= len(item.request.prompt)
-                index += [-1] * (item.count - 1) + [slot if decode else -1]
+                known = item.count - item.drafts  # (a verify item: its last token, drafts)
+                decode = known == 1 and item.start >= len(item.request.prompt)
+                index += [-1] * (known - 1) + [slot if decode else -1] + [-1] * item.drafts
             else:
                 index.append(slot)
         ids = to_device(index, self.device, torch.int64)

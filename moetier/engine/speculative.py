@@ -1,22 +1,25 @@
 """Speculative decoding with the model's own MTP layer (models/mtp.py; research/serving.md §3).
 
 Each decoding request carries drafts (`Request.drafts`): the next step computes its last token
-and its k drafts together (one packed chunk of k + 1 positions, so the experts op reads each
-distinct expert once for all of them) and keeps the drafts as far as the model agrees
-(`verify_greedy`: the longest prefix of drafts equal to the model's own greedy choices, then the
-model's token after it). Greedy output is the same as without drafts, token for token.
+and its k drafts together (k + 1 decode rows of the graphed step, or one packed chunk: the
+experts op reads each distinct expert once for all of them) and keeps the drafts as far as the
+model agrees (`verify_greedy`: the longest prefix of drafts equal to the model's own greedy
+choices, then the model's token after it). Greedy output is the same as without drafts, token
+for token.
 
 `MTPDrafter` proposes them. The MTP layer at position p reads the main model's final hidden
 state h_p and the embedding of token p + 1; its own KV sits in the paged cache's layer
-num_hidden_layers, at the main model's pages and positions. After each step the drafter runs
-the layer over every position whose next token is now known (catch-up: hidden states kept from
-the main model's steps, `keep`), the last one giving the first draft; then it applies the layer
+num_hidden_layers, at the main model's pages and positions. After each step the drafter runs the
+layer over every position whose next token is now known (catch-up: hidden states kept from the
+main model's steps, `keep`), the last one giving the first draft; then it applies the layer
 again on its own output and draft (EAGLE-style) for the others, writing their KV at the next
-positions (overwritten by the catch-up once the real tokens are known). Eager steps (the packed
-path). Sampled requests keep a draft with the target's probability of it and draw the token
-after a rejection from the rest of that distribution (`rejection_rows`: speculative sampling
-with point-mass proposals), so their tokens follow the target distribution; requests with
-penalties, logit bias, grammars or logprobs decode one token a step.
+positions (overwritten by the catch-up once the real tokens are known); the drafting runs
+eagerly, while the verify steps replay the graphed decode step where a batch bucket holds their
+tokens (engine/runner.py: a token a decode row). Sampled requests keep a draft with the target's
+probability of it and draw the token after a rejection from the rest of that distribution
+(`rejection_rows`: speculative sampling with point-mass proposals), so their tokens follow the
+target distribution; requests with penalties, logit bias, grammars or logprobs decode one token
+a step.
 """
 
 from __future__ import annotations
