@@ -479,6 +479,19 @@ def test_shipped_mtp_layers_draft_and_keep_the_greedy_text(shipped):
     assert engine.runner.drafter.stats.acceptance > 0.8
 
 
+def test_shipped_mtp_layers_verify_on_fixed_shape_rows(shipped):
+    """Each family whose checkpoints ship an MTP layer (GLM-5's indexer scoring each row's
+    gathered keys among them): verify steps as fixed-shape decode rows, mostly-right drafts,
+    the greedy text of the model without drafts."""
+    want = drain(Engine(native(shipped), EngineLimits(num_pages=64, page_size=4)))
+    engine = fixed_shape_engine(native(shipped, mtp=True), 64, drafts=2)
+    oracle_drafts(engine, want)
+    assert drain(engine) == want
+    runner = engine.runner
+    assert runner.verify_graphed > 0 and runner.verify_packed == 0
+    assert runner.drafter.stats.acceptance > 0.5
+
+
 @pytest.mark.parametrize("pages, gathered", [(64, True), (10, True), (64, False)])
 def test_deepseek_verify_rows_keep_the_greedy_text(deepseek, pages, gathered, monkeypatch):
     """deepseek_v3 with its shipped MTP layer (MLA, its MoE block's experts in the runtime):
