@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -112,52 +113,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moetier.cli.flags import dataclass_from_args
-    from moetier.core.provenance import run_info
-    from moetier.engine.benchmark import decode_path
-    from moetier.engine.engine import Engine
-    from moetier.loader.load import load_model
+    from moetier.parallel import launch
 
     cases = _cases(args)
     engine_config = dataclass_from_args(EngineConfig, args)
     if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
-    device = engine_config.resolved_device().split(":")[0]
+    limits = _limits(cases, args.speculative_tokens)
     with _store(args) as store_path:
-        speeds, links = _links(device, store_path)
-        _say(f"loading {store_path.name}")
-        limits = _limits(cases, args.speculative_tokens)
-        loaded = load_model(store_path, engine_config, limits.num_pages * limits.page_size)
-        engine = Engine(loaded, limits)  # compiles and captures its decode steps now
-        if args.mtp_replay:
-            drafter = getattr(engine.runner, "drafter", None)
-            if drafter is None:
-                raise ValueError("--mtp-replay goes with --speculative-tokens")
-            drafter.replay([float(v) for v in args.mtp_replay.split(",")])
-        info = run_info()
-        config = {
-            "store": loaded.name,
-            "shape": args.shape,
-            "dense_formats": sorted({f.name for f in loaded.store.dense_formats.values()}),
-            "model_type": loaded.model_config.model_type,
-            "moe_layers": len(loaded.store.moe_layers),
-            "experts_format": sorted(loaded.store.formats),
-            "device_kind": loaded.device.type,
-            "dtype": str(loaded.dtype).removeprefix("torch."),
-            "path": decode_path(engine),
-            "engine": _changed(engine_config),
-            "sampling": "greedy",
-            "prompt": "random token ids",
-        }
-        if not args.json:
-            _header(info, config, links, args)
-        progress = sys.stderr.isatty()
-        for case in cases:
-            record = _timed(engine, case, speeds, args.warmup, progress)
-            if args.json:
-                print(json.dumps({**info, "case": "bench", **config, **record, **links}))
-            else:
-                print(_row(record))
-            sys.stdout.flush()
+        # --gpus N: N ranks, the benchmark on rank 0 (moetier/parallel/launch.py); ranks this
+        # process spawns read the synthetic store written here
+        env = {SHARED_STORE_ENV: str(store_path)} if args.shape else {}
+        return launch.run(
+            lambda session: _bench(args, cases, engine_config, limits, store_path, session),
+            __name__, args, engine_config, store_path, limits.num_pages * limits.page_size, env,
+        )  # fmt: skip
+
+
+# a synthetic store written by the process that spawned this rank (bench --shape --gpus N)
+SHARED_STORE_ENV = "MOETIER_BENCH_STORE"
+
+
+def _bench(
+    args: argparse.Namespace,
+    cases: list[Any],
+    engine_config: EngineConfig,
+    limits: Any,
+    store_path: Path,
+    session: Any,
+) -> int:
+    from moetier.core.provenance import run_info
+    from moetier.engine.benchmark import decode_path
+    from moetier.engine.engine import Engine
+
+    device = engine_config.resolved_device().split(":")[0]
+    speeds, links = _links(device, store_path)
+    _say(f"loading {store_path.name}")
+    loaded = session.load_model(store_path, engine_config, limits.num_pages * limits.page_size)
+    engine = Engine(loaded, limits)  # compiles and captures its decode steps now
+    if args.mtp_replay:
+        drafter = getattr(engine.runner, "drafter", None)
+        if drafter is None:
+            raise ValueError("--mtp-replay goes with --speculative-tokens")
+        drafter.replay([float(v) for v in args.mtp_replay.split(",")])
+    info = run_info()
+    config = {
+        "store": loaded.name,
+        "shape": args.shape,
+        "dense_formats": sorted({f.name for f in loaded.store.dense_formats.values()}),
+        "model_type": loaded.model_config.model_type,
+        "moe_layers": len(loaded.store.moe_layers),
+        "experts_format": sorted(loaded.store.formats),
+        "device_kind": loaded.device.type,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "path": decode_path(engine),
+        "gpus": session.ranks,
+        "engine": _changed(engine_config),
+        "sampling": "greedy",
+        "prompt": "random token ids",
+    }
+    if not args.json:
+        _header(info, config, links, args)
+    progress = sys.stderr.isatty()
+    for case in cases:
+        record = _timed(engine, case, speeds, args.warmup, progress)
+        if args.json:
+            print(json.dumps({**info, "case": "bench", **config, **record, **links}))
+        else:
+            print(_row(record))
+        sys.stdout.flush()
     return 0
 
 
@@ -242,6 +266,9 @@ def _store(args: argparse.Namespace) -> Iterator[Path]:
     (removed afterwards), after saying how big it is and checking there is room."""
     if args.shape is None:
         yield Path(args.store)
+        return
+    if os.environ.get(SHARED_STORE_ENV):  # a rank of --gpus N: the spawning process wrote it
+        yield Path(os.environ[SHARED_STORE_ENV])
         return
     from moetier.quant.synthetic import shape, synthetic_store_bytes, write_synthetic_store
 

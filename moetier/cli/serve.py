@@ -68,21 +68,32 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"moetier serve: recipe {args.recipe}: its settings are the defaults", file=sys.stderr
         )
-    import uvicorn
-
-    from moetier.engine.async_engine import AsyncEngine
-    from moetier.engine.engine import Engine
-    from moetier.loader.load import check_engine_config, load_model
-    from moetier.server.app import create_app
-    from moetier.server.auth import keys_from
+    from moetier.loader.load import check_engine_config
+    from moetier.parallel import launch
 
     engine_config = dataclass_from_args(EngineConfig, args)
-    params = dataclass_from_args(SamplingParams, args)
     limits = dataclass_from_args(EngineLimits, args)
     if limits.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
     kv_positions = (limits.num_pages + 1) * limits.page_size  # the page pool and its scratch page
-    check_engine_config(args.store, engine_config, kv_positions)  # a bad store or budget: now
+    ranks = launch.wanted_ranks(engine_config)
+    check_engine_config(args.store, engine_config, kv_positions, ranks)  # a bad store or budget
+    # --gpus N: N ranks, the server on rank 0 (moetier/parallel/launch.py)
+    return launch.run(lambda session: _serve(args, engine_config, limits, session), __name__,
+                      args, engine_config, args.store, kv_positions)  # fmt: skip
+
+
+def _serve(args: argparse.Namespace, engine_config: EngineConfig, limits: EngineLimits,
+           session: Any) -> int:  # fmt: skip
+    import uvicorn
+
+    from moetier.engine.async_engine import AsyncEngine
+    from moetier.engine.engine import Engine
+    from moetier.server.app import create_app
+    from moetier.server.auth import keys_from
+
+    params = dataclass_from_args(SamplingParams, args)
+    kv_positions = (limits.num_pages + 1) * limits.page_size
     name = args.model_name or Path(args.store).resolve().name
     options = dataclass_from_args(ServerOptions, args)
     options = dataclasses.replace(options, api_key=keys_from(options.api_key))
@@ -94,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         )
 
     def build() -> AsyncEngine:
-        return AsyncEngine(Engine(load_model(args.store, engine_config, kv_positions), limits))
+        return AsyncEngine(Engine(session.load_model(args.store, engine_config, kv_positions),
+                                  limits))  # fmt: skip
 
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (loading)", flush=True)
     uvicorn.run(

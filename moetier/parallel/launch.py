@@ -168,13 +168,27 @@ def free_port() -> int:
 
 def spawn(verb: str, args: argparse.Namespace, ranks: int, env: dict[str, str]) -> int:
     """`ranks` processes on this host, each `verb`'s run(args) as one rank (`_rank_main`);
-    when one fails the others are stopped and this raises SystemExit naming it."""
+    when one fails the others are stopped and this raises SystemExit naming it. Ctrl-C or
+    SIGTERM here: rank 0 gets SIGINT (a server shuts down and stops the followers), the rest
+    are terminated after GRACE_S seconds."""
+    import signal
+
     import torch.multiprocessing as mp
 
     port = free_port()
+    context = mp.start_processes(_rank_main, args=(verb, args, ranks, port, env), nprocs=ranks,
+                                 join=False, start_method="spawn")  # fmt: skip
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        mp.start_processes(_rank_main, args=(verb, args, ranks, port, env), nprocs=ranks,
-                           start_method="spawn")  # fmt: skip
+        while not context.join():
+            pass
+    except KeyboardInterrupt:
+        _shut_down(context.processes)
+        return 130
     except mp.ProcessRaisedException as err:
         raise SystemExit(
             f"moetier: rank {err.error_index} of {ranks} failed and the other ranks were "
@@ -185,7 +199,28 @@ def spawn(verb: str, args: argparse.Namespace, ranks: int, env: dict[str, str]) 
             f"moetier: rank {err.error_index} of {ranks} exited with status {err.exit_code} "
             "(its error above) and the other ranks were stopped"
         ) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+GRACE_S = 15.0  # what an interrupted run gives rank 0 to stop the others before they are killed
+
+
+def _shut_down(processes: list[Any]) -> None:
+    """SIGINT to rank 0, then every rank still running after GRACE_S terminated."""
+    import signal
+    import time
+
+    if processes and processes[0].is_alive() and processes[0].pid is not None:
+        os.kill(processes[0].pid, signal.SIGINT)
+    deadline = time.monotonic() + GRACE_S
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
 
 
 def _rank_main(

@@ -16,6 +16,7 @@ replay bypasses the hook, and the combine is a torch.distributed call.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from typing import Any
 
@@ -78,7 +79,12 @@ class StepLeader:
 
 @torch.inference_mode()
 def follow(model: Any, group: RankGroup, device: torch.device) -> int:
-    """A follower's loop: rank 0's forwards of `model.model`, until it stops. -> forwards run."""
+    """A follower's loop: rank 0's forwards of `model.model`, until it stops. -> forwards run.
+    Ctrl-C is rank 0's to handle (it stops the followers), so a follower ignores SIGINT."""
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     caches: dict[int, torch.Tensor] = {}
     forwards = 0
     while True:

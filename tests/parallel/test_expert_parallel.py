@@ -165,3 +165,16 @@ def test_what_expert_parallel_does_not_do_yet_is_refused(tiny):
         rank_config(EngineConfig(native=False), store)
     config = rank_config(EngineConfig(), store)
     assert not config.cuda_graph and not config.lookahead and not config.compile_decode
+
+
+@pytest.mark.slow
+def test_bench_gpus_2_shares_one_synthetic_store():
+    command = [sys.executable, "-m", "moetier", "bench", "--shape", "tiny", "--layers", "2",
+               "--device", "cpu", "--gpus", "2", "--batch", "2", "--prompt-tokens", "8",
+               "--new-tokens", "4", "--warmup", "0", "--json",
+               "--expert-cache-slots", "8"]  # fmt: skip
+    out = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["gpus"] == 2 and line["batch"] == 2 and line["decode_tok_s"] > 0
+    assert out.stderr.count("writing a synthetic tiny store") == 1  # written once, for both
