@@ -29,7 +29,8 @@ from moetier.kernels.cpu.dram import get_threads
 from moetier.kernels.moe_ref import expert_activation_ref, expert_matrix, quant_words_ref
 
 ACT_KINDS = {"silu": 0, "silu_clamped": 1, "gpt_oss": 2}
-ROWS_PER_TASK = 16  # rows of one matrix a thread computes per work item
+ROWS_PER_TASK = 128  # rows of one matrix a work item takes at most (the kernel takes fewer
+# where a call has too few experts to give every thread 4 items)
 BACKENDS = ("c", "torch")
 _LOCK = threading.Lock()  # the C entry point sorts through one static key pointer
 

@@ -12,6 +12,10 @@
  * (plane j holds columns 4i + j at byte i), so byte i of a row's codes, unpacked into four planes
  * of 2-bit values, meets four contiguous activation vectors; a 4-byte lane of the dot product
  * (VPDPBUSD, or PMADDUBSW + PMADDWD on AVX2) then sums exactly one word.
+ * AVX-512 path: ROWS rows at once, one inlined copy per (grid kind, group-scale kind) so the loop
+ * has no per-word branches; code positions unpacked by one GF2P8AFFINEQB each where GFNI is
+ * present; 16 decoded group scales reused for 2^shift steps; the block MT_AHEAD blocks on
+ * prefetched into L2. Threads take guided (contiguous) runs of blocks of up to rows_per_task rows.
  * Needs K % 16 == 0 and group % 16 == 0 (experts.py checks; other shapes run elsewhere).
  */
 #include <math.h>
@@ -81,28 +85,6 @@ static inline __m512 e4m3_512(__m256i v) {
     return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
 }
 
-/* the group scales (/ 256) of the 16 words from word w0 (a multiple of 16) */
-static inline __m512 group_scales_512(const uint8_t *scales, int64_t w0, int64_t per_group,
-                                      const int32_t *gidx) {
-    if (per_group == 1)
-        return e4m3_512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(scales + w0))));
-    if (per_group <= 16 && 16 % per_group == 0) {
-        __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512i dup = _mm512_srli_epi32(lanes, __builtin_ctzll(per_group));
-        __m512 values = e4m3_512(
-            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(scales + w0 / per_group))));
-        return _mm512_permutexvar_ps(dup, values);
-    }
-    __m512i idx;
-    if (per_group % 16 == 0) {
-        idx = _mm512_set1_epi32(scales[w0 / per_group]);
-    } else {
-        __m512i gi = _mm512_loadu_si512((const void *)(gidx + w0));
-        idx = _mm512_and_si512(_mm512_i32gather_epi32(gi, (const void *)scales, 1),
-                               _mm512_set1_epi32(255));
-    }
-    return e4m3_512(_mm512_cvtepi32_epi16(idx));
-}
 #elif MT_PATH == 2
 static inline __m256 e4m3_256(__m256i v) {
     __m256i mag = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
@@ -133,13 +115,118 @@ static inline __m256 group_scales_256(const uint8_t *scales, int64_t w0, int64_t
 }
 #endif
 
-#define ROWS 4 /* rows of one matrix computed together (each activation vector loaded once) */
+#ifndef ROWS
+#define ROWS 8 /* rows of one matrix computed together (each activation vector loaded once) */
+#endif
+#ifndef MT_SCHED
+#define MT_SCHED guided /* contiguous runs of blocks per thread (the prefetches run ahead in them) */
+#endif
+
+#if MT_PATH == 3
+#ifndef MT_PREFETCH
+#define MT_PREFETCH 1
+#endif
+#ifndef MT_AHEAD
+#define MT_AHEAD 2 /* prefetch distance, in blocks of ROWS rows */
+#endif
+#ifndef MT_HINT
+#define MT_HINT _MM_HINT_T1 /* into L2: more lines in flight than L1's fill buffers */
+#endif
+
+/* the group scales (/ 256) of the 16 words from word w0, per `mode` (a constant in each copy of
+ * dot512): 0 a scale a word; 2 one scale for all 16 (a group of 16k words: its index from gidx,
+ * its value from the table); 3 gathered. (Mode 1, a scale per 2, 4, 8 or 16 words, is dot512's:
+ * 16 scales decoded once serve the next 2^shift steps.) */
+static inline __attribute__((always_inline)) __m512 scales16(const uint8_t *s, int64_t w0,
+                                                             const int mode, const int32_t *gidx,
+                                                             const float *lut) {
+    if (mode == 0)
+        return e4m3_512(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(s + w0))));
+    if (mode == 2) return _mm512_set1_ps(lut[s[gidx[w0]]] * (1.0f / 256.0f));
+    __m512i gi = _mm512_loadu_si512((const void *)(gidx + w0));
+    __m512i idx = _mm512_and_si512(_mm512_i32gather_epi32(gi, (const void *)s, 1),
+                                   _mm512_set1_epi32(255));
+    return e4m3_512(_mm512_cvtepi32_epi16(idx));
+}
+
+/* code position j of every byte (0..3), and its high bit (0..1): one GF2P8AFFINEQB each (a bit
+ * matrix per byte moving bits 2j, 2j + 1 to bits 0, 1) where GFNI is present, else shift and mask */
+#if defined(__GFNI__) && !defined(MT_NO_GFNI)
+#define PLANE(raw, j) \
+    _mm512_gf2p8affine_epi64_epi8(raw, _mm512_set1_epi64((int64_t)((1ull << (2 * (j))) << 56 | (1ull << (2 * (j) + 1)) << 48)), 0)
+#define BIT1(raw, j) _mm512_gf2p8affine_epi64_epi8(raw, _mm512_set1_epi64((int64_t)((1ull << (2 * (j) + 1)) << 56)), 0)
+#else
+#define PLANE(raw, j) _mm512_and_si512(_mm512_srli_epi16(raw, 2 * (j)), m3)
+#define BIT1(raw, j) _mm512_and_si512(_mm512_srli_epi16(raw, 2 * (j) + 1), m1)
+#endif
+
+/* ROWS rows' dot products with np activations over the first vec_end code bytes of each row;
+ * even, mode: constants in each inlined copy (no per-word branches). res[r * np + p], r < nr. */
+static inline __attribute__((always_inline)) void dot512(
+    const uint8_t *const *codes, const uint8_t *const *scales, int64_t vec_end, int64_t k4,
+    int64_t ahead, int np, const Act *acts, float cb, float b, float c1, const int even,
+    const int mode, int shift, const int32_t *gidx, const float *lut, int nr, float *res) {
+    const __m512i m3 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i dup = _mm512_srli_epi32(lanes, shift);
+    (void)m1;
+    for (int p = 0; p < np; p++) {
+        __m512 acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+        const int8_t *x = acts[p].planes;
+        __m512 span[ROWS]; /* mode 1: 16 group scales, decoded every 2^shift steps */
+        for (int r = 0; r < ROWS; r++) span[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < vec_end; i += 64) {
+            __m512i spread = dup; /* mode 1: which of span's scales each of the 16 words takes */
+            if (mode == 1) {
+                const int64_t t = (i / 64) & ((1 << shift) - 1);
+                if (t == 0)
+                    for (int r = 0; r < ROWS; r++)
+                        span[r] = e4m3_512(_mm256_cvtepu8_epi16(
+                            _mm_loadu_si128((const __m128i *)(scales[r] + ((i / 4) >> shift)))));
+                spread = _mm512_srli_epi32(_mm512_add_epi32(lanes, _mm512_set1_epi32((int)(16 * t))), shift);
+            }
+            const __m512i x0 = _mm512_loadu_si512((const void *)(x + i));
+            const __m512i x1 = _mm512_loadu_si512((const void *)(x + k4 + i));
+            const __m512i x2 = _mm512_loadu_si512((const void *)(x + 2 * k4 + i));
+            const __m512i x3 = _mm512_loadu_si512((const void *)(x + 3 * k4 + i));
+            const __m512 xs = _mm512_loadu_ps(acts[p].scale + i / 4);
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(acts[p].qsum + i / 4)));
+            const __m512 va = _mm512_mul_ps(_mm512_set1_ps(cb), xs);
+            const __m512 vb = _mm512_mul_ps(_mm512_set1_ps(-b), _mm512_mul_ps(q, xs));
+            const __m512 vc = _mm512_mul_ps(_mm512_set1_ps(c1), xs);
+#pragma GCC unroll 16
+            for (int r = 0; r < ROWS; r++) {
+                if (MT_PREFETCH && p == 0) _mm_prefetch((const char *)(codes[r] + i + ahead), MT_HINT);
+                const __m512i raw = _mm512_loadu_si512((const void *)(codes[r] + i));
+                __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(raw, m3), x0);
+                s = _mm512_dpbusd_epi32(s, PLANE(raw, 1), x1);
+                s = _mm512_dpbusd_epi32(s, PLANE(raw, 2), x2);
+                s = _mm512_dpbusd_epi32(s, PLANE(raw, 3), x3);
+                __m512 v = _mm512_fmadd_ps(va, _mm512_cvtepi32_ps(s), vb);
+                if (!even) {
+                    __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(), BIT1(raw, 0), x0);
+                    u = _mm512_dpbusd_epi32(u, BIT1(raw, 1), x1);
+                    u = _mm512_dpbusd_epi32(u, BIT1(raw, 2), x2);
+                    u = _mm512_dpbusd_epi32(u, BIT1(raw, 3), x3);
+                    v = _mm512_fmadd_ps(vc, _mm512_cvtepi32_ps(u), v);
+                }
+                const __m512 gs = mode == 1 ? _mm512_permutexvar_ps(spread, span[r])
+                                            : scales16(scales[r], i / 4, mode, gidx, lut);
+                acc[r] = _mm512_fmadd_ps(v, gs, acc[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) res[r * np + p] = 256.0f * _mm512_reduce_add_ps(acc[r]);
+    }
+}
+#endif
 
 /* rows row0 .. row0 + nr - 1 (nr <= ROWS) of a q2s matrix against np activations:
  * res[r * np + p] (row scales applied). gidx: [k/16] int32, word w's group */
 static void rows_dot(const uint8_t *blob, const Matrix *m, int64_t row0, int nr, const float *lut,
                      int np, const Act *acts, const int32_t *gidx, float *res) {
     const int64_t k = m->k, k4 = k / 4, per_group = m->group / 16;
+    (void)per_group; /* (the vector paths use it) */
     const uint8_t *codes[ROWS], *scales[ROWS];
     float row_scale[ROWS], a, b;
     for (int r = 0; r < nr; r++) {
@@ -154,40 +241,37 @@ static void rows_dot(const uint8_t *blob, const Matrix *m, int64_t row0, int nr,
     int64_t vec_end = 0;
 #if MT_PATH == 3
     vec_end = k4 / 64 * 64;
-    const __m512i m3 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
-    for (int p = 0; p < np; p++) {
-        __m512 acc[ROWS];
-        for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-        const int8_t *x = acts[p].planes;
-        for (int64_t i = 0; i < vec_end; i += 64) {
-            __m512i x0 = _mm512_loadu_si512((const void *)(x + i));
-            __m512i x1 = _mm512_loadu_si512((const void *)(x + k4 + i));
-            __m512i x2 = _mm512_loadu_si512((const void *)(x + 2 * k4 + i));
-            __m512i x3 = _mm512_loadu_si512((const void *)(x + 3 * k4 + i));
-            __m512 xs = _mm512_loadu_ps(acts[p].scale + i / 4);
-            __m512 q = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(acts[p].qsum + i / 4)));
-            __m512 va = _mm512_mul_ps(_mm512_set1_ps(cb), xs);
-            __m512 vb = _mm512_mul_ps(_mm512_set1_ps(-b), _mm512_mul_ps(q, xs));
-            __m512 vc = _mm512_mul_ps(_mm512_set1_ps(c1), xs);
-            for (int r = 0; r < nr; r++) {
-                __m512i raw = _mm512_loadu_si512((const void *)(codes[r] + i));
-                __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(raw, m3), x0);
-                s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(raw, 2), m3), x1);
-                s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m3), x2);
-                s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(raw, 6), m3), x3);
-                __m512 v = _mm512_fmadd_ps(va, _mm512_cvtepi32_ps(s), vb);
-                if (!even) {
-                    __m512i u = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                    _mm512_and_si512(_mm512_srli_epi16(raw, 1), m1), x0);
-                    u = _mm512_dpbusd_epi32(u, _mm512_and_si512(_mm512_srli_epi16(raw, 3), m1), x1);
-                    u = _mm512_dpbusd_epi32(u, _mm512_and_si512(_mm512_srli_epi16(raw, 5), m1), x2);
-                    u = _mm512_dpbusd_epi32(u, _mm512_and_si512(_mm512_srli_epi16(raw, 7), m1), x3);
-                    v = _mm512_fmadd_ps(vc, _mm512_cvtepi32_ps(u), v);
-                }
-                acc[r] = _mm512_fmadd_ps(v, group_scales_512(scales[r], i / 4, per_group, gidx), acc[r]);
-            }
+    if (vec_end > 0) {
+        const uint8_t *c4[ROWS], *s4[ROWS];
+        for (int r = 0; r < ROWS; r++) { /* rows past nr repeat row 0 (their sums are dropped) */
+            c4[r] = codes[r < nr ? r : 0];
+            s4[r] = scales[r < nr ? r : 0];
         }
-        for (int r = 0; r < nr; r++) res[r * np + p] = 256.0f * _mm512_reduce_add_ps(acc[r]);
+        int mode, shift = 0;
+        if (per_group == 1) {
+            mode = 0;
+        } else if (per_group <= 16 && 16 % per_group == 0) {
+            mode = 1;
+            shift = __builtin_ctzll(per_group);
+        } else if (per_group % 16 == 0) {
+            mode = 2;
+        } else {
+            mode = 3;
+        }
+        const int64_t ahead = MT_AHEAD * ROWS * k4; /* the next block's codes, fetched while these run */
+        switch (mode + 4 * even) {
+        case 0: dot512(c4, s4, vec_end, k4, ahead, np, acts, cb, b, c1, 0, 0, shift, gidx, lut, nr, res); break;
+        case 1: dot512(c4, s4, vec_end, k4, ahead, np, acts, cb, b, c1, 0, 1, shift, gidx, lut, nr, res); break;
+        case 2: dot512(c4, s4, vec_end, k4, ahead, np, acts, cb, b, c1, 0, 2, shift, gidx, lut, nr, res); break;
+        case 3: dot512(c4, s4, vec_end, k4, ahead, np, acts, cb, b, c1, 0, 3, shift, gidx, lut, nr, res); break;
+        case 4: dot512(c4, s4, vec_end, k4, ahead, np, acts, cb, b, c1, 1, 0, shift, gidx, lut, nr, res); break;
+        case 5: dot512(c4, s4, vec_end, k4, ahead, np, acts, cb, b, c1, 1, 1, shift, gidx, lut, nr, res); break;
+        case 6: dot512(c4, s4, vec_end, k4, ahead, np, acts, cb, b, c1, 1, 2, shift, gidx, lut, nr, res); break;
+        default: dot512(c4, s4, vec_end, k4, ahead, np, acts, cb, b, c1, 1, 3, shift, gidx, lut, nr, res); break;
+        }
+    } else {
+        for (int r = 0; r < nr; r++)
+            for (int p = 0; p < np; p++) res[r * np + p] = 0.0f;
     }
 #elif MT_PATH == 2
     vec_end = k4 / 32 * 32;
@@ -266,6 +350,14 @@ static void group_index(const Matrix *m, int32_t *gidx) {
     for (int64_t w = 0; w < m->k / 16; w++) gidx[w] = (int32_t)(w / (m->group / 16));
 }
 
+/* rows of a work item: rows_per_task, fewer where that would leave fewer than 4 items a thread
+ * (a call of few experts on many cores), a multiple of ROWS */
+static int64_t task_rows(int64_t rows_per_task, int64_t rows, int64_t n_blobs, int team) {
+    int64_t most = rows * n_blobs / (4 * (int64_t)team) / ROWS * ROWS;
+    int64_t r = rows_per_task < most ? rows_per_task : most;
+    return r > ROWS ? r : ROWS;
+}
+
 static float activation(float gate, float up, int kind, float alpha, float limit) {
     if (kind == 1 || kind == 2) {
         gate = gate < limit ? gate : limit;
@@ -299,8 +391,11 @@ int mt_q2s_experts(int64_t n_blobs, const int64_t *blobs, const int64_t *start,
     for (int64_t b = 0; b < n_blobs; b++)
         if (start[b + 1] - start[b] > most) most = start[b + 1] - start[b];
     int failed = !xp || !xs || !xq || !h || !hp || !hs || !hq;
-    const int64_t gu_items = n_blobs * ((inter + rows_per_task - 1) / rows_per_task);
-    const int64_t dn_items = n_blobs * ((hidden + rows_per_task - 1) / rows_per_task);
+    const int team = threads > 0 ? threads : omp_get_max_threads();
+    const int64_t gu_rows = task_rows(rows_per_task, inter, n_blobs, team);
+    const int64_t dn_rows = task_rows(rows_per_task, hidden, n_blobs, team);
+    const int64_t gu_items = n_blobs * ((inter + gu_rows - 1) / gu_rows);
+    const int64_t dn_items = n_blobs * ((hidden + dn_rows - 1) / dn_rows);
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
@@ -319,7 +414,7 @@ int mt_q2s_experts(int64_t n_blobs, const int64_t *blobs, const int64_t *start,
                 quant_words(x + t * hidden, hidden, xp + t * hidden, xs + t * (hidden / 16),
                             xq + t * (hidden / 16));
             if (ok) group_index(&gu, gidx);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(MT_SCHED)
             for (int64_t item = 0; item < gu_items; item++) {
                 if (!ok) continue;
                 const int64_t per = gu_items / n_blobs, b = item / per, block = item % per;
@@ -331,8 +426,8 @@ int mt_q2s_experts(int64_t n_blobs, const int64_t *blobs, const int64_t *start,
                     acts[p].scale = xs + t * (hidden / 16);
                     acts[p].qsum = xq + t * (hidden / 16);
                 }
-                const int64_t last = (block + 1) * rows_per_task < inter ? (block + 1) * rows_per_task : inter;
-                for (int64_t r0 = block * rows_per_task; r0 < last; r0 += ROWS) {
+                const int64_t last = (block + 1) * gu_rows < inter ? (block + 1) * gu_rows : inter;
+                for (int64_t r0 = block * gu_rows; r0 < last; r0 += ROWS) {
                     const int nr = (int)(last - r0 < ROWS ? last - r0 : ROWS);
                     rows_dot(blob, &gu, r0, nr, lut, np, acts, gidx, res);
                     rows_dot(blob, &gu, inter + r0, nr, lut, np, acts, gidx, res + ROWS * most);
@@ -356,7 +451,7 @@ int mt_q2s_experts(int64_t n_blobs, const int64_t *blobs, const int64_t *start,
                 quant_words(h + p * inter, inter, hp + p * inter, hs + p * (inter / 16),
                             hq + p * (inter / 16));
             if (ok) group_index(&dn, gidx);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(MT_SCHED)
             for (int64_t item = 0; item < dn_items; item++) {
                 if (!ok) continue;
                 const int64_t per = dn_items / n_blobs, b = item / per, block = item % per;
@@ -368,8 +463,8 @@ int mt_q2s_experts(int64_t n_blobs, const int64_t *blobs, const int64_t *start,
                     acts[p].scale = hs + q * (inter / 16);
                     acts[p].qsum = hq + q * (inter / 16);
                 }
-                const int64_t last = (block + 1) * rows_per_task < hidden ? (block + 1) * rows_per_task : hidden;
-                for (int64_t r0 = block * rows_per_task; r0 < last; r0 += ROWS) {
+                const int64_t last = (block + 1) * dn_rows < hidden ? (block + 1) * dn_rows : hidden;
+                for (int64_t r0 = block * dn_rows; r0 < last; r0 += ROWS) {
                     const int nr = (int)(last - r0 < ROWS ? last - r0 : ROWS);
                     rows_dot(blob, &dn, r0, nr, lut, np, acts, gidx, res);
                     for (int r = 0; r < nr; r++) {
