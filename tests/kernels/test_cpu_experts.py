@@ -73,6 +73,8 @@ SHAPES = [  # hidden, intermediate, gate_up group, down group
     (320, 272, 64, 16),  # a vector chunk, then a tail
     (480, 144, 48, 48),  # groups of 3 words: the gathered group scales
     (512, 96, 512, 32),  # one group per gate_up row
+    (1024, 128, 128, 64),  # groups of 64 and more, each scale reused over several steps
+    (1536, 256, 256, 128),
 ]
 CASES = [  # name, tokens, expert of each (token, k) pair
     ("one pair", 1, [[3]]),
