@@ -653,12 +653,14 @@ class EngineConfig:
     )
 
     gpus: int = field(
-        default=1,
+        default=0,
         metadata={
             "help": "expert parallel over this many processes, one GPU each (torch.distributed: "
             "NCCL on CUDA, gloo on CPU with --device cpu): every MoE layer's experts split "
             "between them, each with its own expert cache, dense layers on every one; or run "
-            "under torchrun, which sets WORLD_SIZE (docs/multi-gpu.md). Budgets are per GPU"
+            "under torchrun, which sets WORLD_SIZE (docs/multi-gpu.md). Budgets are per GPU. "
+            "0: one process, or torchrun's ranks when torchrun started this one; 1: one "
+            "process whatever the environment says"
         },
     )
     expert_hotness: str = field(

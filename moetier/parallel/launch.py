@@ -66,17 +66,26 @@ class Session:
 
 
 def wanted_ranks(engine_config: EngineConfig) -> int:
-    """The run's rank count: --gpus, or torchrun's WORLD_SIZE (which --gpus, if given, must
-    equal)."""
+    """The run's rank count: --gpus N; left out (0), torchrun's WORLD_SIZE where torchrun
+    started this process (TORCHELASTIC_RUN_ID), else 1. An explicit --gpus 1 is one process
+    whatever RANK / WORLD_SIZE the environment holds (a moetier started from a script that
+    torchrun or a cluster job launched inherits them)."""
+    gpus = engine_config.gpus
+    if gpus < 0:
+        raise ValueError(f"--gpus {gpus}: give 1 or more (or leave it out)")
     launched = launched_ranks()
-    if engine_config.gpus < 1:
-        raise ValueError(f"--gpus {engine_config.gpus}: give 1 or more")
-    if launched > 1 and engine_config.gpus not in (1, launched):
+    if gpus == 0:
+        return launched if launched > 1 and TORCHRUN_ENV in os.environ else 1
+    if gpus > 1 and launched > 1 and gpus != launched:
         raise ValueError(
-            f"--gpus {engine_config.gpus} but torchrun started {launched} ranks (WORLD_SIZE): "
+            f"--gpus {gpus} but torchrun started {launched} ranks (WORLD_SIZE): "
             "leave --gpus out under torchrun, or make them equal"
         )
-    return max(engine_config.gpus, launched)
+    return gpus
+
+
+# set by torchrun (torch.distributed.elastic) in the processes it starts
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
 
 
 def rank_config(engine_config: EngineConfig, store: str | Path) -> EngineConfig:

@@ -16,7 +16,10 @@ replay bypasses the hook, and the combine is a torch.distributed call.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import threading
+import traceback
 import weakref
 from typing import Any
 
@@ -40,6 +43,7 @@ class StepLeader:
         self.forwards = 0
         self._caches: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._handle = model.model.register_forward_pre_hook(self._send, with_kwargs=True)
+        self._fatal = model.model.register_forward_hook(_exit_on_error, always_call=True)
 
     def _cache_key(self, cache: torch.Tensor) -> tuple[int, bool]:
         """(the followers' name of this cache, whether it is new to them)."""
@@ -70,11 +74,31 @@ class StepLeader:
         self.forwards += 1
 
     def stop(self) -> None:
-        """End the followers' loops (once; the hook comes off)."""
+        """End the followers' loops (once; the hooks come off)."""
         if self._handle is not None:
             self._handle.remove()
+            self._fatal.remove()
             self._handle = None
             self.group.broadcast({"kind": "stop"})
+
+
+def _exit_on_error(module: Any, args: Any, output: Any) -> None:
+    """Rank 0's forward hook, called also when the forward raised (`always_call`): the other
+    ranks were told of this forward and wait in its combines, so an error here that the engine
+    caught and went on from (a request failed, the server still up) would leave every rank
+    stuck until MOETIER_DIST_TIMEOUT. Under expert parallel it ends this process instead, with
+    the error on stderr; the launcher (or torchrun) then stops the others."""
+    error = sys.exc_info()[1]
+    if error is None:
+        return
+    traceback.print_exc()
+    print(
+        f"moetier: rank 0 failed inside a forward the other ranks were running with it "
+        f"({type(error).__name__}: {error}); expert parallel cannot go on without them: exiting",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
 
 
 @torch.inference_mode()

@@ -26,9 +26,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("store")
     parser.add_argument("--hotness", default="")
-    parser.add_argument("--spawn", type=int, default=1)
+    parser.add_argument("--spawn", type=int, default=0)  # 0: --gpus left out
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--hang-rank", type=int, default=-1)
+    parser.add_argument("--raise-in-step", type=int, default=0, help="rank 0's Nth attention")
     return run(parser.parse_args(argv))
 
 
@@ -48,6 +49,19 @@ def hang(rank: int, hang_rank: int) -> int:
         print(json.dumps({"error": str(err), "seconds": time.perf_counter() - began}))
         return 0
     return 1
+
+
+def inject(attention, nth: int) -> None:
+    """`attention`'s nth forward raises (rank 0 only: a simulated out-of-memory mid-step)."""
+    real, calls = attention.forward, [0]
+
+    def forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == nth:
+            raise RuntimeError("out of memory (simulated, rank 0 only)")
+        return real(*args, **kwargs)
+
+    attention.forward = forward
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,9 +85,16 @@ def run(args: argparse.Namespace) -> int:
         loaded = session.load_model(args.store, config, (limits.num_pages + 1) * limits.page_size)
         engine = Engine(loaded, limits)
         params = SamplingParams(temperature=0.0, max_new_tokens=8)
+        if args.raise_in_step and session.leader is not None:
+            inject(loaded.model.model.layers[1].self_attn, args.raise_in_step)
         requests = [engine.add(str(i), p, params, ignore_eos=True) for i, p in enumerate(prompts)]
         while engine.has_work:
-            engine.step()
+            try:
+                engine.step()
+            except RuntimeError as err:  # as the server's engine loop: the step's requests fail
+                print(f"step failed: {err}", file=sys.stderr, flush=True)
+                for rid in list(engine.requests):
+                    engine.abort(rid)
         runtime = loaded.runtime
         shard = runtime.shard
         resident = sorted({(k[0], k[1]) for k in runtime.residency._slots})

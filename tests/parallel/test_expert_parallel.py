@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,7 @@ def _torchrun_ranks(ranks: int, *args: str, timeout: float = 120, **env: str) ->
                 WORLD_SIZE=str(ranks),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
+                TORCHELASTIC_RUN_ID="test",  # as torchrun starts its workers
                 **env,
             ),
             stdout=subprocess.PIPE,
@@ -119,6 +121,22 @@ def test_a_failing_rank_stops_the_run_with_its_error(tiny):
     assert "rank 1 of 2 exited with status 1" in out.stderr
 
 
+def test_an_error_inside_rank_0s_forward_ends_the_run_at_once(tiny):
+    """Rank 0 raises inside a forward the other ranks run with it (after a MoE layer's
+    combine), and its engine loop catches the error and goes on, as the server's does: the run
+    ends within seconds with rank 0's error, not after MOETIER_DIST_TIMEOUT stuck in a
+    combine."""
+    store = str(tiny.store("qwen3_moe"))
+    command = [sys.executable, str(WORKER), store, "--spawn", "2", "--raise-in-step", "3"]
+    began = time.perf_counter()
+    out = subprocess.run(command, env=_env(MOETIER_DIST_TIMEOUT="120"), capture_output=True,
+                         text=True, timeout=110, cwd=ROOT)  # fmt: skip
+    assert out.returncode != 0
+    assert "out of memory (simulated, rank 0 only)" in out.stderr
+    assert "rank 0 failed inside a forward" in out.stderr
+    assert time.perf_counter() - began < 100
+
+
 @pytest.mark.slow
 def test_a_silent_rank_times_out_with_a_clear_error():
     results = _torchrun_ranks(2, "unused", "--hang-rank", "1", timeout=60, MOETIER_DIST_TIMEOUT="3")
@@ -134,8 +152,8 @@ def test_a_missing_rank_fails_the_join_with_a_clear_error(tiny):
     port = str(free_port())
     out = subprocess.run(
         [sys.executable, str(WORKER), str(tiny.store("qwen3_moe"))],
-        env=_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=port, MOETIER_DIST_TIMEOUT="2"),
+        env=_env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", TORCHELASTIC_RUN_ID="test",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port, MOETIER_DIST_TIMEOUT="2"),
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode != 0
@@ -151,7 +169,26 @@ def test_gpus_beyond_this_machine_is_refused_with_what_to_do():
     check_devices(EngineConfig(gpus=2, device="cpu"), 2)  # CPU processes over gloo
     assert wanted_ranks(EngineConfig()) == 1
     with pytest.raises(ValueError, match="give 1 or more"):
-        wanted_ranks(EngineConfig(gpus=0))
+        wanted_ranks(EngineConfig(gpus=-1))
+
+
+def test_inherited_rank_variables_do_not_make_a_default_run_join(monkeypatch):
+    """A moetier started from a script that a cluster job or torchrun launched inherits RANK
+    and WORLD_SIZE: left out, --gpus joins torchrun's ranks only where torchrun started this
+    process; an explicit --gpus 1 is one process whatever the environment says."""
+    from moetier.config import EngineConfig
+    from moetier.parallel.launch import TORCHRUN_ENV, wanted_ranks
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv(TORCHRUN_ENV, raising=False)
+    assert wanted_ranks(EngineConfig()) == 1  # a cluster job's variables, no torchrun
+    monkeypatch.setenv(TORCHRUN_ENV, "job-1")
+    assert wanted_ranks(EngineConfig()) == 4  # started by torchrun: its ranks
+    assert wanted_ranks(EngineConfig(gpus=1)) == 1  # asked for one process
+    assert wanted_ranks(EngineConfig(gpus=4)) == 4
+    with pytest.raises(ValueError, match="torchrun started 4 ranks"):
+        wanted_ranks(EngineConfig(gpus=2))
 
 
 def test_what_expert_parallel_does_not_do_yet_is_refused(tiny):
