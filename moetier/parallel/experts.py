@@ -16,13 +16,15 @@ every rank needs are all of them, which all_reduce, or all_gather + a local redu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
 from moetier.config import EngineConfig
 from moetier.models.experts import ExpertShard
 from moetier.parallel.group import TIMEOUT_ENV, RankGroup
-from moetier.quant.store import Store
+from moetier.quant.store import INDEX_FILE, Store
 from moetier.residency.partition import ExpertPartition, read_hotness
 
 
@@ -61,6 +63,59 @@ def partition(store: Store, engine_config: EngineConfig, ranks: int) -> ExpertPa
 
 
 def expert_shard(store: Store, engine_config: EngineConfig, group: RankGroup) -> ExpertShard:
-    """This rank's experts and the combine over `group`."""
-    owned = partition(store, engine_config, group.ranks).owned(group.rank)
-    return ExpertShard(group.rank, group.ranks, owned, Combine(group))
+    """This rank's experts and the combine over `group`, after every rank agreed on what
+    decides routing (`check_agreement`)."""
+    split = partition(store, engine_config, group.ranks)
+    check_agreement(group, fingerprint(store, engine_config, split))
+    return ExpertShard(group.rank, group.ranks, split.owned(group.rank), Combine(group))
+
+
+def fingerprint(
+    store: Store, engine_config: EngineConfig, split: ExpertPartition
+) -> dict[str, str]:
+    """What must be the same on every rank for their routers to agree bit for bit: a
+    (token, expert) pair is computed only by the rank that owns the expert its own router
+    chose, so a rank that routes differently drops or doubles pairs without an error."""
+    import hashlib
+
+    from moetier.kernels.moe_dispatch import _device_name, tuned_configs
+
+    def digest(value: Any) -> str:
+        return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+
+    index = store.path / INDEX_FILE
+    device = _device_name() if engine_config.resolved_device().startswith("cuda") else "cpu"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {
+        "store": hashlib.sha256(index.read_bytes()).hexdigest()[:16],
+        "partition": digest([split.owned(r) for r in range(split.ranks)]),
+        "engine": digest((engine_config.dtype, engine_config.delta)),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "device": device,
+        "kernel configs": digest(sorted(tuned_configs(device).items())),
+    }
+
+
+def check_agreement(group: RankGroup, mine: dict[str, str]) -> None:
+    """Every rank's `fingerprint` against rank 0's (all_gather over the control group): a
+    ValueError on every rank naming the ranks and what differs, before any step runs."""
+    every: list[Any] = [None] * group.ranks
+    dist.all_gather_object(every, mine, group=group.control)
+    differ = {
+        rank: sorted(k for k in every[0] if theirs.get(k) != every[0][k])
+        for rank, theirs in enumerate(every)
+        if theirs != every[0]
+    }
+    if differ:
+        said = "; ".join(f"rank {r}: {', '.join(keys)}" for r, keys in sorted(differ.items()))
+        raise ValueError(
+            f"the ranks do not agree with rank 0 on what decides routing ({said}): every rank "
+            "needs the same store, --expert-hotness file, engine flags, GPU model, torch / "
+            "Triton versions and kernel configs (`moetier tune` on every node, or on none)"
+        )

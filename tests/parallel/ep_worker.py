@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fail-rank", type=int, default=-1)
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--raise-in-step", type=int, default=0, help="rank 0's Nth attention")
+    parser.add_argument("--rank1-hotness", default=None, help="rank 1's own --expert-hotness")
     return run(parser.parse_args(argv))
 
 
@@ -77,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if rank == args.fail_rank and "WORLD_SIZE" in os.environ:
         raise ValueError(f"rank {rank} fails on purpose")
     torch.manual_seed(0)
-    config = EngineConfig(device="cpu", expert_hotness=args.hotness, gpus=args.spawn)
+    hotness = args.rank1_hotness if rank == 1 and args.rank1_hotness else args.hotness
+    config = EngineConfig(device="cpu", expert_hotness=hotness, gpus=args.spawn)
     limits = EngineLimits(num_pages=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=12)
     prompts = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate((5, 17, 2, 9))]
 

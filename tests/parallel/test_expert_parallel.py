@@ -71,6 +71,19 @@ def _torchrun_ranks(ranks: int, *args: str, timeout: float = 120, **env: str) ->
     return results
 
 
+def _trace(store: str, path: Path, hot: int = 0) -> str:
+    """A routing trace of `store`'s MoE layers where expert `hot` takes half the pairs."""
+    from moetier.quant.store import Store
+
+    s = Store(store)
+    experts = s.model_config.num_experts
+    p = np.full(experts, 0.5 / (experts - 1))
+    p[hot] = 0.5
+    ids = np.random.default_rng(0).choice(experts, size=(len(s.moe_layers), 64, 2), p=p)
+    np.savez(path, expert_ids=ids)
+    return str(path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
 def test_two_ranks_give_one_process_tokens(tiny, model_type, tmp_path):
@@ -78,15 +91,7 @@ def test_two_ranks_give_one_process_tokens(tiny, model_type, tmp_path):
     alone = _one_process(store)
     args = [store]
     if model_type == "deepseek_v3":  # the hotness path: experts split by a routing trace
-        from moetier.quant.store import Store
-
-        s = Store(store)
-        experts = s.model_config.num_experts
-        rng = np.random.default_rng(0)
-        ids = rng.choice(experts, size=(len(s.moe_layers), 64, 2), p=np.r_[[0.5], [0.5 / (
-            experts - 1)] * (experts - 1)])  # fmt: skip
-        np.savez(tmp_path / "trace.npz", expert_ids=ids)
-        args += ["--hotness", str(tmp_path / "trace.npz")]
+        args += ["--hotness", _trace(store, tmp_path / "trace.npz")]
     results = _torchrun_ranks(2, *args)
     for code, _, stderr in results:
         assert code == 0, stderr[-3000:]
@@ -119,6 +124,18 @@ def test_a_failing_rank_stops_the_run_with_its_error(tiny):
     assert out.returncode != 0
     assert "rank 1 fails on purpose" in out.stderr
     assert "rank 1 of 2 exited with status 1" in out.stderr
+
+
+def test_ranks_that_would_route_differently_are_refused_before_any_step(tiny, tmp_path):
+    """Rank 1 given another --expert-hotness file splits the experts another way: pairs would
+    be dropped or doubled without an error, so every rank refuses at load, naming it."""
+    store = str(tiny.store("qwen3_moe"))
+    results = _torchrun_ranks(2, store, "--hotness", _trace(store, tmp_path / "a.npz", hot=0),
+                              "--rank1-hotness", _trace(store, tmp_path / "b.npz", hot=5),
+                              timeout=60)  # fmt: skip
+    for code, _, stderr in results:
+        assert code != 0
+        assert "do not agree with rank 0 on what decides routing (rank 1: partition)" in stderr
 
 
 def test_an_error_inside_rank_0s_forward_ends_the_run_at_once(tiny):
