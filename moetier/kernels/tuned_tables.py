@@ -73,9 +73,33 @@ def user_table_path(card: str, driver: str | None = None, triton: str | None = N
 
 
 def read_table(path: Path) -> Table:
-    """A table file's entries (its notes left out)."""
-    data: Table = json.loads(path.read_text())
-    return {key: value for key, value in data.items() if not key.startswith("_")}
+    """A table file's entries (its notes left out). A file that is not a table of KernelChoice
+    fields (hand-edited, cut short, or written by a moetier with other fields) is a ValueError
+    naming it and what to do, at start-up rather than at the first kernel call."""
+    from dataclasses import fields
+
+    from moetier.kernels.moe_dispatch import KernelChoice
+
+    known = {f.name for f in fields(KernelChoice)}
+    redo = f"delete {path} (or run `moetier tune` again, which rewrites it)"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"kernel config table {path} cannot be read ({err}): {redo}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"kernel config table {path} is not a JSON object: {redo}")
+    table: Table = {}
+    for key, value in data.items():
+        if key.startswith("_"):
+            continue
+        unknown = sorted(set(value) - known) if isinstance(value, dict) else ["(not an object)"]
+        if unknown:
+            raise ValueError(
+                f"kernel config table {path}: entry {key!r} has fields this moetier does not "
+                f"know ({', '.join(unknown)}): {redo}"
+            )
+        table[key] = value
+    return table
 
 
 def layered(user: Table, base: Table) -> Table:

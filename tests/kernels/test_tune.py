@@ -261,3 +261,27 @@ def test_real_tune_of_a_few_seconds_is_used(cache):
     case.call(r, None)  # the dispatcher's choice: the tuned pair
     torch.cuda.synchronize()
     assert torch.isfinite(r["out"]).all()
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ('{"gemv:8x8": {"block_k": 64', "cannot be read"),
+        ("[1, 2]", "is not a JSON object"),
+        (
+            '{"gemv:8x8": {"block_k": 64, "tile_q": 3}}',
+            "fields this moetier does not know (tile_q)",
+        ),
+        ('{"gemv:8x8": 5}', "(not an object)"),
+    ],
+)
+def test_a_broken_table_is_refused_naming_the_file(tmp_path, text, said):
+    from moetier.kernels.tuned_tables import read_table
+
+    path = tmp_path / "card.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="moetier tune") as err:
+        read_table(path)
+    assert said in str(err.value) and str(path) in str(err.value)
+    path.write_text('{"_about": {"card": "x"}, "gemv:8x8": {"block_k": 64}}')
+    assert read_table(path) == {"gemv:8x8": {"block_k": 64}}
