@@ -171,17 +171,25 @@ def _capability() -> tuple[int, int] | None:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
 
 
+def _read_table(path: Path) -> dict[str, dict[str, Any]]:
+    """A tuned table whose entries hold KernelChoice fields only (else a ValueError saying
+    what to do)."""
+    from dataclasses import fields
+
+    return tuned_tables.read_table(path, {f.name for f in fields(KernelChoice)})
+
+
 def shipped_table(device_name: str) -> tuple[str | None, dict[str, dict[str, Any]]]:
     """(the card whose shipped table this GPU takes, that table): its own, else a tuned card's
     of the same architecture (`TUNED_CAPABILITY`), else (None, {})."""
     path = CONFIG_DIR / f"{device_name}.json"
     if path.exists():
-        return device_name, tuned_tables.read_table(path)
+        return device_name, _read_table(path)
     cap = _capability() if device_name != "cpu" else None
     same = [card for card, c in sorted(TUNED_CAPABILITY.items()) if c == cap]
     if not same:
         return None, {}
-    return same[0], tuned_tables.read_table(CONFIG_DIR / f"{same[0]}.json")
+    return same[0], _read_table(CONFIG_DIR / f"{same[0]}.json")
 
 
 @functools.cache
@@ -195,13 +203,13 @@ def tuned_configs(device_name: str) -> dict[str, dict[str, Any]]:
         return _OVERRIDE
     forced = os.environ.get(tuned_tables.TABLE_ENV)
     if forced:
-        table = {} if forced == "defaults" else tuned_tables.read_table(Path(forced))
+        table = {} if forced == "defaults" else _read_table(Path(forced))
         log.info("kernel configs: %s only ($%s)", forced, tuned_tables.TABLE_ENV)
         return table
     if device_name == "cpu":
         return {}
     user_path = tuned_tables.user_table_path(device_name)
-    user = tuned_tables.read_table(user_path) if user_path.exists() else {}
+    user = _read_table(user_path) if user_path.exists() else {}
     source, shipped = shipped_table(device_name)
     said = [f"tuned on this card ({user_path})"] if user else []
     if source == device_name:

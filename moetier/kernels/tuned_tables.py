@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +73,11 @@ def user_table_path(card: str, driver: str | None = None, triton: str | None = N
     return cache_root() / "kernels" / table_name(card, driver, triton)
 
 
-def read_table(path: Path) -> Table:
-    """A table file's entries (its notes left out). A file that is not a table of KernelChoice
+def read_table(path: Path, known: Collection[str] | None = None) -> Table:
+    """A table file's entries (its notes left out). A file that is not a table of objects, or
+    (given `known`, the KernelChoice fields: moe_dispatch reads them so) has an entry with other
     fields (hand-edited, cut short, or written by a moetier with other fields) is a ValueError
     naming it and what to do, at start-up rather than at the first kernel call."""
-    from dataclasses import fields
-
-    from moetier.kernels.moe_dispatch import KernelChoice
-
-    known = {f.name for f in fields(KernelChoice)}
     redo = f"delete {path} (or run `moetier tune` again, which rewrites it)"
     try:
         data = json.loads(path.read_text())
@@ -92,7 +89,10 @@ def read_table(path: Path) -> Table:
     for key, value in data.items():
         if key.startswith("_"):
             continue
-        unknown = sorted(set(value) - known) if isinstance(value, dict) else ["(not an object)"]
+        if not isinstance(value, dict):
+            unknown = ["(not an object)"]
+        else:
+            unknown = sorted(set(value) - set(known)) if known is not None else []
         if unknown:
             raise ValueError(
                 f"kernel config table {path}: entry {key!r} has fields this moetier does not "

@@ -275,13 +275,18 @@ def test_real_tune_of_a_few_seconds_is_used(cache):
         ('{"gemv:8x8": 5}', "(not an object)"),
     ],
 )
-def test_a_broken_table_is_refused_naming_the_file(tmp_path, text, said):
-    from moetier.kernels.tuned_tables import read_table
+def test_a_broken_table_is_refused_naming_the_file(tmp_path, monkeypatch, text, said):
+    """What the dispatcher reads (the user's table here, through $MOETIER_KERNEL_CONFIGS)."""
+    from moetier.kernels import moe_dispatch
 
     path = tmp_path / "card.json"
     path.write_text(text)
+    monkeypatch.setenv("MOETIER_KERNEL_CONFIGS", str(path))
+    moe_dispatch.tuned_configs.cache_clear()
     with pytest.raises(ValueError, match="moetier tune") as err:
-        read_table(path)
+        moe_dispatch.tuned_configs("NVIDIA_H200")
     assert said in str(err.value) and str(path) in str(err.value)
     path.write_text('{"_about": {"card": "x"}, "gemv:8x8": {"block_k": 64}}')
-    assert read_table(path) == {"gemv:8x8": {"block_k": 64}}
+    moe_dispatch.tuned_configs.cache_clear()
+    assert moe_dispatch.tuned_configs("NVIDIA_H200") == {"gemv:8x8": {"block_k": 64}}
+    moe_dispatch.tuned_configs.cache_clear()
