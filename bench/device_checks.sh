@@ -11,6 +11,9 @@
 #   PART=2  moetier tune's test and bench/tune.py (#51), the agent-shape TTFT and a 25% budget's
 #           steps against their floors (#42), dense bf16 / fp8 / int4 (#52), the converter's
 #           speed (#53), the CPU expert kernel against DRAM (#54)
+#   PART=3  the GLM-5 and DeepSeek-V4-Flash slices native against the transformers path and at
+#           a 25% budget, the planner's whole-model predictions for them (#45), the planner
+#           against the bench (#48), calibrated conversion of an 8-layer Qwen3-30B-A3B slice (#53)
 #
 # On the dev machine first (repo root): wheels of what the device image (torch, triton,
 # transformers) lacks, for Python 3.12, into the ignored .whl/: `pip download --no-deps
@@ -70,6 +73,33 @@ write_synthetic_store(Path(sys.argv[1]), shape(sys.argv[2], int(sys.argv[3])), '
     step mtp-off-25 60 "${b[@]}" --delta none "${quarter[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
     step mtp-k2-25 60 "${b[@]}" --delta none "${quarter[@]}" "${mtp[@]}" \
         >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+elif [[ "${PART:-1}" == 3 ]]; then
+    if [[ "${SMOKE:-0}" == 1 ]]; then
+        models=(glm-5-tiny:2 deepseek-v4-flash-tiny:2) plan=(--layers 1 --new-tokens 4
+            --prompt-tokens 8 --batch 1 --bench-args "--device cpu --warmup 0")
+        calib=(--layers 2 --tokens 2048 --experts 16 --modes diag) dev=(--device cpu)
+    else
+        models=(glm-5:2 deepseek-v4-flash:4) plan=(--layers 8) calib=(--layers 8 --tokens 65536) dev=()
+    fi
+    for m in "${models[@]}"; do
+        s=${m%%:*} n=${m##*:}
+        one=("$PY" -m moetier bench --shape "$s" --layers "$n" --batch 1 --prompt-tokens 128
+            --json "${dev[@]}")
+        step "$s-native" 70 "${one[@]}" --native --new-tokens 64 >>"$OUT/models.jsonl" \
+            2>>"$OUT/models.log"
+        step "$s-hf" 70 "${one[@]}" --no-native --new-tokens 16 >>"$OUT/models.jsonl" \
+            2>>"$OUT/models.log"
+        step "$s-25" 70 "${one[@]}" --native --new-tokens 64 --host-memory 1TiB \
+            --expert-cache-slots $((n * 64)) >>"$OUT/models.jsonl" 2>>"$OUT/models.log"
+    done
+    step plan-glm5 30 "$PY" -m moetier plan --shape glm-5 --gpu-memory 96GB --host-memory 512GB \
+        --predict --json >"$OUT/plan-models.jsonl" 2>>"$OUT/models.log"
+    step plan-dsv4 30 "$PY" -m moetier plan --shape deepseek-v4-flash --gpu-memory 32GB \
+        --host-memory 192GB --predict --json >>"$OUT/plan-models.jsonl" 2>>"$OUT/models.log"
+    step plan-check 200 "$PY" bench/plan_check.py "${plan[@]}" >"$OUT/plan-check.jsonl" \
+        2>"$OUT/plan-check.log"
+    step calibrated 200 "$PY" bench/convert_calibrated.py "${calib[@]}" \
+        >"$OUT/convert-calibrated.jsonl" 2>"$OUT/convert-calibrated.log"
 else
     smoke=()
     [[ "${SMOKE:-0}" == 1 ]] && smoke=(--smoke)
