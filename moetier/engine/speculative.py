@@ -194,9 +194,7 @@ class MTPDrafter:
         fold = getattr(model, "layer_batch", lambda b: b)  # (MLA: one latent key, all heads)
         batch = fold(AttentionBatch.packed(spans, self.page_size, self.device))
         ids = to_device(embeds_ids, self.device, torch.int64)[None]
-        embeds = model.embed_tokens(ids)
-        cos, sin = model.rotary_emb(batch.positions, embeds.dtype)
-        out = self.mtp(embeds, torch.cat(rows)[None], cos, sin, batch, cache)[0]  # [N, H]
+        out = self.mtp.step(model, ids, torch.cat(rows)[None], batch, cache)[0]  # [N, H]
         ends = torch.tensor([s[1] for s in spans]).cumsum(0) - 1
         last = out.index_select(0, ends.to(self.device))  # [R, H]
         for request, (start, count, _) in zip(ready, spans, strict=True):
@@ -218,9 +216,7 @@ class MTPDrafter:
         for j in range(1, k):  # chained: the layer's own output and draft, one position on
             chain = [(request.computed + j - 1, 1, request.pages) for request in ready]
             batch = fold(AttentionBatch.packed(chain, self.page_size, self.device))
-            embeds = model.embed_tokens(drafts[-1][None])
-            cos, sin = model.rotary_emb(batch.positions, embeds.dtype)
-            last = self.mtp(embeds, last[None], cos, sin, batch, cache)[0]
+            last = self.mtp.step(model, drafts[-1][None], last[None], batch, cache)[0]
             drafts.append(self.mtp.logits(last, self.model.lm_head).argmax(-1))
         table = torch.stack(drafts, dim=1).tolist()  # [R, k]: one read back
         for request, tokens in zip(ready, table, strict=True):
