@@ -209,3 +209,59 @@ def test_draft_logits_are_deepseeks_mtp_formula(tiny, tmp_path, ratio):
         got = model.mtp.logits(out, model.lm_head)[0]
     assert (got - want).abs().max().item() <= 1e-4
     assert want.std() > 0.1  # (not a degenerate comparison)
+
+
+def test_an_mtp_layer_that_predicts_the_model_has_its_drafts_accepted(v4, want, tiny, tmp_path):
+    """An MTP layer made to predict what the model predicts after each token of its greedy
+    text (block and h_proj silenced: every stream is e_proj(enorm(embed(t))), solved so that
+    the shared head reads the model's next token after t from it), drafting through the
+    engine's real path with 2 drafts: the same text, and most drafts accepted."""
+    hf, _ = v4
+    weights = load_file(str(hf / "model.safetensors"))
+    mtp = {k: v for k, v in weights.items() if k.startswith("mtp.0.")}
+    nxt: dict[int, int] = {}  # token -> the model's greedy token after it
+    for i, prompt in enumerate(PROMPTS):
+        seq = prompt + want[f"r{i}"]
+        for a, b in zip(seq[len(prompt) - 1 :], seq[len(prompt) :], strict=False):
+            nxt.setdefault(a, b)
+    tokens = torch.tensor(sorted(nxt))
+    embeds = weights["model.embed_tokens.weight"][tokens]
+    eps = json.loads((hf / "config.json").read_text())["rms_norm_eps"]
+    a = embeds * torch.rsqrt(embeds.pow(2).mean(-1, keepdim=True) + eps)  # enorm, weight 1
+    b = weights["head.weight"][torch.tensor([nxt[t] for t in sorted(nxt)])]
+    assert len(nxt) < a.shape[1]  # an exact solution: e_proj a_t = b_t for every t
+    mtp["mtp.0.e_proj.weight"] = torch.linalg.lstsq(a, b).solution.T.contiguous()
+    mtp["mtp.0.h_proj.weight"] = torch.zeros_like(mtp["mtp.0.h_proj.weight"])
+    for name in ("enorm", "norm"):
+        mtp[f"mtp.0.{name}.weight"] = torch.ones_like(mtp[f"mtp.0.{name}.weight"])
+    for key in mtp:  # the block adds nothing to the streams
+        if key.endswith(("attn.wo_b.weight", "w2.weight")):
+            mtp[key] = torch.zeros_like(mtp[key])
+    src = tiny.checkpoint("deepseek_v4")  # the main model without the MTP layer
+    store = convert(write_checkpoint(src, tmp_path / "hf", mtp, 0), tmp_path / "s", progress=False)
+    engine = speculative(store, 2)
+    assert drain(engine) == want
+    stats = engine.runner.drafter.stats
+    assert stats.acceptance > 0.5 and stats.accepted[1] > 0  # chained drafts right too
+
+
+def test_what_is_not_supported_is_refused(v4, tiny, tmp_path):
+    """No MTP entry in compress_ratios (its attention type unknown), a config naming another
+    attention type than the stored block's, --mtp-file, a store without the layer."""
+    _, store = v4
+    edited = tmp_path / "edited"
+    shutil.copytree(store, edited)
+    config = json.loads((edited / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config["compress_ratios"] = config["compress_ratios"][:layers]
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="does not say which attention DeepSeek-V4's MTP layer"):
+        native(edited, mtp=True)
+    config["compress_ratios"] = [*config["compress_ratios"], 128]  # HCA: a compressor
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="does not match the model's heavily_compressed"):
+        native(edited, mtp=True)
+    with pytest.raises(ValueError, match="--mtp-file is not supported for deepseek_v4"):
+        native(store, mtp_file=str(tmp_path / "mtp.safetensors"))
+    with pytest.raises(ValueError, match="has no DeepSeek-V4 MTP layer"):
+        native(tiny.store("deepseek_v4"), mtp=True)
