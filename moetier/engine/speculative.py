@@ -8,7 +8,8 @@ choices, then the model's token after it). Greedy output is the same as without 
 for token.
 
 `MTPDrafter` proposes them. The MTP layer at position p reads the main model's final hidden
-state h_p and the embedding of token p + 1; its own KV sits in the paged cache's layer
+state h_p (DeepSeek-V4: its hyper-connection streams before the final collapse, flattened) and
+the embedding of token p + 1 (the layer's `step`); its own KV sits in the paged cache's layer
 num_hidden_layers, at the main model's pages and positions. After each step the drafter runs the
 layer over every position whose next token is now known (catch-up: hidden states kept from the
 main model's steps, `keep`), the last one giving the first draft; then it applies the layer
