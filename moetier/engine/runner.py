@@ -278,7 +278,7 @@ class PagedRunner(StepSampler):
         index = to_device(rows, self.device, torch.int64)
         if every is not None:
             return every.index_select(0, index)
-        return self.model.lm_head(hidden.index_select(0, index))
+        return self.model.head(hidden.index_select(0, index))
 
     def _verify(
         self,
@@ -432,7 +432,7 @@ class PagedRunner(StepSampler):
         batch = AttentionBatch.decode(
             positions, table, self.page_size, with_keys=self.gather_decode_keys
         )
-        return self.model.lm_head(self.model.model(ids, positions, self.cache, batch)[:, 0])
+        return self.model.head(self.model.model(ids, positions, self.cache, batch)[:, 0])
 
     def _launch_ahead(self, items: list[Scheduled], launch: _Launch, tokens: torch.Tensor) -> None:
         """Launch the next decode step of `items`' rows on `launch`'s inputs (which hold this
@@ -567,7 +567,7 @@ class PagedRunner(StepSampler):
             positions, table, self.page_size, with_keys=self.gather_decode_keys
         )
         hidden = self.model.model(ids, positions, cache, batch)[:, 0]
-        return self.model.lm_head(hidden), hidden
+        return self.model.head(hidden), hidden
 
     def _decode_inputs(
         self, items: list[Scheduled], ids: np.ndarray, positions: np.ndarray, table: np.ndarray

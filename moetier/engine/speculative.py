@@ -8,7 +8,8 @@ choices, then the model's token after it). Greedy output is the same as without 
 for token.
 
 `MTPDrafter` proposes them. The MTP layer at position p reads the main model's final hidden
-state h_p and the embedding of token p + 1; its own KV sits in the paged cache's layer
+state h_p (DeepSeek-V4: its hyper-connection streams before the final collapse, flattened) and
+the embedding of token p + 1 (the layer's `step`); its own KV sits in the paged cache's layer
 num_hidden_layers, at the main model's pages and positions. After each step the drafter runs the
 layer over every position whose next token is now known (catch-up: hidden states kept from the
 main model's steps, `keep`), the last one giving the first draft; then it applies the layer
@@ -194,9 +195,7 @@ class MTPDrafter:
         fold = getattr(model, "layer_batch", lambda b: b)  # (MLA: one latent key, all heads)
         batch = fold(AttentionBatch.packed(spans, self.page_size, self.device))
         ids = to_device(embeds_ids, self.device, torch.int64)[None]
-        embeds = model.embed_tokens(ids)
-        cos, sin = model.rotary_emb(batch.positions, embeds.dtype)
-        out = self.mtp(embeds, torch.cat(rows)[None], cos, sin, batch, cache)[0]  # [N, H]
+        out = self.mtp.step(model, ids, torch.cat(rows)[None], batch, cache)[0]  # [N, H]
         ends = torch.tensor([s[1] for s in spans]).cumsum(0) - 1
         last = out.index_select(0, ends.to(self.device))  # [R, H]
         for request, (start, count, _) in zip(ready, spans, strict=True):
@@ -218,9 +217,7 @@ class MTPDrafter:
         for j in range(1, k):  # chained: the layer's own output and draft, one position on
             chain = [(request.computed + j - 1, 1, request.pages) for request in ready]
             batch = fold(AttentionBatch.packed(chain, self.page_size, self.device))
-            embeds = model.embed_tokens(drafts[-1][None])
-            cos, sin = model.rotary_emb(batch.positions, embeds.dtype)
-            last = self.mtp(embeds, last[None], cos, sin, batch, cache)[0]
+            last = self.mtp.step(model, drafts[-1][None], last[None], batch, cache)[0]
             drafts.append(self.mtp.logits(last, self.model.lm_head).argmax(-1))
         table = torch.stack(drafts, dim=1).tolist()  # [R, k]: one read back
         for request, tokens in zip(ready, table, strict=True):

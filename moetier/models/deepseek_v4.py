@@ -15,6 +15,7 @@ alike, shape-static (no host sync outside the experts runtime), as the other nat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,8 @@ class DeepseekV4Config:
     mlp_bias: bool
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # the attention type of each MTP layer that is loaded (models/mtp_deepseek_v4.py)
+    mtp_layer_types: tuple[str, ...] = ()
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -97,10 +100,10 @@ class DeepseekV4Config:
 
     @property
     def cache_width(self) -> int:
-        """Values a cache row holds per token and layer (the widest layer type's)."""
-        return max(
-            row_layout(kind, self.head_dim, self.index_head_dim).width for kind in self.layer_types
-        )
+        """Values a cache row holds per token and layer (the widest layer type's, MTP layers'
+        included)."""
+        kinds = (*self.layer_types, *self.mtp_layer_types)
+        return max(row_layout(kind, self.head_dim, self.index_head_dim).width for kind in kinds)
 
     @classmethod
     def from_transformers(cls, hf: Any) -> DeepseekV4Config:
@@ -203,10 +206,11 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(x.flatten(2).float(), self.norm_eps)
+        """x [.., hc, H] -> [.., H]."""
+        flat = unweighted_rms_norm(x.flatten(-2).float(), self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
+        return (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
 
 
 class ClampedMLP(nn.Module):
@@ -347,6 +351,9 @@ class DeepseekV4Model(nn.Module):
             config.hidden_size, config.hc_mult, config.hc_eps, config.rms_norm_eps
         )
         self.rotary_emb = rotary
+        # hand on the final streams [B, T, hc H] instead of the collapsed hidden states: what
+        # an MTP layer reads (DeepseekV4ForCausalLM.feed_mtp); `final` collapses them
+        self.streams_out = False
 
     def forward(
         self,
@@ -361,11 +368,21 @@ class DeepseekV4Model(nn.Module):
         streams = x[:, :, None].expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, input_ids, where, batch, cache)
+        if self.streams_out:
+            return streams.flatten(2)
         return self.norm(self.hc_head(streams))
+
+    def final(self, hidden: torch.Tensor) -> torch.Tensor:
+        """forward's output -> the final hidden states [.., H] the LM head reads."""
+        if not self.streams_out:
+            return hidden
+        return self.norm(self.hc_head(hidden.unflatten(-1, (self.config.hc_mult, -1))))
 
 
 class DeepseekV4ForCausalLM(NativeCausalLM):
     """The native model; `rotary` carries both ropes (`setup`)."""
+
+    model: DeepseekV4Model
 
     def __init__(self, config: DeepseekV4Config, rotary: V4Rotary) -> None:
         super().__init__()
@@ -378,11 +395,27 @@ class DeepseekV4ForCausalLM(NativeCausalLM):
         self.model = DeepseekV4Model(config, rotary)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.final(hidden))
+
+    def feed_mtp(self, kinds: tuple[str, ...]) -> None:
+        """Ready the model for MTP layers of attention types `kinds` (loader/mtp.py): the
+        decoder hands on its final streams (the MTP layer's input; `head` collapses them for
+        the LM head), the cache gets their layers and rows as wide as their widest."""
+        self.config = dataclasses.replace(self.config, mtp_layer_types=kinds)
+        self.model.config = self.config
+        self.model.streams_out = True
+        for module in self.modules():
+            if isinstance(module, DeepseekV4Attention):
+                module.width = self.config.cache_width  # (wider only for a wider MTP row)
+
     def new_cache(
         self, pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
         """A zeroed cache [layers, pages, page_size, width] (deepseek_v4_attention.py: key,
-        compressor and indexer rows per position; the static cache: one page a row)."""
+        compressor and indexer rows per position; the static cache: one page a row), MTP
+        layers after the decoder's."""
         c = self.config
-        return torch.zeros(c.num_layers, pages, page_size, c.cache_width, dtype=dtype,
+        layers = c.num_layers + len(c.mtp_layer_types)
+        return torch.zeros(layers, pages, page_size, c.cache_width, dtype=dtype,
                            device=device)  # fmt: skip

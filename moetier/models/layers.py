@@ -329,6 +329,11 @@ class NativeCausalLM(nn.Module):
         if last_only is not None:
             index = last_only[:, None, None].expand(-1, 1, hidden.shape[-1])
             hidden = hidden.gather(1, index)[:, 0]  # [B, H]
+        return self.head(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`model`'s final hidden states -> logits (the LM head; DeepSeek-V4 feeding an MTP
+        layer first collapses its streams)."""
         return self.lm_head(hidden)
 
 

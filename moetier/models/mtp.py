@@ -14,6 +14,8 @@ hidden state [B, T, H]; `logits` reads it through the shared head.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -56,6 +58,20 @@ class MTPLayer(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         out = self.block(x, cos, sin, batch, cache)
         return out[0] if isinstance(out, tuple) else out  # (GLM-5's layers hand on more)
+
+    def step(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: AttentionBatch,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The drafter's call: `model` the main decoder (its embedding and rotary), input_ids
+        [B, T] the next tokens, hidden [B, T, H] -> forward's output."""
+        embeds = model.embed_tokens(input_ids)
+        cos, sin = model.rotary_emb(batch.positions, embeds.dtype)
+        return self(embeds, hidden, cos, sin, batch, cache)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         head = self.shared_head.head if self.shared_head.head is not None else lm_head
