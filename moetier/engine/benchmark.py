@@ -211,6 +211,15 @@ def run_case(
             "acceptance": round(spec.acceptance, 4),
             "mean_accepted": round(spec.mean_accepted, 4),
         }
+        runner = engine.runner  # where verify steps and drafting ran: graphed or not
+        drafter = getattr(runner, "drafter", None)
+        if isinstance(runner, PagedRunner) and drafter is not None:
+            record["speculative"] |= {
+                "verify_graphed": runner.verify_graphed,
+                "verify_packed": runner.verify_packed,
+                "drafts_graphed": drafter.graphed,
+                "drafts_eager": drafter.eager,
+            }
     record.update(floor_fields(loaded, case.rows, speeds, ms_per_step))
     return record
 

@@ -138,6 +138,7 @@ class PagedRunner(StepSampler):
                 "load the store's with --mtp (a checkpoint that ships one), or give --mtp-file"
             )
         self.drafter = MTPDrafter(self.model, self.page_size, self.device)
+        self.drafter.layout = self  # drafting on fixed shapes where the steps are
         self.lookahead = False
         if self.use_graphs:
             began = time.perf_counter()

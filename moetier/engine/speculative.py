@@ -14,23 +14,30 @@ num_hidden_layers, at the main model's pages and positions. After each step the 
 layer over every position whose next token is now known (catch-up: hidden states kept from the
 main model's steps, `keep`), the last one giving the first draft; then it applies the layer
 again on its own output and draft (EAGLE-style) for the others, writing their KV at the next
-positions (overwritten by the catch-up once the real tokens are known); the drafting runs
-eagerly, while the verify steps replay the graphed decode step where a batch bucket holds their
-tokens (engine/runner.py: a token a decode row). Sampled requests keep a draft with the target's
-probability of it and draw the token after a rejection from the rest of that distribution
-(`rejection_rows`: speculative sampling with point-mass proposals), so their tokens follow the
-target distribution; requests with penalties, logit bias, grammars or logprobs decode one token
-a step.
+positions (overwritten by the catch-up once the real tokens are known). Where the runner's steps
+are graphed (or on their fixed shapes, CPU tests) and every request is in step (its catch-up 1
+to k + 1 positions), the catch-up and the chain replay one graph (engine/draft_graphs.py);
+otherwise they run eagerly. The verify steps replay the graphed decode step where a batch
+bucket holds their tokens (engine/runner.py: a token a decode row). Sampled requests keep a
+draft with the target's probability of it and draw the token after a rejection from the rest of
+that distribution (`rejection_rows`: speculative sampling with point-mass proposals), so their
+tokens follow the target distribution; requests with penalties, logit bias, grammars or
+logprobs decode one token a step.
 """
 
 from __future__ import annotations
 
+import functools
 import random
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from moetier.engine.decode_graphs import BATCH_BUCKETS, bucket_of
+from moetier.engine.draft_graphs import DraftGraph
 from moetier.engine.sampler import to_device
 from moetier.engine.scheduler import Request
 from moetier.models.attention_batch import AttentionBatch
@@ -124,6 +131,13 @@ class MTPDrafter:
         # benchmarks on random weights (`replay`): drafts kept at given rates, not by the model
         self._replay: list[float] | None = None
         self._rng = random.Random(0)
+        # drafting on fixed-shape inputs (engine/draft_graphs.py): the runner says whether its
+        # steps are graphed (or on fixed shapes), its scratch page and page-table widths
+        self.layout: Any = None  # engine/runner.py's PagedRunner, set by enable_speculative
+        self.graphs: dict[tuple[int, int, int], DraftGraph] = {}
+        self.failed: set[tuple[int, int, int]] = set()
+        self._pool: Any = None
+        self.graphed = self.eager = 0  # drafting calls on fixed-shape inputs, and eager ones
 
     def replay(self, acceptance: list[float]) -> None:
         """Benchmarks on random weights, whose drafts the model never agrees with: keep drafts
@@ -208,6 +222,10 @@ class MTPDrafter:
     def draft(self, requests: list[Request], k: int, cache: torch.Tensor) -> None:
         """Set `drafts` (k tokens) of each request, whose pages hold its next k + 1 positions;
         a request with no kept hidden state for a position it needs gets none."""
+        if self._draft_fixed(requests, k, cache):
+            self.graphed += 1
+            return
+        self.eager += 1
         ready, last = self._catch_up(requests, cache)
         if last is None:
             return
@@ -222,6 +240,147 @@ class MTPDrafter:
         table = torch.stack(drafts, dim=1).tolist()  # [R, k]: one read back
         for request, tokens in zip(ready, table, strict=True):
             request.drafts = list(tokens)
+
+    def _draft_fixed(self, requests: list[Request], k: int, cache: torch.Tensor) -> bool:
+        """Draft on a DraftGraph's fixed-shape inputs (replayed where the runner's steps are
+        graphed); False, nothing done, where that does not apply: steps not on fixed shapes,
+        more requests than a bucket holds, a request whose catch-up is not 1 to k + 1
+        positions of kept hidden states, or a graph that did not capture."""
+        layout = self.layout
+        if layout is None or not (layout.use_graphs or layout.fixed_shapes) or not requests:
+            return False
+        bucket = bucket_of(BATCH_BUCKETS, len(requests))
+        if bucket is None:
+            return False
+        spans = []  # per request: first catch-up position, their count, the hidden states
+        needed = 0
+        for request in requests:
+            kept = self._hidden.get(request.id)
+            done = min(self._done.get(request.id, request.computed), request.computed - 1)
+            if kept is None or done < 0:
+                return False
+            first, hidden = kept
+            count = request.computed - done
+            if not (first <= done and first + hidden.shape[0] >= request.computed):
+                return False
+            if not 1 <= count <= k + 1:
+                return False
+            pages = (request.computed + k - 1) // self.page_size + 1  # the chain's last
+            if len(request.pages) < pages:
+                return False
+            needed = max(needed, pages)
+            spans.append((done, count, hidden[done - first : request.computed - first]))
+        width = bucket_of(layout.context_buckets, needed)
+        if width is None:
+            return False
+        first_kept = spans[0][2]  # (DeepSeek-V4: its streams, hc x H wide)
+        graph = self.graphs.get((bucket, k, width)) or self._capture(
+            bucket, k, width, cache, first_kept.shape[-1], first_kept.dtype
+        )
+        if graph is None:
+            return False
+        ids, positions, table, last, chain_positions, chain_table, rows = graph.host_inputs()
+        self._pad(graph)
+        at = 0
+        for i, (request, (done, count, _)) in enumerate(zip(requests, spans, strict=True)):
+            base = i * (k + 1)
+            held = request.pages[:width]
+            table[base : base + k + 1, : len(held)] = held
+            positions[base : base + k + 1, 0] = np.arange(done, done + k + 1)
+            ids[base : base + count, 0] = request.tokens[done + 1 : done + count + 1]
+            last[i] = base + count - 1
+            chain_positions[:, i, 0] = np.arange(request.computed, request.computed + k - 1)
+            chain_table[i, : len(held)] = held
+            rows[at : at + count] = np.arange(base, base + count)
+            at += count
+        drafts = graph.replay(torch.cat([span[2] for span in spans]))
+        table_out = drafts[: len(requests)].tolist()  # [R, k]: one read back
+        for request, tokens, (done, count, _) in zip(requests, table_out, spans, strict=True):
+            request.drafts = list(tokens)
+            self._done[request.id] = done + count
+            first, hidden = self._hidden[request.id]
+            self._hidden[request.id] = (done + count, hidden[done + count - first :])
+        return True
+
+    def _pad(self, graph: DraftGraph) -> None:
+        """Every row of `graph`'s staged inputs a padding row: the scratch page, position 0."""
+        ids, positions, table, last, chain_positions, chain_table, rows = graph.host_inputs()
+        table.fill(self.layout.scratch_page)
+        chain_table.fill(self.layout.scratch_page)
+        for array in (ids, positions, last, chain_positions):
+            array.fill(0)
+        rows[:] = np.arange(rows.shape[0])
+
+    def _capture(
+        self,
+        requests: int,
+        k: int,
+        width: int,
+        cache: torch.Tensor,
+        size: int,
+        dtype: torch.dtype,
+    ) -> DraftGraph | None:
+        """The drafting of `requests` requests (a bucket) with k drafts over `width` pages:
+        captured into a CUDA graph where the runner's steps are, else run eagerly on the same
+        inputs; None (eager drafting for that key) if capturing fails."""
+        key = (requests, k, width)
+        if key in self.failed:
+            return None
+        graph = DraftGraph(requests, k, width, size, dtype, self.device)
+        self._pad(graph)
+        for static, staged in zip(graph.inputs, graph.staged, strict=True):
+            static.copy_(staged)
+        fn = functools.partial(self._fixed_drafts, k, cache=cache)
+        if not self.layout.use_graphs:
+            graph.run_eagerly(fn)
+        else:
+            self._pool = self._pool or torch.cuda.graph_pool_handle()
+            try:
+                graph.capture(fn, self._pool)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                print(f"moetier: drafting for {requests} requests without a CUDA graph ({exc})",
+                      file=sys.stderr)  # fmt: skip
+                self.failed.add(key)
+                return None
+        self.graphs[key] = graph
+        return graph
+
+    def _fixed_drafts(
+        self,
+        k: int,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        table: torch.Tensor,
+        last: torch.Tensor,
+        chain_positions: torch.Tensor,
+        chain_table: torch.Tensor,
+        hidden: torch.Tensor,
+        *,
+        cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """The drafting on a DraftGraph's inputs -> drafts [requests, k]: the MTP layer over
+        every request's k + 1 rows (its catch-up positions first), each request's first draft
+        from its row `last`, then k - 1 chained one-row steps."""
+        model = self.model.model
+        fold = getattr(model, "layer_batch", lambda b: b)
+        gather = self.layout.gather_decode_keys
+        gate = getattr(self.layout, "gate_rows", None)
+        if gate is not None:  # the gate's row inputs are the decode steps' (other shapes)
+            gate.gate.forced = gate.gate.confidence = None
+
+        def layer(tokens: torch.Tensor, before: torch.Tensor, at: torch.Tensor,
+                  pages: torch.Tensor) -> torch.Tensor:  # fmt: skip
+            batch = fold(AttentionBatch.decode(at, pages, self.page_size, with_keys=gather))
+            return self.mtp.step(model, tokens, before[:, None], batch, cache)[:, 0]
+
+        out = layer(ids, hidden, positions, table).index_select(0, last)  # [requests, H]
+        token = self.mtp.logits(out, self.model.lm_head).argmax(-1)
+        drafts = [token]
+        for j in range(k - 1):
+            out = layer(token[:, None], out, chain_positions[j], chain_table)
+            token = self.mtp.logits(out, self.model.lm_head).argmax(-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
 
 
 @dataclass

@@ -516,6 +516,56 @@ def test_deepseek_verify_rows_keep_the_greedy_text(deepseek, pages, gathered, mo
     assert bool(calls) == (not gathered)  # the kernel took the rows only without gathered keys
 
 
+def record_drafts(engine):
+    """The MTP layer's own drafts of each drafting call, (request, tokens so far, drafts)."""
+    drafter = engine.runner.drafter
+    real, seen = drafter.draft, []
+
+    def recording(requests, k, cache):
+        real(requests, k, cache)
+        seen.extend((r.id, len(r.output), tuple(r.drafts)) for r in requests)
+
+    drafter.draft = recording
+    return seen
+
+
+@pytest.mark.parametrize(
+    "family, pages, gathered",
+    [("qwen3_moe", 64, True), ("qwen3_moe", 10, True), ("qwen3_moe", 64, False),
+     ("deepseek_v3", 64, True), ("deepseek_v3", 64, False)],
+)  # fmt: skip
+def test_drafting_on_fixed_shapes_gives_the_eager_drafts(family, pages, gathered, request):
+    """Drafting on the draft graphs' fixed-shape inputs (engine/draft_graphs.py: every
+    request's catch-up as k + 1 decode rows, then the chain) proposes the drafts that eager
+    drafting does, call for call, with the layer's own drafts verified and with mostly-right
+    ones (1 to k + 1 catch-up positions a request); the text stays the plain engine's.
+    gathered False: the rows attend through the decode kernels (Triton's interpreter)."""
+    if family == "qwen3_moe":
+        store = request.getfixturevalue("store")
+        extra = {"mtp_file": str(request.getfixturevalue("mtp_file"))}
+    else:
+        store, extra = request.getfixturevalue("deepseek"), {"mtp": True}
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
+    runs = []
+    for fixed_drafting in (True, False):
+        for oracle in (False, True):
+            engine = fixed_shape_engine(native(store, **extra), pages, drafts=2,
+                                        gathered=gathered)  # fmt: skip
+            drafter = engine.runner.drafter
+            if not fixed_drafting:
+                drafter.layout = None  # eager drafting, verify steps on fixed rows as before
+            seen = record_drafts(engine)
+            if oracle:
+                oracle_drafts(engine, want)
+            assert drain(engine) == want
+            assert (drafter.graphed > 0) == fixed_drafting and drafter.eager > 0
+            runs.append(seen)
+            if pages == 10:
+                assert engine.scheduler.preemptions > 0
+    assert runs[0] == runs[2] and runs[1] == runs[3]
+    assert len(runs[0]) > len(PROMPTS) and len(set(runs[0])) > 1
+
+
 def test_sampled_verify_rows_keep_seeded_sampling(store, mtp_file):
     """Seeded sampled requests with drafts: on fixed-shape rows the tokens the packed verify
     steps draw (the same generator draws from logits equal to float error), and a second run
@@ -607,6 +657,9 @@ def test_greedy_output_is_unchanged_with_drafts_on_cuda(family, request):
     assert runner.drafter.stats.acceptance > 0.5
     assert runner.verify_graphed > 0 and runner.verify_packed == 0
     assert all(runner.graphs.get(key).graph is not None for key in runner.graphs)  # captured
+    drafter = runner.drafter  # drafting replayed from its graphs after each prompt's first
+    assert drafter.graphed > drafter.eager and not drafter.failed
+    assert all(graph.graph is not None for graph in drafter.graphs.values())
 
 
 def test_a_stop_string_inside_the_accepted_drafts_ends_the_count_there(store, mtp_file):

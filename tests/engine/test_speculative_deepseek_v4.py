@@ -135,6 +135,29 @@ def test_greedy_output_is_unchanged_with_the_mtp_layers_drafts(v4, want, k, fixe
         assert engine.runner.verify_graphed > 0
 
 
+def test_drafting_on_fixed_shapes_gives_the_eager_drafts(v4, want):
+    """The drafting on the draft graphs' fixed-shape inputs (engine/draft_graphs.py; the
+    kept hidden states are V4's streams, hc x H wide) proposes the eager drafting's drafts,
+    call for call."""
+    runs = []
+    for fixed_drafting in (True, False):
+        engine = speculative(v4[1], 2, fixed=True)
+        drafter = engine.runner.drafter
+        if not fixed_drafting:
+            drafter.layout = None
+        real, seen = drafter.draft, []
+
+        def recording(requests, k, cache, real=real, seen=seen):  # type: ignore[no-untyped-def]
+            real(requests, k, cache)
+            seen.extend((r.id, len(r.output), tuple(r.drafts)) for r in requests)
+
+        drafter.draft = recording
+        assert drain(engine) == want
+        assert (drafter.graphed > 0) == fixed_drafting
+        runs.append(seen)
+    assert runs[0] == runs[1] and len(runs[0]) > 3
+
+
 @pytest.mark.parametrize("ratio", [0, 128])
 def test_draft_logits_are_deepseeks_mtp_formula(tiny, tmp_path, ratio):
     """The MTP layer's logits at every position of a prompt, against DeepSeek's MTPBlock
