@@ -122,6 +122,7 @@ class PagedRunner(StepSampler):
         # where graphs are on), and those run packed (more rows than the largest bucket, a
         # prompt chunk among them, no graphs)
         self.verify_graphed = self.verify_packed = 0
+        self.buckets: tuple[int, ...] = GRAPH_BUCKETS  # (speculative decoding adds some)
         if self.use_graphs and loaded.engine_config.compile_decode:
             self.compile_step()
         self.warm_up_seconds = self.warm_up(max_rows)
@@ -140,10 +141,15 @@ class PagedRunner(StepSampler):
         self.drafter = MTPDrafter(self.model, self.page_size, self.device)
         self.drafter.layout = self  # drafting on fixed shapes where the steps are
         self.lookahead = False
+        # verify steps of n requests are n x (k + 1) rows: buckets of those sizes too, so that
+        # batch 1 with k = 2 runs 3 rows, not 4 (a padding row routes to experts of its own)
+        rows = drafts + 1
+        extra = {rows * b for b in GRAPH_BUCKETS if rows * b <= GRAPH_BUCKETS[-1]}
+        self.buckets = tuple(sorted(set(GRAPH_BUCKETS) | extra))
         if self.use_graphs:
             began = time.perf_counter()
             width = self.context_buckets[0]
-            for bucket in GRAPH_BUCKETS:
+            for bucket in self.buckets:
                 if (bucket, width) not in self.graphs and (bucket, width) not in self.graphs.failed:
                     self._capture(bucket, width)
                 if bucket >= self.max_rows * (drafts + 1):
@@ -185,7 +191,7 @@ class PagedRunner(StepSampler):
         if not self.use_graphs:
             return 0.0
         width = self.context_buckets[0]
-        for bucket in GRAPH_BUCKETS:
+        for bucket in self.buckets:
             if (bucket, width) not in self.graphs and self._capture(bucket, width) is None:
                 self.use_graphs = False  # not even the smallest step captures: eager steps
                 break
@@ -354,7 +360,7 @@ class PagedRunner(StepSampler):
                 return ahead.logits[:rows], ahead.launch
             if taken is not None:
                 return ahead.logits.index_select(0, to_device(taken, self.device)), None
-        bucket = bucket_of(GRAPH_BUCKETS, rows)
+        bucket = bucket_of(self.buckets, rows)
         if (self.use_graphs or self.fixed_shapes) and bucket is not None:
             needed = max(item.start // self.page_size + 1 for item in items)
             graph = self._graph(bucket, needed)
@@ -387,7 +393,7 @@ class PagedRunner(StepSampler):
             return None
         if any(item.count - item.drafts != 1 for item in items):
             return None
-        bucket = bucket_of(GRAPH_BUCKETS, sum(item.count for item in items))
+        bucket = bucket_of(self.buckets, sum(item.count for item in items))
         if bucket is None:
             return None
         needed = max((item.start + item.count - 1) // self.page_size + 1 for item in items)

@@ -516,6 +516,19 @@ def test_deepseek_verify_rows_keep_the_greedy_text(deepseek, pages, gathered, mo
     assert bool(calls) == (not gathered)  # the kernel took the rows only without gathered keys
 
 
+def test_verify_steps_take_buckets_of_k_plus_one_rows(store, mtp_file):
+    """With k drafts a step, batch buckets of n x (k + 1) rows join the powers of two: one
+    request's verify step at k = 2 runs on 3 rows (a padding row would route to experts of its
+    own), the text unchanged."""
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)), PROMPTS[:1])
+    engine = fixed_shape_engine(native(store, mtp_file=str(mtp_file)), 64, drafts=2)
+    runner = engine.runner
+    assert runner.buckets == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+    assert drain(engine, PROMPTS[:1]) == want
+    used = {rows for rows, _ in runner.graphs}
+    assert runner.verify_graphed > 0 and 3 in used and 4 not in used
+
+
 def record_drafts(engine):
     """The MTP layer's own drafts of each drafting call, (request, tokens so far, drafts)."""
     drafter = engine.runner.drafter
