@@ -7,7 +7,10 @@ model frozen, so that speculative decoding's acceptance can be measured on real 
 The layer is DeepSeek's (moetier/models/mtp.py): enorm, hnorm, eh_proj, one decoder block of
 the family with a dense MLP, the shared head's norm (the LM head is the main model's). At
 position p it reads the main model's final hidden state and the embedding of token p + 1 and is
-trained to predict token p + 2 (cross-entropy; AdamW, cosine schedule). Its block starts from a
+trained to predict token p + 2 (AdamW, cosine schedule): `--objective text` the text's own
+token (cross-entropy), `--objective distill` the main model's distribution at p + 1 (soft
+cross-entropy against it: the drafts are kept where they equal the model's own choice, so that
+is what the layer should predict). Its block starts from a
 copy of the main model's last attention and a fresh dense MLP whose output projection starts at
 zero; eh_proj starts as the identity on the hidden half. The file holds the checkpoint's names
 (`model.layers.{num_hidden_layers}.*`), which `--mtp-file` loads beside a store
@@ -42,10 +45,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--objective", choices=("text", "distill"), default="text")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model.to(device)
     model.requires_grad_(False)
     config = model.config
     if config.model_type != "qwen3_moe":
@@ -81,6 +88,8 @@ def main() -> None:
         mtp["eh_proj"].weight.zero_()
         mtp["eh_proj"].weight[:, hidden:].copy_(torch.eye(hidden))
         block.mlp.down_proj.weight.zero_()
+    mtp.to(device)
+    mask = _causal(args.seq).to(device)
     rotary = model.model.rotary_emb
     optimizer = torch.optim.AdamW(mtp.parameters(), lr=args.lr, weight_decay=0.01)
     losses = []
@@ -90,18 +99,26 @@ def main() -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, len(data) - args.seq - 2, (args.batch,))
-        batch = torch.stack([data[s : s + args.seq + 2] for s in starts.tolist()])
+        batch = torch.stack([data[s : s + args.seq + 2] for s in starts.tolist()]).to(device)
         with torch.no_grad():
-            h = model.model(batch[:, : args.seq]).last_hidden_state  # the final norm's output
+            # the final norm's output at positions 0 .. seq (seq + 1: the teacher's last)
+            full = model.model(batch[:, : args.seq + 1]).last_hidden_state
+            h = full[:, : args.seq]
             embeds = model.model.embed_tokens(batch[:, 1 : args.seq + 1])
-        positions = torch.arange(args.seq)[None].expand(args.batch, -1)
+            teacher = None
+            if args.objective == "distill":  # the model's own next-token distribution at p + 1
+                teacher = model.lm_head(full[:, 1:]).softmax(dim=-1)
+        positions = torch.arange(args.seq, device=device)[None].expand(args.batch, -1)
         cos_sin = rotary(h, positions)
         x = mtp["eh_proj"](torch.cat([mtp["enorm"](embeds), mtp["hnorm"](h)], dim=-1))
-        out = mtp["block"](x, position_embeddings=cos_sin, attention_mask=_causal(args.seq),
+        out = mtp["block"](x, position_embeddings=cos_sin, attention_mask=mask,
                            position_ids=positions)  # fmt: skip
         out = out[0] if isinstance(out, tuple) else out
         logits = model.lm_head(mtp["head_norm"](out))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 2:].reshape(-1))
+        if teacher is None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 2:].reshape(-1))
+        else:
+            loss = -(teacher * logits.log_softmax(dim=-1)).sum(dim=-1).mean()
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
@@ -118,9 +135,10 @@ def main() -> None:
     tensors |= {f"{prefix}{k}": v for k, v in block.state_dict().items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"mtp_layers": "1", "trained_for": args.model.name}
-    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+    save_file({k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in tensors.items()},
               str(args.out), metadata=meta)  # fmt: skip
-    line = {"out": str(args.out), "steps": args.steps, "tokens": args.steps * args.batch * args.seq,
+    line = {"out": str(args.out), "objective": args.objective, "steps": args.steps,
+            "tokens": args.steps * args.batch * args.seq,
             "first_loss": round(sum(losses[:8]) / len(losses[:8]), 4),
             "last_loss": round(sum(losses[-8:]) / len(losses[-8:]), 4),
             "seconds": round(time.perf_counter() - began, 1)}  # fmt: skip
