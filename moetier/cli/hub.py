@@ -12,10 +12,11 @@ from that cache with `HF_HUB_OFFLINE=1`. Stores go under `MOETIER_CACHE` (defaul
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
+
+from moetier.core.paths import cache_root
 
 # the verbs whose first argument may be a Hub id, and that argument's name in their namespace
 VERBS = {"convert": "hf_dir", "serve": "store", "generate": "store", "bench": "store"}
@@ -68,13 +69,6 @@ def is_hub_id(value: str) -> bool:
     """Whether `value` names a Hub model rather than a local folder: ORG/NAME that is not a
     path on this machine."""
     return bool(HUB_ID.fullmatch(value)) and not Path(value).exists()
-
-
-def cache_root() -> Path:
-    if os.environ.get("MOETIER_CACHE"):
-        return Path(os.environ["MOETIER_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "moetier"
 
 
 def store_dir(repo_id: str, commit: str, experts: str, dense: str | None = None) -> Path:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moetier.core.paths import cache_root
 from moetier.engine import decode_graphs
 from moetier.engine.decode_graphs import (
     BATCH_BUCKETS,
@@ -646,13 +647,12 @@ class _Ahead:
 
 
 def use_compile_cache() -> None:
-    """Keep torch.compile's artefacts in moetier's cache folder (~/.cache/moetier/inductor, or
-    under $XDG_CACHE_HOME), so a second start finds the decode steps compiled; an explicit
-    TORCHINDUCTOR_CACHE_DIR wins."""
+    """Keep torch.compile's artefacts in moetier's cache folder (core/paths.py: `inductor/`),
+    so a second start finds the decode steps compiled; an explicit TORCHINDUCTOR_CACHE_DIR
+    wins."""
     if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
         return
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, "moetier", "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
 
 
 class TransformersRunner(StepSampler):

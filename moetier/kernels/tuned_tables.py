@@ -11,25 +11,18 @@ A table is {"<kind>:<n>x<k>[:<bucket>]": KernelChoice fields}; keys starting wit
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
+
+from moetier.core.paths import cache_root
 
 # a table file that replaces every lookup ("defaults": none, the generic defaults), e.g. to time
 # one table against another in separate processes (bench/tune.py)
 TABLE_ENV = "MOETIER_KERNEL_CONFIGS"
 
 Table = dict[str, dict[str, Any]]
-
-
-def cache_root() -> Path:
-    """moetier's cache folder: $MOETIER_CACHE, else $XDG_CACHE_HOME/moetier, else
-    ~/.cache/moetier (the store cache's too, `cli/hub.py`)."""
-    if os.environ.get("MOETIER_CACHE"):
-        return Path(os.environ["MOETIER_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moetier"
 
 
 def driver_version() -> str:

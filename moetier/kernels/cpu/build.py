@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from moetier.core.paths import cache_root
+
 SOURCE = Path(__file__).with_name("q2s_experts.c")
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
 
@@ -43,7 +45,7 @@ def _cpu_flags() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOETIER_CPU_CACHE", Path.home() / ".cache" / "moetier" / "cpu"))
+    return Path(os.environ.get("MOETIER_CPU_CACHE") or cache_root() / "cpu")
 
 
 @functools.cache
