@@ -618,7 +618,9 @@ class EngineConfig:
             "all, none, SCORE:T (pairs whose score is >= T, e.g. weight:0.34) or "
             "budget:F:SCORE (the best fraction F of each layer call's pairs); SCORE is a sum "
             "(+) of products (*) of weight, entropy, margin, confidence, sensitivity[@FILE], "
-            "hot[@FILE], random, forced; a resident: prefix keeps only deltas on the GPU"
+            "hot[@FILE], random, forced, act[@FILE] (the pair's base hidden activation through "
+            "the down delta's sketch, `moetier quality STORE --write-act-sketch 16`; threshold "
+            "form only); a resident: prefix keeps only deltas on the GPU"
         },
     )
 
