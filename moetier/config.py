@@ -419,8 +419,10 @@ GATE_TERMS = (
     "hot",
     "random",
     "forced",
+    "act",
 )
 TABLE_TERMS = ("sensitivity", "hot")  # terms read from a per-(layer, expert) table file
+FILE_TERMS = (*TABLE_TERMS, "act")  # terms that take @FILE (act: the sketch file)
 
 
 @dataclass(frozen=True)
@@ -432,7 +434,9 @@ class DeltaRule:
 
     SCORE:T applies the delta to pairs whose score is >= T; budget:F:SCORE to the best
     floor(F * pairs) pairs of each experts call (ties broken by position). `resident:` keeps
-    only pairs whose delta is on the GPU. `weight:T` is the old routing-weight rule."""
+    only pairs whose delta is on the GPU. `weight:T` is the old routing-weight rule. `act` (the
+    pair's base hidden activation through a sketch of its down delta) is known only inside the
+    experts op, so it takes the threshold form only and at most once per product."""
 
     score: tuple[tuple[str, ...], ...] = ()  # sum of products of terms ("name" or "name@file")
     threshold: float | None = None
@@ -450,8 +454,8 @@ class DeltaRule:
         usage = (
             f"--delta {text!r}: use all, none or weight:T (e.g. weight:0.3), or a gate rule "
             "SCORE:T or budget:F:SCORE with an optional resident: prefix, SCORE summing (+) "
-            f"products (*) of {', '.join(GATE_TERMS)} (sensitivity and hot take @FILE), e.g. "
-            "budget:0.25:weight*sensitivity (docs/gate.md)"
+            f"products (*) of {', '.join(GATE_TERMS)} (sensitivity, hot and act take @FILE), "
+            "e.g. budget:0.25:weight*sensitivity or weight*weight*act:0.5 (docs/gate.md)"
         )
         resident = text.startswith("resident:")
         if resident:
@@ -476,8 +480,19 @@ class DeltaRule:
         for product in score:
             for term in product:
                 name, at, path = term.partition("@")
-                if name not in GATE_TERMS or (at and (name not in TABLE_TERMS or not path)):
+                if name not in GATE_TERMS or (at and (name not in FILE_TERMS or not path)):
                     raise ValueError(f"{usage}; {term!r} is not a term")
+            if sum(term.partition("@")[0] == "act" for term in product) > 1:
+                raise ValueError(f"--delta {text!r}: act may appear once per product")
+        acts = {term for product in score for term in product if term.partition("@")[0] == "act"}
+        if acts and budget is not None:
+            raise ValueError(
+                f"--delta {text!r}: the act term is scored per pair inside the experts op, "
+                "after its base gate_up, so it takes the threshold form SCORE:T only (a budget "
+                "needs the whole call's scores first), e.g. weight*weight*act:0.5"
+            )
+        if len(acts) > 1:
+            raise ValueError(f"--delta {text!r}: act terms must all read one sketch file")
         return DeltaRule(score, threshold, budget, resident)
 
     def terms(self) -> set[str]:
@@ -603,7 +618,9 @@ class EngineConfig:
             "all, none, SCORE:T (pairs whose score is >= T, e.g. weight:0.34) or "
             "budget:F:SCORE (the best fraction F of each layer call's pairs); SCORE is a sum "
             "(+) of products (*) of weight, entropy, margin, confidence, sensitivity[@FILE], "
-            "hot[@FILE], random, forced; a resident: prefix keeps only deltas on the GPU"
+            "hot[@FILE], random, forced, act[@FILE] (the pair's base hidden activation through "
+            "the down delta's sketch, `moetier quality STORE --write-act-sketch 16`; threshold "
+            "form only); a resident: prefix keeps only deltas on the GPU"
         },
     )
 

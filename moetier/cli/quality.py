@@ -3,7 +3,9 @@ store against the Hugging Face model's logits (llama-perplexity protocol); one J
 
 With a gate rule (`--delta`, docs/gate.md) the line also gives the delta's bits per active
 expert weight. `--write-sensitivity` measures the gate's per-(layer, expert) sensitivity table on
-the text instead; `--write-hot F --trace NPZ` writes a static hot-set table from a routing trace."""
+the text instead; `--write-hot F --trace NPZ` writes a static hot-set table from a routing trace;
+`--write-act-sketch R` writes the act term's sketches of the store's delta planes (no reference
+or text needed)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from moetier.config import EngineConfig
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("store", help="the moetier store to evaluate")
     parser.add_argument(
-        "--reference", required=True, help="Hugging Face model directory (reference logits)"
-    )
-    parser.add_argument("--text", required=True, help="UTF-8 text file to score")
+        "--reference", help="Hugging Face model directory (reference logits); required but with "
+        "--write-act-sketch"
+    )  # fmt: skip
+    parser.add_argument("--text", help="UTF-8 text file to score; required as --reference")
     parser.add_argument(
         "--ctx",
         type=int,
@@ -48,8 +51,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write a static hot-set table: per layer the most used experts of --trace whose "
         "share of its pairs is nearest F (--table-out, default STORE/gate_hot.json)",
     )
+    parser.add_argument(
+        "--write-act-sketch",
+        type=int,
+        default=None,
+        metavar="R",
+        help="write the gate's act sketches: per (layer, expert) the top R singular directions "
+        "of the down projection's delta, scaled by their singular values, from the store's "
+        "delta planes (--table-out, default STORE/gate_act.safetensors; 16 is the studied rank)",
+    )
+    parser.add_argument(
+        "--act-sketch-gate-up",
+        action="store_true",
+        help="with --write-act-sketch: the gate_up delta's top R directions too (the act term "
+        "then adds ||S_gu x||^2)",
+    )
     parser.add_argument("--trace", help="routing trace .npz (expert_ids [layers, tokens, k])")
-    parser.add_argument("--table-out", help="where --write-sensitivity / --write-hot write")
+    parser.add_argument(
+        "--table-out", help="where --write-sensitivity / --write-hot / --write-act-sketch write"
+    )
     parser.add_argument("--seed", type=int, default=0, help="torch seed (the random gate term)")
     add_dataclass_arguments(parser, EngineConfig, "engine")
 
@@ -64,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
 
     engine_config = dataclass_from_args(EngineConfig, args)
     torch.manual_seed(args.seed)
+    if args.write_act_sketch is not None:
+        return _write_act_sketch(args)
+    if args.reference is None or args.text is None:
+        raise SystemExit("moetier quality needs --reference HF_DIR and --text FILE")
     if args.write_hot is not None:
         return _write_hot(args)
     if args.write_sensitivity:  # measured with the delta plane; the rule given is not used
@@ -166,6 +190,34 @@ def _write_hot(args: argparse.Namespace) -> int:
     write_table(out, "hot", {layers[i]: row for i, row in table.items()}, how)
     print(json.dumps({"table": str(out), "kind": "hot", "fraction": args.write_hot,
                       "experts": {layers[i]: int(sum(r)) for i, r in table.items()}}))  # fmt: skip
+    return 0
+
+
+def _write_act_sketch(args: argparse.Namespace) -> int:
+    """--write-act-sketch R: the act term's sketches of the delta planes (gate_act.safetensors)."""
+    from tqdm import tqdm
+
+    from moetier.gate.sketches import DEFAULT_FILE, compute_sketches, write_sketches
+    from moetier.quant.store import Store
+
+    store = Store(args.store)
+    rank = args.write_act_sketch
+    try:
+        tensors = compute_sketches(
+            store,
+            rank,
+            gate_up=args.act_sketch_gate_up,
+            progress=lambda jobs: tqdm(jobs, desc="sketches", unit="expert"),
+        )
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    out = Path(args.table_out) if args.table_out else store.path / DEFAULT_FILE
+    parts = "down and gate_up deltas" if args.act_sketch_gate_up else "down delta"
+    how = f"top {rank} right-singular directions x singular values of each expert's {parts}"
+    write_sketches(out, tensors, rank, how)
+    print(json.dumps({"sketches": str(out), "kind": "act", "rank": rank,
+                      "gate_up": args.act_sketch_gate_up, "layers": len(store.moe_layers),
+                      "bytes": sum(t.numel() * 4 for t in tensors.values())}))  # fmt: skip
     return 0
 
 

@@ -9,7 +9,12 @@ Each term scores a pair, higher meaning "more in need of the delta":
   row (an unsure model), 0 where the row has none;
 - sensitivity / hot: a per-(layer, expert) table looked up at the pair's expert;
 - random: uniform in [0, 1) (the baseline);
-- forced: 1 in rows inside a structured span (tool call, grammar), else 0.
+- forced: 1 in rows inside a structured span (tool call, grammar), else 0;
+- act: ‖S_e h‖² (+ ‖S_gu,e x‖²), h the pair's base hidden activation act(W_gate x, W_up x) and
+  S_e the top singular directions of expert e's down delta (gate/sketches.py): known only
+  inside the experts op, after its base gate_up. A rule with it is split as score = a + b · act
+  (`act_split`): the gate hands the op b and T − a per pair (`ActGate`), the op finishes the
+  mask (`moe_ref.act_mask_ref`, the Triton kernels' `act_gate`).
 A score is a sum of products of terms. A rule keeps pairs whose score is >= T, or the best
 floor(F * T * k) pairs of the call (`budget_mask`); forced rows always get the delta, and
 `resident` keeps only pairs whose delta is on the GPU. Everything stays on the tensors' device
@@ -40,6 +45,21 @@ class GateInputs:
     forced: torch.Tensor | None = None
     resident: torch.Tensor | None = None
     tables: dict[str, torch.Tensor] | None = None
+    act: torch.Tensor | None = None  # [T, k] the act term's values, where computed outside the op
+
+
+@dataclass
+class ActGate:
+    """An act rule's decision as the experts op takes it: a pair uses the delta where
+    mask & (coef · ‖sketch[e] h‖² >= threshold), h its base hidden activation. mask [T, k] bool
+    (the candidates: resident pairs, else all; the op narrows it in place), sketch [E, R, I]
+    float32 (this layer's down-delta sketch), coef and threshold [T, k] float32 (-inf in forced
+    rows)."""
+
+    mask: torch.Tensor
+    sketch: torch.Tensor
+    coef: torch.Tensor
+    threshold: torch.Tensor
 
 
 def router_entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -82,6 +102,10 @@ def term_score(term: str, x: GateInputs) -> torch.Tensor:
         if x.forced is None:
             return torch.zeros(tokens, 1, device=device)
         return x.forced.float().unsqueeze(1)
+    if name == "act":
+        if x.act is None:
+            raise ValueError("the gate's act term is computed inside the experts op (act_split)")
+        return x.act.float()
     raise ValueError(f"unknown gate term {term!r}")
 
 
@@ -94,6 +118,60 @@ def score(rule: DeltaRule, x: GateInputs) -> torch.Tensor:
             part = part * term_score(term, x)
         total = total + part
     return total
+
+
+def act_split(rule: DeltaRule, x: GateInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """An act rule's score as a + b · act: (a, b), [T, k] float32 each (the products without
+    act summed into a, the other factors of those with it into b)."""
+    shape = x.topk_ids.shape
+    a = torch.zeros(shape, device=x.topk_weights.device)
+    b = torch.zeros(shape, device=a.device)
+    for product in rule.score:
+        part = torch.ones((), device=a.device)
+        has_act = False
+        for term in product:
+            if term.partition("@")[0] == "act":
+                has_act = True
+                continue
+            part = part * term_score(term, x)
+        if has_act:
+            b = b + part
+        else:
+            a = a + part
+    return a, b
+
+
+def gate_up_energy(hidden: torch.Tensor, ids: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+    """‖S_gu,e x‖² of every pair: hidden [T, H], ids [T, k], sketch [E, R, H] -> [T, k] float32
+    (one [H, E · R] product, then each pair's R values gathered)."""
+    experts, rank, width = sketch.shape
+    y = hidden.float() @ sketch.reshape(experts * rank, width).t()  # [T, E * R]
+    y = y.view(hidden.shape[0], experts, rank)
+    picked = torch.gather(y, 1, ids.long()[:, :, None].expand(-1, -1, rank))  # [T, k, R]
+    return picked.pow(2).sum(-1)
+
+
+def decide_act(
+    rule: DeltaRule,
+    x: GateInputs,
+    hidden: torch.Tensor,
+    sketch: torch.Tensor,
+    gate_up_sketch: torch.Tensor | None = None,
+) -> ActGate:
+    """An act rule (threshold form) as the experts op finishes it (`ActGate`): the pair's delta
+    where a + b · (‖S h‖² + ‖S_gu x‖²) >= T, i.e. b · ‖S h‖² >= T − a − b · ‖S_gu x‖²; forced
+    rows always (threshold -inf); `resident:` narrows the candidates."""
+    assert rule.threshold is not None and rule.budget is None
+    a, b = act_split(rule, x)
+    if gate_up_sketch is not None:
+        a = a + b * gate_up_energy(hidden, x.topk_ids, gate_up_sketch)
+    threshold = rule.threshold - a
+    if x.forced is not None:
+        threshold = torch.where(x.forced.bool().unsqueeze(1), -math.inf, threshold)
+    mask = torch.ones(x.topk_ids.shape, dtype=torch.bool, device=x.topk_ids.device)
+    if rule.resident and x.resident is not None:
+        mask = x.resident.bool()[x.topk_ids.long()]
+    return ActGate(mask.contiguous(), sketch, b.contiguous(), threshold.contiguous())
 
 
 def budget_count(pairs: int, fraction: float) -> int:

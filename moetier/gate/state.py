@@ -9,12 +9,14 @@ from pathlib import Path
 import torch
 
 from moetier.config import DeltaRule
-from moetier.gate.policies import GateInputs, decide
+from moetier.gate.policies import ActGate, GateInputs, decide, decide_act
+from moetier.gate.sketches import read_sketches, sketch_path
 from moetier.gate.tables import read_table, table_path
 
 
 class Gate:
-    """decide(layer, hidden, ids, weights, resident) -> [T, k] bool mask."""
+    """decide(layer, hidden, ids, weights, resident) -> [T, k] bool mask; an `act` rule's
+    decision is finished inside the experts op (`decide_act` -> ActGate)."""
 
     def __init__(self, rule: DeltaRule, store: Path | None = None, device: str = "cpu") -> None:
         self.rule = rule
@@ -30,6 +32,15 @@ class Gate:
                         raise ValueError(f"the gate's {term} term needs a store or @FILE")
                     path = table_path(term, store or Path("."))
                     self.tables[term] = read_table(path, self.device)
+        # the act term: layer -> (down-delta sketch [E, R, I], gate_up sketch [E, R, H] or None)
+        self.sketches: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        for product in rule.score:
+            for term in product:
+                if term.partition("@")[0] == "act" and self.sketches is None:
+                    if store is None and "@" not in term:
+                        raise ValueError(f"the gate's {term} term needs a store or @FILE")
+                    path = sketch_path(term, store or Path("."))
+                    self.sketches = read_sketches(path, self.device)
         self.routers: dict[int, torch.Tensor] = {}  # layer -> router weight [E, H]
         # the previous step's next-token confidence per row [rows] and forced rows [rows]:
         # written in place by the engine (observe / force), read by the next call whose
@@ -77,6 +88,27 @@ class Gate:
         if forced is not None and forced.shape[0] != tokens:
             forced = None
         return GateInputs(topk_ids, topk_weights, probs, confidence, forced, resident, tables)
+
+    @property
+    def uses_act(self) -> bool:
+        """Whether the rule has the act term (its mask is finished inside the experts op)."""
+        return self.sketches is not None
+
+    def decide_act(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        resident: torch.Tensor | None = None,
+    ) -> ActGate:
+        """An act rule's per-pair coefficients and thresholds for the experts op."""
+        assert self.sketches is not None
+        sketch = self.sketches.get(layer)
+        if sketch is None:
+            raise ValueError(f"the gate's act sketch file has no sketch for layer {layer}")
+        x = self.inputs(layer, hidden, topk_ids, topk_weights, resident)
+        return decide_act(self.rule, x, hidden, sketch[0], sketch[1])
 
     def decide(
         self,

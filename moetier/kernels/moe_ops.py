@@ -46,7 +46,7 @@ def triton_supports(fmt: BlobFormat, delta_fmt: BlobFormat | None) -> bool:
     return supports(fmt, delta_fmt)
 
 
-@torch.library.custom_op("moetier::moe_experts", mutates_args=("out",))
+@torch.library.custom_op("moetier::moe_experts", mutates_args=("out", "delta_mask"))
 def moe_experts(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -63,6 +63,9 @@ def moe_experts(
     act_alpha: float,
     act_limit: float,
     zero_copy: bool = False,
+    act_sketch: torch.Tensor | None = None,
+    act_coef: torch.Tensor | None = None,
+    act_threshold: torch.Tensor | None = None,
 ) -> None:
     """out[t, j] = topk_weights[t, j] · expert_{topk_ids[t, j]}(hidden[t]) for every pair whose
     expert has a slot (the contract of moe_ref.moe_slots_ref; shapes documented there).
@@ -70,7 +73,10 @@ def moe_experts(
     slot_offsets: [S] int64, byte offset of each slot from pool's first byte (slots in pinned
     host memory are allowed on CUDA); the CPU path requires the plain pool layout
     (slot s at s * pool.stride(0)). zero_copy: some slots are pinned host rows (the kernels
-    then take the configs tuned for reads over PCIe; results are the same)."""
+    then take the configs tuned for reads over PCIe; results are the same). act_sketch,
+    act_coef, act_threshold: the gate's act term (gate/policies.ActGate): delta_mask is narrowed
+    in place per pair by its base hidden activation before the delta is applied (the only
+    input the op writes besides `out`)."""
     fmt = _FORMATS[base_format]
     delta_fmt = _FORMATS[delta_format] if delta_format >= 0 else None
     act = ExpertActivation(kind=activation, alpha=act_alpha, limit=act_limit)
@@ -80,12 +86,14 @@ def moe_experts(
         moe_slots_triton(
             hidden, topk_ids, topk_weights, slot_table, pool, fmt, act, out,
             delta_mask=delta_mask, delta_table=delta_table, delta_fmt=delta_fmt,
-            slot_offsets=slot_offsets, zero_copy=zero_copy,
+            slot_offsets=slot_offsets, zero_copy=zero_copy, act_sketch=act_sketch,
+            act_coef=act_coef, act_threshold=act_threshold,
         )  # fmt: skip
         return
     moe_slots_ref(
         hidden, topk_ids, topk_weights, slot_table, pool, fmt, act, out,
         delta_mask=delta_mask, delta_table=delta_table, delta_fmt=delta_fmt,
+        act_sketch=act_sketch, act_coef=act_coef, act_threshold=act_threshold,
     )  # fmt: skip
 
 
@@ -106,6 +114,9 @@ def _(
     act_alpha: float,
     act_limit: float,
     zero_copy: bool = False,
+    act_sketch: torch.Tensor | None = None,
+    act_coef: torch.Tensor | None = None,
+    act_threshold: torch.Tensor | None = None,
 ) -> None:
     return None
 

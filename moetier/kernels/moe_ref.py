@@ -197,6 +197,9 @@ def moe_slots_ref(
     delta_table: torch.Tensor | None = None,
     delta_fmt: BlobFormat | None = None,
     act_int8: bool = False,
+    act_sketch: torch.Tensor | None = None,
+    act_coef: torch.Tensor | None = None,
+    act_threshold: torch.Tensor | None = None,
 ) -> None:
     """Compute the routed pairs whose expert has a slot, writing each into `out`.
 
@@ -212,6 +215,11 @@ def moe_slots_ref(
                   read only when one of its pairs has the mask on
     act_int8:     both matrices' inputs rounded as `quant_words_ref` and the MLP run in float32
                   (the twin of the q2s GEMV kernel with int8 activations)
+    act_sketch:   [E, R, I] float, the gate's act term (gate/policies.ActGate): before the
+                  delta is applied, each slotted pair's mask becomes
+                  delta_mask & (act_coef · ‖act_sketch[e] h‖² >= act_threshold), h the pair's
+                  base hidden activation in float32 (`act_energy_ref`), written into
+                  `delta_mask` in place; act_coef, act_threshold [T, k] float32
     """
     if (
         hidden.dim() != 2
@@ -224,12 +232,22 @@ def moe_slots_ref(
         )
     if out.shape != (*topk_ids.shape, hidden.shape[1]):
         raise ValueError(f"out must be [T, k, H], got {tuple(out.shape)}")
+    if act_sketch is not None and (delta_mask is None or act_coef is None or act_threshold is None):
+        raise ValueError("the act term needs delta_mask, act_coef and act_threshold")
     pair_slots = slot_table.long()[topk_ids]  # [T, k]
     for expert in torch.unique(topk_ids[pair_slots >= 0]).tolist():
         token_idx, k_idx = torch.where(topk_ids == expert)
         blob = pool[int(slot_table[expert])]
         gate_up = expert_matrix(blob, fmt, "gate_up")  # [2I, H] float32
         down = expert_matrix(blob, fmt, "down")  # [H, I]
+        if act_sketch is not None:
+            assert delta_mask is not None and act_coef is not None and act_threshold is not None
+            h = _expert_hidden(hidden[token_idx].float(), gate_up, blob, fmt, act)
+            energy = act_energy_ref(h, act_sketch[expert])
+            keep = act_coef[token_idx, k_idx].float() * energy >= act_threshold[
+                token_idx, k_idx
+            ].float()  # fmt: skip
+            delta_mask[token_idx, k_idx] = delta_mask[token_idx, k_idx] & keep
         use_delta = torch.zeros_like(token_idx, dtype=torch.bool)
         if delta_mask is not None and delta_table is not None and int(delta_table[expert]) >= 0:
             use_delta = delta_mask[token_idx, k_idx]
@@ -248,6 +266,24 @@ def moe_slots_ref(
             out[t, j] = y.to(out.dtype) * topk_weights[t, j, None].to(out.dtype)
 
 
+def act_energy_ref(h: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+    """The act term of pairs of one expert: h [n, I] base hidden activations, sketch [R, I] ->
+    ‖sketch h‖² [n] float32."""
+    return (h.float() @ sketch.float().t()).pow(2).sum(-1)
+
+
+def _expert_hidden(
+    x: torch.Tensor, gate_up: torch.Tensor, blob: torch.Tensor, fmt: BlobFormat,
+    act: ExpertActivation,
+) -> torch.Tensor:  # fmt: skip
+    """x [n, H] -> the hidden activation act(W_gate x + b, W_up x + b) [n, I] in x's dtype."""
+    h = F.linear(x, gate_up.to(x.dtype))  # [n, 2I]
+    if has_tensor(fmt, "gate_up_bias"):
+        h = h + blob_view(blob, fmt.tensor("gate_up_bias")).to(x.dtype)
+    gate, up = h.chunk(2, dim=-1)
+    return expert_activation_ref(gate, up, act)
+
+
 def _expert_mlp(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -261,11 +297,7 @@ def _expert_mlp(
     inputs of both matrices rounded to int8 words (`quant_words_ref`), float32 throughout."""
     if act_int8:
         x = quant_words_ref(x)
-    h = F.linear(x, gate_up.to(x.dtype))  # [n, 2I]
-    if has_tensor(fmt, "gate_up_bias"):
-        h = h + blob_view(blob, fmt.tensor("gate_up_bias")).to(x.dtype)
-    gate, up = h.chunk(2, dim=-1)
-    h = expert_activation_ref(gate, up, act)
+    h = _expert_hidden(x, gate_up, blob, fmt, act)
     if act_int8:
         h = quant_words_ref(h)
     y = F.linear(h, down.to(x.dtype))

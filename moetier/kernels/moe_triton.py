@@ -40,10 +40,12 @@ import triton.language as tl
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
 from moetier.kernels import q2s_gemv_grouped, q2s_mma
+from moetier.kernels.act_gate import act_score
 from moetier.kernels.blob_decode import (
     _DOT_DTYPES,
     ACTIVATIONS,
     NONE,
+    MatrixSpec,
     _activation,
     _bias,
     _bias_kind,
@@ -57,6 +59,7 @@ from moetier.kernels.blob_decode import (
 from moetier.kernels.moe_dispatch import (
     Q2S_GEMV_MAX_PAIRS,
     KernelChoice,
+    choose,
     choose_pair,
     choose_q2s_gemv,
     choose_q2s_grouped,
@@ -184,6 +187,80 @@ def _moe_kernel(
                      mask=omask)  # fmt: skip
 
 
+def base_gate_up(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_table: torch.Tensor,
+    pool: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    gu: MatrixSpec,
+    choice: KernelChoice | None = None,
+) -> torch.Tensor:
+    """The base plane's gate_up of every pair whose expert has a slot: part [S, P, 2I] float32
+    (split-K partials), by the generic kernel's gate_up launch (GEMV one pair a program, or the
+    grouped GEMM from GEMM_MIN_PAIRS pairs), activations in float."""
+    pairs = topk_ids.numel()
+    top_k = topk_ids.shape[1]
+    if choice is None:
+        c = choose(pairs, slot_table.shape[0], gu.n, gu.k)
+        choice = KernelChoice(
+            grouped=c.grouped, use_dot=c.use_dot, block_m=c.block_m, block_n=c.block_n,
+            block_k=c.block_k, split_k=c.split_k, num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )  # fmt: skip
+    block_pairs = block_key = topk_ids  # placeholders in the GEMV mode
+    blocks = pairs
+    if choice.grouped:
+        block_pairs, block_key = _group_pairs(
+            topk_ids, None, slot_table, slot_table.shape[0], choice.block_m
+        )
+        blocks = block_key.shape[0]
+    part = torch.empty(choice.split_k, pairs, gu.n, device=hidden.device, dtype=torch.float32)
+    grid = (blocks, triton.cdiv(gu.n, choice.block_n), choice.split_k)
+    _moe_kernel[grid](
+        hidden, hidden.stride(0), hidden.stride(1), topk_ids, topk_weights, topk_ids,
+        block_pairs, block_key, pairs,
+        pool, slot_table, slot_offsets, slot_table,
+        part, part, gu.n, gu.k, part.stride(0),
+        gu.kind, gu.codes, gu.scales, gu.row_scale, gu.aux, gu.tensor_scale, gu.group,
+        NONE, 0, 0, 0, 0, 0, 1,
+        0, 0, 0, 0, 1.0, 1.0,
+        0, 1, top_k,
+        choice.grouped, choice.use_dot, _DOT_DTYPES[hidden.dtype],
+        "ieee" if hidden.dtype == torch.float32 else "tf32",
+        choice.block_m if choice.grouped else 1, choice.block_n, choice.block_k,
+        num_warps=choice.num_warps, num_stages=choice.num_stages,
+    )  # fmt: skip
+    return part
+
+
+def act_gate(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_table: torch.Tensor,
+    pool: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    fmt: BlobFormat,
+    act: ExpertActivation,
+    gu: MatrixSpec,
+    delta_mask: torch.Tensor,
+    sketch: torch.Tensor,
+    coef: torch.Tensor,
+    threshold: torch.Tensor,
+    choice: KernelChoice | None = None,
+) -> None:
+    """The gate's act term (act_gate.py): the pairs' base gate_up, then delta_mask &=
+    coef · ‖sketch[e] h‖² >= threshold in place (the act branch of `moe_ref.moe_slots_ref`)."""
+    topk_ids = topk_ids.contiguous()
+    part = base_gate_up(
+        hidden, topk_ids, topk_weights.contiguous(), slot_table, pool, slot_offsets, gu, choice
+    )
+    act_score(part, topk_ids, slot_table, pool, slot_offsets, fmt, act, delta_mask, sketch, coef,
+              threshold)  # fmt: skip
+
+
 _PLAIN_OFFSETS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 
 
@@ -218,6 +295,9 @@ def moe_slots_triton(
     choice: tuple[KernelChoice, KernelChoice] | None = None,
     zero_copy: bool = False,
     first_pdl: bool = False,
+    act_sketch: torch.Tensor | None = None,
+    act_coef: torch.Tensor | None = None,
+    act_threshold: torch.Tensor | None = None,
 ) -> tuple[KernelChoice, KernelChoice]:
     """Same contract as `moe_ref.moe_slots_ref`, plus:
 
@@ -236,6 +316,9 @@ def moe_slots_triton(
                   while it ends (PDL) with programs that wait for it before they read anything
                   and then let down start; a rounding launch first keeps PDL (it lets the
                   GEMV start only after its own wait), as do the launches after the first.
+    act_sketch, act_coef, act_threshold: the gate's act term (moe_ref.moe_slots_ref): two
+                  launches first narrow delta_mask in place (`act_gate.act_gate`), then the
+                  call runs with that mask.
     Returns the configs it ran (int8_act: the twin is moe_slots_ref(..., act_int8=True)).
     """
     tokens, top_k = topk_ids.shape
@@ -258,6 +341,11 @@ def moe_slots_triton(
     ddn = matrix_spec(delta_fmt, "down") if use_delta else None
     if slot_offsets is None:
         slot_offsets = _plain_slot_offsets(pool)
+    if act_sketch is not None:
+        if delta_mask is None or act_coef is None or act_threshold is None:
+            raise ValueError("the act term needs delta_mask, act_coef and act_threshold")
+        act_gate(hidden, topk_ids, topk_weights, slot_table, pool, slot_offsets, fmt, act, gu,
+                 delta_mask, act_sketch, act_coef, act_threshold)  # fmt: skip
     pairs = tokens * top_k
     inter = gu.n // 2
     if choice is None:

@@ -17,6 +17,7 @@ import torch
 
 from moetier.config import ExpertActivation
 from moetier.core.layout import BlobFormat
+from moetier.gate.policies import ActGate
 from moetier.gate.state import Gate
 from moetier.kernels.cpu.experts import cpu_experts
 from moetier.kernels.moe_ops import format_id, moe_experts, sum_pairs, triton_supports
@@ -174,11 +175,13 @@ class ExpertsRuntime:
 
     def _delta_mask(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """Which pairs use the delta: the gate's mask, else routing weight >= threshold."""
+    ) -> tuple[torch.Tensor, ActGate | None]:
+        """Which pairs use the delta: the gate's mask, else routing weight >= threshold. An act
+        rule gives its candidates and what the op finishes the mask with (ActGate): the mask
+        is final only once the op has run."""
         if self.gate is None:
             assert self.delta_threshold is not None
-            return topk_weights >= self.delta_threshold
+            return topk_weights >= self.delta_threshold, None
         resident = None  # pinned: every delta is on the GPU
         if self.gate.rule.resident and layer not in self.pinned:
             zc = self.zero_copy
@@ -188,7 +191,12 @@ class ExpertsRuntime:
                 experts = self.residency.store.model_config.num_experts
                 slots = [self.residency.slot_of((layer, e, "delta")) for e in range(experts)]
                 resident = torch.tensor([s is not None for s in slots], device=hidden.device)
-        return self.gate.decide(layer, hidden, topk_ids, topk_weights, resident)
+        if getattr(self.gate, "uses_act", False):  # (stand-in gates of studies have no act term)
+            if self.hybrid is not None:
+                raise ValueError("the gate's act term does not run with --cpu-experts yet")
+            act = self.gate.decide_act(layer, hidden, topk_ids, topk_weights, resident)
+            return act.mask, act
+        return self.gate.decide(layer, hidden, topk_ids, topk_weights, resident), None
 
     def planes(self) -> list[str]:
         """The planes a forward reads: base, and delta when the delta is applied."""
@@ -310,14 +318,16 @@ class ExpertsRuntime:
             self.observer(layer, hidden, topk_ids, topk_weights)
         tokens, k = topk_ids.shape
         out = torch.zeros(tokens, k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
-        mask = None
+        mask = act = None
         if self.delta_threshold is not None:
-            mask = self._delta_mask(layer, hidden, topk_ids, topk_weights)  # [T, k]
+            # [T, k]; with the act term the candidates, narrowed in place by the op
+            mask, act = self._delta_mask(layer, hidden, topk_ids, topk_weights)
         if layer in self.pinned:
             # every expert resident: no host sync, no Python state touched (pairs are not
             # counted: a mutated int would make torch.compile recompile the step every call)
             base_table, delta_table = self.pinned[layer]
-            self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
+            self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out,
+                      act=act)  # fmt: skip
             return _sum_pairs(self._combined(layer, out), hidden.dtype)
         zc = self.zero_copy
         streamed = 0 < self.stream_tokens <= topk_ids.shape[0]
@@ -340,9 +350,10 @@ class ExpertsRuntime:
             staging = zc.stage > 0 and topk_ids.shape[0] == 1 and len(self.predictors) > 0
             if staging and layer in self._guessed_layers:
                 stage_join(zc.table[index], index)  # this layer's staged copies have landed
+            record_delta = self.count_accesses and mask is not None and zc.delta_slots is not None
             if self.count_accesses:
                 zc.record(index, topk_ids)
-                if mask is not None and zc.delta_slots is not None:
+                if record_delta and act is None and mask is not None:
                     zc.record_delta(index, topk_ids, mask)  # the delta cache's ranking
             guess = staging and layer in self.predictors and self.guess_from == "input"
             if guess:  # the next layer's scores, on the side stream beside this layer's kernel
@@ -350,16 +361,19 @@ class ExpertsRuntime:
             delta_table = zc.delta_table[index] if zc.delta_table is not None else None
             if self.residency.device.type == "cuda":
                 self._run(layer, hidden, topk_ids, topk_weights, zc.table[index], delta_table,
-                          mask, out, zc.offsets, zero_copy=True)  # fmt: skip
+                          mask, out, zc.offsets, zero_copy=True, act=act)  # fmt: skip
             else:
                 pool, table, delta = zc.gather(index, topk_ids)
                 self._run(layer, hidden, topk_ids, topk_weights, table, delta, mask, out,
-                          pool=pool)  # fmt: skip
+                          pool=pool, act=act)  # fmt: skip
+            if record_delta and act is not None:  # the act term's mask is final only now
+                assert mask is not None
+                zc.record_delta(index, topk_ids, mask)
             if guess:  # after this layer's kernel (`out`, an input here, orders the two)
                 self._stage_next(layer, out)
             return _sum_pairs(out, hidden.dtype)
         self.pairs += topk_ids.numel()
-        if mask is not None:
+        if mask is not None and act is None:
             self.delta_pairs += int(mask.sum())
         # host syncs: residency decisions are made on the host (the reference path); the
         # distinct experts are found on the device, so one sync moves at most E ints
@@ -408,12 +422,15 @@ class ExpertsRuntime:
                 # to here (`ready`), so they overlap this kernel and overwrite no slot it reads
                 ready = self.residency.mark()
                 self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask,
-                          out)  # fmt: skip
+                          out, act=act)  # fmt: skip
                 self.residency.prefetch(upcoming, protect=current, after=ready)
                 continue
             if len(chunks) == 1 and layer in self.predictors:
                 self._prefetch_next(layer, hidden, current)
-            self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out)
+            self._run(layer, hidden, topk_ids, topk_weights, base_table, delta_table, mask, out,
+                      act=act)  # fmt: skip
+        if mask is not None and act is not None:  # the op has narrowed the mask
+            self.delta_pairs += int(mask.sum())
         if cpu_part is not None:
             self._finish_cpu_part(cpu_part, out)
         return self._combined(layer, out).sum(dim=1).to(hidden.dtype)  # [T, H]
@@ -658,10 +675,11 @@ class ExpertsRuntime:
         offsets: torch.Tensor | None = None,
         pool: torch.Tensor | None = None,
         zero_copy: bool = False,
+        act: ActGate | None = None,
     ) -> None:
         """One kernel call; slots are `offsets` entries from `pool`'s first byte (default: the
         slot pool's own table and memory; a `pool` alone is addressed row by row); zero_copy:
-        some entries are pinned host rows."""
+        some entries are pinned host rows; act: the gate's act term (the op narrows `mask`)."""
         if pool is not None and offsets is None:
             offsets = torch.arange(pool.shape[0], dtype=torch.int64, device=pool.device)
             offsets *= pool.stride(0)
@@ -681,6 +699,9 @@ class ExpertsRuntime:
             self.activation.alpha,
             self.activation.limit,
             zero_copy,
+            act.sketch if act is not None else None,
+            act.coef if act is not None else None,
+            act.threshold if act is not None else None,
         )
 
 
