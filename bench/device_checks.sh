@@ -63,7 +63,7 @@ from moetier.quant.synthetic import shape, write_synthetic_store
 write_synthetic_store(Path(sys.argv[1]), shape(sys.argv[2], int(sys.argv[3])), 'q2s', DEFAULT_STORE, delta='nvfp4', mtp=True)" \
         "$store" "$shape" "$layers"
     b=("$PY" -m moetier bench "$store" --native --batch 1,16 --json "${args[@]}")
-    mtp=(--speculative-tokens 2 --mtp-replay 0.49,0.21)
+    mtp=(--speculative-tokens 2 --mtp-replay 0.50,0.25)
     quarter=(--expert-cache-slots $((layers * 36)) --host-memory 1TiB)
     step mtp-off 60 "${b[@]}" --delta none >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
     step mtp-k2 60 "${b[@]}" --delta none "${mtp[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
