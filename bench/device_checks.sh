@@ -27,6 +27,7 @@
 #       && PYTHONPATH=/tmp/site:$PWD MOETIER_COMMIT=<hash> PART=1 bash bench/device_checks.sh",
 #       carry=[".whl"])
 # CPU smoke test of the chain (tiny shape, no GPU tests): SMOKE=1 OUT=/tmp/d PART=1 bash ...
+# TESTS=0 leaves PART=1's GPU suite out (a short call: the decode figures only).
 set -uo pipefail
 : "${OUT:?set OUT to a folder for the results}"
 cd "$(dirname "$0")/.."
@@ -53,7 +54,7 @@ else
 fi
 
 if [[ "${PART:-1}" == 1 ]]; then
-    [[ "${SMOKE:-0}" == 1 ]] || step gpu-tests 200 "$PY" -m pytest -m gpu -n 12 -q \
+    [[ "${SMOKE:-0}" == 1 || "${TESTS:-1}" == 0 ]] || step gpu-tests 200 "$PY" -m pytest -m gpu -n 12 -q \
         -p no:cacheprovider tests >"$OUT/gpu-tests.txt" 2>&1
     tail -20 "$OUT/gpu-tests.txt" 2>/dev/null
     store=${BENCH_TMP:-/tmp}/device-checks-store
