@@ -30,6 +30,11 @@ from moetier.quant.sources import TensorReader
 from moetier.quant.store import BLOB_ALIGN
 
 MODES = ("gptq", "diag")
+# What GPTQ makes each matrix reproduce on the quantized model's inputs: its own float weights'
+# output ("quantized"); for down, the float expert's output on the same inputs, so down makes
+# up for gate_up's error ("expert"); for both, the unquantized model's expert output on its own
+# inputs, carried beside the quantized stream ("float")
+TARGETS = ("quantized", "expert", "float")
 
 
 @dataclass
@@ -37,6 +42,19 @@ class LayerInputs:
     x: torch.Tensor  # [N, H] compute dtype
     ids: torch.Tensor  # [N, k]
     weights: torch.Tensor  # [N, k]
+    # target "float": what the same layer's experts get in the unquantized model
+    float_stream: FloatStream | None = None
+
+
+@dataclass
+class FloatStream:
+    """The calibration tokens through the unquantized model: the layer's experts' input, the
+    float router's choices, and (filled by `quantize_layer`) the float experts' output."""
+
+    x: torch.Tensor  # [N, H]
+    ids: torch.Tensor  # [N, k]
+    weights: torch.Tensor  # [N, k]
+    out: torch.Tensor | None = None  # [N, H] fp32
 
 
 @dataclass
@@ -49,6 +67,8 @@ class LayerPlan:
     act: ExpertActivation
     delta_fmt: BlobFormat | None = None
     delta_codec: MatrixCodec | None = None
+    refine: int = 0  # gptq: rounds of codes re-chosen with the refitted scales held
+    target: str = "quantized"  # gptq: TARGETS
 
 
 def bytes_per_expert(mode: str | None, hidden: int, inter: int, group: int) -> int:
@@ -78,6 +98,10 @@ def quantize_layer(
     out = None
     if inputs is not None:
         out = torch.zeros(inputs.x.shape[0], inputs.x.shape[1], device=device)
+        fs = inputs.float_stream
+        if fs is not None:
+            fs.out = torch.zeros(fs.x.shape[0], fs.x.shape[1], device=device)
+            float_routes = _routes(LayerInputs(fs.x, fs.ids, fs.weights), num_experts)
     blobs: list[torch.Tensor] = []
     deltas: list[torch.Tensor] = []
     starts = list(range(0, num_experts, chunk))
@@ -93,6 +117,8 @@ def quantize_layer(
             if i + 1 < len(starts):
                 pending = reader.submit(load, starts[i + 1])
             out = _chunk(tensors, e0, inputs, routes, plan, device, out, blobs, deltas)
+            if inputs is not None and inputs.float_stream is not None:
+                _float_output(tensors, e0, inputs.float_stream, float_routes, plan, device)
             tick(len(tensors))
     return blobs, deltas, out
 
@@ -125,12 +151,28 @@ def _chunk(
     x_in = None
     if inputs is not None and rows is not None:
         x_in = [(inputs.x[r].float() * w[:, None]) for r, w in rows]  # weighted inputs
+    # target "float": the same tokens' (routing-weighted) inputs in the unquantized model
+    fs = inputs.float_stream if inputs is not None else None
+    float_in = None
+    if fs is not None and rows is not None and plan.mode == "gptq":
+        float_in = [(fs.x[r].float() * w[:, None]) for r, w in rows]
     for name in MATRICES:
         w = torch.stack([t[name] for t in tensors]).to(device).float()  # [C, N, K]
         stats = _statistics(x_in, plan.mode, w.shape[2], device)
-        _code_matrix(plan, name, w, stats, chunk_blobs, chunk_deltas, device)
+        target = w
+        if float_in is not None and x_in is not None and stats is not None:
+            target = _compensated(w, float_in, x_in, stats)
+        _code_matrix(plan, name, w, stats, chunk_blobs, chunk_deltas, device, target)
         if name == "gate_up" and x_in is not None and inputs is not None and rows is not None:
             # inputs of down: the quantized gate_up's activations, routing-weighted as x was
+            if plan.mode == "gptq" and plan.target != "quantized":
+                # and the float gate_up's on the float model's (or the same) inputs, alike
+                xs = fs.x if fs is not None and plan.target == "float" else inputs.x
+                float_in = [
+                    _float_act(xs[r].float(), w[i], tensors[i].get("gate_up_bias"), plan)
+                    * wt[:, None]
+                    for i, (r, wt) in enumerate(rows)
+                ]
             acts = []
             for i, blob in enumerate(chunk_blobs):
                 r, wt = rows[i]
@@ -173,6 +215,61 @@ def _rows(
     return tokens[starts[e] : starts[e + 1]], weights[starts[e] : starts[e + 1]]
 
 
+def _float_act(
+    x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None, plan: LayerPlan
+) -> torch.Tensor:
+    h = x @ gate_up.T
+    if bias is not None:
+        h = h + bias.to(h.device).float()
+    gate, up = h.chunk(2, dim=-1)
+    return expert_activation_ref(gate, up, plan.act)
+
+
+def _float_output(
+    tensors: list[dict[str, torch.Tensor]],
+    e0: int,
+    fs: FloatStream,
+    routes: tuple[torch.Tensor, torch.Tensor, list[int]],
+    plan: LayerPlan,
+    device: torch.device,
+) -> None:
+    """Add the unquantized experts' routed output on the float stream to `fs.out`."""
+    assert fs.out is not None
+    for i, t in enumerate(tensors):
+        r, wt = _rows(routes, e0 + i)
+        if not r.numel():
+            continue
+        act = _float_act(fs.x[r].float(), t["gate_up"].to(device).float(), t.get("gate_up_bias"),
+                         plan)  # fmt: skip
+        y = act @ t["down"].to(device).float().T
+        if "down_bias" in t:
+            y = y + t["down_bias"].to(device).float()
+        fs.out[r] += wt[:, None] * y
+
+
+def _compensated(
+    w: torch.Tensor, float_acts: list[torch.Tensor], acts: list[torch.Tensor], h: torch.Tensor,
+    damp: float = 0.01,
+) -> torch.Tensor:  # fmt: skip
+    """The down matrices the quantized inputs call for: per expert the least-squares
+    W* = W A^T Â (Â^T Â)^-1 = W + W (A - Â)^T Â (Â^T Â)^-1 (damped), so that
+    ||A W^T - Â Ŵ^T||² = ||Â (W* - Ŵ)^T||² + const and GPTQ on W* with H = Â^T Â minimises the
+    error of the expert's output against the float expert's (not against W applied to the
+    quantized inputs). W* = W where the inputs agree."""
+    out = w.clone()
+    k = w.shape[2]
+    eye = torch.eye(k, device=w.device, dtype=torch.float64)
+    for i, (a, ah) in enumerate(zip(float_acts, acts, strict=True)):
+        if a.shape[0] == 0:
+            continue
+        assert a.shape == ah.shape
+        hd = h[i].double()
+        hd = hd + damp * hd.diagonal().mean() * eye
+        c = (a.double() - ah.double()).T @ ah.double()  # [K, K]
+        out[i] = (w[i].double() + w[i].double() @ c @ torch.linalg.inv(hd)).float()
+    return out
+
+
 def _statistics(
     x_in: list[torch.Tensor] | None, mode: str | None, k: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -202,9 +299,12 @@ def _code_matrix(
     blobs: list[torch.Tensor],
     deltas: list[torch.Tensor],
     device: torch.device,
+    target: torch.Tensor | None = None,
 ) -> None:
     """Quantize matrix `name` of a chunk's experts into their blobs (and delta blobs)."""
-    parts = _encode_chunk(plan.codecs[name], w, stats, plan.mode)
+    parts = _encode_chunk(
+        plan.codecs[name], w if target is None else target, stats, plan.mode, plan.refine
+    )
     for blob, p in zip(blobs, parts, strict=True):
         for part, value in p.items():
             _put(blob, plan.fmt.tensor(f"{name}.{part}"), value)
@@ -214,14 +314,19 @@ def _code_matrix(
         [w[i] - expert_matrix(blob.to(device), plan.fmt, name) for i, blob in enumerate(blobs)]
     )
     delta_stats = stats if plan.delta_codec.kind == "q2s" else None
-    for blob, p in zip(deltas, _encode_chunk(plan.delta_codec, residual, delta_stats, plan.mode),
+    for blob, p in zip(deltas, _encode_chunk(plan.delta_codec, residual, delta_stats, plan.mode,
+                                         plan.refine),
                        strict=True):  # fmt: skip
         for part, value in p.items():
             _put(blob, plan.delta_fmt.tensor(f"{name}.{part}"), value)
 
 
 def _encode_chunk(
-    codec: MatrixCodec, w: torch.Tensor, stats: torch.Tensor | None, mode: str | None
+    codec: MatrixCodec,
+    w: torch.Tensor,
+    stats: torch.Tensor | None,
+    mode: str | None,
+    refine: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
     if codec.kind == "q2s":
         q = quantize_q2s_batched(
@@ -229,6 +334,7 @@ def _encode_chunk(
             hessian=stats if mode == "gptq" else None,
             importance=stats if mode == "diag" else None,
             group=codec.group,
+            refine=refine,
         )
         return [q.parts(i) for i in range(w.shape[0])]
     # the other codecs round to nearest, one expert at a time (quant/requantize.py)

@@ -27,6 +27,8 @@ from tqdm import tqdm
 from moetier.core.layout import BlobFormat, MatrixCodec, align_up, coded_expert_format
 from moetier.quant.calibration.layer_experts import (
     MODES,
+    TARGETS,
+    FloatStream,
     LayerInputs,
     LayerPlan,
     bytes_per_expert,
@@ -90,11 +92,15 @@ def convert_calibrated(
     device: str | None = None,
     chunk_bytes: int | None = None,
     ctx: int = CTX,
+    target: str = "quantized",
+    refine: int = 0,
 ) -> Path:
     """Convert `src` into a store at `dst` with q2s experts (other codecs where `overrides`
     say), rounded with statistics of `calibration` text carried through the quantized model."""
     if mode not in MODES:
         raise ValueError(f"--calibration-mode {mode!r}: choose {' or '.join(MODES)}")
+    if target not in TARGETS:
+        raise ValueError(f"--calibration-target {target!r}: choose {' or '.join(TARGETS)}")
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise ConvertError(
@@ -112,6 +118,8 @@ def convert_calibrated(
         "source": str(src.resolve()),
         "experts": "q2s",
         "mode": mode,
+        "target": target,
+        "refine": refine,
         "group": group,
         "down_group": down_group,
         "delta": delta,
@@ -138,6 +146,8 @@ def convert_calibrated(
             cfg.activation,
             delta_fmt,
             delta_codec,
+            refine,
+            target,
         )
         for layer, c in codecs.items()
     }
@@ -161,7 +171,7 @@ def convert_calibrated(
     start = time.perf_counter()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    _run_layers(src, plan, plans, chunks, work, dev, dtype, chunk, progress)
+    _run_layers(src, plan, plans, chunks, work, dev, dtype, chunk, progress, target)
     seconds = sum(work.record(layer).get("seconds", 0.0) for layer in work.committed())
     peak = ""
     if dev.type == "cuda":
@@ -172,7 +182,7 @@ def convert_calibrated(
         flush=True,
     )
     _finish(plan, plans, work, dst, policy, dense_tensors, mode, group, down_group, delta,
-            overrides, chunks.numel())  # fmt: skip
+            overrides, chunks.numel(), target, refine)  # fmt: skip
     return dst
 
 
@@ -241,6 +251,7 @@ def _run_layers(
     dtype: torch.dtype,
     chunk: int,
     progress: bool,
+    target: str = "quantized",
 ) -> None:
     cfg = plan.model_config
     done = work.committed()
@@ -253,8 +264,12 @@ def _run_layers(
     read = TensorReader(plan.quantization)
     last_main = max((layer for layer in done if layer < cfg.num_layers), default=None)
     previous: list[Any] = [None] * len(batches)
+    # target "float": the same batches through the unquantized model, beside the quantized one
+    floats: list[Any] | None = [None] * len(batches) if target == "float" else None
     if last_main is not None and todo[0] < cfg.num_layers:
         previous = work.outputs(last_main, dev)
+        if floats is not None:  # kept as one list: the quantized outputs, then the float ones
+            previous, floats = previous[: len(batches)], previous[len(batches) :]
     bar = tqdm(total=len(todo), desc="layers", unit="layer", disable=not progress)
     try:
         for layer in todo:
@@ -272,15 +287,18 @@ def _run_layers(
             blobs, deltas = [], []
             if module is None:
                 outputs = [runner.run(layer, b, previous[i]) for i, b in enumerate(batches)]
+                if floats is not None:
+                    floats = [runner.run(layer, b, floats[i]) for i, b in enumerate(batches)]
             else:
-                outputs, blobs, deltas = _moe_layer(
+                outputs, blobs, deltas, floats = _moe_layer(
                     runner, module, read, plan, plans[layer], layer, batches, previous, dev,
-                    chunk, progress,
+                    chunk, progress, floats,
                 )  # fmt: skip
             runner.release(layer)
             last = layer == cfg.num_layers - 1
             record = _record(layer, plans.get(layer), start)
-            work.commit_layer(layer, record, blobs, deltas, None if last else outputs)
+            kept = outputs if floats is None else [*outputs, *floats]
+            work.commit_layer(layer, record, blobs, deltas, None if last else kept)
             previous = outputs
             bar.update()
     finally:
@@ -301,8 +319,10 @@ def _moe_layer(
     dev: torch.device,
     chunk: int,
     progress: bool,
-) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
-    """Record the experts' inputs, quantize the experts, run the layer with their output."""
+    floats: list[Any] | None = None,
+) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor], list[Any] | None]:
+    """Record the experts' inputs, quantize the experts, run the layer with their output
+    (and, with `floats`, the unquantized model's outputs of the layer for the same batches)."""
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def record(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -318,6 +338,8 @@ def _moe_layer(
         torch.cat([ids for _, ids, _ in seen]),
         torch.cat([w for _, _, w in seen]),
     )
+    if floats is not None:
+        inputs.float_stream = _record_stream(runner, module, layer, batches, floats)
     seen.clear()
     cfg = plan.model_config
     bar = tqdm(
@@ -329,6 +351,7 @@ def _moe_layer(
     )
     bar.close()
     assert out is not None
+    fs = inputs.float_stream
     del inputs
     pieces = list(out.split(sizes))
 
@@ -339,14 +362,44 @@ def _moe_layer(
     outputs = [runner.run(layer, b, previous[i]) for i, b in enumerate(batches)]
     if pieces:
         raise RuntimeError(f"layer {layer}: the experts ran fewer times than when recorded")
+    if floats is not None:
+        assert fs is not None and fs.out is not None
+        float_pieces = list(fs.out.split(sizes))
+
+        def replay_float(hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return float_pieces.pop(0).to(hidden.dtype)
+
+        module.moetier_calibration = replay_float  # type: ignore[assignment]
+        floats = [runner.run(layer, b, floats[i]) for i, b in enumerate(batches)]
     del module.moetier_calibration
-    return outputs, blobs, deltas
+    return outputs, blobs, deltas, floats
+
+
+def _record_stream(
+    runner: LayerPass,
+    module: torch.nn.Module,
+    layer: int,
+    batches: list[torch.Tensor],
+    floats: list[Any],
+) -> FloatStream:
+    """The float stream's experts inputs at this layer (the batches in the same order as the
+    quantized stream's, so token i is the same token in both)."""
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def record(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        seen.append((hidden.detach(), ids.detach(), weights.detach()))
+        return torch.zeros_like(hidden)
+
+    module.moetier_calibration = record  # type: ignore[assignment]
+    for i, b in enumerate(batches):
+        runner.run(layer, b, floats[i])
+    return FloatStream(*(torch.cat([t[j] for t in seen]) for j in range(3)))
 
 
 def _nearest(layer_plan: LayerPlan) -> LayerPlan:
     return LayerPlan(
         layer_plan.fmt, layer_plan.codecs, None, layer_plan.act, layer_plan.delta_fmt,
-        layer_plan.delta_codec,
+        layer_plan.delta_codec, 0,
     )  # fmt: skip
 
 
@@ -371,6 +424,8 @@ def _finish(
     delta: str | None,
     overrides: Sequence[Override],
     tokens: int,
+    target: str = "quantized",
+    refine: int = 0,
 ) -> None:
     """experts.bin (every layer's base blobs, then the delta blobs), experts.json, publish."""
     n_exp = plan.model_config.num_experts
@@ -403,6 +458,10 @@ def _finish(
         "rounding": mode,
         "calibration": {"mode": mode, "tokens": tokens, "sequential": True},
     }
+    if target != "quantized":
+        quant["calibration"]["target"] = target
+    if refine:
+        quant["calibration"]["refine"] = refine
     if delta is not None:
         quant["delta"] = delta
     if overrides:
