@@ -118,13 +118,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibration-target",
-        choices=("quantized", "expert", "float"),
+        choices=("quantized", "expert"),
         default="quantized",
         help="gptq: what each expert matrix is fitted to on the quantized model's inputs: its "
-        "own float weights' output (quantized); down: the float expert's output on the same "
-        "inputs, making up for gate_up's error (expert); both matrices: the unquantized model's "
-        "expert output on the same tokens, carried beside it (float: twice the forward passes) "
-        "(default: quantized)",
+        "own float weights' output (quantized), or for down the float expert's output on the "
+        "same inputs, making up for gate_up's error (expert) (default: quantized)",
     )
     parser.add_argument(
         "--calibration-refine",

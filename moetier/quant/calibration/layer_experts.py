@@ -31,10 +31,9 @@ from moetier.quant.store import BLOB_ALIGN
 
 MODES = ("gptq", "diag")
 # What GPTQ makes each matrix reproduce on the quantized model's inputs: its own float weights'
-# output ("quantized"); for down, the float expert's output on the same inputs, so down makes
-# up for gate_up's error ("expert"); for both, the unquantized model's expert output on its own
-# inputs, carried beside the quantized stream ("float")
-TARGETS = ("quantized", "expert", "float")
+# output ("quantized"), or for down the float expert's output on the same inputs, so down makes
+# up for gate_up's error ("expert")
+TARGETS = ("quantized", "expert")
 
 
 @dataclass
@@ -42,19 +41,6 @@ class LayerInputs:
     x: torch.Tensor  # [N, H] compute dtype
     ids: torch.Tensor  # [N, k]
     weights: torch.Tensor  # [N, k]
-    # target "float": what the same layer's experts get in the unquantized model
-    float_stream: FloatStream | None = None
-
-
-@dataclass
-class FloatStream:
-    """The calibration tokens through the unquantized model: the layer's experts' input, the
-    float router's choices, and (filled by `quantize_layer`) the float experts' output."""
-
-    x: torch.Tensor  # [N, H]
-    ids: torch.Tensor  # [N, k]
-    weights: torch.Tensor  # [N, k]
-    out: torch.Tensor | None = None  # [N, H] fp32
 
 
 @dataclass
@@ -98,10 +84,6 @@ def quantize_layer(
     out = None
     if inputs is not None:
         out = torch.zeros(inputs.x.shape[0], inputs.x.shape[1], device=device)
-        fs = inputs.float_stream
-        if fs is not None:
-            fs.out = torch.zeros(fs.x.shape[0], fs.x.shape[1], device=device)
-            float_routes = _routes(LayerInputs(fs.x, fs.ids, fs.weights), num_experts)
     blobs: list[torch.Tensor] = []
     deltas: list[torch.Tensor] = []
     starts = list(range(0, num_experts, chunk))
@@ -117,8 +99,6 @@ def quantize_layer(
             if i + 1 < len(starts):
                 pending = reader.submit(load, starts[i + 1])
             out = _chunk(tensors, e0, inputs, routes, plan, device, out, blobs, deltas)
-            if inputs is not None and inputs.float_stream is not None:
-                _float_output(tensors, e0, inputs.float_stream, float_routes, plan, device)
             tick(len(tensors))
     return blobs, deltas, out
 
@@ -151,11 +131,7 @@ def _chunk(
     x_in = None
     if inputs is not None and rows is not None:
         x_in = [(inputs.x[r].float() * w[:, None]) for r, w in rows]  # weighted inputs
-    # target "float": the same tokens' (routing-weighted) inputs in the unquantized model
-    fs = inputs.float_stream if inputs is not None else None
-    float_in = None
-    if fs is not None and rows is not None and plan.mode == "gptq":
-        float_in = [(fs.x[r].float() * w[:, None]) for r, w in rows]
+    float_in = None  # target "expert": down's inputs in the float expert
     for name in MATRICES:
         w = torch.stack([t[name] for t in tensors]).to(device).float()  # [C, N, K]
         stats = _statistics(x_in, plan.mode, w.shape[2], device)
@@ -165,11 +141,10 @@ def _chunk(
         _code_matrix(plan, name, w, stats, chunk_blobs, chunk_deltas, device, target)
         if name == "gate_up" and x_in is not None and inputs is not None and rows is not None:
             # inputs of down: the quantized gate_up's activations, routing-weighted as x was
-            if plan.mode == "gptq" and plan.target != "quantized":
-                # and the float gate_up's on the float model's (or the same) inputs, alike
-                xs = fs.x if fs is not None and plan.target == "float" else inputs.x
+            if plan.mode == "gptq" and plan.target == "expert":
+                # and the float gate_up's on the same inputs, weighted alike
                 float_in = [
-                    _float_act(xs[r].float(), w[i], tensors[i].get("gate_up_bias"), plan)
+                    _float_act(inputs.x[r].float(), w[i], tensors[i].get("gate_up_bias"), plan)
                     * wt[:, None]
                     for i, (r, wt) in enumerate(rows)
                 ]
@@ -223,28 +198,6 @@ def _float_act(
         h = h + bias.to(h.device).float()
     gate, up = h.chunk(2, dim=-1)
     return expert_activation_ref(gate, up, plan.act)
-
-
-def _float_output(
-    tensors: list[dict[str, torch.Tensor]],
-    e0: int,
-    fs: FloatStream,
-    routes: tuple[torch.Tensor, torch.Tensor, list[int]],
-    plan: LayerPlan,
-    device: torch.device,
-) -> None:
-    """Add the unquantized experts' routed output on the float stream to `fs.out`."""
-    assert fs.out is not None
-    for i, t in enumerate(tensors):
-        r, wt = _rows(routes, e0 + i)
-        if not r.numel():
-            continue
-        act = _float_act(fs.x[r].float(), t["gate_up"].to(device).float(), t.get("gate_up_bias"),
-                         plan)  # fmt: skip
-        y = act @ t["down"].to(device).float().T
-        if "down_bias" in t:
-            y = y + t["down_bias"].to(device).float()
-        fs.out[r] += wt[:, None] * y
 
 
 def _compensated(

@@ -97,7 +97,6 @@ def quantize_q2s_batched(
     group: int = 32,
     damp: float = 0.01,
     block: int = 128,
-    act_order: bool = False,
     refine: int = 0,
 ) -> BatchedQ2S:
     """w [E, N, K]; `hessian` [E, K, K] (gptq) or `importance` [E, K] (diag) or neither
@@ -125,7 +124,7 @@ def quantize_q2s_batched(
             raw = _refit_diag(groups, d, codes.view(e_, n, gs, group), raw, row_scale, a, b)
         scales = (raw / row_scale[..., None]).to(torch.float8_e4m3fn)
         return BatchedQ2S(codes, scales, row_scale, GRID, group)
-    return _gptq(w, hessian.to(w.device), row_scale, group, damp, block, act_order, refine)
+    return _gptq(w, hessian.to(w.device), row_scale, group, damp, block, refine)
 
 
 def _refit_diag(
@@ -163,7 +162,6 @@ def _gptq(
     group: int,
     damp: float,
     block: int,
-    act_order: bool = False,
     refine: int = 0,
 ) -> BatchedQ2S:
     a, b = GRID
@@ -180,32 +178,20 @@ def _gptq(
     imp = h.diagonal(dim1=-2, dim2=-1).float().clamp_min(1e-12)  # [E, K]
     eye = torch.eye(k, dtype=h.dtype, device=dev)
     h += damp * h.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * eye
-    perm = None
-    if act_order:
-        perm = torch.argsort(h.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True)  # [E, K]
-        h = torch.gather(h, 1, perm[:, :, None].expand(e_, k, k))
-        h = torch.gather(h, 2, perm[:, None, :].expand(e_, k, k))
     hinv = torch.linalg.cholesky(
         torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True
     ).float()  # [E, K, K]
     del h
     hf = hessian.float()
-    if act_order:
-        assert perm is not None
-        raw = _search(
-            w.view(e_, n, k // group, group), imp.view(e_, 1, k // group, group), a, b,
-            row_scale[..., None].expand(e_, n, k // group),
-        )  # fmt: skip
-        codes = _gptq_pass(w, hinv, raw, row_scale, group, block, perm, imp, static=True)
-    else:
-        raw = torch.zeros(e_, n, k // group, device=dev)
-        codes = _gptq_pass(w, hinv, raw, row_scale, group, block, None, imp, static=False)
+    raw = torch.zeros(e_, n, k // group, device=dev)
+    codes = _gptq_pass(w, hinv, raw, row_scale, group, block, imp, static=False)
     raw = _refit(w_orig, hf, codes, raw, row_scale, a, b, group)
-    best = _objective(w_orig, hf, codes, raw, a, b, group)
+    best = _objective(w_orig, hf, codes, raw, a, b, group) if refine else None
     for _ in range(refine):
+        assert best is not None
         # codes again by GPTQ with the refitted scales held, then the scales refitted to them;
         # each row keeps whichever pair gives the smaller output error
-        c2 = _gptq_pass(w, hinv, raw.clone(), row_scale, group, block, perm, imp, static=True)
+        c2 = _gptq_pass(w, hinv, raw.clone(), row_scale, group, block, imp, static=True)
         r2 = _refit(w_orig, hf, c2, raw, row_scale, a, b, group)
         err = _objective(w_orig, hf, c2, r2, a, b, group)
         better = err < best
@@ -232,20 +218,16 @@ def _gptq_pass(
     row_scale: torch.Tensor,
     group: int,
     block: int,
-    perm: torch.Tensor | None,
     imp: torch.Tensor,
     static: bool,
 ) -> torch.Tensor:
-    """GPTQ's column loop: codes [E, N, K] (in the original column order). `hinv` is the upper
-    Cholesky factor of H^-1 in visiting order (`perm` [E, K]: the original column of each
-    position; None = in order). static: the group scales `raw` [E, N, G] are held; otherwise
-    each group's scale is searched on the error-updated weights when the loop reaches it (in
-    order only) and written into `raw`."""
+    """GPTQ's column loop: codes [E, N, K]. `hinv` is the upper Cholesky factor of H^-1.
+    static: the group scales `raw` [E, N, G] are held; otherwise each group's scale is
+    searched on the error-updated weights when the loop reaches it and written into `raw`."""
     a, b = GRID
     e_, n, k = w.shape
-    w = w.clone() if perm is None else torch.gather(w, 2, perm[:, None, :].expand(e_, n, k))
+    w = w.clone()
     codes = torch.zeros(e_, n, k, dtype=torch.uint8, device=w.device)
-    gidx = None if perm is None else perm // group  # [E, K] group of each visited column
     for b0 in range(0, k, block):
         b1 = min(k, b0 + block)
         wb = w[:, :, b0:b1].clone()
@@ -260,10 +242,7 @@ def _gptq_pass(
                     else torch.cat([wb[:, :, j:], w[:, :, b1:end]], dim=-1)
                 )
                 raw[:, :, col // group] = _search(cur, imp[:, None, col:end], a, b, row_scale)
-            if gidx is None:
-                s = raw[:, :, col // group]
-            else:
-                s = torch.gather(raw, 2, gidx[:, None, col : col + 1].expand(e_, n, 1))[..., 0]
+            s = raw[:, :, col // group]
             c = _nearest_codes(wb[:, :, j] / s, a, b)
             codes[:, :, col] = c
             q = _values(c, a, b) * s
@@ -273,8 +252,6 @@ def _gptq_pass(
         w[:, :, b0:b1] = wb
         if b1 < k:
             w[:, :, b1:] -= torch.bmm(err, hinv[:, b0:b1, b1:])
-    if perm is not None:
-        codes = torch.empty_like(codes).scatter_(2, perm[:, None, :].expand(e_, n, k), codes)
     return codes
 
 

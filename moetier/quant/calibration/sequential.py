@@ -28,7 +28,6 @@ from moetier.core.layout import BlobFormat, MatrixCodec, align_up, coded_expert_
 from moetier.quant.calibration.layer_experts import (
     MODES,
     TARGETS,
-    FloatStream,
     LayerInputs,
     LayerPlan,
     bytes_per_expert,
@@ -171,7 +170,7 @@ def convert_calibrated(
     start = time.perf_counter()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    _run_layers(src, plan, plans, chunks, work, dev, dtype, chunk, progress, target)
+    _run_layers(src, plan, plans, chunks, work, dev, dtype, chunk, progress)
     seconds = sum(work.record(layer).get("seconds", 0.0) for layer in work.committed())
     peak = ""
     if dev.type == "cuda":
@@ -251,7 +250,6 @@ def _run_layers(
     dtype: torch.dtype,
     chunk: int,
     progress: bool,
-    target: str = "quantized",
 ) -> None:
     cfg = plan.model_config
     done = work.committed()
@@ -264,12 +262,8 @@ def _run_layers(
     read = TensorReader(plan.quantization)
     last_main = max((layer for layer in done if layer < cfg.num_layers), default=None)
     previous: list[Any] = [None] * len(batches)
-    # target "float": the same batches through the unquantized model, beside the quantized one
-    floats: list[Any] | None = [None] * len(batches) if target == "float" else None
     if last_main is not None and todo[0] < cfg.num_layers:
         previous = work.outputs(last_main, dev)
-        if floats is not None:  # kept as one list: the quantized outputs, then the float ones
-            previous, floats = previous[: len(batches)], previous[len(batches) :]
     bar = tqdm(total=len(todo), desc="layers", unit="layer", disable=not progress)
     try:
         for layer in todo:
@@ -287,18 +281,15 @@ def _run_layers(
             blobs, deltas = [], []
             if module is None:
                 outputs = [runner.run(layer, b, previous[i]) for i, b in enumerate(batches)]
-                if floats is not None:
-                    floats = [runner.run(layer, b, floats[i]) for i, b in enumerate(batches)]
             else:
-                outputs, blobs, deltas, floats = _moe_layer(
+                outputs, blobs, deltas = _moe_layer(
                     runner, module, read, plan, plans[layer], layer, batches, previous, dev,
-                    chunk, progress, floats,
+                    chunk, progress,
                 )  # fmt: skip
             runner.release(layer)
             last = layer == cfg.num_layers - 1
             record = _record(layer, plans.get(layer), start)
-            kept = outputs if floats is None else [*outputs, *floats]
-            work.commit_layer(layer, record, blobs, deltas, None if last else kept)
+            work.commit_layer(layer, record, blobs, deltas, None if last else outputs)
             previous = outputs
             bar.update()
     finally:
@@ -319,10 +310,8 @@ def _moe_layer(
     dev: torch.device,
     chunk: int,
     progress: bool,
-    floats: list[Any] | None = None,
-) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor], list[Any] | None]:
-    """Record the experts' inputs, quantize the experts, run the layer with their output
-    (and, with `floats`, the unquantized model's outputs of the layer for the same batches)."""
+) -> tuple[list[Any], list[torch.Tensor], list[torch.Tensor]]:
+    """Record the experts' inputs, quantize the experts, run the layer with their output."""
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def record(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -338,8 +327,6 @@ def _moe_layer(
         torch.cat([ids for _, ids, _ in seen]),
         torch.cat([w for _, _, w in seen]),
     )
-    if floats is not None:
-        inputs.float_stream = _record_stream(runner, module, layer, batches, floats)
     seen.clear()
     cfg = plan.model_config
     bar = tqdm(
@@ -351,7 +338,6 @@ def _moe_layer(
     )
     bar.close()
     assert out is not None
-    fs = inputs.float_stream
     del inputs
     pieces = list(out.split(sizes))
 
@@ -362,38 +348,8 @@ def _moe_layer(
     outputs = [runner.run(layer, b, previous[i]) for i, b in enumerate(batches)]
     if pieces:
         raise RuntimeError(f"layer {layer}: the experts ran fewer times than when recorded")
-    if floats is not None:
-        assert fs is not None and fs.out is not None
-        float_pieces = list(fs.out.split(sizes))
-
-        def replay_float(hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return float_pieces.pop(0).to(hidden.dtype)
-
-        module.moetier_calibration = replay_float  # type: ignore[assignment]
-        floats = [runner.run(layer, b, floats[i]) for i, b in enumerate(batches)]
     del module.moetier_calibration
-    return outputs, blobs, deltas, floats
-
-
-def _record_stream(
-    runner: LayerPass,
-    module: torch.nn.Module,
-    layer: int,
-    batches: list[torch.Tensor],
-    floats: list[Any],
-) -> FloatStream:
-    """The float stream's experts inputs at this layer (the batches in the same order as the
-    quantized stream's, so token i is the same token in both)."""
-    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def record(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        seen.append((hidden.detach(), ids.detach(), weights.detach()))
-        return torch.zeros_like(hidden)
-
-    module.moetier_calibration = record  # type: ignore[assignment]
-    for i, b in enumerate(batches):
-        runner.run(layer, b, floats[i])
-    return FloatStream(*(torch.cat([t[j] for t in seen]) for j in range(3)))
+    return outputs, blobs, deltas
 
 
 def _nearest(layer_plan: LayerPlan) -> LayerPlan:
