@@ -116,6 +116,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "time); diag: per-input-channel mean x^2 (llama.cpp's imatrix) weighting the rounding "
         "error, far less memory and time (default: gptq)",
     )
+    parser.add_argument(
+        "--calibration-target",
+        choices=("quantized", "expert"),
+        default="quantized",
+        help="gptq: what each expert matrix is fitted to on the quantized model's inputs: its "
+        "own float weights' output (quantized), or for down the float expert's output on the "
+        "same inputs, making up for gate_up's error (expert) (default: quantized)",
+    )
+    parser.add_argument(
+        "--calibration-refine",
+        type=int,
+        default=0,
+        metavar="N",
+        help="gptq: N rounds of GPTQ again with the refitted group scales held, then the scales "
+        "refitted to the new codes; each row keeps the pair with the least output error "
+        "(default: 0)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -196,6 +213,8 @@ def _convert(args: argparse.Namespace) -> int:
             calibration=args.calibration,
             calibration_tokens=args.calibration_tokens,
             calibration_mode=args.calibration_mode,
+            calibration_target=args.calibration_target,
+            calibration_refine=args.calibration_refine,
             group=args.group,
             down_group=args.down_group,
             overrides=args.override,

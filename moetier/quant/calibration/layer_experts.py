@@ -30,6 +30,10 @@ from moetier.quant.sources import TensorReader
 from moetier.quant.store import BLOB_ALIGN
 
 MODES = ("gptq", "diag")
+# What GPTQ makes each matrix reproduce on the quantized model's inputs: its own float weights'
+# output ("quantized"), or for down the float expert's output on the same inputs, so down makes
+# up for gate_up's error ("expert")
+TARGETS = ("quantized", "expert")
 
 
 @dataclass
@@ -49,6 +53,8 @@ class LayerPlan:
     act: ExpertActivation
     delta_fmt: BlobFormat | None = None
     delta_codec: MatrixCodec | None = None
+    refine: int = 0  # gptq: rounds of codes re-chosen with the refitted scales held
+    target: str = "quantized"  # gptq: TARGETS
 
 
 def bytes_per_expert(mode: str | None, hidden: int, inter: int, group: int) -> int:
@@ -125,12 +131,23 @@ def _chunk(
     x_in = None
     if inputs is not None and rows is not None:
         x_in = [(inputs.x[r].float() * w[:, None]) for r, w in rows]  # weighted inputs
+    float_in = None  # target "expert": down's inputs in the float expert
     for name in MATRICES:
         w = torch.stack([t[name] for t in tensors]).to(device).float()  # [C, N, K]
         stats = _statistics(x_in, plan.mode, w.shape[2], device)
-        _code_matrix(plan, name, w, stats, chunk_blobs, chunk_deltas, device)
+        target = w
+        if float_in is not None and x_in is not None and stats is not None:
+            target = _compensated(w, float_in, x_in, stats)
+        _code_matrix(plan, name, w, stats, chunk_blobs, chunk_deltas, device, target)
         if name == "gate_up" and x_in is not None and inputs is not None and rows is not None:
             # inputs of down: the quantized gate_up's activations, routing-weighted as x was
+            if plan.mode == "gptq" and plan.target == "expert":
+                # and the float gate_up's on the same inputs, weighted alike
+                float_in = [
+                    _float_act(inputs.x[r].float(), w[i], tensors[i].get("gate_up_bias"), plan)
+                    * wt[:, None]
+                    for i, (r, wt) in enumerate(rows)
+                ]
             acts = []
             for i, blob in enumerate(chunk_blobs):
                 r, wt = rows[i]
@@ -173,6 +190,39 @@ def _rows(
     return tokens[starts[e] : starts[e + 1]], weights[starts[e] : starts[e + 1]]
 
 
+def _float_act(
+    x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None, plan: LayerPlan
+) -> torch.Tensor:
+    h = x @ gate_up.T
+    if bias is not None:
+        h = h + bias.to(h.device).float()
+    gate, up = h.chunk(2, dim=-1)
+    return expert_activation_ref(gate, up, plan.act)
+
+
+def _compensated(
+    w: torch.Tensor, float_acts: list[torch.Tensor], acts: list[torch.Tensor], h: torch.Tensor,
+    damp: float = 0.01,
+) -> torch.Tensor:  # fmt: skip
+    """The down matrices the quantized inputs call for: per expert the least-squares
+    W* = W A^T Â (Â^T Â)^-1 = W + W (A - Â)^T Â (Â^T Â)^-1 (damped), so that
+    ||A W^T - Â Ŵ^T||² = ||Â (W* - Ŵ)^T||² + const and GPTQ on W* with H = Â^T Â minimises the
+    error of the expert's output against the float expert's (not against W applied to the
+    quantized inputs). W* = W where the inputs agree."""
+    out = w.clone()
+    k = w.shape[2]
+    eye = torch.eye(k, device=w.device, dtype=torch.float64)
+    for i, (a, ah) in enumerate(zip(float_acts, acts, strict=True)):
+        if a.shape[0] == 0:
+            continue
+        assert a.shape == ah.shape
+        hd = h[i].double()
+        hd = hd + damp * hd.diagonal().mean() * eye
+        c = (a.double() - ah.double()).T @ ah.double()  # [K, K]
+        out[i] = (w[i].double() + w[i].double() @ c @ torch.linalg.inv(hd)).float()
+    return out
+
+
 def _statistics(
     x_in: list[torch.Tensor] | None, mode: str | None, k: int, device: torch.device
 ) -> torch.Tensor | None:
@@ -202,9 +252,12 @@ def _code_matrix(
     blobs: list[torch.Tensor],
     deltas: list[torch.Tensor],
     device: torch.device,
+    target: torch.Tensor | None = None,
 ) -> None:
     """Quantize matrix `name` of a chunk's experts into their blobs (and delta blobs)."""
-    parts = _encode_chunk(plan.codecs[name], w, stats, plan.mode)
+    parts = _encode_chunk(
+        plan.codecs[name], w if target is None else target, stats, plan.mode, plan.refine
+    )
     for blob, p in zip(blobs, parts, strict=True):
         for part, value in p.items():
             _put(blob, plan.fmt.tensor(f"{name}.{part}"), value)
@@ -214,14 +267,19 @@ def _code_matrix(
         [w[i] - expert_matrix(blob.to(device), plan.fmt, name) for i, blob in enumerate(blobs)]
     )
     delta_stats = stats if plan.delta_codec.kind == "q2s" else None
-    for blob, p in zip(deltas, _encode_chunk(plan.delta_codec, residual, delta_stats, plan.mode),
+    for blob, p in zip(deltas, _encode_chunk(plan.delta_codec, residual, delta_stats, plan.mode,
+                                         plan.refine),
                        strict=True):  # fmt: skip
         for part, value in p.items():
             _put(blob, plan.delta_fmt.tensor(f"{name}.{part}"), value)
 
 
 def _encode_chunk(
-    codec: MatrixCodec, w: torch.Tensor, stats: torch.Tensor | None, mode: str | None
+    codec: MatrixCodec,
+    w: torch.Tensor,
+    stats: torch.Tensor | None,
+    mode: str | None,
+    refine: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
     if codec.kind == "q2s":
         q = quantize_q2s_batched(
@@ -229,6 +287,7 @@ def _encode_chunk(
             hessian=stats if mode == "gptq" else None,
             importance=stats if mode == "diag" else None,
             group=codec.group,
+            refine=refine,
         )
         return [q.parts(i) for i in range(w.shape[0])]
     # the other codecs round to nearest, one expert at a time (quant/requantize.py)

@@ -97,6 +97,7 @@ def quantize_q2s_batched(
     group: int = 32,
     damp: float = 0.01,
     block: int = 128,
+    refine: int = 0,
 ) -> BatchedQ2S:
     """w [E, N, K]; `hessian` [E, K, K] (gptq) or `importance` [E, K] (diag) or neither
     (nearest). Runs on w's device; statistics are moved there."""
@@ -123,7 +124,7 @@ def quantize_q2s_batched(
             raw = _refit_diag(groups, d, codes.view(e_, n, gs, group), raw, row_scale, a, b)
         scales = (raw / row_scale[..., None]).to(torch.float8_e4m3fn)
         return BatchedQ2S(codes, scales, row_scale, GRID, group)
-    return _gptq(w, hessian.to(w.device), row_scale, group, damp, block)
+    return _gptq(w, hessian.to(w.device), row_scale, group, damp, block, refine)
 
 
 def _refit_diag(
@@ -161,6 +162,7 @@ def _gptq(
     group: int,
     damp: float,
     block: int,
+    refine: int = 0,
 ) -> BatchedQ2S:
     a, b = GRID
     e_, n, k = w.shape
@@ -180,15 +182,59 @@ def _gptq(
         torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True
     ).float()  # [E, K, K]
     del h
-    codes = torch.zeros(e_, n, k, dtype=torch.uint8, device=dev)
+    hf = hessian.float()
     raw = torch.zeros(e_, n, k // group, device=dev)
+    codes = _gptq_pass(w, hinv, raw, row_scale, group, block, imp, static=False)
+    raw = _refit(w_orig, hf, codes, raw, row_scale, a, b, group)
+    best = _objective(w_orig, hf, codes, raw, a, b, group) if refine else None
+    for _ in range(refine):
+        assert best is not None
+        # codes again by GPTQ with the refitted scales held, then the scales refitted to them;
+        # each row keeps whichever pair gives the smaller output error
+        c2 = _gptq_pass(w, hinv, raw.clone(), row_scale, group, block, imp, static=True)
+        r2 = _refit(w_orig, hf, c2, raw, row_scale, a, b, group)
+        err = _objective(w_orig, hf, c2, r2, a, b, group)
+        better = err < best
+        codes = torch.where(better[..., None], c2, codes)
+        raw = torch.where(better[..., None], r2, raw)
+        best = torch.where(better, err, best)
+    scales = (raw / row_scale[..., None]).to(torch.float8_e4m3fn)
+    return BatchedQ2S(codes, scales, row_scale, GRID, group)
+
+
+def _objective(
+    w: torch.Tensor, h: torch.Tensor, codes: torch.Tensor, raw: torch.Tensor,
+    a: float, b: float, group: int,
+) -> torch.Tensor:  # fmt: skip
+    """Per row tr((W - W_hat) H (W - W_hat)^T): [E, N]."""
+    d = w - _values(codes, a, b) * raw.repeat_interleave(group, dim=-1)
+    return (torch.bmm(d, h) * d).sum(dim=-1)
+
+
+def _gptq_pass(
+    w: torch.Tensor,
+    hinv: torch.Tensor,
+    raw: torch.Tensor,
+    row_scale: torch.Tensor,
+    group: int,
+    block: int,
+    imp: torch.Tensor,
+    static: bool,
+) -> torch.Tensor:
+    """GPTQ's column loop: codes [E, N, K]. `hinv` is the upper Cholesky factor of H^-1.
+    static: the group scales `raw` [E, N, G] are held; otherwise each group's scale is
+    searched on the error-updated weights when the loop reaches it and written into `raw`."""
+    a, b = GRID
+    e_, n, k = w.shape
+    w = w.clone()
+    codes = torch.zeros(e_, n, k, dtype=torch.uint8, device=w.device)
     for b0 in range(0, k, block):
         b1 = min(k, b0 + block)
         wb = w[:, :, b0:b1].clone()
         err = torch.zeros_like(wb)
         for j in range(b1 - b0):
             col = b0 + j
-            if col % group == 0:
+            if not static and col % group == 0:
                 end = col + group
                 cur = (
                     wb[:, :, j : j + group]
@@ -206,9 +252,7 @@ def _gptq(
         w[:, :, b0:b1] = wb
         if b1 < k:
             w[:, :, b1:] -= torch.bmm(err, hinv[:, b0:b1, b1:])
-    raw = _refit(w_orig, hessian.float(), codes, raw, row_scale, a, b, group)
-    scales = (raw / row_scale[..., None]).to(torch.float8_e4m3fn)
-    return BatchedQ2S(codes, scales, row_scale, GRID, group)
+    return codes
 
 
 def _refit(

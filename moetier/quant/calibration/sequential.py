@@ -27,6 +27,7 @@ from tqdm import tqdm
 from moetier.core.layout import BlobFormat, MatrixCodec, align_up, coded_expert_format
 from moetier.quant.calibration.layer_experts import (
     MODES,
+    TARGETS,
     LayerInputs,
     LayerPlan,
     bytes_per_expert,
@@ -90,11 +91,15 @@ def convert_calibrated(
     device: str | None = None,
     chunk_bytes: int | None = None,
     ctx: int = CTX,
+    target: str = "quantized",
+    refine: int = 0,
 ) -> Path:
     """Convert `src` into a store at `dst` with q2s experts (other codecs where `overrides`
     say), rounded with statistics of `calibration` text carried through the quantized model."""
     if mode not in MODES:
         raise ValueError(f"--calibration-mode {mode!r}: choose {' or '.join(MODES)}")
+    if target not in TARGETS:
+        raise ValueError(f"--calibration-target {target!r}: choose {' or '.join(TARGETS)}")
     src, dst = Path(src), Path(dst)
     if dst.exists() and not force:
         raise ConvertError(
@@ -112,6 +117,8 @@ def convert_calibrated(
         "source": str(src.resolve()),
         "experts": "q2s",
         "mode": mode,
+        "target": target,
+        "refine": refine,
         "group": group,
         "down_group": down_group,
         "delta": delta,
@@ -138,6 +145,8 @@ def convert_calibrated(
             cfg.activation,
             delta_fmt,
             delta_codec,
+            refine,
+            target,
         )
         for layer, c in codecs.items()
     }
@@ -172,7 +181,7 @@ def convert_calibrated(
         flush=True,
     )
     _finish(plan, plans, work, dst, policy, dense_tensors, mode, group, down_group, delta,
-            overrides, chunks.numel())  # fmt: skip
+            overrides, chunks.numel(), target, refine)  # fmt: skip
     return dst
 
 
@@ -346,7 +355,7 @@ def _moe_layer(
 def _nearest(layer_plan: LayerPlan) -> LayerPlan:
     return LayerPlan(
         layer_plan.fmt, layer_plan.codecs, None, layer_plan.act, layer_plan.delta_fmt,
-        layer_plan.delta_codec,
+        layer_plan.delta_codec, 0,
     )  # fmt: skip
 
 
@@ -371,6 +380,8 @@ def _finish(
     delta: str | None,
     overrides: Sequence[Override],
     tokens: int,
+    target: str = "quantized",
+    refine: int = 0,
 ) -> None:
     """experts.bin (every layer's base blobs, then the delta blobs), experts.json, publish."""
     n_exp = plan.model_config.num_experts
@@ -403,6 +414,10 @@ def _finish(
         "rounding": mode,
         "calibration": {"mode": mode, "tokens": tokens, "sequential": True},
     }
+    if target != "quantized":
+        quant["calibration"]["target"] = target
+    if refine:
+        quant["calibration"]["refine"] = refine
     if delta is not None:
         quant["delta"] = delta
     if overrides:
