@@ -203,12 +203,7 @@ def base_gate_up(
     pairs = topk_ids.numel()
     top_k = topk_ids.shape[1]
     if choice is None:
-        c = choose(pairs, slot_table.shape[0], gu.n, gu.k)
-        choice = KernelChoice(
-            grouped=c.grouped, use_dot=c.use_dot, block_m=c.block_m, block_n=c.block_n,
-            block_k=c.block_k, split_k=c.split_k, num_warps=c.num_warps,
-            num_stages=c.num_stages,
-        )  # fmt: skip
+        choice = choose(pairs, slot_table.shape[0], gu.n, gu.k)
     block_pairs = block_key = topk_ids  # placeholders in the GEMV mode
     blocks = pairs
     if choice.grouped:

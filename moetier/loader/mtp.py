@@ -78,14 +78,8 @@ def attach_mtp(
             block = new_layer(block_config, layer)
             mtp = MTPLayer(block, config.hidden_size, config.vocab_size, config.rms_norm_eps,
                            own_head)  # fmt: skip
-        state = {}
-        for key in keys:
-            name = module_name(key, prefix)
-            if name is not None:
-                tensor = f.get_tensor(key)
-                if tensor.is_floating_point():
-                    tensor = tensor.to(torch.float32 if key.endswith(keep_fp32) else dtype)
-                state[name] = tensor
+        names = {key: name for key in keys if (name := module_name(key, prefix)) is not None}
+        state = _read_state(f, names, dtype, keep_fp32)
     missing, unexpected = mtp.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(
@@ -186,12 +180,7 @@ def _attach_deepseek_v4(
         with torch.device("meta"):  # every tensor comes from the store (assign below)
             block = DecoderLayer(block_config(config, kind), layer)
             mtp = DeepseekV4MTPLayer(block, config, own_head)
-        state = {}
-        for key, name in names.items():
-            tensor = f.get_tensor(key)
-            if tensor.is_floating_point():
-                tensor = tensor.to(torch.float32 if name.endswith(keep_fp32) else dtype)
-            state[name] = tensor
+        state = _read_state(f, names, dtype, keep_fp32)
     missing, unexpected = mtp.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(
@@ -201,3 +190,18 @@ def _attach_deepseek_v4(
     model.mtp = mtp.to(device).eval().requires_grad_(False)
     model.feed_mtp((kind,))
     store.adopt_mtp_experts(layer)  # its experts join the main model's (residency, runtime)
+
+
+def _read_state(
+    f: Any, names: dict[str, str], dtype: torch.dtype, keep_fp32: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
+    """The tensors `names` maps (checkpoint key -> module name) from the open safetensors
+    file `f`, floating ones in `dtype` (float32 where the name ends with a `keep_fp32`
+    suffix)."""
+    state = {}
+    for key, name in names.items():
+        tensor = f.get_tensor(key)
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch.float32 if name.endswith(keep_fp32) else dtype)
+        state[name] = tensor
+    return state
