@@ -574,7 +574,10 @@ class PagedRunner(StepSampler):
         batch = AttentionBatch.decode(
             positions, table, self.page_size, with_keys=self.gather_decode_keys
         )
+        runtime = self.loaded.runtime  # padding rows (on the scratch page) take row 0's experts
+        runtime.live = table[:, 0] != self.scratch_page
         hidden = self.model.model(ids, positions, cache, batch)[:, 0]
+        runtime.live = None
         return self.model.head(hidden), hidden
 
     def _decode_inputs(

@@ -368,10 +368,15 @@ class MTPDrafter:
         if gate is not None:  # the gate's row inputs are the decode steps' (other shapes)
             gate.gate.forced = gate.gate.confidence = None
 
+        runtime = self.layout.loaded.runtime
+
         def layer(tokens: torch.Tensor, before: torch.Tensor, at: torch.Tensor,
                   pages: torch.Tensor) -> torch.Tensor:  # fmt: skip
             batch = fold(AttentionBatch.decode(at, pages, self.page_size, with_keys=gather))
-            return self.mtp.step(model, tokens, before[:, None], batch, cache)[:, 0]
+            runtime.live = pages[:, 0] != self.layout.scratch_page  # padding: row 0's experts
+            out = self.mtp.step(model, tokens, before[:, None], batch, cache)[:, 0]
+            runtime.live = None
+            return out
 
         out = layer(ids, hidden, positions, table).index_select(0, last)  # [requests, H]
         token = self.mtp.logits(out, self.model.lm_head).argmax(-1)

@@ -28,8 +28,8 @@ try:
     def _count_pairs_kernel(ids, n, counts, offsets, table, pool_bytes, gpu_pairs, stage_from,
                             staged_pairs, BLOCK: tl.constexpr):  # fmt: skip
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = i < n
-        e = tl.load(ids + i, mask=m, other=0)
+        e = tl.load(ids + i, mask=i < n, other=-1)
+        m = e >= 0  # (a negative id: a padding row's pair, not counted)
         tl.atomic_add(counts + e, tl.full((BLOCK,), 1, tl.int64), mask=m)
         off = tl.load(offsets + tl.load(table + e, mask=m, other=0), mask=m, other=-1)
         on_gpu = m & (off >= 0) & (off < pool_bytes)
@@ -121,6 +121,7 @@ def count_pairs_ref(
 ) -> None:
     """Twin of `count_pairs` in plain torch."""
     flat = topk_ids.flatten().long()
+    flat = flat[flat >= 0]
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
     off = offsets[table[flat].long()]
     on_gpu = (off >= 0) & (off < pool_bytes)
@@ -141,7 +142,8 @@ def count_pairs(
     stage_from: int,
     staged_pairs: torch.Tensor,
 ) -> None:
-    """counts [E] int64 += pairs per expert of topk_ids [T, k]; gpu_pairs [] int64 += the pairs
+    """counts [E] int64 += pairs per expert of topk_ids [T, k] (negative ids skipped: padding
+    rows); gpu_pairs [] int64 += the pairs
     whose expert's entry (table [E] -> offsets) lies in the GPU pool's [0, pool_bytes);
     staged_pairs [] int64 += those of them at or past byte `stage_from` (staging slots)."""
     n = topk_ids.numel()

@@ -130,6 +130,10 @@ class ExpertsRuntime:
         # layer-streamed prefill from this many tokens per call (0: off)
         self.stream_tokens = STREAM_TOKENS
         self.hybrid: HybridCpu | None = None  # hybrid misses (enable_hybrid)
+        # a decode step of fixed shape (engine/runner.py): which rows are real, [T] bool on the
+        # device, set around the model's call; None: every row. Padding rows take row 0's
+        # experts, so they read no expert of their own and are not counted
+        self.live: torch.Tensor | None = None
         # expert parallel (set_shard): this rank's experts per layer; None: every expert here
         self.shard: ExpertShard | None = None
         self._owned: dict[int, frozenset[int]] = {}
@@ -317,11 +321,18 @@ class ExpertsRuntime:
         if self.observer is not None:
             self.observer(layer, hidden, topk_ids, topk_weights)
         tokens, k = topk_ids.shape
+        live = self.live if self.live is not None and self.live.shape[0] == tokens else None
+        counted = topk_ids
+        if live is not None:  # padding rows: row 0's experts, counted as none
+            topk_ids = torch.where(live[:, None], topk_ids, topk_ids[:1])
+            counted = torch.where(live[:, None], topk_ids, -1)
         out = torch.zeros(tokens, k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         mask = act = None
         if self.delta_threshold is not None:
             # [T, k]; with the act term the candidates, narrowed in place by the op
             mask, act = self._delta_mask(layer, hidden, topk_ids, topk_weights)
+            if live is not None:  # (in place: the act term's op narrows this tensor)
+                mask.logical_and_(live[:, None])
         if layer in self.pinned:
             # every expert resident: no host sync, no Python state touched (pairs are not
             # counted: a mutated int would make torch.compile recompile the step every call)
@@ -352,7 +363,7 @@ class ExpertsRuntime:
                 stage_join(zc.table[index], index)  # this layer's staged copies have landed
             record_delta = self.count_accesses and mask is not None and zc.delta_slots is not None
             if self.count_accesses:
-                zc.record(index, topk_ids)
+                zc.record(index, counted)
                 if record_delta and act is None and mask is not None:
                     zc.record_delta(index, topk_ids, mask)  # the delta cache's ranking
             guess = staging and layer in self.predictors and self.guess_from == "input"

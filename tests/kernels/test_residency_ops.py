@@ -49,6 +49,25 @@ def test_count_pairs_matches_ref(tokens, top_k, experts):
     assert int(want_st) - 3 == sum(int(e) in staged for e in ids.flatten())
 
 
+def test_count_pairs_skips_padding_rows():
+    """Negative ids (a fixed-shape step's padding rows) count nowhere, in the kernel and twin."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(32, generator=gen)[:4] for _ in range(6)])
+    ids[4:] = -1
+    table, offsets = _entries(32, 8, 1 << 20, gen)
+    for fn, device in ((count_pairs_ref, "cpu"), (count_pairs, DEVICE)):
+        counts, gpu, staged = (
+            torch.zeros(32, dtype=torch.int64, device=device),
+            torch.tensor(0, device=device),
+            torch.tensor(0, device=device),
+        )
+        fn(ids.to(device), counts, table.to(device), offsets.to(device), 1 << 20, gpu, 0, staged)
+        want = torch.bincount(ids[:4].flatten(), minlength=32)
+        assert torch.equal(counts.cpu(), want)
+        on_gpu = sum(0 <= int(offsets[int(table[int(e)])]) < 1 << 20 for e in ids[:4].flatten())
+        assert int(gpu) == on_gpu == int(staged)
+
+
 def _staging_case(seed: int):
     """8 experts; entries: 3 cached slots, 2 staging slots, then 8 host rows, all in one
     buffer (offsets are byte offsets into it); expert 1 cached, expert 6 with no host row."""
