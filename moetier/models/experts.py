@@ -321,9 +321,9 @@ class ExpertsRuntime:
         if self.observer is not None:
             self.observer(layer, hidden, topk_ids, topk_weights)
         tokens, k = topk_ids.shape
-        live = self.live if self.live is not None and self.live.shape[0] == tokens else None
+        live = self.live if self.live is not None and self.live.shape[0] == tokens > 1 else None
         counted = topk_ids
-        if live is not None:  # padding rows: row 0's experts, counted as none
+        if live is not None:  # padding rows: row 0's experts, counted as none (row 0 is real)
             topk_ids = torch.where(live[:, None], topk_ids, topk_ids[:1])
             counted = torch.where(live[:, None], topk_ids, -1)
         out = torch.zeros(tokens, k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
