@@ -16,7 +16,8 @@ from tests.engine.test_engine import alone, run
 
 
 @pytest.mark.parametrize(
-    "compiled", [False, pytest.param(True, marks=pytest.mark.slow)]  # inductor on the CPU
+    "compiled",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # inductor on the CPU
 )
 def test_padding_rows_read_and_count_no_experts_of_their_own(tiny, compiled):
     loaded = load_model(
