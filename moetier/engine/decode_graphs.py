@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -131,24 +131,33 @@ class DecodeGraph:
         return self.logits
 
 
-class DecodeGraphs:
-    """The decode steps by key (rows, width), at most `cap` of them: adding one beyond drops
-    the least recently used (its graph's memory goes back to the shared pool); keys whose
-    capture failed are remembered so that they are not tried again."""
+class Keyed(Protocol):
+    @property
+    def key(self) -> tuple[int, ...]: ...
+
+
+G = TypeVar("G", bound=Keyed)
+
+
+class DecodeGraphs(Generic[G]):
+    """Captured steps by their key (decode steps: (rows, width); engine/draft_graphs.py's
+    drafting: (requests, k, width)), at most `cap` of them: adding one beyond drops the least
+    recently used (its graph's memory goes back to the shared pool); keys whose capture failed
+    are remembered so that they are not tried again."""
 
     def __init__(self, cap: int = MAX_DECODE_GRAPHS) -> None:
         self.cap = cap
-        self._graphs: OrderedDict[Key, DecodeGraph] = OrderedDict()
-        self.failed: set[Key] = set()
+        self._graphs: OrderedDict[tuple[int, ...], G] = OrderedDict()
+        self.failed: set[tuple[int, ...]] = set()
         self.dropped = 0  # graphs dropped for the cap
 
-    def get(self, key: Key) -> DecodeGraph | None:
+    def get(self, key: tuple[int, ...]) -> G | None:
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
         return graph
 
-    def add(self, graph: DecodeGraph) -> None:
+    def add(self, graph: G) -> None:
         self._graphs[graph.key] = graph
         self._graphs.move_to_end(graph.key)
         while len(self._graphs) > max(1, self.cap):
@@ -158,7 +167,7 @@ class DecodeGraphs:
     def __contains__(self, key: object) -> bool:
         return key in self._graphs
 
-    def __iter__(self) -> Iterator[Key]:
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
         return iter(list(self._graphs))
 
     def __len__(self) -> int:

@@ -16,7 +16,9 @@ steps of the layer on its own output and draft. Rows of a request attend as a ve
 the row of each request's last catch-up position; the chain's positions and page tables), the
 main model's hidden states per row (written on the device before each replay), their host
 staging copies, and the drafting captured into a CUDA graph on them (or, `captured` False: CPU
-tests, run eagerly on them). Its output is the drafts [requests, k].
+tests, run eagerly on them). Its output is the drafts [requests, k]. The drafter keeps them in
+a `DecodeGraphs` (engine/decode_graphs.py), as the runner keeps its steps: the least recently
+used dropped first beyond its cap.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class PagedRunner(StepSampler):
         self.table_width = min(num_pages, -(-context // page_size))
         first = -(-decode_graphs.FIRST_CONTEXT_TOKENS // page_size)
         self._ladder = context_ladder(first, self.table_width)
-        self.graphs = DecodeGraphs()
+        self.graphs: DecodeGraphs[DecodeGraph] = DecodeGraphs()
         self._pool: Any = None
         self.use_graphs = (
             self.device.type == "cuda"

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moetier.engine.decode_graphs import BATCH_BUCKETS, bucket_of
+from moetier.engine.decode_graphs import BATCH_BUCKETS, DecodeGraphs, bucket_of
 from moetier.engine.draft_graphs import DraftGraph
 from moetier.engine.sampler import to_device
 from moetier.engine.scheduler import Request
@@ -134,8 +134,7 @@ class MTPDrafter:
         # drafting on fixed-shape inputs (engine/draft_graphs.py): the runner says whether its
         # steps are graphed (or on fixed shapes), its scratch page and page-table widths
         self.layout: Any = None  # engine/runner.py's PagedRunner, set by enable_speculative
-        self.graphs: dict[tuple[int, int, int], DraftGraph] = {}
-        self.failed: set[tuple[int, int, int]] = set()
+        self.graphs: DecodeGraphs[DraftGraph] = DecodeGraphs()  # (requests, k, width)
         self._pool: Any = None
         self.graphed = self.eager = 0  # drafting calls on fixed-shape inputs, and eager ones
 
@@ -324,7 +323,7 @@ class MTPDrafter:
         captured into a CUDA graph where the runner's steps are, else run eagerly on the same
         inputs; None (eager drafting for that key) if capturing fails."""
         key = (requests, k, width)
-        if key in self.failed:
+        if key in self.graphs.failed:
             return None
         graph = DraftGraph(requests, k, width, size, dtype, self.device)
         self._pad(graph)
@@ -340,9 +339,9 @@ class MTPDrafter:
             except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
                 print(f"moetier: drafting for {requests} requests without a CUDA graph ({exc})",
                       file=sys.stderr)  # fmt: skip
-                self.failed.add(key)
+                self.graphs.failed.add(key)
                 return None
-        self.graphs[key] = graph
+        self.graphs.add(graph)
         return graph
 
     def _fixed_drafts(

@@ -579,6 +579,32 @@ def test_drafting_on_fixed_shapes_gives_the_eager_drafts(family, pages, gathered
     assert len(runs[0]) > len(PROMPTS) and len(set(runs[0])) > 1
 
 
+def test_draft_graphs_beyond_their_cap_are_dropped_and_drafts_stay_the_same(
+    store, mtp_file, monkeypatch
+):
+    """The drafter keeps its graphs as the runner does (a DecodeGraphs): with a cap of one,
+    each new key drops the last one and is made again when needed; the drafts are the same.
+    Context buckets from one page of 4 positions, so the requests cross widths."""
+    from moetier.engine import decode_graphs
+
+    monkeypatch.setattr(decode_graphs, "FIRST_CONTEXT_TOKENS", 4)
+    want = drain(Engine(native(store), EngineLimits(num_pages=64, page_size=4)))
+    runs, kept = [], []
+    for cap in (None, 1):
+        engine = fixed_shape_engine(native(store, mtp_file=str(mtp_file)), 64, drafts=2,
+                                    gathered=True)  # fmt: skip
+        drafter = engine.runner.drafter
+        if cap is not None:
+            drafter.graphs.cap = cap
+        seen = record_drafts(engine)
+        assert drain(engine) == want and drafter.graphed > 0
+        runs.append(seen)
+        kept.append((len(drafter.graphs), drafter.graphs.dropped))
+    assert runs[0] == runs[1]
+    assert kept[0][0] > 1 and kept[0][1] == 0  # several keys, none dropped
+    assert kept[1][0] == 1 and kept[1][1] > 0
+
+
 def test_sampled_verify_rows_keep_seeded_sampling(store, mtp_file):
     """Seeded sampled requests with drafts: on fixed-shape rows the tokens the packed verify
     steps draw (the same generator draws from logits equal to float error), and a second run
@@ -671,8 +697,8 @@ def test_greedy_output_is_unchanged_with_drafts_on_cuda(family, request):
     assert runner.verify_graphed > 0 and runner.verify_packed == 0
     assert all(runner.graphs.get(key).graph is not None for key in runner.graphs)  # captured
     drafter = runner.drafter  # drafting replayed from its graphs after each prompt's first
-    assert drafter.graphed > drafter.eager and not drafter.failed
-    assert all(graph.graph is not None for graph in drafter.graphs.values())
+    assert drafter.graphed > drafter.eager and not drafter.graphs.failed
+    assert all(drafter.graphs.get(key).graph is not None for key in drafter.graphs)
 
 
 def test_a_stop_string_inside_the_accepted_drafts_ends_the_count_there(store, mtp_file):
