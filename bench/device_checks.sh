@@ -3,7 +3,8 @@
 # (PART=1, PART=2), each step with a time limit so a slow one cannot eat the call. Lines go to
 # $OUT/*.jsonl, the GPU suite's output to $OUT/gpu-tests.txt, stderr to $OUT/*.log.
 #
-#   PART=1  the GPU suite (every `gpu`-marked test, 12 workers), then on one synthetic 8-layer
+#   PART=1  the GPU suite (every `gpu`-marked test, 12 workers, a line per test), the serving
+#           engine's 1, 16 and 64 streams and the compiled static step (#42), then on one 8-layer
 #           Qwen3-30B-A3B store with an NVFP4 delta plane and an MTP layer: decode without
 #           drafts, with 2 drafts replayed at eval-moe-70m's measured acceptance (#47), the
 #           confidence gate at 10% / all / 25% of pairs (#46 item 6), and both MTP cases at a
@@ -54,9 +55,21 @@ else
 fi
 
 if [[ "${PART:-1}" == 1 ]]; then
-    [[ "${SMOKE:-0}" == 1 || "${TESTS:-1}" == 0 ]] || step gpu-tests 200 "$PY" -m pytest -m gpu -n 12 -q \
-        -p no:cacheprovider tests >"$OUT/gpu-tests.txt" 2>&1
+    [[ "${SMOKE:-0}" == 1 || "${TESTS:-1}" == 0 ]] || step gpu-tests 230 "$PY" -m pytest -m gpu \
+        -n 12 -v --tb=short -p no:cacheprovider tests >"$OUT/gpu-tests.txt" 2>&1
     tail -20 "$OUT/gpu-tests.txt" 2>/dev/null
+    # #42: the engine's streams against the compiled static step, same call (fused K/V write,
+    # sum_pairs and the padding rows' routing landed after the last measurement)
+    if [[ "${SMOKE:-0}" == 1 ]]; then
+        eng=(--device cpu --shape tiny --layers 2 --concurrency 1,3 --prompt-tokens 16
+            --new-tokens 8 --compile off)
+    else
+        eng=(--layers 8 --concurrency 1,16,64 --prompt-tokens 512 --new-tokens 96)
+    fi
+    step engine 120 "$PY" bench/serve.py "${eng[@]}" >>"$OUT/engine-streams.jsonl" \
+        2>>"$OUT/decode.log"
+    [[ "${SMOKE:-0}" == 1 ]] || step static 60 "$PY" bench/decode.py --resident --layers 8 \
+        --batch 1,16 --steps 64 --hf-tokens 0 >>"$OUT/engine-streams.jsonl" 2>>"$OUT/decode.log"
     store=${BENCH_TMP:-/tmp}/device-checks-store
     step store 60 "$PY" -c "import sys; from pathlib import Path
 from moetier.cli.bench import DEFAULT_STORE
