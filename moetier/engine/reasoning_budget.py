@@ -1,6 +1,10 @@
 """A reasoning budget (Anthropic's `thinking.budget_tokens`): a sequence may write at most
 `budget` tokens before its end-of-reasoning marker (`</think>` as the tokenizer splits it); if
 the marker has not come by then, it is forced, token by token, and the answer follows.
+With `start_ids` (the start-of-reasoning marker, for a prompt that does not leave the model
+inside reasoning: a hybrid model opens `<think>` itself when it thinks) the budget holds only for
+an answer that opens with that marker; an answer that begins otherwise is not reasoning, and
+nothing is forced into it.
 
 `ReasoningBudget` has a grammar matcher's shape (engine/grammar.py), so the step sampler applies
 it through the same hook: each step it fills a row of the allowed-token bitmask (every token, or
@@ -13,11 +17,15 @@ import torch
 
 
 class ReasoningBudget:
-    def __init__(self, budget: int, end_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, budget: int, end_ids: tuple[int, ...], start_ids: tuple[int, ...] = ()
+    ) -> None:
         if budget < 1 or not end_ids:
             raise ValueError("a reasoning budget needs at least 1 token and an end marker")
         self.budget = budget
         self.end_ids = tuple(end_ids)
+        self.start_ids = tuple(start_ids)
+        self.opened = 0  # tokens of start_ids the answer has begun with
         self.count = 0  # tokens accepted
         self.forced = -1  # index into end_ids being forced (-1: not forcing)
         self.closed = False  # the marker is out: no budget any more
@@ -25,7 +33,8 @@ class ReasoningBudget:
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         row = bitmask[index]
-        if self.closed or (self.forced < 0 and self.count < self.budget):
+        opening = self.opened < len(self.start_ids)
+        if self.closed or opening or (self.forced < 0 and self.count < self.budget):
             row.fill_(-1)  # every bit set: any token
             return
         token = self.end_ids[max(self.forced, 0)]
@@ -43,6 +52,14 @@ class ReasoningBudget:
             self.forced += 1
             if self.forced == len(self.end_ids):
                 self.closed = True
+            return True
+        if self.opened < len(self.start_ids):  # the answer must open reasoning first
+            if token != self.start_ids[self.opened]:
+                self.closed = True  # it did not: an answer without reasoning has no budget
+                return True
+            self.opened += 1
+            if self.opened == len(self.start_ids) and self.count >= self.budget:
+                self.forced = 0
             return True
         self._tail = (self._tail + [token])[-len(self.end_ids) :]
         if tuple(self._tail) == self.end_ids:

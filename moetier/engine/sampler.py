@@ -55,10 +55,11 @@ class SamplingParams:
     logprobs: int | None = field(default=None, metadata={"flag": False})  # None / 0 / top N
     prompt_logprobs: int | None = field(default=None, metadata={"flag": False})
     grammar: tuple[str, str] | None = field(default=None, metadata={"flag": False})
-    # (budget tokens, the end-of-reasoning marker's ids): engine/reasoning_budget.py
-    reasoning_budget: tuple[int, tuple[int, ...]] | None = field(
-        default=None, metadata={"flag": False}
-    )
+    # (budget tokens, the end-of-reasoning marker's ids[, the start marker's ids: the budget
+    # holds only for an answer that opens with it]): engine/reasoning_budget.py
+    reasoning_budget: (
+        tuple[int, tuple[int, ...]] | tuple[int, tuple[int, ...], tuple[int, ...]] | None
+    ) = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         def refuse(name: str, value: object, allowed: str) -> None:
@@ -96,7 +97,7 @@ class SamplingParams:
         ):
             refuse("grammar", self.grammar, f"(kind, spec) with kind one of {GRAMMAR_KINDS}")
         if self.reasoning_budget is not None:
-            budget, end_ids = self.reasoning_budget
+            budget, end_ids = self.reasoning_budget[:2]
             if budget < 1 or not end_ids:
                 refuse("reasoning budget", budget, "at least 1 token, with an end marker")
             if self.grammar is not None:

@@ -199,11 +199,18 @@ def _prompt_ids(state: ServerState, req: CountTokensRequest) -> list[int]:
 
 
 def _reasoning_budget(
-    state: ServerState, tokenizer: Any, thinking: dict[str, Any] | None, params: SamplingParams
+    state: ServerState,
+    tokenizer: Any,
+    thinking: dict[str, Any] | None,
+    params: SamplingParams,
+    in_reasoning: bool,
 ) -> SamplingParams:
     """`thinking: {type: enabled, budget_tokens: N}`: at most N tokens before the family's
-    end-of-reasoning marker (forced after that: engine/reasoning_budget.py). Families without
-    such a marker (harmony's channels), a forced tool call (its grammar), or no budget: as is."""
+    end-of-reasoning marker (forced after that: engine/reasoning_budget.py). `in_reasoning`: the
+    prompt leaves the output in reasoning; otherwise the budget holds only for an answer that
+    opens with the family's start marker (a hybrid model that thinks), never forcing the end
+    marker into a plain answer. Families without such markers (harmony's channels), a forced
+    tool call (its grammar), or no budget: as is."""
     if not thinking or thinking.get("type") != "enabled" or "budget_tokens" not in thinking:
         return params
     budget = thinking["budget_tokens"]
@@ -215,7 +222,13 @@ def _reasoning_budget(
     if not marker or params.grammar is not None:
         return params
     end_ids = tuple(tokenizer.encode(marker, add_special_tokens=False))
-    return replace(params, reasoning_budget=(budget, end_ids))
+    if in_reasoning:
+        return replace(params, reasoning_budget=(budget, end_ids))
+    start = getattr(family, "think_start", None)
+    if not start:
+        return params
+    start_ids = tuple(tokenizer.encode(start, add_special_tokens=False))
+    return replace(params, reasoning_budget=(budget, end_ids, start_ids))
 
 
 def stop_reason(out: Output) -> str | None:
@@ -266,7 +279,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 template_kwargs(state.template_defaults, anthropic_thinking(req.thinking)),
                 state.options.relaxed_chat_template,
             )
-            params = _reasoning_budget(state, engine.tokenizer, req.thinking, params)
+            params = _reasoning_budget(
+                state, engine.tokenizer, req.thinking, params, parsing.starts_in_reasoning
+            )
             engine.check(prompt_ids, params, req.max_tokens)
         except ValueError as err:
             return error(400, str(err))

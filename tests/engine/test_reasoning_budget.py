@@ -53,6 +53,26 @@ def test_a_marker_begun_at_the_budget_is_finished_not_repeated():
     assert not m.accept_token(5)  # a token the mask refused
 
 
+def test_with_a_start_marker_only_an_answer_that_opens_reasoning_has_a_budget():
+    """A prompt that does not leave the model in reasoning: the budget is the start marker's
+    (a hybrid model opens `<think>` itself); a plain answer is never forced."""
+    m = ReasoningBudget(3, (70, 99), start_ids=(60,))
+    for token in (5, 6, 7, 8, 9):
+        assert allowed(m) == "all" and m.accept_token(token)
+    m = ReasoningBudget(3, (70, 99), start_ids=(60,))
+    for token in (60, 1, 2):
+        assert allowed(m) == "all" and m.accept_token(token)
+    assert allowed(m) == [70]
+    # a start marker longer than the budget is finished first, then the end marker forced
+    m = ReasoningBudget(1, (70,), start_ids=(60, 61))
+    assert m.accept_token(60) and allowed(m) == "all"
+    assert m.accept_token(61) and allowed(m) == [70]
+    # a marker begun but not finished is not reasoning either
+    m = ReasoningBudget(1, (70,), start_ids=(60, 61))
+    assert m.accept_token(60) and m.accept_token(5)
+    assert allowed(m) == "all"
+
+
 def test_bit_31_of_a_word_is_set_right():
     m = ReasoningBudget(1, (63,))
     m.accept_token(1)

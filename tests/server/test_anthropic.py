@@ -212,9 +212,10 @@ def test_thinking_budget_reaches_the_engine_as_a_reasoning_budget(server, client
     )
     assert reply.usage.output_tokens > 0
     tokenizer = server[1].tokenizer
-    assert seen[-1].reasoning_budget == (
+    assert seen[-1].reasoning_budget == (  # the prompt does not open reasoning: the model must
         3,
         tuple(tokenizer.encode("</think>", add_special_tokens=False)),
+        tuple(tokenizer.encode("<think>", add_special_tokens=False)),
     )
     client.messages.create(
         model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello"}]
@@ -227,3 +228,22 @@ def test_thinking_budget_reaches_the_engine_as_a_reasoning_budget(server, client
             messages=[{"role": "user", "content": "Hello"}],
             thinking={"type": "enabled", "budget_tokens": 0},
         )
+
+
+def test_a_thinking_budget_forces_nothing_into_an_answer_that_does_not_reason(server, client):
+    """The tiny model's prompt does not open `<think>` and its greedy answer does not either: a
+    budget smaller than the answer leaves it exactly the Generator's greedy answer (no
+    `</think>` forced into plain text, which would change every token after it)."""
+    ids, want = alone(server[1], 12)
+    assert not want.text.lstrip().startswith("<think>")
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": USER}],
+        thinking={"type": "enabled", "budget_tokens": 2},
+        extra_body={"temperature": 0},  # this SDK has no temperature argument
+    )
+    assert [block.type for block in reply.content] == ["text"]
+    assert reply.content[0].text == want.text
+    assert reply.usage.output_tokens == len(want.token_ids) + (want.finish_reason == "stop")

@@ -151,6 +151,47 @@ def test_context_length_is_a_400_with_its_code(server, oai):
     assert openai_shaped(info.value.response.json())["code"] == "context_length_exceeded"
 
 
+def test_a_forced_call_whose_schema_cannot_be_enforced_is_a_400(server, oai, claude):
+    """tool_choice required / named (Anthropic any / tool) compiles the tools' parameters into
+    the call's grammar: a schema the grammar engine refuses (a bad type, a keyword it does not
+    implement) is the client's error, a 400 naming the tool on every API and streamed or not, as
+    the same schema in response_format is, never a 500 from the engine."""
+    bad = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": bad}}]
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="'pick'.*uniqueItems") as info:
+                oai.chat.completions.create(
+                    model=MODEL,
+                    messages=USER,
+                    tools=tools,
+                    tool_choice=choice,
+                    max_tokens=4,
+                    stream=stream,
+                )
+            assert openai_shaped(info.value.response.json())["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="'pick'"):
+        oai.responses.create(
+            model=MODEL,
+            input="Hello",
+            tools=[{"type": "function", "name": "pick", "parameters": bad, "strict": False}],
+            tool_choice="required",
+            max_output_tokens=4,
+        )
+    with pytest.raises(anthropic.BadRequestError, match="'pick'") as info:
+        claude.messages.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=USER,
+            tools=[{"name": "pick", "input_schema": {"type": "objectx"}}],
+            tool_choice={"type": "any"},
+        )
+    assert anthropic_shaped(info.value.response.json())["type"] == "invalid_request_error"
+    # tool_choice auto compiles nothing: the same tools are served
+    reply = oai.chat.completions.create(model=MODEL, messages=USER, tools=tools, max_tokens=2)
+    assert reply.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
 # a value other than the harmless default for each known-but-unsupported field
 SAMPLES = {
     "logprobs": True,

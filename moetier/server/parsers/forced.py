@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from moetier.engine.grammar import JSON_OPTIONS, tool_call_grammar
+from moetier.engine.grammar import JSON_OPTIONS, check_grammar, tool_call_grammar
 from moetier.server.parsers import deepseek_v3 as ds
 from moetier.server.parsers import kimi_k2 as kimi
 
@@ -97,7 +97,18 @@ def forced_call_grammar(
     tokenizer: Any,
     call_offset: int = 0,
 ) -> tuple[tuple[str, str], str]:
-    """((kind, spec) of the forced call's grammar, the family whose parser reads it)."""
+    """((kind, spec) of the forced call's grammar, the family whose parser reads it); ValueError
+    (the client's 400) for a tool_choice that forces nothing it can, or a forced tool whose
+    parameters the grammar engine cannot enforce (found here, before the request is queued)."""
+    chosen = _chosen(tools, tool_choice)
+    for name, schema in chosen.items():
+        try:
+            check_grammar("json_schema", json.dumps(schema))
+        except ValueError as err:
+            raise ValueError(
+                f"tool_choice forces a call to {name!r}, whose parameters schema cannot be "
+                f"enforced: {err}"
+            ) from err
     if family not in NATIVE:
         grammar = tool_call_grammar(
             tools, tool_choice, FORCED_BEGIN, FORCED_END, parallel=parallel, tokenizer=tokenizer
@@ -108,7 +119,7 @@ def forced_call_grammar(
     parallel = parallel and family not in SINGLE_CALL
     added = tokenizer.get_added_vocab() if tokenizer is not None else {}
     alternatives = []
-    for name, schema in _chosen(tools, tool_choice).items():
+    for name, schema in chosen.items():
         begin, end = around(name, str(call_offset) if not parallel else "")
         args = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
         alternatives.append(f"{_lark(begin, added)} %json {args} {_lark(end, added)}")

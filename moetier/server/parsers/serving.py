@@ -385,6 +385,7 @@ class ChatParsing:
     def __post_init__(self) -> None:
         self.parser: Parser | None = None
         self.detok: StreamingDetokenizer | None = None
+        self.starts_in_reasoning = False  # whether the prompt leaves the output in reasoning
         calls = bool(self.tools) and self.tool_choice != "none"
         if forced_tool_choice(self.tool_choice):
             # the grammar writes the call from the first token on, in this family's syntax
@@ -399,6 +400,7 @@ class ChatParsing:
             starts = bool(cls.prompt_ends_in_reasoning(tail))  # type: ignore[attr-defined]
             if self.prefill is not None:  # a continued message: where its own markers leave it
                 starts = prefill_in_reasoning(cls, self.prefill, starts)
+            self.starts_in_reasoning = starts
             self.parser = cls(
                 self.tools,
                 starts_in_reasoning=starts,
