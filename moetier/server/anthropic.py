@@ -12,8 +12,11 @@ hybrid templates' `enable_thinking` / `thinking`.
 Streams send the documented events in order (message_start, content_block_start, ping,
 content_block_delta, content_block_stop, message_delta, message_stop), no `[DONE]`.
 `usage.input_tokens` counts the prompt tokens not read from the prefix cache;
-`cache_read_input_tokens` those that were. Claude Code's per-request billing line is dropped
-from `system` (BILLING_LINE), so its prompts share their prefix in the prefix cache.
+`cache_read_input_tokens` those that were; message_start waits for the request's first output
+(the prefix match is made when the engine admits it), so its usage has the final usage's input
+accounting, and a request that fails before then gets an `error` event and no message_start.
+Claude Code's per-request billing line is dropped from `system` (BILLING_LINE), so its prompts
+share their prefix in the prefix cache.
 """
 
 from __future__ import annotations
@@ -289,7 +292,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         outputs = engine.generate(prompt_ids, params, chat=True, max_tokens=req.max_tokens)
         if req.stream:
             return StreamingResponse(
-                _events(outputs, message_id, state.model_name, len(prompt_ids), parsing),
+                _events(outputs, message_id, state.model_name, parsing),
                 media_type="text/event-stream",
             )
 
@@ -327,49 +330,63 @@ async def _events(
     outputs: AsyncIterator[Output],
     message_id: str,
     model: str,
-    prompt_tokens: int,
     parsing: ChatParsing,
 ) -> AsyncIterator[str]:
     """The stream's server-sent events, in the documented order; closed early (the client
-    went away), the request is aborted by `outputs`' own cleanup."""
+    went away), the request is aborted by `outputs`' own cleanup.
+
+    message_start is sent with the request's first output: only once the engine has admitted
+    the request is its prefix-cache hit known, and Anthropic's message_start carries the same
+    input accounting as the final usage (Claude Code reads the context's size from it). Until
+    then the stream sends keep-alive comments (sse.py). A request refused or failed before its
+    first output gets only an `error` event."""
 
     def event(name: str, data: dict[str, Any]) -> str:
         return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
 
-    start: dict[str, Any] = {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
-    }
-    yield event("message_start", {"message": start})
     blocks = AnthropicStream()  # thinking, text and tool_use blocks as the parser finds them
     pinged = False
     last = None
     try:
         async for out in outputs:
+            if last is None:
+                start: dict[str, Any] = {
+                    "id": message_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": usage(out),  # input as final; output tokens so far
+                }
+                yield event("message_start", {"message": start})
             last = out
             for name, data in blocks.events(parsing.push(out)):
                 yield event(name, data)
                 if not pinged:  # after the first block starts, as before
                     pinged = True
                     yield event("ping", {})
+    except ValueError as err:
+        if last is not None:  # not the engine's refusal: a bug (sse.py's error event)
+            raise
+        # refused when the engine took the request (a grammar it cannot compile, too long)
+        yield stream_error_event(PREFIX, str(err), 400).decode()
+        return
     except RuntimeError as err:  # the engine failed or is shutting down
         yield stream_error_event(PREFIX, str(err)).decode()
         return
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]
+    if last is None:  # never happens: a request's outputs end with its finish or raise
+        yield stream_error_event(PREFIX, "the request ended without an output", 500).decode()
+        return
     for name, data in blocks.close():
         yield event(name, data)
         if not pinged:
             pinged = True
             yield event("ping", {})
-    if last is not None:
-        reason = parsing.stop_reason(stop_reason(last))
-        end = {"stop_reason": reason, "stop_sequence": last.stop_sequence}
-        yield event("message_delta", {"delta": end, "usage": usage(last)})
+    reason = parsing.stop_reason(stop_reason(last))
+    end = {"stop_reason": reason, "stop_sequence": last.stop_sequence}
+    yield event("message_delta", {"delta": end, "usage": usage(last)})
     yield event("message_stop", {})

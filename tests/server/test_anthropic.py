@@ -5,6 +5,8 @@ as the API defines them, errors in Anthropic's shape."""
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -190,6 +192,73 @@ def test_billing_line_does_not_defeat_the_prefix_cache(server, client):
             model=MODEL, system=system_of("x"), messages=[{"role": "user", "content": USER}]
         )
         assert counted.input_tokens == len(ids)
+
+
+def test_message_start_usage_agrees_with_the_final_usage(server, client):
+    """The same long prompt streamed twice: message_start's usage carries the final usage's input
+    accounting (uncached input, cache reads, cache creation), so on the second turn it already
+    reports the prefix-cache hit, as Anthropic's API does (Claude Code reads the context's size
+    from message_start); input_tokens + cache_read_input_tokens is the prompt in every event,
+    and the non-streamed answer counts the same."""
+    page = 16  # the engine's default page size
+    system = "You are a careful assistant who reads every file before changing it. " * 2
+    ids, _ = alone(server[1], 3, system=system)
+    assert len(ids) > 4 * page
+    kwargs = dict(
+        model=MODEL,
+        max_tokens=3,
+        system=system,
+        messages=[{"role": "user", "content": USER}],
+        extra_body={"temperature": 0},  # this SDK has no temperature argument
+    )
+    turns = []
+    for _ in range(2):
+        events = list(client.messages.create(stream=True, **kwargs))
+        assert events[0].type == "message_start"
+        assert [e.type for e in events].count("message_start") == 1
+        (delta,) = [e for e in events if e.type == "message_delta"]
+        start, end = events[0].message.usage, delta.usage
+        for usage in (start, end):
+            assert usage.input_tokens + usage.cache_read_input_tokens == len(ids)
+            assert usage.cache_creation_input_tokens == 0
+        assert start.input_tokens == end.input_tokens
+        assert start.cache_read_input_tokens == end.cache_read_input_tokens
+        assert 1 <= start.output_tokens <= end.output_tokens
+        turns.append(start)
+    first, second = turns
+    assert first.cache_read_input_tokens == 0  # a prompt no earlier test sent
+    # every whole page of the prompt but the last position's came from the cache
+    assert second.cache_read_input_tokens == (len(ids) - 1) // page * page > 0
+    with client.messages.stream(**kwargs) as stream:  # the SDK's accumulated message
+        final = stream.get_final_message()
+    assert final.usage.cache_read_input_tokens == second.cache_read_input_tokens
+    assert final.usage.input_tokens == second.input_tokens
+    reply = client.messages.create(**kwargs)
+    assert reply.usage.cache_read_input_tokens == second.cache_read_input_tokens
+    assert reply.usage.input_tokens == second.input_tokens
+
+
+def test_a_stream_refused_by_the_engine_is_one_error_event(server, client, monkeypatch):
+    """A request the engine refuses when it takes it (before admission: no prefix match, no
+    output) gets an `error` event in Anthropic's shape and no message_start (whose usage could
+    not be known), and the official client raises it."""
+
+    def refuse(self, request_id, *args, **kwargs):
+        raise ValueError("the engine refuses this request")
+
+    monkeypatch.setattr(Engine, "add", refuse)
+    kwargs = dict(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": USER}])
+    with httpx.stream("POST", server[0] + "/v1/messages", json={**kwargs, "stream": True}) as raw:
+        assert raw.status_code == 200
+        lines = [line for line in raw.iter_lines() if line and not line.startswith(":")]
+    assert lines[0] == "event: error" and len(lines) == 2
+    error = json.loads(lines[1].removeprefix("data: "))
+    assert error == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "the engine refuses this request"},
+    }
+    with pytest.raises(anthropic.APIStatusError, match="the engine refuses this request"):
+        list(client.messages.create(stream=True, **kwargs))
 
 
 def test_thinking_budget_reaches_the_engine_as_a_reasoning_budget(server, client, monkeypatch):
