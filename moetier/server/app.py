@@ -1,7 +1,8 @@
-"""The HTTP server: the FastAPI app over the serving engine, with `/health`, `/v1/models` and
-`/metrics` (prometheus_client: the engine's queues, pages and prefix hits, and the residency
-counters); the API surfaces are their own modules (openai.py: `/v1/chat/completions`;
-anthropic.py: `/v1/messages`).
+"""The HTTP server: the FastAPI app over the serving engine, with `/health`, `/v1/models`,
+`/v1/models/{id}` (OpenAI's model object, or Anthropic's for a client sending
+`anthropic-version`) and `/metrics` (prometheus_client: the engine's queues, pages and prefix
+hits, and the residency counters); the API surfaces are their own modules (openai.py:
+`/v1/chat/completions`; anthropic.py: `/v1/messages`).
 
 Every route, whichever module adds it, passes the same gate (admission.py: API key, body size,
 model name, unsupported fields, queue room), answers errors in its API's shape (errors.py),
@@ -115,25 +116,52 @@ def create_app(
         body, content_type = exposition(registry, request.headers.get("accept", ""))
         return Response(body, headers={"Content-Type": content_type})
 
+    def context() -> int | None:
+        """The model's context length (None while loading)."""
+        if state.engine is None:
+            return None
+        return int(state.engine.engine.scheduler.max_model_len)
+
+    def openai_model(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "moetier",
+            "root": model_name,
+            "max_model_len": context(),
+            **(state.parser.describe() if state.parser else {}),
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        context = None
-        if state.engine is not None:
-            context = state.engine.engine.scheduler.max_model_len
+        return {"object": "list", "data": [openai_model(name) for name in state.listed_names()]}
+
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=None,
+        responses={404: {"description": "model not served"}},
+    )
+    async def model(model_id: str, request: Request) -> dict[str, Any] | JSONResponse:
+        """One model in the shape of the client's API: Anthropic's (`ModelInfo`) for a client
+        that sends `anthropic-version` (the `anthropic` SDK does on every request), else
+        OpenAI's; any name a request's `model` may give (an alias, a pattern's match)."""
+        anthropic_client = "anthropic-version" in request.headers
+        if not state.serves(model_id):
+            served = ", ".join(state.listed_names())
+            message = f"the model {model_id!r} is not served here (served: {served})"
+            if anthropic_client:
+                return errors.anthropic_error(404, message)
+            return errors.openai_error(404, message, param="model", code="model_not_found")
+        if not anthropic_client:
+            return openai_model(model_id)
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": created,
-                    "owned_by": "moetier",
-                    "root": model_name,
-                    "max_model_len": context,
-                    **(state.parser.describe() if state.parser else {}),
-                }
-                for name in state.listed_names()
-            ],
+            "type": "model",
+            "id": model_id,
+            "display_name": model_id,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+            "lifecycle": "active",
+            "max_input_tokens": context(),
         }
 
     openai.add_routes(app, state)

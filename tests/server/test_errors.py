@@ -120,6 +120,35 @@ def test_model_names(server, oai, claude):
         claude.messages.count_tokens(model="other", messages=USER)
 
 
+def test_retrieve_a_model_in_each_apis_shape(server, oai, claude):
+    """`GET /v1/models/{id}` (both SDKs' `models.retrieve`): OpenAI's model object, or
+    Anthropic's ModelInfo for a client that sends `anthropic-version`, for every name a request
+    may give (an alias, a pattern's match, a name with a slash); an unknown id is a 404 in the
+    client's API's error shape."""
+    listed = oai.models.list().data[0]
+    model = oai.models.retrieve(MODEL)
+    assert model.model_dump() == listed.model_dump()
+    assert model.object == "model" and model.owned_by == "moetier" and model.created > 0
+    info = claude.models.retrieve("claude-sonnet-4-5")  # a `claude-*` pattern alias
+    assert info.type == "model" and info.id == info.display_name == "claude-sonnet-4-5"
+    assert info.created_at.timestamp() == model.created and info.created_at.tzinfo is not None
+    assert info.max_input_tokens == model.max_model_len  # type: ignore[attr-defined]
+    assert claude.models.retrieve(MODEL).id == MODEL
+    assert oai.models.retrieve("alias-name").id == "alias-name"
+    with pytest.raises(openai.NotFoundError, match="not served") as error:
+        oai.models.retrieve("org/unknown-model")  # its slash is sent as %2F
+    assert openai_shaped(error.value.response.json()) == {
+        "message": "the model 'org/unknown-model' is not served here (served: "
+        f"{MODEL}, alias-name)",
+        "type": "not_found_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    with pytest.raises(anthropic.NotFoundError, match="not served") as error:
+        claude.models.retrieve("gpt-4o")
+    assert anthropic_shaped(error.value.response.json())["type"] == "not_found_error"
+
+
 def test_validation_errors_are_400_naming_the_field(server, oai, claude):
     with pytest.raises(openai.BadRequestError, match="temperature") as info:
         oai.chat.completions.create(model=MODEL, messages=USER, temperature="hot")
