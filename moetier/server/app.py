@@ -133,9 +133,29 @@ def create_app(
             **(state.parser.describe() if state.parser else {}),
         }
 
+    def anthropic_model(name: str) -> dict[str, Any]:
+        return {
+            "type": "model",
+            "id": name,
+            "display_name": name,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+            "lifecycle": "active",
+            "max_input_tokens": context(),
+        }
+
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [openai_model(name) for name in state.listed_names()]}
+    async def models(request: Request) -> dict[str, Any]:
+        """The served names: OpenAI's list, or Anthropic's page (one page: `has_more` false)
+        for a client that sends `anthropic-version`."""
+        names = state.listed_names()
+        if "anthropic-version" in request.headers:
+            return {
+                "data": [anthropic_model(name) for name in names],
+                "has_more": False,
+                "first_id": names[0],  # (the model's own name is always listed)
+                "last_id": names[-1],
+            }
+        return {"object": "list", "data": [openai_model(name) for name in names]}
 
     @app.get(
         "/v1/models/{model_id:path}",
@@ -153,16 +173,7 @@ def create_app(
             if anthropic_client:
                 return errors.anthropic_error(404, message)
             return errors.openai_error(404, message, param="model", code="model_not_found")
-        if not anthropic_client:
-            return openai_model(model_id)
-        return {
-            "type": "model",
-            "id": model_id,
-            "display_name": model_id,
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
-            "lifecycle": "active",
-            "max_input_tokens": context(),
-        }
+        return anthropic_model(model_id) if anthropic_client else openai_model(model_id)
 
     openai.add_routes(app, state)
     anthropic.add_routes(app, state)

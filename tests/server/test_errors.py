@@ -134,6 +134,10 @@ def test_retrieve_a_model_in_each_apis_shape(server, oai, claude):
     assert info.created_at.timestamp() == model.created and info.created_at.tzinfo is not None
     assert info.max_input_tokens == model.max_model_len  # type: ignore[attr-defined]
     assert claude.models.retrieve(MODEL).id == MODEL
+    page = claude.models.list()  # Anthropic's list shape: one page of ModelInfo
+    assert [m.id for m in page.data] == [m.id for m in oai.models.list().data]
+    assert page.has_more is False and page.first_id == MODEL and page.last_id == "alias-name"
+    assert page.data[0].model_dump() == claude.models.retrieve(MODEL).model_dump()
     assert oai.models.retrieve("alias-name").id == "alias-name"
     with pytest.raises(openai.NotFoundError, match="not served") as error:
         oai.models.retrieve("org/unknown-model")  # its slash is sent as %2F
