@@ -28,22 +28,25 @@ TUNED_VERBS = ("serve", "generate")
 
 def set_log_level(level: str, given: bool = True) -> None:
     """Python logging (moetier's loggers), transformers' and huggingface_hub's at `level`; their
-    verbosity variables (TRANSFORMERS_VERBOSITY, HF_HUB_VERBOSITY) win unless `given`."""
+    verbosity variables (TRANSFORMERS_VERBOSITY, HF_HUB_VERBOSITY) win unless `given`. A default
+    level (not `given`) reaches the two libraries at warning at most: their info is a config dump
+    on every load (serve's default is info, for moetier's and uvicorn's lines)."""
     import logging
     import os
 
+    number = getattr(logging, level.upper())
+    library = level if given or number >= logging.WARNING else "warning"
     # read when transformers and huggingface_hub first configure their loggers (later imports)
     for variable in ("TRANSFORMERS_VERBOSITY", "HF_HUB_VERBOSITY"):
         if given or variable not in os.environ:
-            os.environ[variable] = level
-    number = getattr(logging, level.upper())
+            os.environ[variable] = library
     # a stderr handler where nothing has configured logging yet (not under pytest, say)
     logging.basicConfig(level=number, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("moetier").setLevel(number)
     for name in ("transformers", "huggingface_hub"):
         logger = logging.getLogger(name)
         if given or not logger.level:
-            logger.setLevel(number)
+            logger.setLevel(getattr(logging, library.upper()))
 
 
 def say_untuned(store: str) -> None:

@@ -63,3 +63,50 @@ def test_generate_writes_only_its_progress_bar_and_speed_line_to_stderr():
     rest = [p for p in pieces if not BAR.match(p)]
     assert bars, f"no load progress bar on a terminal: {pieces}"
     assert len(rest) == 1 and SPEED.match(rest[0]), rest
+
+
+SERVE_LINES = re.compile(
+    r"^(serving \S+ on http://\S+ \(loading\)"  # moetier's first line
+    r"|INFO: +(Started server process|Waiting for (application|background)|Application (startup|"
+    r"shutdown)|Uvicorn running|Shutting down|Finished server process|127\.0\.0\.1:\d+ - \"GET ).*"
+    r"|INFO moetier\.\S+: .*)$"  # moetier's own info lines (the parser it chose, say)
+)
+
+
+@pytest.mark.slow
+def test_serve_at_its_default_level_writes_no_library_info():
+    """`moetier serve` logs at info by default (its own and uvicorn's lines); transformers' and
+    huggingface_hub's info (a config dump on every load) stays out unless --log-level asks."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRANSFORMERS_VERBOSITY", "HF_HUB_VERBOSITY")
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moetier", "serve", "--device", "cpu", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError("the server did not become ready")
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.decode(errors="replace").splitlines() if line.strip()]
+    unexpected = [line for line in lines if not SERVE_LINES.match(line)]
+    assert lines and not unexpected, unexpected
