@@ -36,14 +36,15 @@ def q2s_store(tiny, tmp_path_factory):
     return store
 
 
-def _decode(store, cpu_experts: str, device: str = "cpu", spy=None):
+def _decode(store, cpu_experts: str, device: str = "cpu", spy=None, graphs: bool = True):
     loaded = load_model(store, EngineConfig(device=device, dtype="float32", native=True,
                                             expert_cache_slots=4, host_memory="64MiB",
-                                            cpu_experts=cpu_experts))  # fmt: skip
-    if device == "cpu":
-        assert place_for_graphs(loaded)  # (the runner places experts itself on CUDA only)
+                                            cpu_experts=cpu_experts,
+                                            cuda_graph=graphs))  # fmt: skip
+    if device == "cpu" or not graphs:
+        assert place_for_graphs(loaded)  # (the runner places experts itself with CUDA graphs)
     if spy is not None:
-        spy(loaded.runtime)
+        spy(loaded)
     engine = Engine(loaded, EngineLimits(num_pages=64, page_size=4))
     engine.runner.fixed_shapes = True
     greedy = SamplingParams(temperature=0, max_new_tokens=16)
@@ -51,11 +52,37 @@ def _decode(store, cpu_experts: str, device: str = "cpu", spy=None):
     return loaded, engine, {rid: tokens for rid, (tokens, *_) in got.items()}
 
 
+def _record_outputs(outputs: list[torch.Tensor]):
+    """Wraps the experts op the MoE blocks call (the loader handed them `runtime.forward`):
+    each call's output [T, H] (its live rows) is kept."""
+
+    def install(loaded):
+        runtime = loaded.runtime
+        forward = runtime.forward
+
+        def spy(layer, hidden, topk_ids, topk_weights):
+            y = forward(layer, hidden, topk_ids, topk_weights)
+            live = runtime.live
+            if live is not None and live.shape[0] == y.shape[0] > 1:
+                outputs.append(y[live].clone())
+            else:
+                outputs.append(y.clone())
+            return y
+
+        blocks = [m for m in loaded.model.modules() if getattr(m, "experts", None) == forward]
+        assert blocks
+        for block in blocks:
+            block.experts = spy
+
+    return install
+
+
 def _spy_on_kernel(checks: dict[str, int]):
     """Wraps the experts kernel: each zero-copy call's pairs of flagged experts (live rows)
     are counted, and none of them may have a table entry (the kernel skips entries < 0)."""
 
-    def install(runtime):
+    def install(loaded):
+        runtime = loaded.runtime
         run_kernel = runtime._run
 
         def spy(layer, hidden, topk_ids, topk_weights, table, *args, **kwargs):
@@ -77,10 +104,22 @@ def _spy_on_kernel(checks: dict[str, int]):
 
 @pytest.mark.skipif(load() is None, reason="no C compiler: the graph step keeps eager hybrid steps")
 def test_graph_step_split_matches_the_step_without_it(q2s_store):
-    _, _, want = _decode(q2s_store, "off")
+    plain: list[torch.Tensor] = []
+    _, _, want = _decode(q2s_store, "off", spy=_record_outputs(plain))
     checks = {"cpu_pairs": 0, "gpu_pairs_of_flagged": 0}
-    loaded, engine, got = _decode(q2s_store, "share:0.5", spy=_spy_on_kernel(checks))
+    split_out: list[torch.Tensor] = []
+
+    def spies(loaded):
+        _spy_on_kernel(checks)(loaded)
+        _record_outputs(split_out)(loaded)
+
+    loaded, engine, got = _decode(q2s_store, "share:0.5", spy=spies)
     assert got == want
+    # each experts call's output: the CPU's rows (int8 activation words, as the GPU's q2s GEMV)
+    # within 2% of the call's range of the reference path's float rows
+    assert len(split_out) == len(plain) > 0
+    for a, b in zip(plain, split_out, strict=True):
+        assert (a - b).abs().max().item() <= 0.02 * a.abs().max().item()
     assert max(len(tokens) for tokens in got.values()) == 16
     runtime = loaded.runtime
     split = runtime.hybrid_graph
@@ -122,12 +161,37 @@ def test_choose_cpu_takes_the_cheapest_prefix():
 @pytest.mark.gpu
 def test_cuda_graph_host_node_matches_the_step_without_it(q2s_store):
     """The captured graphs hold each layer's host node (C kernel on a side stream): the same 16
-    greedy tokens as the zero-copy graphs without the split, the CPU's pairs counted."""
+    greedy tokens as the zero-copy graphs without the split, the CPU's pairs counted by the C
+    calls the replays made."""
     _, plain, want = _decode(q2s_store, "off", device="cuda")
     loaded, engine, got = _decode(q2s_store, "share:0.5", device="cuda")
     assert plain.runner.use_graphs and engine.runner.use_graphs
     split = loaded.runtime.hybrid_graph
     assert split is not None, "capturing the host node failed (see stderr)"
+    assert engine.runner.graphs and not engine.runner.graphs.failed
     assert got == want
     assert any(split.marked) and split.counters().pairs > 0 and split.counters().failed == 0
-    assert not engine.runner.graphs.failed
+
+
+@pytest.mark.gpu
+def test_cuda_eager_host_function_matches_the_step_without_it(q2s_store):
+    """The same ops on CUDA without capture (host function queued on the side stream, joined
+    by an event): each experts call's output within 2% of the reference path's, and no pair
+    of a flagged expert given to the kernel."""
+    plain: list[torch.Tensor] = []
+    _, _, want = _decode(q2s_store, "off", device="cuda", spy=_record_outputs(plain),
+                         graphs=False)  # fmt: skip
+    checks = {"cpu_pairs": 0, "gpu_pairs_of_flagged": 0}
+    split_out: list[torch.Tensor] = []
+
+    def spies(loaded):
+        _spy_on_kernel(checks)(loaded)
+        _record_outputs(split_out)(loaded)
+
+    loaded, _, got = _decode(q2s_store, "share:0.5", device="cuda", spy=spies, graphs=False)
+    assert got == want and len(split_out) == len(plain) > 0
+    for a, b in zip(plain, split_out, strict=True):
+        assert (a - b).abs().max().item() <= 0.02 * a.abs().max().item()
+    split = loaded.runtime.hybrid_graph
+    assert split is not None and split.counters().pairs == checks["cpu_pairs"] > 0
+    assert checks["gpu_pairs_of_flagged"] == 0
