@@ -5,9 +5,10 @@ the serving engine's PagedRunner (engine/runner.py).
 `place_for_graphs`: every expert pinned in a GPU slot when they all fit the expert cache; else,
 with a host tier (--host-memory), zero-copy: the most used in GPU slots, the rest read by the
 kernel from pinned host RAM, optionally with staging slots that take each next layer's guessed
-experts; else no graphs (eager steps, misses fetched). `ZeroCopyRebalance` moves the hot set
-between steps: after each prefill-like step (many tokens' counts) and every
-ZERO_COPY_REBALANCE_TOKENS decode steps.
+experts, and with --cpu-experts the cold experts' pairs computed by the host's cores in the
+step (residency/hybrid_graph.py); else no graphs (eager steps, misses fetched).
+`ZeroCopyRebalance` moves the hot set between steps, and chooses the CPU's experts again: after
+each prefill-like step (many tokens' counts) and every ZERO_COPY_REBALANCE_TOKENS decode steps.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def place_for_graphs(loaded: LoadedModel) -> bool:
             hint = "--host-memory would read the others from host RAM without host syncs"
             print(f"moetier: decoding without CUDA graphs ({exc}; {hint})", file=sys.stderr)
             return False
-        if runtime.hybrid is not None:  # (docs/architecture.md: the graph step's design)
-            why = "--cpu-experts splits misses on eager steps; the graph step does not yet"
+        why = runtime.hybrid_graph_refusal() if runtime.hybrid is not None else None
+        if why is not None:  # --cpu-experts' split runs on eager steps only here
+            why = f"--cpu-experts splits misses on eager steps: {why}"
             print(f"moetier: decoding without CUDA graphs ({exc}; {why})", file=sys.stderr)
             return False
         try:
@@ -56,9 +58,32 @@ def place_for_graphs(loaded: LoadedModel) -> bool:
             )
         note = "the most used stay in GPU slots, the others are read from pinned host RAM"
         print(f"moetier: the experts do not all fit the GPU cache: {note}", file=sys.stderr)
+        if runtime.hybrid is not None:
+            _split_on_graphs(runtime)
         return True
     runtime.residency.host = None  # every blob is on the GPU: free the pinned host copies
     return True
+
+
+def _split_on_graphs(runtime: ExpertsRuntime) -> None:
+    """--cpu-experts on the zero-copy step: cold experts' pairs computed by the host's cores in
+    a host node (residency/hybrid_graph.py); where CUDA cannot capture that node, the step
+    reads every miss from host RAM instead (one line on stderr)."""
+    graph = runtime.enable_hybrid_graph()
+    if runtime.residency.device.type != "cuda":
+        return
+    import ctypes
+
+    from moetier.kernels.cpu.host_node import capture_works
+
+    part = graph.part
+    probe = part.call(min(runtime.formats), 1).struct  # (its buffers hold count 0: no work)
+    why = capture_works(part.function, ctypes.addressof(probe), runtime.residency.device)
+    if why is not None:
+        runtime.disable_hybrid_graph()
+        print(f"moetier: CUDA-graph decode steps read every miss from pinned host RAM, without "
+              f"--cpu-experts' CPU split (capturing its host node failed: {why})",
+              file=sys.stderr)  # fmt: skip
 
 
 def delta_slots(loaded: LoadedModel) -> int | None:
@@ -100,6 +125,7 @@ class ZeroCopyRebalance:
         self.runtime = runtime
         self.steps = 0
         self._prefill_before = False
+        self._decode_tokens = self._decode_steps = 0  # since the last move (the CPU split's)
 
     def step(self, tokens: int, prefill: bool) -> None:
         self.runtime.count_pinned(tokens)  # no-op unless every expert is pinned
@@ -108,5 +134,13 @@ class ZeroCopyRebalance:
             return
         if self._prefill_before or (self.steps and self.steps % ZERO_COPY_REBALANCE_TOKENS == 0):
             zero_copy.rebalance()
+            split = self.runtime.hybrid_graph
+            if split is not None:  # --cpu-experts: the CPU's experts chosen again
+                steps = self._decode_steps
+                split.mark(self._decode_tokens / steps if steps else None)
+                self._decode_tokens = self._decode_steps = 0
+        if not prefill:
+            self._decode_tokens += tokens
+            self._decode_steps += 1
         self.steps += 1
         self._prefill_before = prefill

@@ -31,8 +31,9 @@ try:
         e = tl.load(ids + i, mask=i < n, other=-1)
         m = e >= 0  # (a negative id: a padding row's pair, not counted)
         tl.atomic_add(counts + e, tl.full((BLOCK,), 1, tl.int64), mask=m)
-        off = tl.load(offsets + tl.load(table + e, mask=m, other=0), mask=m, other=-1)
-        on_gpu = m & (off >= 0) & (off < pool_bytes)
+        entry = tl.load(table + e, mask=m, other=-1)  # -1: no blob (hybrid misses: the CPU's)
+        off = tl.load(offsets + entry, mask=m & (entry >= 0), other=-1)
+        on_gpu = m & (entry >= 0) & (off >= 0) & (off < pool_bytes)
         tl.atomic_add(gpu_pairs, tl.sum(on_gpu.to(tl.int64), axis=0))
         tl.atomic_add(staged_pairs, tl.sum((on_gpu & (off >= stage_from)).to(tl.int64), axis=0))
 
@@ -123,8 +124,9 @@ def count_pairs_ref(
     flat = topk_ids.flatten().long()
     flat = flat[flat >= 0]
     counts.index_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
-    off = offsets[table[flat].long()]
-    on_gpu = (off >= 0) & (off < pool_bytes)
+    entry = table[flat].long()
+    off = torch.where(entry >= 0, offsets[entry.clamp(min=0)], -1)
+    on_gpu = (entry >= 0) & (off >= 0) & (off < pool_bytes)
     gpu_pairs.add_(on_gpu.sum().to(gpu_pairs.dtype))
     staged_pairs.add_((on_gpu & (off >= stage_from)).sum().to(staged_pairs.dtype))
 
@@ -144,8 +146,9 @@ def count_pairs(
 ) -> None:
     """counts [E] int64 += pairs per expert of topk_ids [T, k] (negative ids skipped: padding
     rows); gpu_pairs [] int64 += the pairs
-    whose expert's entry (table [E] -> offsets) lies in the GPU pool's [0, pool_bytes);
-    staged_pairs [] int64 += those of them at or past byte `stage_from` (staging slots)."""
+    whose expert's entry (table [E] -> offsets; -1: none, hybrid misses' CPU experts) lies in
+    the GPU pool's [0, pool_bytes); staged_pairs [] int64 += those of them at or past byte
+    `stage_from` (staging slots)."""
     n = topk_ids.numel()
     if not _runs_triton(topk_ids):
         count_pairs_ref(topk_ids, counts, table, offsets, pool_bytes, gpu_pairs, stage_from,

@@ -23,6 +23,7 @@ from moetier.kernels.cpu.experts import cpu_experts
 from moetier.kernels.moe_ops import format_id, moe_experts, sum_pairs, triton_supports
 from moetier.kernels.residency_ops import stage_guesses, stage_join, stage_scores
 from moetier.residency.host_tier import HostTier
+from moetier.residency.hybrid_graph import HybridGraph, refusal
 from moetier.residency.hybrid_split import HybridSpeeds, measure_speeds, split_misses
 from moetier.residency.predict import predict_experts
 from moetier.residency.slot_pool import BlobKey, SlotPool
@@ -130,6 +131,8 @@ class ExpertsRuntime:
         # layer-streamed prefill from this many tokens per call (0: off)
         self.stream_tokens = STREAM_TOKENS
         self.hybrid: HybridCpu | None = None  # hybrid misses (enable_hybrid)
+        # hybrid misses on the zero-copy (CUDA-graph) step (enable_hybrid_graph)
+        self.hybrid_graph: HybridGraph | None = None
         # a decode step of fixed shape (engine/runner.py): which rows are real, [T] bool on the
         # device, set around the model's call; None: every row. Padding rows take row 0's
         # experts, so they read no expert of their own and are not counted
@@ -266,18 +269,26 @@ class ExpertsRuntime:
         rows or staging)."""
         out = self.residency.telemetry()
         out[self.residency.tier_name].hits += self.pinned_pairs
+        cpu_pairs = 0  # of the zero-copy step's misses, those the host's cores computed
         if self.hybrid is not None:  # hybrid misses: pairs the host's cores computed, the blob
             # bytes their kernel read and its seconds (so /metrics' tier="cpu" GB/s)
             h = self.hybrid
-            out.tiers["cpu"] = TierCounters(hits=h.pairs, bytes=h.bytes, busy_seconds=h.seconds)
+            cpu = TierCounters(hits=h.pairs, bytes=h.bytes, busy_seconds=h.seconds)
+            if self.hybrid_graph is not None and self.zero_copy is not None:  # (C-side counts)
+                done = self.hybrid_graph.counters()
+                cpu_pairs = done.pairs
+                cpu.hits += done.pairs
+                cpu.bytes += done.blobs * max(self.zero_copy.blob_bytes.values())
+                cpu.busy_seconds += done.seconds
+            out.tiers["cpu"] = cpu
         zc = self.zero_copy
         if zc is not None:  # (streamed prefill pairs are in the pool's counters already)
             pairs, gpu = int(zc.counts.sum()) - zc.streamed_pairs, int(zc.gpu_pairs)
             blob = max(zc.blob_bytes.values())
             out["gpu"].hits += gpu
             out["gpu"].misses += pairs - gpu
-            out["host"].hits += pairs - gpu
-            out["gpu"].bytes += (pairs - gpu) * blob
+            out["host"].hits += pairs - gpu - cpu_pairs
+            out["gpu"].bytes += (pairs - gpu - cpu_pairs) * blob
             staged, used = int(zc.staged_blobs), int(zc.staged_pairs)
             if zc.stage:
                 out["gpu"].bytes += staged * blob
@@ -370,6 +381,9 @@ class ExpertsRuntime:
             if guess:  # the next layer's scores, on the side stream beside this layer's kernel
                 self._score_next(layer, hidden)
             delta_table = zc.delta_table[index] if zc.delta_table is not None else None
+            split = self.hybrid_graph
+            if split is not None:  # hybrid misses: the flagged experts' pairs to the CPU
+                split.start(layer, hidden, topk_ids, topk_weights, live)
             if self.residency.device.type == "cuda":
                 self._run(layer, hidden, topk_ids, topk_weights, zc.table[index], delta_table,
                           mask, out, zc.offsets, zero_copy=True, act=act)  # fmt: skip
@@ -377,6 +391,8 @@ class ExpertsRuntime:
                 pool, table, delta = zc.gather(index, topk_ids)
                 self._run(layer, hidden, topk_ids, topk_weights, table, delta, mask, out,
                           pool=pool, act=act)  # fmt: skip
+            if split is not None:  # their rows, before the sum over k
+                split.join(layer, out)
             if record_delta and act is not None:  # the act term's mask is final only now
                 assert mask is not None
                 zc.record_delta(index, topk_ids, mask)
@@ -486,6 +502,37 @@ class ExpertsRuntime:
                                     hidden_size, executor)  # fmt: skip
         self.hybrid = HybridCpu(speeds, share, executor)
         return self.hybrid
+
+    def hybrid_graph_refusal(self) -> str | None:
+        """Why the zero-copy (CUDA-graph) step cannot split misses with --cpu-experts here
+        (None: it can; `enable_hybrid_graph`)."""
+        return refusal(self.formats, self.delta_threshold is not None)
+
+    def enable_hybrid_graph(self) -> HybridGraph:
+        """Hybrid misses on the zero-copy step (after `enable_hybrid` and `enable_zero_copy`):
+        each layer's cold host-tier experts that the cost model (or the forced share) gives the
+        CPU are marked between steps (`HybridGraph.mark`, now and after each rebalance); the
+        step packs their pairs, the C kernel computes them (a host node on CUDA) and their rows
+        join the layer's output (residency/hybrid_graph.py). Raises ValueError where it cannot
+        run (`hybrid_graph_refusal`)."""
+        zc, hybrid = self.zero_copy, self.hybrid
+        if zc is None or hybrid is None:
+            raise ValueError("the graph step's split needs --cpu-experts and zero-copy mode")
+        why = self.hybrid_graph_refusal()
+        if why is not None:
+            raise ValueError(why)
+        config = self.residency.store.model_config
+        graph = HybridGraph(zc, self.formats, self.activation, config.hidden_size, config.top_k,
+                            hybrid.speeds, hybrid.share)  # fmt: skip
+        graph.mark()
+        self.hybrid_graph = graph
+        return graph
+
+    def disable_hybrid_graph(self) -> None:
+        """Back to the zero-copy step without the CPU split (every table entry restored)."""
+        if self.hybrid_graph is not None and self.zero_copy is not None:
+            self.zero_copy.set_skip(torch.zeros_like(self.zero_copy.skip))
+        self.hybrid_graph = None
 
     def _start_cpu_part(
         self,

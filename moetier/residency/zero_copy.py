@@ -142,6 +142,9 @@ class ZeroCopyPlacement:
         self._delta_seen = torch.zeros(shape, dtype=torch.int64)
         self.promotions = 0
         self.promoted_bytes = 0
+        # hybrid misses on this step (residency/hybrid_graph.py): base blobs whose pairs the
+        # host's cores compute; their table entries are -1, so the GPU kernels skip their pairs
+        self.skip = torch.zeros(shape, dtype=torch.bool)
         # every table entry at its host row (demote_all), slots free for a streamed prefill,
         # until the next promote
         self.demoted = False
@@ -183,14 +186,28 @@ class ZeroCopyPlacement:
             raise ValueError("blobs outside the host tier must stay in GPU slots: cannot demote")
         self._write_tables(lambda key: self.slots + self.host.index[key], demoted=True)
 
+    def set_skip(self, skip: torch.Tensor) -> None:
+        """Mark base blobs [layers, E] bool whose pairs the GPU kernels skip (entry -1: the
+        host's cores compute them, residency/hybrid_graph.py); between steps, tables rewritten
+        in place. Only blobs in the host tier can be skipped."""
+        for i, e in skip.nonzero().tolist():
+            if (self.layers[i], e, "base") not in self.host:
+                raise ValueError(f"expert {e} of layer {self.layers[i]} is not in the host tier")
+        self.skip = skip.clone()
+        if self.demoted:
+            self._write_tables(lambda key: self.slots + self.host.index[key], demoted=True)
+        else:
+            self._write_tables(self.entry, demoted=False)
+
     def _write_tables(self, entry_of: Callable[[BlobKey], int], demoted: bool) -> None:
-        """Every blob's table entry from `entry_of`, written in place on the current stream;
-        no entry points at a staging slot afterwards."""
+        """Every blob's table entry from `entry_of` (-1 for skipped base blobs), written in
+        place on the current stream; no entry points at a staging slot afterwards."""
         table = torch.empty(self.table.shape, dtype=torch.int32)
         delta = torch.empty(self.table.shape, dtype=torch.int32)
         for layer, expert, plane in self.keys:
             target = table if plane == "base" else delta
             target[self.layer_index[layer], expert] = entry_of((layer, expert, plane))
+        table[self.skip] = -1
         self.table.copy_(table)
         if self.delta_table is not None:
             self.delta_table.copy_(delta)
@@ -260,6 +277,7 @@ class ZeroCopyPlacement:
         )
         needed = torch.unique(topk_ids.flatten())
         entries = torch.unique(torch.cat([t[needed] for t in tables]).long())
+        entries = entries[entries >= 0]  # (-1: no blob; hybrid misses' skipped experts)
         rows = []
         for entry in entries.tolist():
             if entry < self.slots:
@@ -271,7 +289,7 @@ class ZeroCopyPlacement:
             scratch[i, : row.numel()] = row
         lut = torch.full((self.slots + len(self.host),), -1, dtype=torch.int32)
         lut[entries] = torch.arange(len(rows), dtype=torch.int32)
-        remapped = [lut[t.long()] for t in tables]
+        remapped = [torch.where(t >= 0, lut[t.long().clamp(min=0)], -1) for t in tables]
         return scratch, remapped[0], remapped[1] if len(remapped) > 1 else None
 
     def gpu_hit_rate(self) -> float:

@@ -68,6 +68,26 @@ def test_count_pairs_skips_padding_rows():
         assert int(gpu) == on_gpu == int(staged)
 
 
+def test_count_pairs_no_entry_is_not_a_gpu_pair():
+    """An entry of -1 (hybrid misses: an expert the host's cores compute, which the experts
+    kernel skips) counts its pairs per expert, never as read from a GPU slot, even where the
+    offsets' last entry lies in the pool."""
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(5)])
+    table = torch.arange(16, dtype=torch.int32)
+    table[::3] = -1
+    offsets = torch.zeros(16, dtype=torch.int64)  # every entry in the pool, the last one too
+    for fn, device in ((count_pairs_ref, "cpu"), (count_pairs, DEVICE)):
+        counts, gpu, staged = (
+            torch.zeros(16, dtype=torch.int64, device=device),
+            torch.tensor(0, device=device),
+            torch.tensor(0, device=device),
+        )
+        fn(ids.to(device), counts, table.to(device), offsets.to(device), 1 << 20, gpu, 0, staged)
+        assert torch.equal(counts.cpu(), torch.bincount(ids.flatten(), minlength=16))
+        assert int(gpu) == int((table[ids] >= 0).sum()) == int(staged)
+
+
 def _staging_case(seed: int):
     """8 experts; entries: 3 cached slots, 2 staging slots, then 8 host rows, all in one
     buffer (offsets are byte offsets into it); expert 1 cached, expert 6 with no host row."""

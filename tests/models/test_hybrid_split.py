@@ -153,8 +153,9 @@ def test_cpu_experts_flag_is_checked():
 
 
 def test_hybrid_keeps_steps_eager(tiny):
-    """Experts that do not all fit and --cpu-experts: no zero-copy graph step (it would bypass
-    the split), eager steps whose misses are split."""
+    """Experts that do not all fit and --cpu-experts on a format without a C kernel (the
+    graph step's host node runs only the C kernel): no zero-copy graph step, eager steps whose
+    misses are split (tests/engine/test_hybrid_graph.py: the graph step's split)."""
     from moetier.engine.graph_placement import place_for_graphs
 
     loaded = load_model(tiny.store("qwen3_moe"), _hybrid_config("share:0.5"))

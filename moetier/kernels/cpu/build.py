@@ -81,6 +81,8 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     lib.mt_q2s_pairs.restype = ctypes.c_int
     lib.mt_q2s_pairs.argtypes = [i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, ptr,
                                  ctypes.c_int, f32, f32, i64, ctypes.c_int, ptr]  # fmt: skip
+    lib.mt_host_pairs.restype = None
+    lib.mt_host_pairs.argtypes = [ptr]
     lib.mt_read_sum.restype = i64
     lib.mt_read_sum.argtypes = [ptr, i64, ctypes.c_int]
     lib.mt_last_team.restype = ctypes.c_int

@@ -545,6 +545,93 @@ int mt_q2s_pairs(int64_t n_pairs, const int64_t *pair_blob, const int64_t *pair_
     return status;
 }
 
+/* The host node of a captured decode step (moetier/kernels/cpu/graph_part.py): one MoE layer's
+ * CPU pairs, packed on the device into pinned buffers this struct points at. The first *count
+ * entries of pair (token * top_k + k), blob (address) and weight name the pairs; x [tokens][H]
+ * holds the layer's hidden rows in float32. out [tokens][top_k][H] gets each packed pair's row
+ * and zero for every other pair. Same arithmetic as mt_q2s_pairs. A CUDA host function: it
+ * calls no CUDA and needs no Python (the GIL is not taken); the counters (pairs, distinct blobs,
+ * calls, nanoseconds of work) are what a captured step's telemetry reads. */
+typedef struct {
+    int64_t tokens, top_k;
+    const int64_t *count;
+    const int64_t *pair;
+    const int64_t *blob;
+    const float *weight;
+    const float *x;
+    float *out;
+    int64_t gate_up[7], down[7];
+    int64_t gate_up_bias, down_bias;
+    const float *lut;
+    int act;
+    float alpha, limit;
+    int64_t rows_per_task;
+    int threads;
+    int status;
+    int64_t pairs, blobs, calls, nanos;
+} MtHostCall;
+
+void mt_host_pairs(void *data) {
+    MtHostCall *c = (MtHostCall *)data;
+    const double began = omp_get_wtime();
+    const int64_t hidden = c->gate_up[5], slots = c->tokens * c->top_k;
+    int64_t n = *c->count;
+    n = n < 0 ? 0 : (n > slots ? slots : n);
+    memset(c->out, 0, sizeof(float) * slots * hidden);
+    c->calls++;
+    c->status = 0;
+    if (n == 0) return;
+    int64_t *order = malloc(sizeof(int64_t) * n);
+    int64_t *blobs = malloc(sizeof(int64_t) * n);
+    int64_t *start = malloc(sizeof(int64_t) * (n + 1));
+    int64_t *token = malloc(sizeof(int64_t) * n);
+    float *weight = malloc(sizeof(float) * n);
+    float *rows = malloc(sizeof(float) * n * hidden);
+    if (!order || !blobs || !start || !token || !weight || !rows) {
+        c->status = -1;
+    } else {
+        /* by blob address, then pair (insertion sort: at most tokens * top_k entries, and no
+         * static state, so calls on several threads do not meet) */
+        for (int64_t q = 0; q < n; q++) {
+            int64_t p = q;
+            while (p > 0 && (c->blob[order[p - 1]] > c->blob[q] ||
+                             (c->blob[order[p - 1]] == c->blob[q] && order[p - 1] > q))) {
+                order[p] = order[p - 1];
+                p--;
+            }
+            order[p] = q;
+        }
+        int64_t n_blobs = 0;
+        for (int64_t q = 0; q < n; q++) {
+            const int64_t p = order[q];
+            if (q == 0 || c->blob[p] != c->blob[order[q - 1]]) {
+                blobs[n_blobs] = c->blob[p];
+                start[n_blobs++] = q;
+            }
+            token[q] = c->pair[p] / c->top_k;
+            weight[q] = c->weight[p];
+        }
+        start[n_blobs] = n;
+        c->status = mt_q2s_experts(n_blobs, blobs, start, token, weight, c->tokens, c->x,
+                                   c->gate_up, c->down, c->gate_up_bias, c->down_bias, c->lut,
+                                   c->act, c->alpha, c->limit, c->rows_per_task, c->threads, rows);
+        if (c->status == 0) {
+            for (int64_t q = 0; q < n; q++)
+                memcpy(c->out + c->pair[order[q]] * hidden, rows + q * hidden,
+                       sizeof(float) * hidden);
+            c->pairs += n;
+            c->blobs += n_blobs;
+        }
+    }
+    free(order);
+    free(blobs);
+    free(start);
+    free(token);
+    free(weight);
+    free(rows);
+    c->nanos += (int64_t)((omp_get_wtime() - began) * 1e9);
+}
+
 /* DRAM read: every thread sums its share of n 8-byte words; returns the sum (so the reads are
  * not optimised away). */
 int64_t mt_read_sum(const int64_t *words, int64_t n, int threads) {
