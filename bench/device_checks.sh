@@ -12,6 +12,9 @@
 #   PART=2  moetier tune's test and bench/tune.py (#51), the agent-shape TTFT and a 25% budget's
 #           steps against their floors (#42), dense bf16 / fp8 / int4 (#52), the converter's
 #           speed (#53), the CPU expert kernel against DRAM (#54)
+#   PART=4  hybrid misses (#54): the CPU split's GPU tests (host nodes in a captured step), then
+#           the 8-layer slice at 10% and 25% GPU expert budgets, batch 1 and 4, --cpu-experts off
+#           against auto (fetch-only against hybrid, same call)
 #   PART=3  the GLM-5 and DeepSeek-V4-Flash slices native against the transformers path and at
 #           a 25% budget, the planner's whole-model predictions for them (#45), the planner
 #           against the bench (#48), calibrated conversion of an 8-layer Qwen3-30B-A3B slice (#53)
@@ -87,6 +90,19 @@ write_synthetic_store(Path(sys.argv[1]), shape(sys.argv[2], int(sys.argv[3])), '
     step mtp-off-25 60 "${b[@]}" --delta none "${quarter[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
     step mtp-k2-25 60 "${b[@]}" --delta none "${quarter[@]}" "${mtp[@]}" \
         >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+elif [[ "${PART:-1}" == 4 ]]; then
+    [[ "${SMOKE:-0}" == 1 ]] || step hybrid-tests 150 "$PY" -m pytest -m gpu -v --tb=short \
+        -p no:cacheprovider tests/engine/test_hybrid_graph.py tests/models/test_hybrid_split.py \
+        tests/kernels/test_cpu_graph_part.py >"$OUT/hybrid-tests.txt" 2>&1
+    tail -5 "$OUT/hybrid-tests.txt" 2>/dev/null
+    for share in 13 32; do  # GPU expert slots a layer of 128: 10% and 25%
+        for cpu in off auto; do
+            step "hybrid-$share-$cpu" 75 "$PY" -m moetier bench --shape "$shape" --layers "$layers" \
+                --native --expert-cache-slots $((layers * share)) --host-memory 1TiB \
+                --cpu-experts "$cpu" --batch 1,4 --json "${args[@]}" >>"$OUT/hybrid.jsonl" \
+                2>>"$OUT/hybrid.log"
+        done
+    done
 elif [[ "${PART:-1}" == 3 ]]; then
     if [[ "${SMOKE:-0}" == 1 ]]; then
         models=(glm-5-tiny:2 deepseek-v4-flash-tiny:2) plan=(--layers 1 --new-tokens 4
