@@ -36,7 +36,8 @@ def q2s_store(tiny, tmp_path_factory):
     return store
 
 
-def _decode(store, cpu_experts: str, device: str = "cpu", spy=None, graphs: bool = True):
+def _decode(store, cpu_experts: str, device: str = "cpu", spy=None, graphs: bool = True,
+            compiled: bool = False):  # fmt: skip
     loaded = load_model(store, EngineConfig(device=device, dtype="float32", native=True,
                                             expert_cache_slots=4, host_memory="64MiB",
                                             cpu_experts=cpu_experts,
@@ -47,6 +48,8 @@ def _decode(store, cpu_experts: str, device: str = "cpu", spy=None, graphs: bool
         spy(loaded)
     engine = Engine(loaded, EngineLimits(num_pages=64, page_size=4))
     engine.runner.fixed_shapes = True
+    if compiled:  # the step through torch.compile, as the CUDA graphs run it
+        engine.runner.compile_step()
     greedy = SamplingParams(temperature=0, max_new_tokens=16)
     got = run(engine, {0: [(f"r{i}", prompt, greedy) for i, prompt in enumerate(PROMPTS)]})
     return loaded, engine, {rid: tokens for rid, (tokens, *_) in got.items()}
@@ -135,6 +138,19 @@ def test_graph_step_split_matches_the_step_without_it(q2s_store):
     # the flags and the tables agree: a flagged expert has no entry, no other one lacks it
     zc = runtime.zero_copy
     assert torch.equal(zc.table < 0, split.flags)
+
+
+@pytest.mark.slow  # inductor on the CPU
+@pytest.mark.skipif(load() is None, reason="no C compiler: the graph step keeps eager hybrid steps")
+def test_compiled_graph_step_runs_the_split(q2s_store):
+    """The pack, the C call and the join as custom ops inside the compiled step (torch.compile
+    traces them as the CUDA graphs' step does): the same tokens, the C calls counted."""
+    _, _, want = _decode(q2s_store, "off")
+    loaded, _, got = _decode(q2s_store, "share:0.5", compiled=True)
+    assert got == want
+    split = loaded.runtime.hybrid_graph
+    assert split is not None and any(split.marked)
+    assert split.counters().pairs > 0 and split.counters().failed == 0
 
 
 def test_formats_without_a_c_kernel_keep_eager_steps(tiny, capsys):
