@@ -88,7 +88,9 @@ class Admission:
         try:
             await self._admit(scope, receive, counted)
         finally:
-            route = scope["path"] if scope["path"] in self.route_paths() else "other"
+            # the matched route's template (`/v1/models/{model_id:path}`, not each id's path)
+            route = getattr(scope.get("route"), "path", None) or scope["path"]
+            route = route if route in self.route_paths() else "other"
             self.state.responses[(route, status or 500)] += 1
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:

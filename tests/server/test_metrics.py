@@ -82,6 +82,8 @@ def test_http_answers_counted_by_route_and_status(tiny):
         assert http.post("/v1/chat/completions", json={**chat, "model": "x"}).status_code == 404
         assert http.get("/v1/nowhere/at/all").status_code == 404
         assert http.get("/v1/chat/completions").status_code == 405
+        assert http.get("/v1/models/tiny-qwen3").status_code == 200
+        assert http.get("/v1/models/org/other-model").status_code == 404
         scraped = samples(http.get("/metrics").text)
     model = ("model", "tiny-qwen3")
 
@@ -94,3 +96,6 @@ def test_http_answers_counted_by_route_and_status(tiny):
     assert answered("/v1/chat/completions", 404) == 1
     assert answered("/v1/chat/completions", 405) == 1
     assert answered("other", 404) == 1  # an unknown path is not a label of its own
+    # a templated route is one label, whatever the id asked for
+    assert answered("/v1/models/{model_id:path}", 200) == 1
+    assert answered("/v1/models/{model_id:path}", 404) == 1
