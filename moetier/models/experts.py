@@ -333,10 +333,8 @@ class ExpertsRuntime:
             self.observer(layer, hidden, topk_ids, topk_weights)
         tokens, k = topk_ids.shape
         live = self.live if self.live is not None and self.live.shape[0] == tokens > 1 else None
-        counted = topk_ids
         if live is not None:  # padding rows: row 0's experts, counted as none (row 0 is real)
             topk_ids = torch.where(live[:, None], topk_ids, topk_ids[:1])
-            counted = torch.where(live[:, None], topk_ids, -1)
         out = torch.zeros(tokens, k, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         mask = act = None
         if self.delta_threshold is not None:
@@ -374,7 +372,9 @@ class ExpertsRuntime:
                 stage_join(zc.table[index], index)  # this layer's staged copies have landed
             record_delta = self.count_accesses and mask is not None and zc.delta_slots is not None
             if self.count_accesses:
-                zc.record(index, counted)
+                zc.record(
+                    index, topk_ids if live is None else torch.where(live[:, None], topk_ids, -1)
+                )
                 if record_delta and act is None and mask is not None:
                     zc.record_delta(index, topk_ids, mask)  # the delta cache's ranking
             guess = staging and layer in self.predictors and self.guess_from == "input"

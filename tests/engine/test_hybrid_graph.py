@@ -162,6 +162,19 @@ def test_formats_without_a_c_kernel_keep_eager_steps(tiny, capsys):
     assert "have no C CPU kernel" in capsys.readouterr().err
 
 
+def test_without_a_c_compiler_steps_stay_eager(q2s_store, monkeypatch, capsys):
+    """Where no C compiler built the CPU kernel (the skips above), the graph step does not
+    split: the engine keeps eager hybrid steps and says why."""
+    from moetier.kernels.cpu import build
+
+    monkeypatch.setattr(build, "load", lambda: None)
+    loaded = load_model(q2s_store, EngineConfig(
+        device="cpu", dtype="float32", native=True, expert_cache_slots=4, host_memory="64MiB",
+        cpu_experts="share:0.5"))  # fmt: skip
+    assert place_for_graphs(loaded) is False and loaded.runtime.hybrid_graph is None
+    assert "no C compiler built the CPU expert kernel" in capsys.readouterr().err
+
+
 def test_choose_cpu_takes_the_cheapest_prefix():
     speeds = HybridSpeeds(gpu_path=2.0, cpu=1.0)
     expected = {0: 0.01, 1: 0.01, 2: 2.0, 3: 0.5, 4: 0.0}

@@ -49,6 +49,15 @@ def test_count_pairs_matches_ref(tokens, top_k, experts):
     assert int(want_st) - 3 == sum(int(e) in staged for e in ids.flatten())
 
 
+def _counted(fn, device, ids, table, offsets, experts: int):
+    """(counts [E], gpu pairs, staged pairs) of `fn` (count_pairs or its twin) from zero, a pool
+    of 1 MiB whose every slot counts as staged."""
+    counts = torch.zeros(experts, dtype=torch.int64, device=device)
+    gpu, staged = torch.tensor(0, device=device), torch.tensor(0, device=device)
+    fn(ids.to(device), counts, table.to(device), offsets.to(device), 1 << 20, gpu, 0, staged)
+    return counts, gpu, staged
+
+
 def test_count_pairs_skips_padding_rows():
     """Negative ids (a fixed-shape step's padding rows) count nowhere, in the kernel and twin."""
     gen = torch.Generator().manual_seed(5)
@@ -56,12 +65,7 @@ def test_count_pairs_skips_padding_rows():
     ids[4:] = -1
     table, offsets = _entries(32, 8, 1 << 20, gen)
     for fn, device in ((count_pairs_ref, "cpu"), (count_pairs, DEVICE)):
-        counts, gpu, staged = (
-            torch.zeros(32, dtype=torch.int64, device=device),
-            torch.tensor(0, device=device),
-            torch.tensor(0, device=device),
-        )
-        fn(ids.to(device), counts, table.to(device), offsets.to(device), 1 << 20, gpu, 0, staged)
+        counts, gpu, staged = _counted(fn, device, ids, table, offsets, 32)
         want = torch.bincount(ids[:4].flatten(), minlength=32)
         assert torch.equal(counts.cpu(), want)
         on_gpu = sum(0 <= int(offsets[int(table[int(e)])]) < 1 << 20 for e in ids[:4].flatten())
@@ -78,12 +82,7 @@ def test_count_pairs_no_entry_is_not_a_gpu_pair():
     table[::3] = -1
     offsets = torch.zeros(16, dtype=torch.int64)  # every entry in the pool, the last one too
     for fn, device in ((count_pairs_ref, "cpu"), (count_pairs, DEVICE)):
-        counts, gpu, staged = (
-            torch.zeros(16, dtype=torch.int64, device=device),
-            torch.tensor(0, device=device),
-            torch.tensor(0, device=device),
-        )
-        fn(ids.to(device), counts, table.to(device), offsets.to(device), 1 << 20, gpu, 0, staged)
+        counts, gpu, staged = _counted(fn, device, ids, table, offsets, 16)
         assert torch.equal(counts.cpu(), torch.bincount(ids.flatten(), minlength=16))
         assert int(gpu) == int((table[ids] >= 0).sum()) == int(staged)
 
