@@ -31,7 +31,9 @@
 #       && PYTHONPATH=/tmp/site:$PWD MOETIER_COMMIT=<hash> PART=1 bash bench/device_checks.sh",
 #       carry=[".whl"])
 # CPU smoke test of the chain (tiny shape, no GPU tests): SMOKE=1 OUT=/tmp/d PART=1 bash ...
-# TESTS=0 leaves PART=1's GPU suite out (a short call: the decode figures only).
+# TESTS=0 leaves PART=1's GPU suite out (a short call: the decode figures only); GPU_TESTS
+# names the tests it runs instead of all of tests/ (node ids or files, space-separated); ONLY
+# runs just the steps it names (space-separated, e.g. ONLY="agent budget-25").
 set -uo pipefail
 : "${OUT:?set OUT to a folder for the results}"
 cd "$(dirname "$0")/.."
@@ -44,6 +46,7 @@ exec 3>&1  # the step lines, whatever a step's own output is redirected to
 step() {  # step NAME SECONDS COMMAND...: skipped when the call's time is nearly spent
     local name=$1 cap=$2 left=$((BUDGET - SECONDS))
     shift 2
+    if [[ -n "${ONLY:-}" && " $ONLY " != *" $name "* ]]; then return; fi
     ((cap > left - 5)) && cap=$((left - 5))
     if ((cap < 15)); then echo "skipped $name (${left} s left)" >&3; return; fi
     echo "== $name (up to $cap s, at $SECONDS s)" >&3
@@ -59,7 +62,7 @@ fi
 
 if [[ "${PART:-1}" == 1 ]]; then
     [[ "${SMOKE:-0}" == 1 || "${TESTS:-1}" == 0 ]] || step gpu-tests 230 "$PY" -m pytest -m gpu \
-        -n 12 -v --tb=short -p no:cacheprovider tests >"$OUT/gpu-tests.txt" 2>&1
+        -n 12 -v --tb=short -p no:cacheprovider ${GPU_TESTS:-tests} >"$OUT/gpu-tests.txt" 2>&1
     tail -20 "$OUT/gpu-tests.txt" 2>/dev/null
     # #42: the engine's streams against the compiled static step, same call (fused K/V write,
     # sum_pairs and the padding rows' routing landed after the last measurement)

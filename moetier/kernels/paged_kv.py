@@ -62,7 +62,10 @@ try:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # `layer` is not specialized: Triton makes an int argument equal to 1 a constexpr (a Python int,
+    # no `.to`), which failed the first compile for layer 1 on the H200 at 5d80edf, and a layer
+    # each would compile its own kernel
+    @triton.jit(do_not_specialize=["layer"])
     def _write_kv_kernel(
         cache, k, v, page, offset, layer, pages, page_size, tokens,
         skb, skh, skt, svb, svh, svt,

@@ -51,18 +51,19 @@ def test_op_on_cpu_is_the_two_writes():
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_in_a_cuda_graph_equals_the_two_writes(monkeypatch):
+@pytest.mark.parametrize("layer", [0, 1, 2])  # Triton specializes an int argument equal to 1
+def test_gpu_kernel_in_a_cuda_graph_equals_the_two_writes(monkeypatch, layer):
     monkeypatch.setattr(paged_kv, "FUSED_KV_WRITE", True)
     cache, page, offset, k, v = _case(4, 64, 4, 16, 128, 8, 1, "cuda", torch.bfloat16)
     expected = cache.clone()
-    write_pages(expected, 2, 0, page, offset, k)
-    write_pages(expected, 2, 1, page, offset, v)
-    torch.ops.moetier.write_kv_pages(cache.clone(), 2, page, offset, k, v)  # compile first
+    write_pages(expected, layer, 0, page, offset, k)
+    write_pages(expected, layer, 1, page, offset, v)
+    torch.ops.moetier.write_kv_pages(cache.clone(), layer, page, offset, k, v)  # compile first
     torch.cuda.synchronize()
     ours = cache.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        torch.ops.moetier.write_kv_pages(ours, 2, page, offset, k, v)
+        torch.ops.moetier.write_kv_pages(ours, layer, page, offset, k, v)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(ours, expected)
