@@ -186,7 +186,9 @@ def budget_mask(scores: torch.Tensor, fraction: float) -> torch.Tensor:
     n = budget_count(flat.numel(), fraction)
     mask = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
     if n > 0:
-        mask[torch.topk(flat, n, sorted=False).indices] = True
+        # index_fill_ takes the value as a scalar argument (`mask[i] = True` copies it to the
+        # device from pageable memory: a host sync, caught on an H100 at 8c63926)
+        mask.index_fill_(0, torch.topk(flat, n, sorted=False).indices, True)
     return mask.view(scores.shape)
 
 

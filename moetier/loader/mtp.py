@@ -86,11 +86,13 @@ def attach_mtp(
             f"{path.name}'s MTP layer does not match the model (missing {missing[:4]}, "
             f"unexpected {unexpected[:4]})"
         )
+    # on the device first: fuse_qkv's [q; k; v] is a plain attribute, which `.to` would not move
+    mtp = mtp.to(device).eval().requires_grad_(False)
     for module in mtp.modules():
         fuse = getattr(module, "fuse_qkv", None)
         if fuse is not None and isinstance(getattr(module, "q_proj", None), nn.Linear):
             fuse()
-    model.mtp = mtp.to(device).eval().requires_grad_(False)
+    model.mtp = mtp
     if routed:  # the MTP layer's experts join the main model's (residency, runtime, plans)
         store.adopt_mtp_experts(layer)
 

@@ -347,6 +347,19 @@ def test_the_mtp_layer_is_its_formula(store, mtp_file):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_mtp_layers_fused_qkv_is_on_the_models_device(store, mtp_file):
+    """The drafter's block runs q, k and v as one GEMM over `qkv_weight` (a plain attribute):
+    it goes to the device with the layer (on an H100 it stayed on the CPU, 8c63926). Attached
+    to the meta device here, the one other device a CPU box has."""
+    from moetier.loader.mtp import attach_mtp
+
+    loaded = native(store)
+    attach_mtp(loaded.model, loaded.store, str(mtp_file), torch.device("meta"), torch.float32)
+    attention = loaded.model.mtp.block.self_attn
+    assert attention.qkv_weight is not None and attention.qkv_weight.is_meta
+    assert all(p.is_meta for p in loaded.model.mtp.parameters())
+
+
 def test_a_model_without_mtp_refuses_speculation(store, tmp_path):
     with pytest.raises(ValueError, match="none is loaded"):
         Engine(native(store), EngineLimits(num_pages=16, page_size=4, speculative_tokens=2))
