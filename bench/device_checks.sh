@@ -4,11 +4,12 @@
 # $OUT/*.jsonl, the GPU suite's output to $OUT/gpu-tests.txt, stderr to $OUT/*.log.
 #
 #   PART=1  the GPU suite (every `gpu`-marked test, 12 workers, a line per test), the serving
-#           engine's 1, 16 and 64 streams and the compiled static step (#42), then on one 8-layer
-#           Qwen3-30B-A3B store with an NVFP4 delta plane and an MTP layer: decode without
-#           drafts, with 2 drafts replayed at eval-moe-70m's measured acceptance (#47), the
-#           confidence gate at 10% / all / 25% of pairs (#46 item 6), and both MTP cases at a
-#           quarter of the experts on the GPU
+#           engine's 1, 16 and 64 streams and the compiled static step (#42)
+#   PART=5  on one 8-layer Qwen3-30B-A3B store with an NVFP4 delta plane and an MTP layer:
+#           decode without drafts, with 2 drafts replayed at eval-moe-70m's measured acceptance
+#           (#47), the confidence gate at 10% / all / 25% of pairs (#46 item 6), and both MTP
+#           cases at a quarter of the experts on the GPU (each a `moetier bench` that loads and
+#           compiles: about a minute each on an H100)
 #   PART=2  moetier tune's test and bench/tune.py (#51), the agent-shape TTFT and a 25% budget's
 #           steps against their floors (#42), dense bf16 / fp8 / int4 (#52), the converter's
 #           speed (#53), the CPU expert kernel against DRAM (#54)
@@ -25,7 +26,8 @@
 # manylinux_2_31_x86_64 -d .whl` of pytest pluggy iniconfig pytest-xdist execnet fastapi
 # starlette uvicorn h11 click anyio sniffio pydantic pydantic-core annotated-types
 # typing-inspection typing_extensions llguidance prometheus_client httpx httpcore certifi idna
-# openai anthropic distro jiter docstring_parser hypothesis sortedcontainers attrs (the
+# openai anthropic distro jiter docstring_parser hypothesis sortedcontainers attrs jsonschema
+# jsonschema-specifications referencing rpds-py (the
 # versions of the dev venv); then
 #   run(command="python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #       && PYTHONPATH=/tmp/site:$PWD MOETIER_COMMIT=<hash> PART=1 bash bench/device_checks.sh",
@@ -61,8 +63,8 @@ else
 fi
 
 if [[ "${PART:-1}" == 1 ]]; then
-    [[ "${SMOKE:-0}" == 1 || "${TESTS:-1}" == 0 ]] || step gpu-tests 230 "$PY" -m pytest -m gpu \
-        -n 12 -v --tb=short -p no:cacheprovider ${GPU_TESTS:-tests} >"$OUT/gpu-tests.txt" 2>&1
+    [[ "${SMOKE:-0}" == 1 || "${TESTS:-1}" == 0 ]] || step gpu-tests 300 "$PY" -m pytest -m gpu \
+        -n 12 -v --tb=short --show-capture=no -p no:logging -p no:cacheprovider ${GPU_TESTS:-tests} >"$OUT/gpu-tests.txt" 2>&1
     tail -20 "$OUT/gpu-tests.txt" 2>/dev/null
     # #42: the engine's streams against the compiled static step, same call (fused K/V write,
     # sum_pairs and the padding rows' routing landed after the last measurement)
@@ -74,8 +76,9 @@ if [[ "${PART:-1}" == 1 ]]; then
     fi
     step engine 120 "$PY" bench/serve.py "${eng[@]}" >>"$OUT/engine-streams.jsonl" \
         2>>"$OUT/decode.log"
-    [[ "${SMOKE:-0}" == 1 ]] || step static 60 "$PY" bench/decode.py --resident --layers 8 \
+    [[ "${SMOKE:-0}" == 1 ]] || step static 100 "$PY" bench/decode.py --resident --layers 8 \
         --batch 1,16 --steps 64 --hf-tokens 0 >>"$OUT/engine-streams.jsonl" 2>>"$OUT/decode.log"
+elif [[ "${PART:-1}" == 5 ]]; then
     store=${BENCH_TMP:-/tmp}/device-checks-store
     step store 60 "$PY" -c "import sys; from pathlib import Path
 from moetier.cli.bench import DEFAULT_STORE
@@ -85,13 +88,13 @@ write_synthetic_store(Path(sys.argv[1]), shape(sys.argv[2], int(sys.argv[3])), '
     b=("$PY" -m moetier bench "$store" --native --batch 1,16 --json "${args[@]}")
     mtp=(--speculative-tokens 2 --mtp-replay 0.50,0.25)
     quarter=(--expert-cache-slots $((layers * 36)) --host-memory 1TiB)
-    step mtp-off 60 "${b[@]}" --delta none >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
-    step mtp-k2 60 "${b[@]}" --delta none "${mtp[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+    step mtp-off 80 "${b[@]}" --delta none >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+    step mtp-k2 80 "${b[@]}" --delta none "${mtp[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
     for d in budget:0.1:weight all budget:0.25:weight; do
-        step "gate-$d" 45 "${b[@]}" --delta "$d" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+        step "gate-$d" 70 "${b[@]}" --delta "$d" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
     done
-    step mtp-off-25 60 "${b[@]}" --delta none "${quarter[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
-    step mtp-k2-25 60 "${b[@]}" --delta none "${quarter[@]}" "${mtp[@]}" \
+    step mtp-off-25 80 "${b[@]}" --delta none "${quarter[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+    step mtp-k2-25 80 "${b[@]}" --delta none "${quarter[@]}" "${mtp[@]}" \
         >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
 elif [[ "${PART:-1}" == 4 ]]; then
     [[ "${SMOKE:-0}" == 1 ]] || step hybrid-tests 150 "$PY" -m pytest -m gpu -v --tb=short \
