@@ -9,10 +9,11 @@ pairs, into a pinned output buffer; `moetier::cpu_part_join` (after the GPU kern
 into the op's [T, k, H] output before the sum over k. Torch ops only (sort, gather, cat,
 copies): no host sync, no data-dependent shape, so the step stays capturable.
 
-On CUDA the pack and the copies run on a side stream forked from the current one, the C call is
-a host function queued there (`host_node.launch_host_func`: a host node when captured), the
-rows go back to a device buffer on that stream, and the join waits for it by an event: the GPU
-kernel on the main stream runs meanwhile. On CPU (fixed-shape steps, eager) the same C entry
+On CUDA the pack and its copies into the pinned buffers run on the current stream; the C call
+is a host function queued on a side stream forked from it (`host_node.launch_host_func`: a host
+node when captured), the rows go back to a device buffer on that stream, and the join waits for
+it by an event: the GPU kernel on the main stream runs meanwhile. The side stream touches only
+the part's own buffers (no tensor of the current stream's allocator). On CPU (fixed-shape steps, eager) the same C entry
 point runs on the same buffers in `start`. The C call counts its pairs, distinct blobs, calls
 and nanoseconds in its user-data struct (a captured step touches no Python state).
 
@@ -200,11 +201,16 @@ class CpuPart:
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         side, event = self._side, self._events.setdefault(layer, torch.cuda.Event())
+        # the pack and its copies into the pinned buffers on the current stream: the side
+        # stream then touches only this part's own buffers. (Packed there, it read hidden,
+        # topk_ids, ... of the current stream's allocator, which may hand their memory to a
+        # later op of the current stream before the side stream has read them: in a captured
+        # step, a race without an edge.)
+        ints, floats = _pack(hidden, topk_ids, topk_weights, flags, addresses, live)
+        buffers.ints[: ints.numel()].copy_(ints, non_blocking=True)
+        buffers.floats[: floats.numel()].copy_(floats, non_blocking=True)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            ints, floats = _pack(hidden, topk_ids, topk_weights, flags, addresses, live)
-            buffers.ints[: ints.numel()].copy_(ints, non_blocking=True)
-            buffers.floats[: floats.numel()].copy_(floats, non_blocking=True)
             launch_host_func(side, self.function, ctypes.addressof(call.struct))
             assert buffers.rows is not None
             n = pairs * self.hidden
