@@ -34,7 +34,13 @@ from moetier.engine.runner import PagedRunner
 from moetier.engine.sampler import SamplingParams
 from moetier.engine.timing import GenerationTiming
 from moetier.loader.loaded_model import LoadedModel
-from moetier.residency.cost import LinkSpeeds, TokenTraffic, distinct_experts, floor_seconds
+from moetier.residency.cost import (
+    LinkSpeeds,
+    TokenTraffic,
+    distinct_experts,
+    floor_seconds,
+    zero_copy_floor_seconds,
+)
 from moetier.residency.telemetry import served_bytes
 
 FLOOR_KIND = (
@@ -238,7 +244,7 @@ def floor_fields(
         return {"floor_ms_per_step": None, "floor_tok_s": None, "ratio_to_floor": None}
     traffic = decode_traffic(loaded, rows)
     floor_ms = floor_seconds(traffic, speeds) * 1e3
-    return {
+    fields = {
         "floor_ms_per_step": _sig(floor_ms),
         "floor_tok_s": _sig(rows * 1e3 / floor_ms),
         "ratio_to_floor": _sig(ms_per_step / floor_ms, 4) if ms_per_step else None,
@@ -249,3 +255,9 @@ def floor_fields(
             "disk": round(traffic.disk),
         },
     }
+    zero_copy = zero_copy_floor_seconds(traffic, speeds)
+    if traffic.host > 0 and zero_copy is not None:  # misses read by the kernels from host RAM
+        fields["floor_zero_copy_ms_per_step"] = _sig(zero_copy * 1e3)
+        if ms_per_step:
+            fields["ratio_to_zero_copy_floor"] = _sig(ms_per_step / (zero_copy * 1e3), 4)
+    return fields

@@ -78,6 +78,15 @@ def floor_seconds(traffic: TokenTraffic, speeds: LinkSpeeds) -> float:
     return traffic.active / speeds.hbm + missed / speeds.h2d + traffic.disk / speeds.disk
 
 
+def zero_copy_floor_seconds(traffic: TokenTraffic, speeds: LinkSpeeds) -> float | None:
+    """The floor of the path that reads misses zero-copy (the CUDA-graph step's): every active
+    byte read once at HBM speed, every missed byte once at the measured zero-copy read rate.
+    None where some bytes are only on disk (that path needs every blob in host RAM)."""
+    if traffic.disk > 0:
+        return None
+    return traffic.active / speeds.hbm + traffic.host / speeds.zero_copy
+
+
 def miss_costs(
     traffic: TokenTraffic, speeds: LinkSpeeds, recall: float = 1.0, precision: float = 1.0
 ) -> dict[str, float]:

@@ -108,6 +108,25 @@ def test_bench_a_synthetic_shape_with_a_delta_plane(capsys, tmp_path):
     check_figures(lines[0], 1, 8, 3)
 
 
+def test_a_partial_budget_has_a_zero_copy_floor_too(capsys):
+    """Experts beyond the GPU cache: beside the floor at the pinned copy rate, the floor of the
+    path that reads misses zero-copy (the CUDA-graph step's), from the same line's speeds."""
+    lines, _ = bench_lines(capsys, "--shape", "tiny", "--layers", "1", "--native",
+                           "--expert-cache-slots", "8", "--host-memory", "1GiB",
+                           "--prompt-tokens", "8", "--new-tokens", "4", "--warmup", "0")  # fmt: skip
+    (line,) = lines
+    check_figures(line, 1, 8, 4)
+    moved = line["floor_bytes_per_step"]
+    assert moved["missed"] > 0 and moved["disk"] == 0
+    seconds = moved["active"] / (line["hbm_GB/s"] * 1e9) + moved["missed"] / (
+        line["zero_copy_GB/s"] * 1e9
+    )
+    assert line["floor_zero_copy_ms_per_step"] == pytest.approx(seconds * 1e3, rel=1e-2)
+    assert line["ratio_to_zero_copy_floor"] == pytest.approx(
+        line["ms_per_step"] / line["floor_zero_copy_ms_per_step"], rel=1e-2
+    )
+
+
 @pytest.mark.parametrize("name", ["glm-5-tiny", "deepseek-v4-flash-tiny"])
 def test_bench_a_real_shape_slice(capsys, name):
     """`moetier bench --shape glm-5 --layers 1` (and DeepSeek-V4-Flash) as its -tiny copy (a
