@@ -16,6 +16,9 @@
 #   PART=4  hybrid misses (#54): the CPU split's GPU tests (host nodes in a captured step), then
 #           the 8-layer slice at 10% and 25% GPU expert budgets, batch 1 and 4, --cpu-experts off
 #           against auto (fetch-only against hybrid, same call)
+#   PART=6  the paths users run (`moetier bench --batch 1`, `moetier generate`, a stream from a
+#           real `moetier serve`) on all 48 layers of the Qwen3-30B-A3B shape, every expert
+#           resident and a 25% GPU expert budget (#42: within 10% of the bench)
 #   PART=3  the GLM-5 and DeepSeek-V4-Flash slices native against the transformers path and at
 #           a 25% budget, the planner's whole-model predictions for them (#45), the planner
 #           against the bench (#48), calibrated conversion of an 8-layer Qwen3-30B-A3B slice (#53)
@@ -109,6 +112,16 @@ elif [[ "${PART:-1}" == 4 ]]; then
                 2>>"$OUT/hybrid.log"
         done
     done
+elif [[ "${PART:-1}" == 6 ]]; then
+    if [[ "${SMOKE:-0}" == 1 ]]; then
+        paths=(--device cpu --layers 1 --new-tokens 8)  # (tiny: 512 ids, the tokenizer 4,096)
+    else
+        paths=(--layers 48 --new-tokens 256)
+    fi
+    step paths-48 270 "$PY" bench/user_paths.py "${paths[@]}" >"$OUT/user-paths.jsonl" \
+        2>"$OUT/user-paths.log"
+    step paths-48-25 270 "$PY" bench/user_paths.py "${paths[@]}" --gpu-fraction 0.25 \
+        >>"$OUT/user-paths.jsonl" 2>>"$OUT/user-paths.log"
 elif [[ "${PART:-1}" == 3 ]]; then
     if [[ "${SMOKE:-0}" == 1 ]]; then
         models=(glm-5-tiny:2 deepseek-v4-flash-tiny:2) plan=(--layers 1 --new-tokens 4

@@ -10,7 +10,8 @@ bench's (the issue's bound: within 10%).
 
   python bench/user_paths.py --layers 8
   python bench/user_paths.py --layers 8 --gpu-fraction 0.25
-  python bench/user_paths.py --device cpu --shape tiny --layers 2 --new-tokens 16   # smoke
+  python bench/user_paths.py --device cpu --layers 1 --new-tokens 8   # smoke (the tokenizer
+  # has 4,096 ids: the tiny shape, 512, cannot read its text)
 """
 
 from __future__ import annotations
