@@ -9,7 +9,8 @@ model over the paged KV cache (decode steps replayed from CUDA graphs per batch 
 With --agent-turns N, instead: one conversation of N turns as an agent sends it, each turn
 the whole conversation so far plus --turn-tokens new tokens, answered with --answer-tokens
 tokens; per turn its TTFT with the earlier turns' pages in the prefix cache, beside the cold TTFT
-of a prompt of the same length whose first token differs (no prefix hit), and the prefix hit.
+of a prompt of the same length whose first token is the turn's own (no prefix hit: neither the
+conversation's pages nor an earlier cold prompt's; `cold_cached_tokens` 0), and the prefix hit.
 
   python bench/serve.py --layers 8 --concurrency 1,4,16,64
   python bench/serve.py --layers 8 --agent-turns 8 --turn-tokens 800 --answer-tokens 200
@@ -190,8 +191,13 @@ def agent_turns(engine: Engine, turns: int, turn_tokens: int, answer: int, seed:
         hits_before = engine.pool.stats.hit_tokens
         warm, output = ttft(engine, f"turn-{turn}", prompt, answer)
         cached = engine.pool.stats.hit_tokens - hits_before
-        cold_prompt = [(prompt[0] + 1) % vocab or 10, *prompt[1:]]  # no page of it is cached
-        cold, _ = ttft(engine, f"cold-{turn}", cold_prompt, 1)
+        # a first token of this turn's own (ids 10.. as the prompts'): no page of it is cached,
+        # neither the conversation's nor an earlier turn's cold prompt's (with one first token for
+        # every turn, turn N's cold prompt found turn N - 1's cached: it computed ~a turn)
+        first = 10 + (prompt[0] - 10 + turn) % (vocab - 10)
+        cold_hits = engine.pool.stats.hit_tokens
+        cold, _ = ttft(engine, f"cold-{turn}", [first, *prompt[1:]], 1)
+        cold_cached = engine.pool.stats.hit_tokens - cold_hits
         conversation += output
         records.append(
             {
@@ -200,6 +206,7 @@ def agent_turns(engine: Engine, turns: int, turn_tokens: int, answer: int, seed:
                 "cached_tokens": cached,
                 "ttft_ms": round(1e3 * warm, 2),
                 "cold_ttft_ms": round(1e3 * cold, 2),
+                "cold_cached_tokens": cold_cached,  # 0: the cold prompt computed every token
                 "ttft_ratio": round(warm / cold, 4),
             }
         )
@@ -289,7 +296,9 @@ def main() -> None:
             "load_s": round(load_s, 1),
         }
         if args.agent_turns:
-            ttft(engine, "warm-up", list(range(10, 10 + args.turn_tokens)), 8)
+            vocab = int(config_dict["vocab_size"])  # (the tiny shape's 512 ids: wrapped)
+            warm_up = [10 + i % (vocab - 10) for i in range(args.turn_tokens)]
+            ttft(engine, "warm-up", warm_up, 8)
             for record in agent_turns(
                 engine, args.agent_turns, args.turn_tokens, args.answer_tokens, seed=3
             ):

@@ -15,6 +15,7 @@ so the tail of a conversation is evicted before its head.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,11 +27,19 @@ def page_hashes(tokens: Sequence[int], page_size: int, known: Sequence[bytes] = 
     """The chained hash of every full page of `tokens`: hash[i] covers tokens[: (i+1)·page_size].
     `known` are hashes already computed for the first pages (extended, not recomputed)."""
     hashes = list(known)
-    for i in range(len(hashes), len(tokens) // page_size):
+    done, full = len(hashes), len(tokens) // page_size
+    if full <= done:
+        return hashes
+    # each token as 4 bytes, little-endian (one pack for all the new pages: a long prompt's
+    # admission hashes every page of it)
+    data = struct.pack(
+        f"<{(full - done) * page_size}I", *tokens[done * page_size : full * page_size]
+    )
+    width = 4 * page_size
+    for i in range(full - done):
         parent = hashes[-1] if hashes else ROOT_HASH
-        chunk = tokens[i * page_size : (i + 1) * page_size]
         digest = hashlib.blake2b(parent, digest_size=16)
-        digest.update(b"".join(t.to_bytes(4, "little", signed=False) for t in chunk))
+        digest.update(data[i * width : (i + 1) * width])
         hashes.append(digest.digest())
     return hashes
 

@@ -17,9 +17,11 @@ shared by every layer:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from moetier.kernels.paged_kv import write_kv_pages, write_pages
@@ -108,37 +110,42 @@ class AttentionBatch:
     ) -> AttentionBatch:
         """Sequences one after another in one row: spans (start, count, pages): positions
         [start, start + count) of a sequence whose KV lives in `pages` (positions before start
-        already there). -> a batch of B = 1, T = sum of counts."""
-        positions: list[int] = []
-        write_page: list[int] = []
-        key_page: list[int] = []
-        key_offset: list[int] = []
-        query_seq: list[int] = []
-        key_seq: list[int] = []
-        key_pos: list[int] = []
-        for seq, (start, count, pages) in enumerate(spans):
-            end = start + count
-            if len(pages) * page_size < end:
-                raise ValueError(f"{len(pages)} pages cannot hold {end} positions")
-            span = range(start, end)
-            positions += span
-            write_page += [pages[p // page_size] for p in span]
-            query_seq += [seq] * count
-            key_page += [pages[p // page_size] for p in range(end)]
-            key_offset += [p % page_size for p in range(end)]
-            key_seq += [seq] * end
-            key_pos += range(end)
+        already there). -> a batch of B = 1, T = sum of counts. Built with array operations: a
+        chunk over a long cached prefix costs the host little more than one without (the keys,
+        every position up to the chunk's end, were a Python loop over the whole context)."""
+        starts = np.array([start for start, _, _ in spans], dtype=np.int64)
+        counts = np.array([count for _, count, _ in spans], dtype=np.int64)
+        ends = starts + counts
+        held = np.array([len(pages) for _, _, pages in spans], dtype=np.int64)
+        for end, pages_held in zip(ends.tolist(), held.tolist(), strict=True):
+            if pages_held * page_size < end:
+                raise ValueError(f"{pages_held} pages cannot hold {end} positions")
+        # every sequence's pages one after another; first[seq]: where its own begin
+        flat = np.fromiter(
+            itertools.chain.from_iterable(pages for _, _, pages in spans),
+            dtype=np.int64,
+            count=int(held.sum()),
+        )
+        first = np.cumsum(held) - held
+        seqs = np.arange(len(spans), dtype=np.int64)
+        query_seq = np.repeat(seqs, counts)
+        positions = _ranges(counts) + np.repeat(starts, counts)
+        key_seq = np.repeat(seqs, ends)
+        key_pos = _ranges(ends)
+        write_page = flat[first[query_seq] + positions // page_size]
+        key_page = flat[first[key_seq] + key_pos // page_size]
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)[None]
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(device)[None]
 
         pos = tensor(positions)
         same = tensor(query_seq)[0][:, None] == tensor(key_seq)[0][None, :]
         causal = tensor(key_pos)[0][None, :] <= pos[0][:, None]
         mask = (same & causal)[None, None]  # [1, 1, N, Lk]
         return AttentionBatch(
-            pos, tensor(write_page), pos % page_size, mask, tensor(key_page), tensor(key_offset)
-        )
+            pos, tensor(write_page), pos % page_size, mask, tensor(key_page),
+            tensor(key_pos % page_size),
+        )  # fmt: skip
 
     def head_folded(self, heads: int) -> AttentionBatch:
         """The batch of MLAttention, whose heads share one latent key: the mask [B, 1, T, Lk]
@@ -148,3 +155,10 @@ class AttentionBatch:
         batch, _, tokens, length = self.mask.shape
         folded = self.mask[:, :, None].expand(batch, 1, heads, tokens, length)
         return replace(self, mask=folded.reshape(batch, 1, -1, length))
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """0 .. n - 1 for each n of `lengths`, one after another."""
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(lengths) - lengths, lengths
+    )

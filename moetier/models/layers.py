@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moetier.config import DecoderConfig
 from moetier.kernels.attention import decode_attention
@@ -214,9 +215,7 @@ class Attention(nn.Module):
             groups = self.num_heads // self.num_kv_heads
             keys = _repeat_kv(batch.keys(k_cache), groups)  # [B, h, Lk, D]
             values = _repeat_kv(batch.keys(v_cache), groups)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=batch.mask, scale=self.head_dim**-0.5
-            )  # [B, h, T, D]
+            out = masked_attention(q, keys, values, batch.mask, self.head_dim**-0.5)  # [B, h, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, -1))
 
 
@@ -225,6 +224,36 @@ class Attention(nn.Module):
 # greedy against alone, the native DeepSeek tests) passed on an H100 with it on; off, CUDA runs SDPA
 # over gathered pages (eager engine steps), as the CPU path does unless a test switches it on.
 MLA_DECODE_KERNEL = True
+
+
+# The SDPA backends of a prefill's attention (rows of more than one query, over a mask: the
+# engine's packed steps, the static prefill): not cuDNN's. Recent PyTorch puts cuDNN's SDPA first
+# on Hopper and Blackwell (sdp_utils.cpp's check_prefer_cudnn_attention: sm90 / sm100 with cuDNN
+# > 9.15), and cuDNN builds an execution plan for each new shape (query length, key length), tens
+# of milliseconds each (55-70 ms a shape on SM100: flashinfer-ai/flashinfer#5245). A prefill
+# step's shape is nearly always new (its chunk and its context, the cached prefix + the chunk,
+# vary with every prompt), so a warm agent turn would pay a plan for milliseconds of attention.
+# #42's H100 figures at 8c63926 fit that (inferred, not profiled there yet): 21 ms for 800 tokens
+# of the warm-up's shape, 60-110 ms for ~800 new tokens over any cached prefix, 1K to 7K.
+# Memory-efficient attention takes the mask with no per-shape plan; CPU runs as before.
+PREFILL_SDPA_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def masked_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """SDPA of q [B, h, T, D] over keys and values [B, h, Lk, D] where mask [B, 1, T, Lk] allows;
+    a prefill (T > 1) on PREFILL_SDPA_BACKENDS. (Decode rows, T = 1, keep every backend: their
+    shapes are a graph's, fixed, and a compiled step traces no backend switch.)"""
+    if q.shape[-2] > 1:
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
 def _decode_kernel_applies(x: torch.Tensor, tokens: int) -> bool:
