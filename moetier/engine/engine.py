@@ -307,6 +307,13 @@ class Engine:
         run. Reads only fixed limits: safe from any thread."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        outside = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if outside:  # (an embedding lookup out of range: on CUDA a device assert, fatal)
+            raise ValueError(
+                f"the prompt's token id {outside[0]} is not in this model's vocabulary (ids 0 to "
+                f"{self.vocab_size - 1}); where the store's own tokenizer made it, the store's "
+                "tokenizer does not match its model: convert the checkpoint again"
+            )
         if n < 1:
             raise ValueError(f"n = {n}: ask for at least 1 sequence")
         if params.seed is not None and not 0 <= params.seed < 2**63:

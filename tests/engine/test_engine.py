@@ -162,6 +162,10 @@ def test_context_length_is_refused_with_a_clear_error(native):
         engine.add("x", list(range(3, 30)), SamplingParams(temperature=0), max_tokens=10)
     with pytest.raises(ValueError, match="empty"):
         engine.add("y", [], GREEDY)
+    vocab = native.model_config.vocab_size  # (an embedding lookup past it: a CUDA assert)
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is not in this model's vocab"):
+            engine.add("z", [3, bad, 4], GREEDY)
     assert not engine.has_work and torch.is_tensor(engine.runner.cache)
 
 
