@@ -112,8 +112,8 @@ def test_a_partial_budget_has_a_zero_copy_floor_too(capsys):
     """Experts beyond the GPU cache: beside the floor at the pinned copy rate, the floor of the
     path that reads misses zero-copy (the CUDA-graph step's), from the same line's speeds."""
     lines, _ = bench_lines(capsys, "--shape", "tiny", "--layers", "1", "--native",
-                           "--expert-cache-slots", "8", "--host-memory", "1GiB",
-                           "--prompt-tokens", "8", "--new-tokens", "4", "--warmup", "0")  # fmt: skip
+                           "--expert-cache-slots", "8", "--host-memory", "1GiB", "--prompt-tokens",
+                           "8", "--new-tokens", "4", "--warmup", "0")  # fmt: skip
     (line,) = lines
     check_figures(line, 1, 8, 4)
     moved = line["floor_bytes_per_step"]

@@ -13,9 +13,10 @@ On CUDA the pack and its copies into the pinned buffers run on the current strea
 is a host function queued on a side stream forked from it (`host_node.launch_host_func`: a host
 node when captured), the rows go back to a device buffer on that stream, and the join waits for
 it by an event: the GPU kernel on the main stream runs meanwhile. The side stream touches only
-the part's own buffers (no tensor of the current stream's allocator). On CPU (fixed-shape steps, eager) the same C entry
-point runs on the same buffers in `start`. The C call counts its pairs, distinct blobs, calls
-and nanoseconds in its user-data struct (a captured step touches no Python state).
+the part's own buffers (no tensor of the current stream's allocator). On CPU (fixed-shape
+steps, eager) the same C entry point runs on the same buffers in `start`. The C call counts its
+pairs, distinct blobs, calls and nanoseconds in its user-data struct (a captured step touches
+no Python state).
 
 Knows nothing of placement: which experts are flagged is the caller's (residency/hybrid_graph).
 """
