@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from moetier.server.auth import OPEN_PATHS, authorized
-from moetier.server.errors import error_response
+from moetier.server.errors import ANTHROPIC_PREFIX, error_response
 from moetier.server.state import ServerState, not_ready
 from moetier.server.unsupported import unsupported_field
 
@@ -108,7 +108,11 @@ class Admission:
             extra = {"Retry-After": str(retry_after)} if retry_after is not None else None
             if status == 401:
                 extra = {"WWW-Authenticate": "Bearer"}
-            response = error_response(path, status, message, param, code, extra)
+            # /v1/models answers an Anthropic client (`anthropic-version`) in its API's shape,
+            # and so do its errors
+            anthropic_models = path.startswith("/v1/models") and "anthropic-version" in headers
+            shape = ANTHROPIC_PREFIX if anthropic_models else path
+            response = error_response(shape, status, message, param, code, extra)
             await response(scope, receive, send)
 
         if path not in OPEN_PATHS and not authorized(headers, options.api_key):

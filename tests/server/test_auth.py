@@ -67,6 +67,11 @@ def test_wrong_or_missing_key_is_401_and_generates_nothing(server):
         assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
         with pytest.raises(anthropic.AuthenticationError):
             claude.messages.count_tokens(model=MODEL, messages=USER)
+        for listing, args in ((claude.models.list, ()), (claude.models.retrieve, (MODEL,))):
+            with pytest.raises(anthropic.AuthenticationError) as info:
+                listing(*args)  # /v1/models in Anthropic's shape, its error too
+            body = info.value.response.json()
+            assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
     # no key at all
     body = {"model": MODEL, "messages": USER, "max_tokens": 4}
     for path in ("/v1/chat/completions", "/v1/messages"):
