@@ -28,7 +28,7 @@ from moetier.engine.quality_meter import QualityMeter
 from moetier.engine.reasoning_budget import ReasoningBudget
 from moetier.engine.runner import PagedRunner, TransformersRunner
 from moetier.engine.sampler import SamplingParams, TokenLogprob
-from moetier.engine.scheduler import Request, Scheduler, Step
+from moetier.engine.scheduler import Request, Scheduler, State, Step
 from moetier.engine.speculative import SpecPolicy, SpecStats
 from moetier.loader.loaded_model import LoadedModel
 
@@ -170,6 +170,9 @@ class Engine:
             if not isinstance(self.runner, PagedRunner):
                 raise ValueError("speculative decoding needs a native model file (--native)")
             self.runner.enable_speculative(self.speculative)
+            # the MTP layer's KV is in the pages: they are cached once it is written
+            self.scheduler.mtp_kv = True
+            self.scheduler.on_end = self._mtp_final
         self.meter: QualityMeter | None = None
         if limits.quality_meter > 0:
             if self.runner.gate_rows is None:
@@ -433,33 +436,53 @@ class Engine:
 
     def _draft(self, step: Step) -> None:
         """Drafts for the next step of each request of this one that goes on decoding (no
-        penalties, bias, grammar, logprobs or quality meter), where pages for them are free."""
+        penalties, bias, grammar, logprobs or quality meter), where pages for them are free.
+        Every request (but the quality meter's twins, whose KV is their own) keeps the MTP
+        layer's KV written, drafting or not: its pages enter the prefix cache once it is
+        (a prompt chunk's at once, decoded positions in batches), so a later request that
+        takes them drafts as if it had computed them."""
         assert isinstance(self.runner, PagedRunner) and self.runner.drafter is not None
-        ready = []
+        ready, behind = [], []
         drafter = self.runner.drafter
         for item in step.items:
             request = item.request
+            if request.state is not State.RUNNING:
+                continue  # finished (its last MTP KV written by `_mtp_final`) or preempted
+            if request.private_kv:
+                drafter.forget(request.id)  # its KV enters no cache: none needed
+                continue
             params = request.params
-            if (
+            speculable = not (
                 params is None
                 or not params.speculable
                 or request.id in self.runner.matchers
                 or request.id in self.runner.keep_logits
                 or request.gate_forced
+            )
+            if (
+                speculable
+                and request.computed == len(request.tokens) - 1
+                and self.scheduler.reserve(request, len(request.tokens) + self.speculative)
             ):
-                drafter.forget(request.id)  # never drafts: keeps no hidden states
-                continue
-            if request.computed != len(request.tokens) - 1 or not self.scheduler.reserve(
-                request, len(request.tokens) + self.speculative
-            ):
-                continue
-            ready.append(request)
-        if not ready:
-            return
-        if self.spec_policy is None or self.spec_policy.choose(len(ready)):
+                ready.append(request)
+            else:
+                behind.append(request)
+        prompts = frozenset(item.request.id for item in step.items if item.is_prefill)
+        if ready and (self.spec_policy is None or self.spec_policy.choose(len(ready))):
             drafter.draft(ready, self.speculative, self.runner.cache)
         else:  # no drafts this step: the MTP layer's KV still kept up, in batches
-            drafter.catch_up(ready, self.runner.cache)
+            behind += ready
+        if behind:
+            drafter.catch_up(behind, self.runner.cache, now=prompts)
+        for item in step.items:
+            self.scheduler.commit(item.request)
+
+    def _mtp_final(self, request: Request) -> None:
+        """A request finishing in the scheduler's `update`, its pages not yet freed: the MTP
+        layer's KV of its last positions, so that they enter the prefix cache too."""
+        assert isinstance(self.runner, PagedRunner) and self.runner.drafter is not None
+        if not request.private_kv:
+            self.runner.drafter.catch_up([request], self.runner.cache, now=frozenset([request.id]))
 
     def _steady(self, step: Step) -> bool:
         """Whether the next step is likely this one's rows decoding again: every item a

@@ -10,6 +10,11 @@ its hash: it can still be reused as a cached prefix until it is handed out again
 takes the least recently freed page first (and then forgets its hash), so the prefix cache
 evicts least-recently-used unreferenced pages first. A request frees its pages last to first,
 so the tail of a conversation is evicted before its head.
+
+With an MTP layer (speculative decoding) a page also holds the layer's KV, and the entry at its
+last position depends on the token after the page (the layer at position p reads the token at
+p + 1): such a page is keyed by its hash and that token (`next_token_key`), and enters the
+cache only once the layer's KV of all its positions is written (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ def page_hashes(tokens: Sequence[int], page_size: int, known: Sequence[bytes] = 
         digest.update(data[i * width : (i + 1) * width])
         hashes.append(digest.digest())
     return hashes
+
+
+def next_token_key(page_hash: bytes, next_token: int) -> bytes:
+    """The cache key of a full page whose contents also depend on the token after it (an MTP
+    layer's KV at the page's last position): its chained hash and that token."""
+    digest = hashlib.blake2b(page_hash, digest_size=16)
+    digest.update(struct.pack("<I", next_token))
+    return digest.digest()
 
 
 @dataclass

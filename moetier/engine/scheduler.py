@@ -13,18 +13,26 @@ The engine calls `schedule()`, computes the step, then `update(step, sampled)` w
 sampled for every item whose last position ends its known tokens. Requests finish at an
 end-of-sequence token, at `max_tokens`, or when the caller says so (`finish`: a stop string,
 a client gone); their pages are freed at once.
+
+With an MTP layer (`mtp_kv`: speculative decoding) a page holds the layer's KV too, whose entry
+at position p needs the token at p + 1 and is written by the drafter after the step
+(`Request.mtp_written`): full pages enter the prefix cache once that KV covers all their
+positions (`commit`, called by the engine after drafting; `on_end` lets it write the KV of a
+finishing request before its pages are freed), keyed with the token after them
+(kv_pages.next_token_key), so a hit never reads an MTP entry computed for another continuation
+or never written.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from moetier.engine.kv_pages import PagePool, page_hashes
+from moetier.engine.kv_pages import PagePool, next_token_key, page_hashes
 
 
 class ContextLengthError(ValueError):
@@ -67,6 +75,8 @@ class Request:
     # speculative decoding: tokens proposed after the last one (an MTP layer's drafts), computed
     # with it by the next step and kept as far as the model agrees (`update`'s `accepted`)
     drafts: list[int] = field(default_factory=list)
+    # with an MTP layer: leading positions whose MTP KV is in `pages` (the drafter's, or a hit's)
+    mtp_written: int = 0
     arrival: int = field(default_factory=lambda: next(_ARRIVALS))
     _tokens: list[int] = field(default_factory=list, repr=False)
     _hashes: list[bytes] = field(default_factory=list, repr=False)
@@ -136,6 +146,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.preemptions = 0
+        # an MTP layer's KV in the pages: full pages are cached once it is written (`commit`),
+        # keyed with their next token; `on_end` is called for a request that finishes in
+        # `update` before its pages are freed (the engine writes its last MTP KV there)
+        self.mtp_kv = False
+        self.on_end: Callable[[Request], None] | None = None
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -282,9 +297,18 @@ class Scheduler:
             self._commit_full_pages(request)
             if reason is not None:
                 self.running.remove(request)
+                if self.on_end is not None:  # (its last MTP KV: those pages are final now)
+                    self.on_end(request)
+                    self._commit_full_pages(request)
                 self._end(request, reason)
                 done.append(request)
         return done
+
+    def commit(self, request: Request) -> None:
+        """Key the request's full pages in the prefix cache as far as they are final (with an
+        MTP layer: as far as `mtp_written`, which the drafter advances after a step)."""
+        if request.state is State.RUNNING:
+            self._commit_full_pages(request)
 
     def reserve(self, request: Request, positions: int) -> bool:
         """Pages for `positions` positions of a running request, where free pages allow (no
@@ -319,27 +343,37 @@ class Scheduler:
         size = self.pool.page_size
         request._hashes = page_hashes(request.tokens, size, request._hashes)
         usable = (len(request.tokens) - 1) // size
-        pages = self.pool.cached_prefix(request._hashes[:usable])
+        pages = self.pool.cached_prefix(self._keys(request, 0, usable))
         self.pool.take(pages)
         request.pages = list(pages)
-        request.computed = request._committed = len(pages) * size
+        request.computed = request._committed = request.mtp_written = len(pages) * size
+
+    def _keys(self, request: Request, first: int, end: int) -> list[bytes]:
+        """The prefix-cache keys of the request's full pages first..end - 1 (their hashes
+        computed): with an MTP layer, each with the token after it."""
+        hashes = request._hashes[first:end]
+        if not self.mtp_kv:
+            return hashes
+        size, tokens = self.pool.page_size, request.tokens
+        return [next_token_key(h, tokens[(first + i + 1) * size]) for i, h in enumerate(hashes)]
 
     def _commit_full_pages(self, request: Request) -> None:
         if request.private_kv:
             return
-        full = request.computed // self.pool.page_size
+        final = min(request.computed, request.mtp_written) if self.mtp_kv else request.computed
+        full = final // self.pool.page_size
         if full <= request._committed // self.pool.page_size:
             return
         size = self.pool.page_size
         request._hashes = page_hashes(request.tokens[: full * size], size, request._hashes)
         first = request._committed // size
-        self.pool.commit(request.pages[first:full], request._hashes[first:full])
+        self.pool.commit(request.pages[first:full], self._keys(request, first, full))
         request._committed = full * size
 
     def _release(self, request: Request) -> None:
         self.pool.free(request.pages)
         request.pages = []
-        request.computed = request._committed = 0
+        request.computed = request._committed = request.mtp_written = 0
 
     def _preempt(self, request: Request) -> None:
         self._release(request)

@@ -14,7 +14,10 @@ num_hidden_layers, at the main model's pages and positions. After each step the 
 layer over every position whose next token is now known (catch-up: hidden states kept from the
 main model's steps, `keep`), the last one giving the first draft; then it applies the layer
 again on its own output and draft (EAGLE-style) for the others, writing their KV at the next
-positions (overwritten by the catch-up once the real tokens are known). Where the runner's steps
+positions (overwritten by the catch-up once the real tokens are known). The layer's KV is part
+of what a page caches (engine/scheduler.py: a page enters the prefix cache once it is written,
+keyed with the token after it), so every request keeps it written, drafting or not, and a
+prefix hit's drafts are those of the request computing the prefix itself. Where the runner's steps
 are graphed (or on their fixed shapes, CPU tests) and every request is in step (its catch-up 1
 to k + 1 positions), the catch-up and the chain replay one graph (engine/draft_graphs.py);
 otherwise they run eagerly. The verify steps replay the graphed decode step where a batch
@@ -173,12 +176,16 @@ class MTPDrafter:
         return 0 if kept is None else int(kept[1].shape[0])
 
     @torch.inference_mode()
-    def catch_up(self, requests: list[Request], cache: torch.Tensor) -> None:
-        """Steps that draft nothing (the policy's choice) still keep hidden states for the MTP
-        layer's KV: requests holding more than STASH_POSITIONS of them have the layer run over
-        those now (one packed call), so the stash stays small and a later draft finds its
-        KV complete."""
-        behind = [r for r in requests if self.stashed(r.id) > STASH_POSITIONS]
+    def catch_up(
+        self, requests: list[Request], cache: torch.Tensor, now: frozenset[str] = frozenset()
+    ) -> None:
+        """Steps that draft nothing (the policy's choice, or a request that never drafts)
+        still keep hidden states for the MTP layer's KV: requests holding more than
+        STASH_POSITIONS of them, and those named in `now` (a prompt chunk just computed, a
+        request ending: their pages enter the prefix cache once the layer's KV is written),
+        have the layer run over those now (one packed call), so the stash stays small and a
+        later draft, or a prefix hit, finds its KV complete."""
+        behind = [r for r in requests if r.id in now or self.stashed(r.id) > STASH_POSITIONS]
         if behind:
             self._catch_up(behind, cache)
 
@@ -195,8 +202,10 @@ class MTPDrafter:
             if kept is None or not kept[0] <= done or done < 0:
                 continue
             first, hidden = kept
-            end = request.computed  # positions [done, end): their next tokens are known
-            if first + hidden.shape[0] < end:
+            # positions [done, end): their next tokens are known (a request that ended at a
+            # kept draft has computed its last token too)
+            end = min(request.computed, len(request.tokens) - 1)
+            if first + hidden.shape[0] < end or end <= done:
                 continue
             spans.append((done, end - done, request.pages))
             embeds_ids += request.tokens[done + 1 : end + 1]
@@ -212,7 +221,7 @@ class MTPDrafter:
         ends = torch.tensor([s[1] for s in spans]).cumsum(0) - 1
         last = out.index_select(0, ends.to(self.device))  # [R, H]
         for request, (start, count, _) in zip(ready, spans, strict=True):
-            self._done[request.id] = start + count
+            self._done[request.id] = request.mtp_written = start + count
             first, hidden = self._hidden[request.id]
             self._hidden[request.id] = (start + count, hidden[start + count - first :])
         return ready, last
@@ -296,7 +305,7 @@ class MTPDrafter:
         table_out = drafts[: len(requests)].tolist()  # [R, k]: one read back
         for request, tokens, (done, count, _) in zip(requests, table_out, spans, strict=True):
             request.drafts = list(tokens)
-            self._done[request.id] = done + count
+            self._done[request.id] = request.mtp_written = done + count
             first, hidden = self._hidden[request.id]
             self._hidden[request.id] = (done + count, hidden[done + count - first :])
         return True

@@ -159,12 +159,12 @@ def oracle_drafts(engine, want, wrong_every=3):
     drafter.draft = oracle
 
 
-def fixed_shape_engine(loaded, pages, drafts=3, gathered=True):
+def fixed_shape_engine(loaded, pages, drafts=3, gathered=True, prefix_caching=True):
     """An engine whose decode and verify steps run on the CUDA graphs' fixed-shape inputs (CPU:
     run eagerly on them); gathered False: the decode batches without gathered keys, the
     attention through the decode kernels (Triton's interpreter), as on CUDA."""
     limits = EngineLimits(num_pages=pages, page_size=4, speculative_tokens=drafts,
-                          speculative_policy="always")  # fmt: skip
+                          speculative_policy="always", prefix_caching=prefix_caching)  # fmt: skip
     engine = Engine(loaded, limits)
     engine.runner.fixed_shapes = True
     engine.runner.gather_decode_keys = gathered
@@ -837,3 +837,95 @@ def test_verify_steps_update_the_confidence_gate(tiny, tmp_path_factory, mtp_fil
     for n in common:
         assert tops[2]["seen"][n] == pytest.approx(tops[0]["seen"][n], rel=0.02), n
     assert any(v < 0.999 for v in tops[0]["seen"].values())  # a table worth comparing
+
+
+def mtp_kv(engine, request):
+    """The MTP layer's KV entries of a request's computed positions, position by position."""
+    cache = engine.runner.cache[engine.loaded.model.config.num_layers]
+    size = engine.pool.page_size
+    at = [(request.pages[p // size], p % size) for p in range(request.computed)]
+    if cache.dim() == 5:  # GQA: [2, pages, kv_heads, page_size, head_dim]
+        return [cache[:, page, :, offset].clone() for page, offset in at]
+    return [cache[page, offset].clone() for page, offset in at]  # MLA: [pages, size, latent]
+
+
+def second_request(engine, first, first_params, second):
+    """Serve `first` (with first_params), then `second` (a function of first's output, or a
+    prompt): -> (every request's tokens, second's drafts call by call, the MTP layer's KV of
+    second's positions at its first draft, its prompt tokens from the prefix cache)."""
+    drafter = engine.runner.drafter
+    real, drafts, seen = drafter.draft, [], {}
+
+    def record(requests, k, cache):
+        real(requests, k, cache)
+        for request in requests:
+            if request.id == "b":
+                drafts.append((len(request.output), tuple(request.drafts)))
+                seen.setdefault("kv", mtp_kv(engine, request))
+                seen.setdefault("cached", request.cached_tokens)
+
+    drafter.draft = record
+    out: dict[str, list[int]] = {"a": [], "b": []}
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    for rid, prompt, p in (("a", first, first_params), ("b", second, params)):
+        prompt = prompt(out["a"]) if callable(prompt) else prompt
+        engine.add(rid, prompt, p, ignore_eos=True)
+        while engine.has_work:
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+    return out, drafts, seen["kv"], seen["cached"]
+
+
+SHARED = list(range(30, 38))  # two pages of 4
+PREFIX_HITS = {  # (first prompt, its params, second prompt, second's expected hit)
+    # a shared prefix ending on a page boundary, another token after it: without the token in
+    # the page's key the MTP entry at position 7 was the first request's (its token 8: 50)
+    "boundary": (SHARED + [50, 51], dict(max_new_tokens=6), SHARED + [60, 61, 62], 4),
+    # the shared prefix ends inside a page: the hit's last MTP entry has the same next token
+    "mid_page": (SHARED + [44, 50], dict(max_new_tokens=6), SHARED + [44, 60, 61], 8),
+    # the next turn of a conversation, its first turn ended on the step that filled its third
+    # page: the MTP entry at position 11 was never written (or the chain's) before it ended
+    "next_turn": (SHARED + [44], dict(max_new_tokens=4),
+                  lambda out: SHARED + [44, *out, 70, 71], 12),
+    # a first request that never drafts (a penalty) wrote no MTP KV at all
+    "no_drafts": (SHARED + [44], dict(max_new_tokens=6, repetition_penalty=1.3),
+                  SHARED + [44, 9], 8),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFIX_HITS))
+@pytest.mark.parametrize("family, fixed", [("qwen3_moe", False), ("qwen3_moe", True),
+                                           ("deepseek_v3", False)])  # fmt: skip
+def test_a_prefix_hit_drafts_as_if_it_computed_the_prefix(case, family, fixed, request):
+    """The MTP layer's KV sits in the request's pages and its entry at position p needs the
+    token at p + 1: a request that takes pages from the prefix cache finds there, at its first
+    draft, the MTP KV it would have written itself (prefix cache off), and drafts the same
+    tokens call for call; the text is the same. Pages enter the cache once their MTP KV is
+    written (a finishing request's last positions included), keyed with the token after them,
+    so only a hit whose next token differs from the page writer's loses its last page."""
+    if family == "qwen3_moe":
+        store = request.getfixturevalue("store")
+        extra = {"mtp_file": str(request.getfixturevalue("mtp_file"))}
+    else:
+        store, extra = request.getfixturevalue("deepseek"), {"mtp": True}
+    first, first_params, second, hit = PREFIX_HITS[case]
+    first_params = SamplingParams(temperature=0.0, **first_params)
+    runs = []
+    for caching in (True, False):
+        if fixed:
+            engine = fixed_shape_engine(native(store, **extra), 64, drafts=2,
+                                        prefix_caching=caching)  # fmt: skip
+        else:
+            limits = EngineLimits(num_pages=64, page_size=4, speculative_tokens=2,
+                                  speculative_policy="always", prefix_caching=caching)  # fmt: skip
+            engine = Engine(native(store, **extra), limits)
+        runs.append(second_request(engine, first, first_params, second))
+        if fixed:
+            assert engine.runner.drafter.graphed > 0
+    (out, drafts, kv, cached), (out_off, drafts_off, kv_off, cached_off) = runs
+    assert (cached, cached_off) == (hit, 0)
+    assert out == out_off
+    stale = [p for p, (a, b) in enumerate(zip(kv, kv_off, strict=True))
+             if not torch.allclose(a, b, atol=1e-5)]  # fmt: skip
+    assert stale == []
+    assert drafts == drafts_off and len(drafts) > 3
