@@ -885,11 +885,19 @@ PREFIX_HITS = {  # (first prompt, its params, second prompt, second's expected h
     "mid_page": (SHARED + [44, 50], dict(max_new_tokens=6), SHARED + [44, 60, 61], 8),
     # the next turn of a conversation, its first turn ended on the step that filled its third
     # page: the MTP entry at position 11 was never written (or the chain's) before it ended
-    "next_turn": (SHARED + [44], dict(max_new_tokens=4),
-                  lambda out: SHARED + [44, *out, 70, 71], 12),
+    "next_turn": (
+        SHARED + [44],
+        dict(max_new_tokens=4),
+        lambda out: SHARED + [44, *out, 70, 71],
+        12,
+    ),
     # a first request that never drafts (a penalty) wrote no MTP KV at all
-    "no_drafts": (SHARED + [44], dict(max_new_tokens=6, repetition_penalty=1.3),
-                  SHARED + [44, 9], 8),
+    "no_drafts": (
+        SHARED + [44],
+        dict(max_new_tokens=6, repetition_penalty=1.3),
+        SHARED + [44, 9],
+        8,
+    ),
 }
 
 
