@@ -310,8 +310,9 @@ class Engine:
         run. Reads only fixed limits: safe from any thread."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        outside = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if outside:  # (an embedding lookup out of range: on CUDA a device assert, fatal)
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            # (an embedding lookup out of range: on CUDA a device assert, fatal)
+            outside = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
             raise ValueError(
                 f"the prompt's token id {outside[0]} is not in this model's vocabulary (ids 0 to "
                 f"{self.vocab_size - 1}); where the store's own tokenizer made it, the store's "

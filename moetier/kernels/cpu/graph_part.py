@@ -189,10 +189,16 @@ class CpuPart:
         call = self.call(layer, tokens)
         pairs = tokens * top_k
         buffers = call.buffers
-        if self.device.type != "cuda":
-            ints, floats = _pack(hidden, topk_ids, topk_weights, flags, addresses, live)
-            buffers.ints[: ints.numel()].copy_(ints)
-            buffers.floats[: floats.numel()].copy_(floats)
+        cuda = self.device.type == "cuda"
+        # the pack and its copies into the pinned buffers on the current stream: on CUDA the
+        # side stream then touches only this part's own buffers. (Packed there, it read
+        # hidden, topk_ids, ... of the current stream's allocator, which may hand their memory
+        # to a later op of the current stream before the side stream has read them: in a
+        # captured step, a race without an edge.)
+        ints, floats = _pack(hidden, topk_ids, topk_weights, flags, addresses, live)
+        buffers.ints[: ints.numel()].copy_(ints, non_blocking=cuda)
+        buffers.floats[: floats.numel()].copy_(floats, non_blocking=cuda)
+        if not cuda:
             self.lib.mt_host_pairs(ctypes.byref(call.struct))
             if call.struct.status != 0:
                 raise MemoryError("the C CPU expert kernel could not allocate its scratch memory")
@@ -202,14 +208,6 @@ class CpuPart:
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         side, event = self._side, self._events.setdefault(layer, torch.cuda.Event())
-        # the pack and its copies into the pinned buffers on the current stream: the side
-        # stream then touches only this part's own buffers. (Packed there, it read hidden,
-        # topk_ids, ... of the current stream's allocator, which may hand their memory to a
-        # later op of the current stream before the side stream has read them: in a captured
-        # step, a race without an edge.)
-        ints, floats = _pack(hidden, topk_ids, topk_weights, flags, addresses, live)
-        buffers.ints[: ints.numel()].copy_(ints, non_blocking=True)
-        buffers.floats[: floats.numel()].copy_(floats, non_blocking=True)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             launch_host_func(side, self.function, ctypes.addressof(call.struct))
