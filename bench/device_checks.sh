@@ -91,13 +91,14 @@ write_synthetic_store(Path(sys.argv[1]), shape(sys.argv[2], int(sys.argv[3])), '
     b=("$PY" -m moetier bench "$store" --native --batch 1,16 --json "${args[@]}")
     mtp=(--speculative-tokens 2 --mtp-replay 0.50,0.25)
     quarter=(--expert-cache-slots $((layers * 36)) --host-memory 1TiB)
-    step mtp-off 80 "${b[@]}" --delta none >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
-    step mtp-k2 80 "${b[@]}" --delta none "${mtp[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+    step mtp-off 120 "${b[@]}" --delta none >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+    step mtp-k2 120 "${b[@]}" --delta none "${mtp[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
     for d in budget:0.1:weight all budget:0.25:weight; do
-        step "gate-$d" 70 "${b[@]}" --delta "$d" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+        step "gate-$d" 120 "${b[@]}" --delta "$d" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
     done
-    step mtp-off-25 80 "${b[@]}" --delta none "${quarter[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
-    step mtp-k2-25 80 "${b[@]}" --delta none "${quarter[@]}" "${mtp[@]}" \
+    step mtp-off-25 120 "${b[@]}" --delta none "${quarter[@]}" >>"$OUT/decode.jsonl" \
+        2>>"$OUT/decode.log"
+    step mtp-k2-25 120 "${b[@]}" --delta none "${quarter[@]}" "${mtp[@]}" \
         >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
 elif [[ "${PART:-1}" == 4 ]]; then
     [[ "${SMOKE:-0}" == 1 ]] || step hybrid-tests 150 "$PY" -m pytest -m gpu -v --tb=short \
@@ -122,6 +123,7 @@ elif [[ "${PART:-1}" == 6 ]]; then
         2>"$OUT/user-paths.log"
     step paths-48-25 270 "$PY" bench/user_paths.py "${paths[@]}" --gpu-fraction 0.25 \
         >>"$OUT/user-paths.jsonl" 2>>"$OUT/user-paths.log"
+    tail -n 40 "$OUT/user-paths.log"  # (a failed path's error: the log has not always come back)
 elif [[ "${PART:-1}" == 3 ]]; then
     if [[ "${SMOKE:-0}" == 1 ]]; then
         models=(glm-5-tiny:2 deepseek-v4-flash-tiny:2) plan=(--layers 1 --new-tokens 4
@@ -157,12 +159,13 @@ else
     step tune 150 "$PY" bench/tune.py --tune-seconds 75 --no-decode "${smoke[@]}" \
         >"$OUT/tune.jsonl" 2>>"$OUT/tune.log"
     if [[ "${SMOKE:-0}" == 1 ]]; then
-        serve=(--device cpu --shape tiny --layers 2 --turn-tokens 40 --answer-tokens 8)
-    else
-        serve=(--layers 8 --turn-tokens 800 --answer-tokens 200)
+        serve=(--device cpu --shape tiny --layers 2 --first-tokens 100 --turn-tokens 40
+            --answer-tokens 8)
+    else  # the agent shape: a system prompt and tools, then 200 new tokens a turn, to ~8K
+        serve=(--layers 8 --first-tokens 5000 --turn-tokens 200 --answer-tokens 200)
     fi
-    step agent 110 "$PY" bench/serve.py --agent-turns 8 "${serve[@]}" >"$OUT/engine.jsonl" \
-        2>"$OUT/engine.log"
+    step agent 110 "$PY" bench/serve.py --agent-turns 8 --profile 1 "${serve[@]}" \
+        >"$OUT/engine.jsonl" 2>"$OUT/engine.log"
     step budget-25 100 "$PY" -m moetier bench --shape "$shape" --layers "$layers" --native \
         --expert-cache-slots $((layers * 32)) --host-memory 1TiB --batch 1,4,16,64 --json \
         "${args[@]}" >>"$OUT/engine.jsonl" 2>>"$OUT/engine.log"

@@ -6,14 +6,18 @@ peak, and the per-step figure of a decode step (ms) beside HBM copy speed measur
 run. Synthetic q2s store of a bench shape (quant/synthetic.py), every expert pinned, the native
 model over the paged KV cache (decode steps replayed from CUDA graphs per batch bucket).
 
-With --agent-turns N, instead: one conversation of N turns as an agent sends it, each turn
-the whole conversation so far plus --turn-tokens new tokens, answered with --answer-tokens
-tokens; per turn its TTFT with the earlier turns' pages in the prefix cache, beside the cold TTFT
-of a prompt of the same length whose first token is the turn's own (no prefix hit: neither the
-conversation's pages nor an earlier cold prompt's; `cold_cached_tokens` 0), and the prefix hit.
+With --agent-turns N, instead: one conversation of N turns as an agent sends it: the first
+turn --first-tokens (a system prompt and tool definitions), each later turn the whole
+conversation so far plus --turn-tokens new tokens (a user message or a tool's result), each
+answered with --answer-tokens tokens; per turn its TTFT with the earlier turns' pages in the
+prefix cache, beside the cold TTFT of a prompt of the same length whose first token is the
+turn's own (no prefix hit: neither the conversation's pages nor an earlier cold prompt's;
+`cold_cached_tokens` 0), and the prefix hit. With --profile, then one more warm turn under the
+profilers (where its first token's time goes).
 
   python bench/serve.py --layers 8 --concurrency 1,4,16,64
-  python bench/serve.py --layers 8 --agent-turns 8 --turn-tokens 800 --answer-tokens 200
+  python bench/serve.py --layers 8 --agent-turns 8 --first-tokens 5000 --turn-tokens 200 \
+      --answer-tokens 200 [--profile 1]   # the agent shape: 8 turns growing to ~8K tokens
   python bench/serve.py --layers 8 --concurrency 1,64 --profile 32   # + where a step's time goes
   python bench/serve.py --device cpu --shape tiny --layers 2 --concurrency 1,4   # smoke test
   python bench/serve.py --shape glm-5 --layers 4 --concurrency 1 [--native off]   # real shapes:
@@ -28,6 +32,7 @@ import pstats
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +117,16 @@ def profile_steps(engine: Engine, concurrency: int, prompt: int, steps: int, see
         started.update(out.request_id for out in engine.step())
     for _ in range(4):
         engine.step()
+    record = profile_runs(engine, lambda: [engine.step() for _ in range(steps)], steps)
+    while engine.has_work:
+        engine.step()
+    return {"case": "serve-profile", "concurrency": concurrency, **record}
+
+
+def profile_runs(engine: Engine, run: Callable[[], object], runs: int) -> dict:
+    """`run` (which does `runs` steps or turns) under torch.profiler, then again under cProfile
+    -> where one's time goes: wall ms, the top GPU kernels (device µs and calls per run), the
+    host's runtime calls (CPU µs per run: launches, copies, synchronizations) and its Python."""
     cuda = engine.loaded.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
@@ -120,42 +135,46 @@ def profile_steps(engine: Engine, concurrency: int, prompt: int, steps: int, see
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         began = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
+        run()
         sync()
         wall = time.perf_counter() - began
-    host = cProfile.Profile()  # the host's Python: where its share of a step goes
+    host = cProfile.Profile()  # the host's Python: where its share goes
     host.enable()
-    for _ in range(steps):
-        engine.step()
+    run()
     sync()
     host.disable()
     by_function = pstats.Stats(host).stats  # type: ignore[attr-defined]
     host_top = sorted(by_function.items(), key=lambda kv: -kv[1][2])[:12]
-    while engine.has_work:
-        engine.step()
 
     def own_us(e: Any) -> float:  # GPU time on CUDA, else the op's own CPU time
         return e.self_device_time_total if cuda else e.self_cpu_time_total
 
-    events = [e for e in prof.key_averages() if own_us(e) > 0]
+    averages = prof.key_averages()
+    events = [e for e in averages if own_us(e) > 0]
     gpu_us = sum(own_us(e) for e in events)
+    runtime = [e for e in averages if e.key.startswith("cuda") and e.self_cpu_time_total > 0]
     return {
-        "case": "serve-profile",
-        "concurrency": concurrency,
-        "steps": steps,
-        "wall_ms_per_step": round(1e3 * wall / steps, 4),
-        "gpu_ms_per_step": round(gpu_us / 1e3 / steps, 4),
+        "runs": runs,
+        "wall_ms_per_run": round(1e3 * wall / runs, 4),
+        "gpu_ms_per_run": round(gpu_us / 1e3 / runs, 4),
         "kernels": [
             {
                 "name": e.key[:90],
-                "us_per_step": round(own_us(e) / steps, 2),
-                "calls_per_step": round(e.count / steps, 2),
+                "us_per_run": round(own_us(e) / runs, 2),
+                "calls_per_run": round(e.count / runs, 2),
             }
             for e in sorted(events, key=lambda e: -own_us(e))[:16]
         ],
-        "host_own_us_per_step (cProfile)": [
-            {"function": f"{Path(f[0]).name}:{f[1]}:{f[2]}", "us": round(1e6 * v[2] / steps, 1)}
+        "runtime_calls": [
+            {
+                "name": e.key[:60],
+                "cpu_us_per_run": round(e.self_cpu_time_total / runs, 1),
+                "calls_per_run": round(e.count / runs, 2),
+            }
+            for e in sorted(runtime, key=lambda e: -e.self_cpu_time_total)[:10]
+        ],
+        "host_own_us_per_run (cProfile)": [
+            {"function": f"{Path(f[0]).name}:{f[1]}:{f[2]}", "us": round(1e6 * v[2] / runs, 1)}
             for f, v in host_top
         ],
     }
@@ -179,14 +198,17 @@ def ttft(engine: Engine, request_id: str, prompt: list[int], new: int) -> tuple[
     return first, list(request.output)
 
 
-def agent_turns(engine: Engine, turns: int, turn_tokens: int, answer: int, seed: int) -> list:
+def agent_turns(
+    engine: Engine, turns: int, first_tokens: int, turn_tokens: int, answer: int, seed: int
+) -> list:
     """The agent shape (module docstring): one record per turn."""
     vocab = engine.loaded.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     conversation: list[int] = []
     records = []
     for turn in range(1, turns + 1):
-        conversation += torch.randint(10, vocab, (turn_tokens,), generator=gen).tolist()
+        new = first_tokens if turn == 1 and first_tokens else turn_tokens
+        conversation += torch.randint(10, vocab, (new,), generator=gen).tolist()
         prompt = list(conversation)
         hits_before = engine.pool.stats.hit_tokens
         warm, output = ttft(engine, f"turn-{turn}", prompt, answer)
@@ -210,7 +232,23 @@ def agent_turns(engine: Engine, turns: int, turn_tokens: int, answer: int, seed:
                 "ttft_ratio": round(warm / cold, 4),
             }
         )
-    return records
+    return records, conversation
+
+
+def profile_turn(engine: Engine, conversation: list[int], turn_tokens: int, seed: int) -> dict:
+    """Where a warm turn's first token goes: turns of `turn_tokens` new tokens after the whole
+    `conversation` (its pages cached), each with new tokens of its own, under the profilers."""
+    vocab = engine.loaded.model_config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    count = iter(range(1000))
+
+    def turn() -> None:
+        extra = torch.randint(10, vocab, (turn_tokens,), generator=gen).tolist()
+        ttft(engine, f"profiled-{next(count)}", conversation + extra, 1)
+
+    turn()  # the shape's kernels warm
+    return {"case": "serve-agent-profile", "prompt_tokens": len(conversation) + turn_tokens,
+            **profile_runs(engine, turn, 1)}  # fmt: skip
 
 
 def main() -> None:
@@ -236,9 +274,18 @@ def main() -> None:
         help="launch the next decode step before the host handles this one's tokens",
     )
     parser.add_argument(
-        "--profile", type=int, default=0, help="also profile this many decode steps per concurrency"
+        "--profile",
+        type=int,
+        default=0,
+        help="also profile this many decode steps per concurrency (agent: a warm turn)",
     )
     parser.add_argument("--agent-turns", type=int, default=0, help="the agent shape's turns")
+    parser.add_argument(
+        "--first-tokens",
+        type=int,
+        default=0,
+        help="agent: the first turn's tokens (a system prompt and tools; 0: --turn-tokens)",
+    )
     parser.add_argument("--turn-tokens", type=int, default=800, help="agent: new tokens a turn")
     parser.add_argument("--answer-tokens", type=int, default=200, help="agent: answer tokens")
     parser.add_argument(
@@ -258,7 +305,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         config_dict = shape(args.shape, args.layers)
         if args.agent_turns:  # the conversation must fit the context (the bench shape's is cut)
-            needed = args.agent_turns * (args.turn_tokens + args.answer_tokens)
+            needed = args.first_tokens + args.agent_turns * (args.turn_tokens + args.answer_tokens)
             config_dict["max_position_embeddings"] = max(
                 config_dict["max_position_embeddings"], needed
             )
@@ -277,7 +324,9 @@ def main() -> None:
         loaded = load_model(store, config)
         pages = max(concurrencies) * -(-(args.prompt_tokens + args.new_tokens) // 16) + 16
         if args.agent_turns:  # the conversation's pages stay cached beside a cold copy
-            longest = args.agent_turns * (args.turn_tokens + args.answer_tokens)
+            longest = args.first_tokens + (args.agent_turns + 1) * (
+                args.turn_tokens + args.answer_tokens
+            )
             pages = 3 * -(-longest // 16) + 16
         limits = EngineLimits(num_pages=pages, max_num_seqs=max(concurrencies))
         engine = Engine(loaded, limits)
@@ -299,10 +348,14 @@ def main() -> None:
             vocab = int(config_dict["vocab_size"])  # (the tiny shape's 512 ids: wrapped)
             warm_up = [10 + i % (vocab - 10) for i in range(args.turn_tokens)]
             ttft(engine, "warm-up", warm_up, 8)
-            for record in agent_turns(
-                engine, args.agent_turns, args.turn_tokens, args.answer_tokens, seed=3
-            ):
+            records, conversation = agent_turns(
+                engine, args.agent_turns, args.first_tokens, args.turn_tokens,
+                args.answer_tokens, seed=3,
+            )  # fmt: skip
+            for record in records:
                 emit({**common, "case": "serve-agent", **record})
+            if args.profile:
+                emit({**common, **profile_turn(engine, conversation, args.turn_tokens, 5)})
             return
         for concurrency in concurrencies:
             run_case(engine, concurrency, args.prompt_tokens, 8, seed=1)  # warm-up and capture
