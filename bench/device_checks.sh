@@ -30,7 +30,7 @@
 # starlette uvicorn h11 click anyio sniffio pydantic pydantic-core annotated-types
 # typing-inspection typing_extensions llguidance prometheus_client httpx httpcore certifi idna
 # openai anthropic distro jiter docstring_parser hypothesis sortedcontainers attrs jsonschema
-# jsonschema-specifications referencing rpds-py (the
+# jsonschema-specifications referencing rpds-py opentelemetry-api annotated-doc (fastapi's; the
 # versions of the dev venv); then
 #   run(command="python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
 #       && PYTHONPATH=/tmp/site:$PWD MOETIER_COMMIT=<hash> PART=1 bash bench/device_checks.sh",

@@ -305,7 +305,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         config_dict = shape(args.shape, args.layers)
         if args.agent_turns:  # the conversation must fit the context (the bench shape's is cut)
-            needed = args.first_tokens + args.agent_turns * (args.turn_tokens + args.answer_tokens)
+            turns = args.agent_turns + 1  # (--profile's turn after them)
+            needed = args.first_tokens + turns * (args.turn_tokens + args.answer_tokens)
             config_dict["max_position_embeddings"] = max(
                 config_dict["max_position_embeddings"], needed
             )
