@@ -7,9 +7,10 @@
 #           engine's 1, 16 and 64 streams and the compiled static step (#42)
 #   PART=5  on one 8-layer Qwen3-30B-A3B store with an NVFP4 delta plane and an MTP layer:
 #           decode without drafts, with 2 drafts replayed at eval-moe-70m's measured acceptance
-#           (#47), the confidence gate at 10% / all / 25% of pairs (#46 item 6), and both MTP
-#           cases at a quarter of the experts on the GPU (each a `moetier bench` that loads and
-#           compiles: about a minute each on an H100)
+#           drafting every step (its cost) and under serve's auto rule, and both at a quarter
+#           of the experts on the GPU (#47; each a `moetier bench` that loads and compiles:
+#           80-100 s on an H100)
+#   PART=7  on that store: the confidence gate off, at 10% / all / 25% of pairs (#46 item 6)
 #   PART=2  moetier tune's test and bench/tune.py (#51), the agent-shape TTFT and a 25% budget's
 #           steps against their floors (#42), dense bf16 / fp8 / int4 (#52), the converter's
 #           speed (#53), the CPU expert kernel against DRAM (#54)
@@ -81,9 +82,9 @@ if [[ "${PART:-1}" == 1 ]]; then
         2>>"$OUT/decode.log"
     [[ "${SMOKE:-0}" == 1 ]] || step static 100 "$PY" bench/decode.py --resident --layers 8 \
         --batch 1,16 --steps 64 --hf-tokens 0 >>"$OUT/engine-streams.jsonl" 2>>"$OUT/decode.log"
-elif [[ "${PART:-1}" == 5 ]]; then
+elif [[ "${PART:-1}" == 5 || "${PART:-1}" == 7 ]]; then
     store=${BENCH_TMP:-/tmp}/device-checks-store
-    step store 60 "$PY" -c "import sys; from pathlib import Path
+    [[ -d "$store" ]] || step store 60 "$PY" -c "import sys; from pathlib import Path
 from moetier.cli.bench import DEFAULT_STORE
 from moetier.quant.synthetic import shape, write_synthetic_store
 write_synthetic_store(Path(sys.argv[1]), shape(sys.argv[2], int(sys.argv[3])), 'q2s', DEFAULT_STORE, delta='nvfp4', mtp=True)" \
@@ -91,15 +92,21 @@ write_synthetic_store(Path(sys.argv[1]), shape(sys.argv[2], int(sys.argv[3])), '
     b=("$PY" -m moetier bench "$store" --native --batch 1,16 --json "${args[@]}")
     mtp=(--speculative-tokens 2 --mtp-replay 0.50,0.25)
     quarter=(--expert-cache-slots $((layers * 36)) --host-memory 1TiB)
-    step mtp-off 120 "${b[@]}" --delta none >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
-    step mtp-k2 120 "${b[@]}" --delta none "${mtp[@]}" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
-    for d in budget:0.1:weight all budget:0.25:weight; do
-        step "gate-$d" 120 "${b[@]}" --delta "$d" >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
-    done
-    step mtp-off-25 120 "${b[@]}" --delta none "${quarter[@]}" >>"$OUT/decode.jsonl" \
-        2>>"$OUT/decode.log"
-    step mtp-k2-25 120 "${b[@]}" --delta none "${quarter[@]}" "${mtp[@]}" \
-        >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+    if [[ "${PART:-1}" == 5 ]]; then  # MTP: its cost (always), and serve's rule (auto)
+        step mtp-off 120 "${b[@]}" --delta none >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+        step mtp-k2 120 "${b[@]}" --delta none "${mtp[@]}" >>"$OUT/decode.jsonl" \
+            2>>"$OUT/decode.log"
+        step mtp-k2-auto 120 "${b[@]}" --delta none "${mtp[@]}" --speculative-policy auto \
+            >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+        step mtp-off-25 120 "${b[@]}" --delta none "${quarter[@]}" >>"$OUT/decode.jsonl" \
+            2>>"$OUT/decode.log"
+        step mtp-k2-auto-25 120 "${b[@]}" --delta none "${quarter[@]}" "${mtp[@]}" \
+            --speculative-policy auto >>"$OUT/decode.jsonl" 2>>"$OUT/decode.log"
+    else  # the confidence gate at 10% / all / 25% of pairs (#46)
+        for d in none budget:0.1:weight all budget:0.25:weight; do
+            step "gate-$d" 120 "${b[@]}" --delta "$d" >>"$OUT/gate.jsonl" 2>>"$OUT/decode.log"
+        done
+    fi
 elif [[ "${PART:-1}" == 4 ]]; then
     [[ "${SMOKE:-0}" == 1 ]] || step hybrid-tests 150 "$PY" -m pytest -m gpu -v --tb=short \
         -p no:cacheprovider tests/engine/test_hybrid_graph.py tests/models/test_hybrid_split.py \

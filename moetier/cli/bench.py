@@ -93,8 +93,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="speculative decoding with the model's MTP layer (--mtp-file for a model without "
-        "one): drafts per step, drafting at every step; the JSON gives the acceptance by "
-        "position (default: 0, off)",
+        "one): drafts per step; the JSON gives the acceptance by position (default: 0, off)",
+    )
+    bench.add_argument(
+        "--speculative-policy",
+        choices=("always", "auto"),
+        default="always",
+        help="with --speculative-tokens: always draft (what drafting costs), or auto: draft at a "
+        "batch size only while the engine's own measured steps say it pays, as `moetier serve` "
+        "does (default: always)",
     )
     bench.add_argument(
         "--mtp-replay",
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     engine_config = dataclass_from_args(EngineConfig, args)
     if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
-    limits = _limits(cases, args.speculative_tokens)
+    limits = _limits(cases, args.speculative_tokens, args.speculative_policy)
     with _store(args) as store_path:
         # --gpus N: N ranks, the benchmark on rank 0 (moetier/parallel/launch.py); ranks this
         # process spawns read the synthetic store written here
@@ -169,6 +176,7 @@ def _bench(
         "path": decode_path(engine),
         "gpus": session.ranks,
         "engine": _changed(engine_config),
+        **({"speculative_policy": args.speculative_policy} if args.speculative_tokens else {}),
         "sampling": "greedy",
         "prompt": "random token ids",
     }
@@ -208,7 +216,7 @@ def _links(device: str, store_path: Path) -> tuple[Any, dict[str, Any]]:
     return speeds, link_gbps(speeds)
 
 
-def _limits(cases: list[Any], speculative: int = 0) -> Any:
+def _limits(cases: list[Any], speculative: int = 0, policy: str = "always") -> Any:
     """The engine's limits for these cases: KV pages for the largest case's rows (and their
     drafts), as many rows a step, and room to read a case's prompts in few steps."""
     from moetier.engine.engine import EngineLimits
@@ -218,7 +226,7 @@ def _limits(cases: list[Any], speculative: int = 0) -> Any:
     rows = max(c.rows for c in cases)
     tokens = max(EngineLimits().max_num_batched_tokens, max(c.prompt_tokens for c in cases))
     return EngineLimits(num_pages=pages, max_num_seqs=rows, max_num_batched_tokens=tokens,
-                        speculative_tokens=speculative, speculative_policy="always")  # fmt: skip
+                        speculative_tokens=speculative, speculative_policy=policy)  # fmt: skip
 
 
 def _timed(engine: Any, case: Any, speeds: Any, warmup: int, progress: bool) -> dict[str, Any]:

@@ -659,6 +659,27 @@ def test_bench_replays_acceptance_on_a_synthetic_shape(capsys, rates, kept):
     assert rate == kept and line["tokens_out"] == 9
 
 
+def test_bench_with_the_auto_policy_stops_drafting_that_never_pays(capsys):
+    """`moetier bench ... --speculative-policy auto` (serve's rule): with no draft ever kept
+    (replayed rate 0), drafting only costs, so the engine's measured steps turn it off; under
+    `always` every step drafts."""
+    import json
+
+    from moetier.cli.main import main
+
+    base = ["bench", "--shape", "tiny", "--layers", "1", "--device", "cpu", "--json",
+            "--native", "--prompt-tokens", "6", "--new-tokens", "40", "--warmup", "0",
+            "--speculative-tokens", "2", "--mtp-replay", "0,0"]  # fmt: skip
+    drafted = {}
+    for policy in ("always", "auto"):
+        assert main([*base, "--speculative-policy", policy]) == 0
+        line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert line["speculative_policy"] == policy and line["tokens_out"] == 40
+        drafted[policy] = line["speculative"]["drafted_by_position"][0]
+    assert drafted["always"] >= 38  # every decode step (39) drafts
+    assert drafted["auto"] < 20, drafted
+
+
 def test_replayed_rates_must_not_increase(store, mtp_file):
     engine = Engine(native(store, mtp_file=str(mtp_file)),
                     EngineLimits(num_pages=16, page_size=4, speculative_tokens=2))  # fmt: skip
