@@ -180,6 +180,21 @@ def profile_runs(engine: Engine, run: Callable[[], object], runs: int) -> dict:
     }
 
 
+def compile_record(engine: Engine) -> dict:
+    """Where the load's seconds went: each decode graph's capture (its compile included: the
+    first bucket's full, later ones recompiling with a symbolic row count) and inductor's disk
+    cache (hits: an earlier process compiled the same graph; a second start should hit)."""
+    from torch._dynamo.utils import counters
+
+    seconds = getattr(engine.runner, "capture_seconds", {})
+    cache = {k: v for k, v in counters["inductor"].items() if "cache" in k}
+    cache |= {k: v for k, v in counters["aot_autograd"].items() if "cache" in k}
+    return {
+        "capture_s": {f"{rows}x{width}": round(s, 2) for (rows, width), s in seconds.items()},
+        "compile_cache": cache,
+    }
+
+
 def _p99(values: list[float]) -> float:
     return values[min(len(values) - 1, int(0.99 * len(values)))]
 
@@ -344,6 +359,7 @@ def main() -> None:
             "gpu_fraction": args.gpu_fraction,
             "zero_copy": loaded.runtime.zero_copy is not None,
             "load_s": round(load_s, 1),
+            **compile_record(engine),
         }
         if args.agent_turns:
             vocab = int(config_dict["vocab_size"])  # (the tiny shape's 512 ids: wrapped)

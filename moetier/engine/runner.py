@@ -124,6 +124,8 @@ class PagedRunner(StepSampler):
         # prompt chunk among them, no graphs)
         self.verify_graphed = self.verify_packed = 0
         self.buckets: tuple[int, ...] = GRAPH_BUCKETS  # (speculative decoding adds some)
+        # seconds each decode graph took to capture, its first one's compile included
+        self.capture_seconds: dict[tuple[int, int], float] = {}
         if self.use_graphs and loaded.engine_config.compile_decode:
             self.compile_step()
         self.warm_up_seconds = self.warm_up(max_rows)
@@ -539,6 +541,7 @@ class PagedRunner(StepSampler):
             self.graphs.add(graph)
             return graph
         self._pool = self._pool or torch.cuda.graph_pool_handle()
+        began = time.perf_counter()
         try:
             graph.capture(step, self._pool)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
@@ -549,6 +552,7 @@ class PagedRunner(StepSampler):
             )
             self.graphs.failed.add((rows, width))
             return None
+        self.capture_seconds[(rows, width)] = time.perf_counter() - began
         self.graphs.add(graph)
         return graph
 
