@@ -931,7 +931,8 @@ def test_a_prefix_hit_drafts_as_if_it_computed_the_prefix(case, family, fixed, r
     draft, the MTP KV it would have written itself (prefix cache off), and drafts the same
     tokens call for call; the text is the same. Pages enter the cache once their MTP KV is
     written (a finishing request's last positions included), keyed with the token after them,
-    so only a hit whose next token differs from the page writer's loses its last page."""
+    so only a hit whose next token differs from the page writer's loses its last page.
+    deepseek_v4: test_speculative_deepseek_v4.py's test of this name (its MTP stores)."""
     if family == "qwen3_moe":
         store = request.getfixturevalue("store")
         extra = {"mtp_file": str(request.getfixturevalue("mtp_file"))}

@@ -7,8 +7,9 @@ for it (`compress_ratios[num_hidden_layers]`, 0: sliding-window attention, as V4
 converted, and the store's MTP layer drafts: greedy output with 1 and 2 drafts is the output
 without them, token for token; the layer's draft logits are DeepSeek's MTPBlock formula
 (written here from DeepSeek's inference code) over transformers' own V4 decoder block; a layer
-made to predict what the model predicts has its drafts accepted; what is not supported is
-refused, saying so."""
+made to predict what the model predicts has its drafts accepted; a prefix hit drafts as if it
+computed the prefix (sliding, HCA and CSA MTP layers); what is not supported is refused, saying
+so."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_speculative import PREFIX_HITS, fixed_shape_engine, second_request
 
 from moetier.config import EngineConfig
 from moetier.engine.engine import Engine, EngineLimits
@@ -288,3 +290,69 @@ def test_what_is_not_supported_is_refused(v4, tiny, tmp_path):
         native(store, mtp_file=str(tmp_path / "mtp.safetensors"))
     with pytest.raises(ValueError, match="has no DeepSeek-V4 MTP layer"):
         native(tiny.store("deepseek_v4"), mtp=True)
+
+
+# main models with every layer type and windows short enough that the prompts below close
+# entries (HCA every 8 positions, CSA every 4 with its indexer), their last layer (whose tensors
+# the MTP layer copies) of the MTP layer's type; 8 indexer heads make ties of its scores unlikely
+COMPRESSED_MTP = {
+    "hca": (["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            128),
+    "csa": (["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+            4),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mtp_stores(v4, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """MTP layer kind -> a store whose MTP layer attends so: sliding (v4's), and heavily
+    compressed / compressed sparse (its cache rows holding its compressor's raw rows and
+    entries, CSA's indexer's too) over a main model of every layer type."""
+    from tiny_models import build_tiny
+
+    stores = {"sliding": v4[1]}
+    for kind, (layer_types, ratio) in COMPRESSED_MTP.items():
+        root = tmp_path_factory.mktemp(f"v4-mtp-{kind}")
+        src = build_tiny("deepseek_v4", root / "src", layer_types=layer_types, index_n_heads=8,
+                         compress_rates={"compressed_sparse_attention": 4,
+                                         "heavily_compressed_attention": 8})  # fmt: skip
+        hf = write_checkpoint(src, root / "hf", mtp_tensors(src, ratio), ratio)
+        stores[kind] = convert(hf, root / "store", progress=False)
+    return stores
+
+
+@pytest.mark.parametrize("case", list(PREFIX_HITS))
+@pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_prefix_hit_drafts_as_if_it_computed_the_prefix(case, kind, fixed, mtp_stores):
+    """test_speculative.py's prefix-hit comparison for DeepSeek-V4's MTP layer (sliding-window
+    attention as the release's; heavily compressed and compressed sparse, whose cache rows at
+    a position also hold compressor (and indexer) rows pooled over earlier positions of its
+    window), eagerly and on fixed shapes: a request taking pages from the prefix cache finds
+    there, at its first draft, the MTP layer's cache rows it would have written itself with the
+    prefix cache off, and drafts the same tokens call for call; the same text. Cases: a shared
+    prefix ending on a page boundary (another token after it), inside a page, the next turn of
+    a conversation, a first request that never drafted."""
+    store = mtp_stores[kind]
+    first, first_params, second, hit = PREFIX_HITS[case]
+    first_params = SamplingParams(temperature=0.0, **first_params)
+    runs = []
+    for caching in (True, False):
+        if fixed:
+            engine = fixed_shape_engine(native(store, mtp=True), 64, drafts=2,
+                                        prefix_caching=caching)  # fmt: skip
+        else:
+            limits = EngineLimits(num_pages=64, page_size=4, speculative_tokens=2,
+                                  speculative_policy="always", prefix_caching=caching)  # fmt: skip
+            engine = Engine(native(store, mtp=True), limits)
+        runs.append(second_request(engine, first, first_params, second))
+        if fixed:
+            assert engine.runner.drafter.graphed > 0
+    (out, drafts, kv, cached), (out_off, drafts_off, kv_off, cached_off) = runs
+    assert out == out_off
+    assert len(kv) == len(kv_off) > hit
+    stale = [p for p, (a, b) in enumerate(zip(kv, kv_off, strict=True))
+             if not torch.allclose(a, b, atol=1e-5)]  # fmt: skip
+    assert stale == []
+    assert drafts == drafts_off and len(drafts) > 3
+    assert (cached, cached_off) == (hit, 0)
