@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks that open issues still wait for, in two device calls of under 10 minutes each
-# (PART=1, PART=2), each step with a time limit so a slow one cannot eat the call. Lines go to
+# The GPU checks that open issues still wait for, in device calls of under 10 minutes each
+# (PART=1 to 9), each step with a time limit so a slow one cannot eat the call. Lines go to
 # $OUT/*.jsonl, the GPU suite's output to $OUT/gpu-tests.txt, stderr to $OUT/*.log.
 #
 #   PART=1  the GPU suite (every `gpu`-marked test, 12 workers, a line per test), the serving
@@ -11,9 +11,10 @@
 #           of the experts on the GPU (#47; each a `moetier bench` that loads and compiles:
 #           80-100 s on an H100)
 #   PART=7  on that store: the confidence gate off, at 10% / all / 25% of pairs (#46 item 6)
-#   PART=2  moetier tune's test and bench/tune.py (#51), the agent-shape TTFT and a 25% budget's
-#           steps against their floors (#42), dense bf16 / fp8 / int4 (#52), the converter's
-#           speed (#53), the CPU expert kernel against DRAM (#54)
+#   PART=2  moetier tune's test and bench/tune.py (#51), the agent-shape TTFT (and a profile of
+#           a warm turn) and a 25% budget's steps against their floors (#42)
+#   PART=9  dense bf16 / fp8 / int4 (#52), the converter's speed (#53), the CPU expert kernel
+#           against DRAM (#54)
 #   PART=4  hybrid misses (#54): the CPU split's GPU tests (host nodes in a captured step), then
 #           the 8-layer slice at 10% and 25% GPU expert budgets, batch 1 and 4, --cpu-experts off
 #           against auto (fetch-only against hybrid, same call)
@@ -21,8 +22,10 @@
 #           real `moetier serve`) on all 48 layers of the Qwen3-30B-A3B shape, every expert
 #           resident and a 25% GPU expert budget (#42: within 10% of the bench)
 #   PART=3  the GLM-5 and DeepSeek-V4-Flash slices native against the transformers path and at
-#           a 25% budget, the planner's whole-model predictions for them (#45), the planner
-#           against the bench (#48), calibrated conversion of an 8-layer Qwen3-30B-A3B slice (#53)
+#           a 25% budget (#45)
+#   PART=8  the planner's whole-model predictions for GLM-5 and DeepSeek-V4-Flash (#45), the
+#           planner against the bench (#48), calibrated conversion of an 8-layer
+#           Qwen3-30B-A3B slice (#53)
 #
 # On the dev machine first (repo root): wheels of what the device image (torch, triton,
 # transformers) lacks, for Python 3.12, into the ignored .whl/: `pip download --no-deps
@@ -46,6 +49,10 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:-$PWD}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-560}  # seconds this call may take
+case "${PART:-1}" in
+    1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9) ;;
+    *) echo "PART=${PART}: use 1-9 (the header says what each runs)" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT"
 exec 3>&1  # the step lines, whatever a step's own output is redirected to
 
@@ -133,23 +140,31 @@ elif [[ "${PART:-1}" == 6 ]]; then
     tail -n 40 "$OUT/user-paths.log"  # (a failed path's error: the log has not always come back)
 elif [[ "${PART:-1}" == 3 ]]; then
     if [[ "${SMOKE:-0}" == 1 ]]; then
-        models=(glm-5-tiny:2 deepseek-v4-flash-tiny:2) plan=(--layers 1 --new-tokens 4
-            --prompt-tokens 8 --batch 1 --bench-args "--device cpu --warmup 0")
-        calib=(--layers 2 --tokens 2048 --experts 16 --modes diag) dev=(--device cpu)
+        models=(glm-5-tiny:2 deepseek-v4-flash-tiny:2) dev=(--device cpu)
     else
-        models=(glm-5:2 deepseek-v4-flash:4) plan=(--layers 8) calib=(--layers 8 --tokens 65536) dev=()
+        models=(glm-5:2 deepseek-v4-flash:4) dev=()
     fi
     for m in "${models[@]}"; do
         s=${m%%:*} n=${m##*:}
         one=("$PY" -m moetier bench --shape "$s" --layers "$n" --batch 1 --prompt-tokens 128
             --json "${dev[@]}")
-        step "$s-native" 70 "${one[@]}" --native --new-tokens 64 >>"$OUT/models.jsonl" \
+        # (a bench loads and compiles first: 80-100 s on an H100 for the 8-layer Qwen3 slice)
+        step "$s-native" 100 "${one[@]}" --native --new-tokens 64 >>"$OUT/models.jsonl" \
             2>>"$OUT/models.log"
-        step "$s-hf" 70 "${one[@]}" --no-native --new-tokens 16 >>"$OUT/models.jsonl" \
+        step "$s-hf" 60 "${one[@]}" --no-native --new-tokens 16 >>"$OUT/models.jsonl" \
             2>>"$OUT/models.log"
-        step "$s-25" 70 "${one[@]}" --native --new-tokens 64 --host-memory 1TiB \
+        step "$s-25" 100 "${one[@]}" --native --new-tokens 64 --host-memory 1TiB \
             --expert-cache-slots $((n * 64)) >>"$OUT/models.jsonl" 2>>"$OUT/models.log"
     done
+    tail -n 20 "$OUT/models.log"
+elif [[ "${PART:-1}" == 8 ]]; then
+    if [[ "${SMOKE:-0}" == 1 ]]; then
+        plan=(--layers 1 --new-tokens 4 --prompt-tokens 8 --batch 1 --bench-args
+            "--device cpu --warmup 0")
+        calib=(--layers 2 --tokens 2048 --experts 16 --modes diag)
+    else
+        plan=(--layers 8) calib=(--layers 8 --tokens 65536)
+    fi
     step plan-glm5 30 "$PY" -m moetier plan --shape glm-5 --gpu-memory 96GB --host-memory 512GB \
         --predict --json >"$OUT/plan-models.jsonl" 2>>"$OUT/models.log"
     step plan-dsv4 30 "$PY" -m moetier plan --shape deepseek-v4-flash --gpu-memory 32GB \
@@ -158,7 +173,7 @@ elif [[ "${PART:-1}" == 3 ]]; then
         2>"$OUT/plan-check.log"
     step calibrated 200 "$PY" bench/convert_calibrated.py "${calib[@]}" \
         >"$OUT/convert-calibrated.jsonl" 2>"$OUT/convert-calibrated.log"
-else
+elif [[ "${PART:-1}" == 2 ]]; then
     smoke=()
     [[ "${SMOKE:-0}" == 1 ]] && smoke=(--smoke)
     [[ "${SMOKE:-0}" == 1 ]] || step tune-test 70 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
@@ -173,11 +188,13 @@ else
     fi
     step agent 110 "$PY" bench/serve.py --agent-turns 8 --profile 1 "${serve[@]}" \
         >"$OUT/engine.jsonl" 2>"$OUT/engine.log"
-    step budget-25 100 "$PY" -m moetier bench --shape "$shape" --layers "$layers" --native \
+    step budget-25 120 "$PY" -m moetier bench --shape "$shape" --layers "$layers" --native \
         --expert-cache-slots $((layers * 32)) --host-memory 1TiB --batch 1,4,16,64 --json \
         "${args[@]}" >>"$OUT/engine.jsonl" 2>>"$OUT/engine.log"
+fi
+if [[ "${PART:-1}" == 9 ]]; then
     for f in bf16 fp8 int4; do
-        step "dense-$f" 50 "$PY" -m moetier bench --shape "$shape" --layers "$layers" --native \
+        step "dense-$f" 100 "$PY" -m moetier bench --shape "$shape" --layers "$layers" --native \
             --dense "$f" --batch 1 --json "${args[@]}" >>"$OUT/dense.jsonl" 2>>"$OUT/engine.log"
     done
     conv=()
