@@ -115,13 +115,13 @@ write_synthetic_store(Path(sys.argv[1]), shape(sys.argv[2], int(sys.argv[3])), '
         done
     fi
 elif [[ "${PART:-1}" == 4 ]]; then
-    [[ "${SMOKE:-0}" == 1 ]] || step hybrid-tests 150 "$PY" -m pytest -m gpu -v --tb=short \
+    [[ "${SMOKE:-0}" == 1 ]] || step hybrid-tests 120 "$PY" -m pytest -m gpu -v --tb=short \
         -p no:cacheprovider tests/engine/test_hybrid_graph.py tests/models/test_hybrid_split.py \
         tests/kernels/test_cpu_graph_part.py >"$OUT/hybrid-tests.txt" 2>&1
     tail -5 "$OUT/hybrid-tests.txt" 2>/dev/null
     for share in 13 32; do  # GPU expert slots a layer of 128: 10% and 25%
         for cpu in off auto; do
-            step "hybrid-$share-$cpu" 75 "$PY" -m moetier bench --shape "$shape" --layers "$layers" \
+            step "hybrid-$share-$cpu" 100 "$PY" -m moetier bench --shape "$shape" --layers "$layers" \
                 --native --expert-cache-slots $((layers * share)) --host-memory 1TiB \
                 --cpu-experts "$cpu" --batch 1,4 --json "${args[@]}" >>"$OUT/hybrid.jsonl" \
                 2>>"$OUT/hybrid.log"
