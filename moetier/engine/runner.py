@@ -194,6 +194,14 @@ class PagedRunner(StepSampler):
         if not self.use_graphs:
             return 0.0
         width = self.context_buckets[0]
+        last = bucket_of(self.buckets, max_rows) or self.buckets[-1]
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") if self._compiled else None
+        print(
+            f"moetier: {'compiling and capturing' if cache else 'capturing'} the decode step for "
+            f"1 to {last} rows" + (f" (torch.compile's cache: {cache})" if cache else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         for bucket in self.buckets:
             if (bucket, width) not in self.graphs and self._capture(bucket, width) is None:
                 self.use_graphs = False  # not even the smallest step captures: eager steps

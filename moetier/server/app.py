@@ -45,6 +45,12 @@ from moetier.server.sse import EventStreams
 from moetier.server.state import ServerState
 
 
+def _warm_up_said(engine: AsyncEngine) -> str:
+    """ ", of which N s capturing (and compiling) the decode steps" where the engine did."""
+    seconds = getattr(getattr(engine.engine, "runner", None), "warm_up_seconds", 0.0)
+    return f", of which {seconds:.1f} s compiling and capturing the decode steps" if seconds else ""
+
+
 def create_app(
     engine: AsyncEngine | Callable[[], AsyncEngine],
     model_name: str,
@@ -72,6 +78,7 @@ def create_app(
         if factory is not None:
 
             def load() -> None:
+                began = time.perf_counter()
                 try:
                     loaded = factory()
                     state.parser = parser_for_engine(
@@ -81,6 +88,9 @@ def create_app(
                 except Exception as exc:  # reported by /health and every request
                     state.load_error = f"{type(exc).__name__}: {exc}"
                     print(f"moetier serve: loading failed: {state.load_error}", file=sys.stderr)
+                    return
+                print(f"moetier serve: {model_name} ready in {time.perf_counter() - began:.1f} s"
+                      f"{_warm_up_said(loaded)}", flush=True)  # fmt: skip
 
             threading.Thread(target=load, name="moetier-load", daemon=True).start()
         yield

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -197,7 +198,7 @@ def test_health_stays_fast_under_load(served):
     assert_idle(engine)
 
 
-def test_health_is_503_while_the_model_loads(tiny):
+def test_health_is_503_while_the_model_loads(tiny, capsys):
     release = threading.Event()
     loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu"))
 
@@ -210,12 +211,15 @@ def test_health_is_503_while_the_model_loads(tiny):
         assert http.get("/health").json() == {"status": "loading"}
         reply = http.post("/v1/chat/completions", json=body("Hi", 2, False))
         assert reply.status_code == 503 and "loading" in reply.json()["error"]["message"]
+        assert "ready" not in capsys.readouterr().out
         release.set()
         deadline = time.time() + 20
         while http.get("/health").status_code != 200:
             assert time.time() < deadline
             time.sleep(0.05)
         assert http.post("/v1/chat/completions", json=body("Hi", 2, False)).status_code == 200
+    # the load said when it was done, and how long it took (the factory waited for `release`)
+    assert re.search(rf"moetier serve: {MODEL} ready in \d+\.\d s\n", capsys.readouterr().out)
 
 
 def test_sigterm_during_a_stream_exits_cleanly(tiny):
