@@ -185,14 +185,18 @@ def compile_record(engine: Engine) -> dict:
     """Where the load's seconds went: each decode graph's capture (its compile included: the
     first bucket's full, later ones recompiling with a symbolic row count) and inductor's disk
     cache (hits: an earlier process compiled the same graph; a second start should hit)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compile_times, counters
 
     seconds = getattr(engine.runner, "capture_seconds", {})
     cache = {k: v for k, v in counters["inductor"].items() if "cache" in k}
     cache |= {k: v for k, v in counters["aot_autograd"].items() if "cache" in k}
+    names, values = compile_times(repr="csv", aggregate=True)  # seconds per compile phase
+    phases = sorted(zip(names, values, strict=True), key=lambda nv: -float(nv[1]))[:8]
     return {
         "capture_s": {f"{rows}x{width}": round(s, 2) for (rows, width), s in seconds.items()},
         "compile_cache": cache,
+        "graphs_compiled": dict(counters["stats"]),  # unique_graphs: recompiles show here
+        "compile_s_by_phase": {name: round(float(v), 2) for name, v in phases},
     }
 
 
