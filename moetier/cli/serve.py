@@ -108,14 +108,28 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, limits: Engine
         return AsyncEngine(Engine(session.load_model(args.store, engine_config, kv_positions),
                                   limits))  # fmt: skip
 
+    server: uvicorn.Server | None = None
+
+    def stop() -> None:  # the model did not load: nothing to serve (the error is printed)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(build, name, params, options=options, on_load_failure=stop)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (loading)", flush=True)
-    uvicorn.run(
-        create_app(build, name, params, options=options),
-        host=args.host,
-        port=args.port,
-        log_level=getattr(args, "log_level", "info"),
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=getattr(args, "log_level", "info"),
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
     )
+    server.run()
+    if app.state.server.load_error:
+        return 1
+    if not server.started:  # e.g. the port was taken (uvicorn said so): uvicorn.run's status
+        return 3
     return 0
 
 

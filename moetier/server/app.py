@@ -57,10 +57,13 @@ def create_app(
     defaults: SamplingParams | None = None,
     telemetry: Callable[[], ResidencyTelemetry] | None = None,
     options: ServerOptions | None = None,
+    on_load_failure: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` (or what the factory builds, loaded in the background)
     under the model id `model_name`; `telemetry` returns the residency counters `/metrics` shows
-    (default: the engine's model's slot pool); `options`: keys, aliases, CORS, limits."""
+    (default: the engine's model's slot pool); `options`: keys, aliases, CORS, limits.
+    A factory that fails leaves /health at 503 "failed" and every request a 503 saying why;
+    `on_load_failure` is then called (`moetier serve` stops the server: exit status 1)."""
     options = options or ServerOptions()
     check_parser_flags(options.tool_parser, options.reasoning_parser, options.reasoning_field)
     state = ServerState(model_name, defaults or SamplingParams(), options=options)
@@ -88,6 +91,8 @@ def create_app(
                 except Exception as exc:  # reported by /health and every request
                     state.load_error = f"{type(exc).__name__}: {exc}"
                     print(f"moetier serve: loading failed: {state.load_error}", file=sys.stderr)
+                    if on_load_failure is not None:
+                        on_load_failure()
                     return
                 print(f"moetier serve: {model_name} ready in {time.perf_counter() - began:.1f} s"
                       f"{_warm_up_said(loaded)}", flush=True)  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -287,3 +288,32 @@ def test_close_ends_open_requests_with_an_error(tiny):
     assert engine.engine.pool.used_pages == 0 and engine.engine.streams == {}
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(anext(engine.generate([3, 4], params)))
+
+
+def _serve_exits(store, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`moetier serve STORE` in a process of its own, run to its exit (a hang fails the test)."""
+    return subprocess.run(
+        [sys.executable, "-m", "moetier", "serve", str(store), "--device", "cpu", "--port",
+         str(free_port())],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_moetier_serve_refuses_a_path_that_is_not_a_store_before_it_listens(tmp_path):
+    done = _serve_exits(tmp_path / "nothing")
+    assert done.returncode != 0 and "(loading)" not in done.stdout  # it never started serving
+    assert re.search(r"moetier serve: error: .*nothing is not a moetier store .*moetier convert",
+                     done.stderr)  # fmt: skip
+
+
+def test_moetier_serve_exits_1_when_the_model_fails_to_load(tiny, tmp_path):
+    """A load that fails in the background (after the server started listening; here the dense
+    weights' file is gone): the error on stderr, then the server stops and `moetier serve`
+    exits with 1, instead of answering 503 for good."""
+    store = tmp_path / "store"
+    shutil.copytree(tiny.store("qwen3_moe"), store)
+    (store / "dense.safetensors").unlink()
+    done = _serve_exits(store)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "(loading)" in done.stdout and "ready" not in done.stdout
+    assert "moetier serve: loading failed:" in done.stderr and "dense.safetensors" in done.stderr
