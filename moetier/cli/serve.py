@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address to listen on (default: 127.0.0.1; another without --api-key warns)",
     )
-    parser.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="port (default: 8000)")
     parser.add_argument(
         "--model-name", help="model id reported by /v1/models (default: the store's name)"
     )
@@ -131,6 +131,17 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, limits: Engine
     if not server.started:  # e.g. the port was taken (uvicorn said so): uvicorn.run's status
         return 3
     return 0
+
+
+def _port(text: str) -> int:
+    """--port: a TCP port, 1 to 65535 (a larger one crashed the server at bind)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: a port from 1 to 65535")
+    return port
 
 
 def _loopback(host: str) -> bool:

@@ -317,3 +317,13 @@ def test_moetier_serve_exits_1_when_the_model_fails_to_load(tiny, tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]
     assert "(loading)" in done.stdout and "ready" not in done.stdout
     assert "moetier serve: loading failed:" in done.stderr and "dense.safetensors" in done.stderr
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "http"])
+def test_moetier_serve_refuses_a_port_that_cannot_be(port, capsys):
+    from moetier.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error, before any load
+        main(["serve", "--device", "cpu", "--port", port])
+    assert exit_info.value.code == 2
+    assert f"argument --port: '{port}': a port from 1 to 65535" in capsys.readouterr().err
