@@ -1,13 +1,15 @@
 """`moetier serve` on CUDA as a user starts it (GPU): a real server process on loopback over a
 synthetic q2s store of the Qwen3-30B-A3B shape (one layer), its default path (native, the decode
-step compiled and graphed), the official `openai` client. A streamed greedy completion's text
-equals the same request answered whole; four concurrent streams each get every token they
-asked for; SIGTERM stops it. (The bench's 48-layer serve path failed on an H100 at e60d607 while
-`moetier bench` and `moetier generate` on the same store ran.)"""
+step compiled and graphed), the official `openai` client. It says when it is ready; a streamed
+greedy completion's text equals the same request answered whole; four concurrent streams each
+get every token they asked for; SIGTERM stops it. (The bench's 48-layer serve path failed on an
+H100 at e60d607 while `moetier bench` and `moetier generate` on the same store ran: the
+device's wheels lacked fastapi's dependencies.)"""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,6 +78,16 @@ def _streamed(url: str, tokens: int) -> tuple[str, int]:
         if chunk.usage:
             usage = chunk.usage.completion_tokens
     return text, usage
+
+
+def test_it_says_what_the_load_did(server):
+    """The capture announced before it starts (a minute or more on a first start), then the
+    ready line with its share."""
+    url, process, log = server
+    text = log.read_text()
+    assert "moetier: compiling and capturing the decode step for 1 to " in text
+    assert re.search(r"moetier serve: store ready in [\d.]+ s, of which [\d.]+ s compiling and "
+                     r"capturing the decode steps", text), text[-3000:]  # fmt: skip
 
 
 def test_a_stream_equals_the_whole_answer(server):
