@@ -198,7 +198,8 @@ class PagedRunner(StepSampler):
         cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") if self._compiled else None
         print(
             f"moetier: {'compiling and capturing' if cache else 'capturing'} the decode step for "
-            f"1 to {last} rows" + (f" (torch.compile's cache: {cache})" if cache else ""),
+            + ("1 row" if last == 1 else f"1 to {last} rows")
+            + (f" (torch.compile's cache: {cache})" if cache else ""),
             file=sys.stderr,
             flush=True,
         )
