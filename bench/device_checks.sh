@@ -4,7 +4,8 @@
 # $OUT/*.jsonl, the GPU suite's output to $OUT/gpu-tests.txt, stderr to $OUT/*.log.
 #
 #   PART=1  the GPU suite (every `gpu`-marked test, 12 workers, a line per test), the serving
-#           engine's 1, 16 and 64 streams and the compiled static step (#42)
+#           engine's 1, 16 and 64 streams and the agent shape with a profiled warm turn on one
+#           engine, a second start of it, and the compiled static step (#42)
 #   PART=5  on one 8-layer Qwen3-30B-A3B store with an NVFP4 delta plane and an MTP layer:
 #           decode without drafts, with 2 drafts replayed at eval-moe-70m's measured acceptance
 #           drafting every step (its cost) and under serve's auto rule, and both at a quarter
@@ -77,16 +78,22 @@ if [[ "${PART:-1}" == 1 ]]; then
     [[ "${SMOKE:-0}" == 1 || "${TESTS:-1}" == 0 ]] || step gpu-tests 300 "$PY" -m pytest -m gpu \
         -n 12 -v --tb=short --show-capture=no -p no:logging -p no:cacheprovider ${GPU_TESTS:-tests} >"$OUT/gpu-tests.txt" 2>&1
     tail -20 "$OUT/gpu-tests.txt" 2>/dev/null
-    # #42: the engine's streams against the compiled static step, same call (fused K/V write,
-    # sum_pairs and the padding rows' routing landed after the last measurement)
+    # #42: the engine's streams, then the agent shape on the same engine (one load), against
+    # the compiled static step in the same call; then a second start of the same shapes (its
+    # load, compile and capture seconds, the compile cache's hits)
     if [[ "${SMOKE:-0}" == 1 ]]; then
         eng=(--device cpu --shape tiny --layers 2 --concurrency 1,3 --prompt-tokens 16
-            --new-tokens 8 --compile off)
+            --new-tokens 8 --compile off --first-tokens 100 --turn-tokens 40 --answer-tokens 8)
+        again=(--device cpu --shape tiny --layers 2 --compile off)
     else
-        eng=(--layers 8 --concurrency 1,16,64 --prompt-tokens 512 --new-tokens 96)
+        eng=(--layers 8 --concurrency 1,16,64 --prompt-tokens 512 --new-tokens 96
+            --first-tokens 5000 --turn-tokens 200 --answer-tokens 200)
+        again=(--layers 8)
     fi
-    step engine 120 "$PY" bench/serve.py "${eng[@]}" >>"$OUT/engine-streams.jsonl" \
-        2>>"$OUT/decode.log"
+    step engine 180 "$PY" bench/serve.py "${eng[@]}" --agent-turns 8 --profile-turn \
+        >>"$OUT/engine-streams.jsonl" 2>>"$OUT/decode.log"
+    step restart 100 "$PY" bench/serve.py "${again[@]}" --concurrency 1 --prompt-tokens 16 \
+        --new-tokens 8 >>"$OUT/engine-streams.jsonl" 2>>"$OUT/decode.log"
     [[ "${SMOKE:-0}" == 1 ]] || step static 100 "$PY" bench/decode.py --resident --layers 8 \
         --batch 1,16 --steps 64 --hf-tokens 0 >>"$OUT/engine-streams.jsonl" 2>>"$OUT/decode.log"
 elif [[ "${PART:-1}" == 5 || "${PART:-1}" == 7 ]]; then
@@ -186,7 +193,7 @@ elif [[ "${PART:-1}" == 2 ]]; then
     else  # the agent shape: a system prompt and tools, then 200 new tokens a turn, to ~8K
         serve=(--layers 8 --first-tokens 5000 --turn-tokens 200 --answer-tokens 200)
     fi
-    step agent 110 "$PY" bench/serve.py --agent-turns 8 --profile 1 "${serve[@]}" \
+    step agent 110 "$PY" bench/serve.py --agent-turns 8 --profile-turn "${serve[@]}" \
         >"$OUT/engine.jsonl" 2>"$OUT/engine.log"
     step budget-25 120 "$PY" -m moetier bench --shape "$shape" --layers "$layers" --native \
         --expert-cache-slots $((layers * 32)) --host-memory 1TiB --batch 1,4,16,64 --json \

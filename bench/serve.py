@@ -13,12 +13,13 @@ answered with --answer-tokens tokens; per turn its TTFT with the earlier turns' 
 prefix cache, beside the cold TTFT of a prompt of the same length whose first token is the
 turn's own (no prefix hit: neither the conversation's pages nor an earlier cold prompt's;
 `cold_cached_tokens` 0), and the prefix hit; after a first pass of the same shape with other
-tokens (not reported), so that no turn's figure carries a first-time cost. With --profile, then
-one more warm turn under the profilers (where its first token's time goes).
+tokens (not reported), so that no turn's figure carries a first-time cost. With --profile-turn,
+then one more warm turn under the profilers (where its first token's time goes). With
+--concurrency as well, the streams' cases run first on the same engine (one load and compile).
 
   python bench/serve.py --layers 8 --concurrency 1,4,16,64
   python bench/serve.py --layers 8 --agent-turns 8 --first-tokens 5000 --turn-tokens 200 \
-      --answer-tokens 200 [--profile 1]   # the agent shape: 8 turns growing to ~8K tokens
+      --answer-tokens 200 [--profile-turn]   # the agent shape: 8 turns growing to ~8K tokens
   python bench/serve.py --layers 8 --concurrency 1,64 --profile 32   # + where a step's time goes
   python bench/serve.py --device cpu --shape tiny --layers 2 --concurrency 1,4   # smoke test
   python bench/serve.py --shape glm-5 --layers 4 --concurrency 1 [--native off]   # real shapes:
@@ -275,7 +276,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument(
+        "--concurrency",
+        help="concurrent streams, comma separated (default: 1,4,16,64; with --agent-turns: "
+        "none, unless given: then the streams first, on the same engine)",
+    )
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -297,7 +302,12 @@ def main() -> None:
         "--profile",
         type=int,
         default=0,
-        help="also profile this many decode steps per concurrency (agent: a warm turn)",
+        help="also profile this many decode steps per concurrency",
+    )
+    parser.add_argument(
+        "--profile-turn",
+        action="store_true",
+        help="agent: after the turns, profile one more warm turn (where its TTFT goes)",
     )
     parser.add_argument("--agent-turns", type=int, default=0, help="the agent shape's turns")
     parser.add_argument(
@@ -320,7 +330,10 @@ def main() -> None:
         "comparison)",
     )
     args = parser.parse_args()
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if args.concurrency is not None:
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+    else:
+        concurrencies = [] if args.agent_turns else [1, 4, 16, 64]
     info = run_info()
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         config_dict = shape(args.shape, args.layers)
@@ -343,13 +356,14 @@ def main() -> None:
         )
         began = time.perf_counter()
         loaded = load_model(store, config)
-        pages = max(concurrencies) * -(-(args.prompt_tokens + args.new_tokens) // 16) + 16
+        rows = max(concurrencies, default=1)
+        pages = rows * -(-(args.prompt_tokens + args.new_tokens) // 16) + 16
         if args.agent_turns:  # the conversation's pages stay cached beside a cold copy
             longest = args.first_tokens + (args.agent_turns + 1) * (
                 args.turn_tokens + args.answer_tokens
-            )
-            pages = 3 * -(-longest // 16) + 16  # (the warm-up pass's pages are evicted first)
-        limits = EngineLimits(num_pages=pages, max_num_seqs=max(concurrencies))
+            )  # (the warm-up pass's pages are evicted first)
+            pages = max(pages, 3 * -(-longest // 16) + 16)
+        limits = EngineLimits(num_pages=pages, max_num_seqs=rows)
         engine = Engine(loaded, limits)
         load_s = time.perf_counter() - began  # load, compile and capture: until ready
         copy = copy_bandwidth() if args.device == "cuda" else None
@@ -366,18 +380,6 @@ def main() -> None:
             "load_s": round(load_s, 1),
             **compile_record(engine),
         }
-        if args.agent_turns:
-            # the whole conversation once with other tokens first (discarded): every shape the
-            # measured one runs (its chunks, the kernels' configs for them) is then warm, on
-            # the warm side and the cold side alike
-            shape_args = (args.agent_turns, args.first_tokens, args.turn_tokens, args.answer_tokens)
-            agent_turns(engine, *shape_args, seed=2)
-            records, conversation = agent_turns(engine, *shape_args, seed=3)
-            for record in records:
-                emit({**common, "case": "serve-agent", **record})
-            if args.profile:
-                emit({**common, **profile_turn(engine, conversation, args.turn_tokens, 5)})
-            return
         for concurrency in concurrencies:
             run_case(engine, concurrency, args.prompt_tokens, 8, seed=1)  # warm-up and capture
             record = run_case(engine, concurrency, args.prompt_tokens, args.new_tokens, seed=2)
@@ -397,6 +399,18 @@ def main() -> None:
                         **profile_steps(engine, concurrency, args.prompt_tokens, args.profile, 4),
                     }
                 )
+
+        if args.agent_turns:
+            # the whole conversation once with other tokens first (discarded): every shape the
+            # measured one runs (its chunks, the kernels' configs for them) is then warm, on
+            # the warm side and the cold side alike
+            shape_args = (args.agent_turns, args.first_tokens, args.turn_tokens, args.answer_tokens)
+            agent_turns(engine, *shape_args, seed=2)
+            records, conversation = agent_turns(engine, *shape_args, seed=3)
+            for record in records:
+                emit({**common, "case": "serve-agent", **record})
+            if args.profile_turn:
+                emit({**common, **profile_turn(engine, conversation, args.turn_tokens, 5)})
 
 
 if __name__ == "__main__":
