@@ -125,12 +125,8 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, limits: Engine
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     )
-    server.run()
-    if app.state.server.load_error:
-        return 1
-    if not server.started:  # e.g. the port was taken (uvicorn said so): uvicorn.run's status
-        return 3
-    return 0
+    server.run()  # (a port it cannot bind: uvicorn says so and exits with status 3)
+    return 1 if app.state.server.load_error else 0
 
 
 def _port(text: str) -> int:

@@ -48,7 +48,7 @@ def check_engine_config(
     """Fail on a path that is not a store, a bad cache policy or a --gpu-memory the dense part
     and `kv_positions` of KV cache do not fit (on each of `ranks` GPUs), before any weight is
     loaded."""
-    Store(store_path).close()  # (its index only: says what to do where it is not a store)
+    Store.check_path(store_path)
     make_policy(engine_config.cache_policy)
     if engine_config.expert_reads not in ("mmap", "direct"):
         raise ValueError(f"--expert-reads {engine_config.expert_reads!r}: use mmap or direct")

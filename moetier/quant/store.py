@@ -62,15 +62,19 @@ class BlobEntry:
 class Store:
     """A converted model on disk; the experts file is memory-mapped, never read whole."""
 
+    @staticmethod
+    def check_path(path: str | Path) -> None:
+        """Raise what to do where `path` is not a store (its index missing), without reading it."""
+        if not (Path(path) / INDEX_FILE).is_file():
+            raise ValueError(
+                f"{path} is not a moetier store ({INDEX_FILE} missing). "
+                f"Convert a Hugging Face checkpoint first: moetier convert HF_DIR {path}"
+            )
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        index_path = self.path / INDEX_FILE
-        if not index_path.is_file():
-            raise ValueError(
-                f"{self.path} is not a moetier store ({INDEX_FILE} missing). "
-                f"Convert a Hugging Face checkpoint first: moetier convert HF_DIR {self.path}"
-            )
-        self.index: dict[str, Any] = json.loads(index_path.read_text())
+        self.check_path(self.path)
+        self.index: dict[str, Any] = json.loads((self.path / INDEX_FILE).read_text())
         if self.index.get("version") != STORE_VERSION:
             raise ValueError(
                 f"{self.path} was written by store version {self.index.get('version')}, this "
