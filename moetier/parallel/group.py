@@ -61,9 +61,21 @@ class RankGroup:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, finished: bool = False) -> None:
+        """Leave the run. `finished`: every rank got to its end (rank 0 stopped the followers),
+        so the ranks first meet at a barrier and none tears its sockets down while another is
+        still reading the last message (gloo then aborts the process at exit, "terminate
+        called without an active exception", seen in a loaded CI run); after an error the
+        others may be gone, so no barrier then."""
+        if not dist.is_initialized():
+            return
+        if finished:
+            try:
+                wait = timedelta(seconds=self.timeout_s)
+                dist.monitored_barrier(group=self.control, timeout=wait)
+            except (RuntimeError, dist.DistError):
+                pass  # a rank gone at the very end: leave anyway, the launcher reports its exit
+        dist.destroy_process_group()
 
 
 def join(device: str) -> RankGroup:

@@ -140,17 +140,20 @@ def run(
         check_devices(engine_config, ranks)
         return spawn(verb, args, ranks, env or {})
     group = join(engine_config.resolved_device())
+    finished = False
     try:
         if not group.leader:
             loaded = load_rank_model(store, engine_config, kv_positions, group)
             follow(loaded.model, group, loaded.device)
+            finished = True
             return 0
         session = Session(group)
         status = body(session)
         session.stop()  # (not after an error: the launcher stops the other ranks then)
+        finished = True
         return status
     finally:
-        group.close()
+        group.close(finished)
 
 
 def check_devices(engine_config: EngineConfig, ranks: int) -> None:

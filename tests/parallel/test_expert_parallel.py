@@ -93,8 +93,8 @@ def test_two_ranks_give_one_process_tokens(tiny, model_type, tmp_path):
     if model_type == "deepseek_v3":  # the hotness path: experts split by a routing trace
         args += ["--hotness", _trace(store, tmp_path / "trace.npz")]
     results = _torchrun_ranks(2, *args)
-    for code, _, stderr in results:
-        assert code == 0, stderr[-3000:]
+    for rank, (code, _, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank}: {stderr[-3000:]}"
     line = json.loads(results[0][1].strip().splitlines()[-1])
     assert line["tokens"] == alone["tokens"]
     assert line["ranks"] == 2 and line["forwards"] > 0 and line["combines"] > 0
