@@ -116,7 +116,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, limits: Engine
 
     app = create_app(build, name, params, options=options, on_load_failure=stop)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (loading)", flush=True)
-    server = uvicorn.Server(
+    server = _server_class()(
         uvicorn.Config(
             app,
             host=args.host,
@@ -127,6 +127,24 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, limits: Engine
     )
     server.run()  # (a port it cannot bind: uvicorn says so and exits with status 3)
     return 1 if app.state.server.load_error else 0
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which first tells the engine to stop when a signal asks it to:
+        open requests then end with their API's error (a stream's error event, a 503) inside
+        the graceful window, instead of being cut when it runs out."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state = getattr(self.config.app, "state", None)
+            server_state = getattr(state, "server", None) if state is not None else None
+            if server_state is not None and server_state.engine is not None:
+                server_state.engine.shutdown()
+            super().handle_exit(sig, frame)
+
+    return Server
 
 
 def _port(text: str) -> int:

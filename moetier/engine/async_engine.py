@@ -92,7 +92,7 @@ class AsyncEngine:
         inbox: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
             if self._stop.is_set():
-                raise RuntimeError("the engine is shut down")
+                raise RuntimeError("the server is shutting down")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), inbox)
@@ -123,11 +123,19 @@ class AsyncEngine:
         """Block until no request is queued or running (tests)."""
         return self._idle.wait(timeout)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """End every open request (its iterator raises RuntimeError) and stop the loop thread."""
+    def shutdown(self) -> None:
+        """Begin stopping without waiting: the loop thread ends every open request (its
+        iterator raises RuntimeError "the server is shutting down") after the step it is in,
+        and later requests are refused. The server calls it when a signal asks it to stop,
+        so that open requests end with their API's error while their connections are still
+        open (uvicorn's graceful window), not cut."""
         with self._lock:
             self._stop.set()
         self._commands.put(("wake",))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End every open request (its iterator raises RuntimeError) and stop the loop thread."""
+        self.shutdown()
         self._thread.join(timeout)
 
     # -- the loop thread ---------------------------------------------------------------------

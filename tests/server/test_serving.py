@@ -228,7 +228,7 @@ def test_sigterm_during_a_stream_exits_cleanly(tiny):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
         [sys.executable, "-m", "moetier", "serve", str(tiny.store("qwen3_moe")), "--native",
-         "--device", "cpu", "--port", str(port)],
+         "--device", "cpu", "--port", str(port), "--model-name", MODEL],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -243,22 +243,38 @@ def test_sigterm_during_a_stream_exits_cleanly(tiny):
                 pass
             assert time.time() < deadline, "the server never became ready"
             time.sleep(0.2)
+        whole: dict[str, httpx.Response] = {}  # a request answered whole, in flight too
+
+        def ask_whole() -> None:
+            chat = url + "/v1/chat/completions"
+            whole["reply"] = httpx.post(chat, json=body("A tale", 220, False), timeout=30)
+
+        waiting = threading.Thread(target=ask_whole)
+        waiting.start()
         with httpx.stream(
-            "POST", url + "/v1/chat/completions", json=body("A story", 200, True), timeout=30
+            "POST", url + "/v1/chat/completions", json=body("A story", 220, True), timeout=30
         ) as reply:
             lines = reply.iter_lines()
-            next(lines)
+            while '"content": "' not in next(lines):  # until its first token: mid-answer
+                pass
             server.send_signal(signal.SIGTERM)
             began = time.monotonic()
-            try:  # the stream ends, finished within the graceful window or cut by the shutdown
-                for _ in lines:
-                    pass
-            except httpx.TransportError:
-                pass
+            # the engine stops first: the stream ends with the API's error event while its
+            # connection is open (uvicorn's graceful window), not cut when the window closes
+            events = [line for line in lines if line.startswith("data: ")]
+        waiting.join(timeout=30)
         # uvicorn shuts down gracefully, then re-raises the signal it caught (exit by SIGTERM)
         assert server.wait(timeout=15) in (0, -signal.SIGTERM)
         assert time.monotonic() - began < 15
-        assert "Finished server process" in server.stdout.read()
+        log = server.stdout.read()
+        assert "Finished server process" in log
+        assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log
+        last = [json.loads(e[6:]) for e in events if e != "data: [DONE]"][-1]
+        assert "shutting down" in last["error"]["message"], events[-3:]
+        assert len(events) < 200  # it did not run to its end
+        answer = whole["reply"]  # the whole answer's request: the API's 503, in its shape
+        assert answer.status_code == 503, answer.text
+        assert "shutting down" in answer.json()["error"]["message"]
     finally:
         if server.poll() is None:
             server.kill()
@@ -286,7 +302,7 @@ def test_close_ends_open_requests_with_an_error(tiny):
     got = asyncio.run(consume())
     assert 3 <= len(got) < 200 and all(out.finish_reason is None for out in got)
     assert engine.engine.pool.used_pages == 0 and engine.engine.streams == {}
-    with pytest.raises(RuntimeError, match="shut down"):
+    with pytest.raises(RuntimeError, match="shutting down"):
         asyncio.run(anext(engine.generate([3, 4], params)))
 
 
