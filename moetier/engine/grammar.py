@@ -43,12 +43,46 @@ JSON_OPTIONS: dict[str, Any] = {
 
 _CACHE_SIZE = 64
 
+# keywords whose value is one subschema, a list of them, or a map of name -> subschema
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+        "propertyNames", "unevaluatedItems", "additionalItems")  # fmt: skip
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object that lists its `properties` and says nothing of others
+    closed to them (`additionalProperties: false`), as vLLM's default grammar backend (xgrammar)
+    and OpenAI's strict mode read it. JSON Schema's own default lets such an object take any
+    other key, and a model held to a schema then writes keys it made up (a tool's arguments
+    beside the ones it declares). An object without `properties` (free-form) stays open.
+    A copy; the input is unchanged."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed_objects(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN):
+        out["additionalProperties"] = False
+    return out
+
 
 def _json_schema_grammar(schema: Any) -> str:
     if isinstance(schema, bool):  # the schemas `true` (anything) and `false` (nothing)
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema must be an object, not {type(schema).__name__}")
+    schema = closed_objects(schema)
     try:
         return str(
             llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=cast(Any, JSON_OPTIONS))
@@ -85,7 +119,7 @@ def _structural_tag_grammar(spec: Any) -> str:
         schema = s.get("schema", {})
         if not isinstance(schema, dict):
             raise ValueError(f"the schema of structure {s['begin']!r} must be a JSON object")
-        schema = {"x-guidance": JSON_OPTIONS, **schema}
+        schema = {"x-guidance": JSON_OPTIONS, **closed_objects(schema)}
         end = s.get("end", "")
         if not isinstance(end, str):
             raise ValueError(f'the "end" of structure {s["begin"]!r} must be a string')
@@ -314,7 +348,7 @@ def tool_call_grammar(
         "anyOf": [
             {
                 "type": "object",
-                "properties": {"name": {"const": n}, "arguments": named[n]},
+                "properties": {"name": {"const": n}, "arguments": closed_objects(named[n])},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }

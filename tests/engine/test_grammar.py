@@ -25,6 +25,7 @@ from moetier.engine.grammar import (
     Matcher,
     apply_bitmask,
     check_grammar,
+    closed_objects,
     tool_call_grammar,
 )
 from moetier.engine.sampler import SamplingParams
@@ -327,9 +328,63 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
 NOW = '{"name": "now", "arguments": {}}'
 
 
+def test_closed_objects_closes_declared_objects_only():
+    """Objects that list properties and say nothing of others get additionalProperties false,
+    at any depth (items, anyOf, $defs, a property's own schema); a property *named* like a
+    keyword is a name, not a keyword; a free-form object and an explicit choice stay as they
+    are; the input is not changed."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {}}},
+            "meta": {"type": "object"},  # free-form: stays open
+            "extra": {"type": "object", "properties": {}, "additionalProperties": True},
+            "either": {"anyOf": [{"$ref": "#/$defs/point"}, {"type": "null"}]},
+        },
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}}},
+    }
+    before = json.dumps(schema)
+    closed = closed_objects(schema)
+    assert json.dumps(schema) == before
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["properties"]["properties"]  # names, not a schema
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["meta"]
+    assert props["extra"]["additionalProperties"] is True
+    assert closed["$defs"]["point"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ('{"city": "Oslo"}', True),
+        ('{"city": "Oslo", "mood": "grey"}', False),  # a key the schema does not declare
+        ('{"city": "Oslo", "meta": {"any": [1]}}', True),  # a free-form object takes any key
+    ],
+)
+def test_json_schema_objects_take_only_their_declared_keys(backend, tokenizer, text, ok):
+    """A schema that does not say additionalProperties (JSON Schema's default: anything) is
+    held to its declared keys, as vLLM's default backend and OpenAI's strict mode hold it."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "meta": {"type": "object"}},
+        "required": ["city"],
+    }
+    assert verdict(backend, tokenizer, "json_schema", json.dumps(schema), text) == ok
+
+
 @pytest.mark.parametrize(
     "choice, text, ok",
     [
+        ("required", '{"name": "now", "arguments": {"when": "today"}}', False),
+        (
+            "required",
+            '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "x": 1}}',
+            False,
+        ),  # fmt: skip
         ("required", CALL, True),
         ("required", NOW, True),
         ({"type": "any"}, NOW, True),
@@ -345,6 +400,19 @@ NOW = '{"name": "now", "arguments": {}}'
 def test_forced_tool_call(backend, tokenizer, choice, text, ok):
     kind, spec = tool_call_grammar(TOOLS, choice)
     assert verdict(backend, tokenizer, kind, spec, text) == ok
+
+
+def test_forced_call_in_a_family_syntax_takes_only_declared_arguments(backend, tokenizer):
+    """The server's forced call (parsers/forced.py, here the Hermes family's own syntax): a
+    tool whose schema does not close its object still gets only the keys it declares."""
+    from moetier.server.parsers.forced import forced_call_grammar
+
+    tool = {"type": "function", "function": {"name": "now", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}}}}  # fmt: skip
+    (kind, spec), _ = forced_call_grammar("hermes", [tool], "required", False, tokenizer)
+    call = '<tool_call>\n{{"name": "now", "arguments": {}}}\n</tool_call>'
+    assert verdict(backend, tokenizer, kind, spec, call.format('{"zone": "UTC"}'))
+    assert not verdict(backend, tokenizer, kind, spec, call.format('{"zone": "UTC", "x": 1}'))
 
 
 def test_forced_tool_call_in_family_markers(backend, tokenizer):

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from moetier.engine.grammar import JSON_OPTIONS, check_grammar, tool_call_grammar
+from moetier.engine.grammar import JSON_OPTIONS, check_grammar, closed_objects, tool_call_grammar
 from moetier.server.parsers import deepseek_v3 as ds
 from moetier.server.parsers import kimi_k2 as kimi
 
@@ -121,7 +121,7 @@ def forced_call_grammar(
     alternatives = []
     for name, schema in chosen.items():
         begin, end = around(name, str(call_offset) if not parallel else "")
-        args = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+        args = json.dumps({**closed_objects(schema), "x-guidance": JSON_OPTIONS})
         alternatives.append(f"{_lark(begin, added)} %json {args} {_lark(end, added)}")
     rules = [f"call_{i}: {alt}" for i, alt in enumerate(alternatives)]
     calls = f"call ({_lark(sep, added)} call)*" if parallel else "call"
