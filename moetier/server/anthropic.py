@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -48,6 +49,9 @@ from moetier.server.parsers.serving import (
 from moetier.server.state import ServerState, all_outputs, not_ready
 
 PREFIX = ANTHROPIC_PREFIX
+# while a tool call is held back (AnthropicStream), a ping at least this often keeps the stream
+# from looking dead to a client or a proxy
+HELD_PING_S = 5.0
 # Claude Code's per-request attribution line at the start of its system prompt
 # ("x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=...;"): it changes with
 # every request, so left in it would make every prompt differ from its first tokens on
@@ -346,6 +350,7 @@ async def _events(
 
     blocks = AnthropicStream()  # thinking, text and tool_use blocks as the parser finds them
     pinged = False
+    quiet_since = time.monotonic()  # the last block event sent
     last = None
     try:
         async for out in outputs:
@@ -362,11 +367,19 @@ async def _events(
                 }
                 yield event("message_start", {"message": start})
             last = out
+            sent = False
             for name, data in blocks.events(parsing.push(out)):
                 yield event(name, data)
+                sent = True
                 if not pinged:  # after the first block starts, as before
                     pinged = True
                     yield event("ping", {})
+            now = time.monotonic()
+            if sent:
+                quiet_since = now
+            elif blocks.holding and now - quiet_since > HELD_PING_S:  # a long call held back
+                quiet_since = now
+                yield event("ping", {})
     except ValueError as err:
         if last is not None:  # not the engine's refusal: a bug (sse.py's error event)
             raise

@@ -223,15 +223,51 @@ def test_anthropic_events_accumulate_to_the_message(case):
         if block["type"] == "tool_use":
             block["id"] = "x"
         block.pop("citations", None)
-    if case.withdrawn:
-        # a call found broken after it was streamed stays in the stream (it cannot be taken
-        # back); its markup follows as text, as in the message
-        text = "".join(b["text"] for b in got if b["type"] == "text")
-        assert text == message.content
-        uses = [b for b in got if b["type"] == "tool_use"]
-        assert len(uses) == len(message.tool_calls) + case.withdrawn
-        return
+    # a call found broken (cut, not JSON) was held back and never sent: the SDK has no
+    # tool_use for it, and its markup comes as text, as in the message
     assert got == want
+
+
+def _sdk_blocks(events: list[tuple[str, dict]]) -> list[dict]:
+    """The content blocks Anthropic's SDK accumulates from our stream events."""
+    start = {"message": {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+                         "content": [], "stop_reason": None, "stop_sequence": None,
+                         "usage": {"input_tokens": 1, "output_tokens": 0}}}  # fmt: skip
+    adapter = TypeAdapter(RawMessageStreamEvent)
+    snapshot, bufs = None, {}
+    for name, data in [("message_start", start), *events]:
+        event = adapter.validate_python({"type": name, **data})
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
+    return [b.model_dump(exclude_none=True) for b in snapshot.content]
+
+
+@pytest.mark.parametrize(
+    "family, raw",
+    [
+        ("hermes", 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os'),
+        (
+            "deepseek_v3",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+            'get_weather\n```json\n{"city": "Oslo", "da',
+        ),  # fmt: skip
+    ],
+)
+def test_a_call_cut_by_max_tokens_never_reaches_the_sdk_as_a_tool_use(family, raw):
+    """Cut mid-arguments (max_tokens): Anthropic's SDK reads partial JSON leniently, so a
+    streamed tool_use would be a call with made-up input; the block is held until the call is
+    whole, and a cut one arrives as its markup in text, as the answer sent whole has it."""
+    parser, whole = make_parser(family, tools=TOOLS), make_parser(family, tools=TOOLS)
+    stream = AnthropicStream()
+    events = []
+    for i in range(0, len(raw), 5):
+        events += stream.events(parser.feed(raw[i : i + 5]))
+        if '"city"' in raw[: i + 5]:
+            assert stream.holding  # (the parser has announced the call by now)
+    events += stream.events(parser.finish())
+    events += stream.close()
+    blocks = _sdk_blocks(events)
+    assert [b["type"] for b in blocks] == ["text"]
+    assert blocks == anthropic_blocks(whole.parse(raw)) and raw.endswith(blocks[0]["text"][-5:])
 
 
 def test_special_tokens_other_than_the_markers_stay_out(kimi_tokenizer):

@@ -495,38 +495,67 @@ def anthropic_blocks(message: Message) -> list[dict[str, Any]]:
 class AnthropicStream:
     """Deltas -> Anthropic stream events (name, data): a block opens when its kind of part
     starts (thinking, text, tool_use) and closes when another begins; tool arguments arrive as
-    input_json_delta fragments."""
+    input_json_delta fragments.
+
+    A tool call's block is held back until the call is known whole (the next part, or the
+    end, comes and the parser has not withdrawn it), then sent at once: Anthropic's SDKs read
+    a tool_use block's partial JSON leniently, so a call cut by max_tokens or broken mid-way
+    would reach the client as a call with made-up input (`{}`, or a file's content cut short),
+    where the parser gives its markup back as text (as the answer sent whole has it)."""
 
     def __init__(self) -> None:
         self.index = -1
         self.open: str | None = None
+        self.held: tuple[int, dict[str, Any], list[str]] | None = None  # call index, block, args
+
+    @property
+    def holding(self) -> bool:
+        """Whether a tool call is held back (the stream is quiet meanwhile: keep it alive)."""
+        return self.held is not None
 
     def events(self, delta: Delta) -> list[tuple[str, dict[str, Any]]]:
         out: list[tuple[str, dict[str, Any]]] = []
         for kind, value in delta.parts:
+            if kind != "tool_call" or value.id is not None:
+                self._release(out)  # a part after a held call: the call ended whole
             if kind == "reasoning":
                 self._begin(out, "thinking", {"type": "thinking", "thinking": "", "signature": ""})
                 out.append(self._delta({"type": "thinking_delta", "thinking": value}))
             elif kind == "content":
                 self._begin(out, "text", {"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": value}))
+            elif value.withdrawn:  # not a call after all: its markup follows as text
+                if self.held is not None and self.held[0] == value.index:
+                    self.held = None
             else:
                 if value.id is not None:
                     block = {"type": "tool_use", "id": value.id, "name": value.name, "input": {}}
-                    self._begin(out, "tool_use", block, new=True)
-                if value.arguments:
-                    fragment = {"type": "input_json_delta", "partial_json": value.arguments}
-                    out.append(self._delta(fragment))
+                    self.held = (value.index, block, [])
+                if value.arguments and self.held is not None:
+                    self.held[2].append(value.arguments)
         return out
 
     def close(self) -> list[tuple[str, dict[str, Any]]]:
         """The last block's stop (an answer with no block at all gets an empty text block)."""
         out: list[tuple[str, dict[str, Any]]] = []
+        self._release(out)
         if self.open is None:
             self._begin(out, "text", {"type": "text", "text": ""})
         out.append(("content_block_stop", {"index": self.index}))
         self.open = None
         return out
+
+    def _release(self, out: list[tuple[str, dict[str, Any]]]) -> None:
+        """Send the held call's block: its start and its arguments in one fragment."""
+        if self.held is None:
+            return
+        _, block, fragments = self.held
+        self.held = None
+        self._begin(out, "tool_use", block, new=True)
+        if fragments:
+            out.append(
+                self._delta({"type": "input_json_delta", "partial_json": "".join(fragments)})
+            )
 
     def _begin(
         self,
