@@ -343,3 +343,15 @@ def test_moetier_serve_refuses_a_port_that_cannot_be(port, capsys):
         main(["serve", "--device", "cpu", "--port", port])
     assert exit_info.value.code == 2
     assert f"argument --port: '{port}': a port from 1 to 65535" in capsys.readouterr().err
+
+
+def test_a_cpu_server_leaves_a_core_to_the_rest():
+    """torch's threads when serving on the CPU: one fewer than its default (a core stays with
+    the HTTP loop and the machine), at least one; OMP_NUM_THREADS given wins."""
+    from moetier.cli.serve import serving_threads
+
+    assert serving_threads({}, 2) == 1
+    assert serving_threads({}, 16) == 15
+    assert serving_threads({}, 1) == 1
+    assert serving_threads({"OMP_NUM_THREADS": "2"}, 2) == 2
+    assert serving_threads({"OMP_NUM_THREADS": " "}, 8) == 7
