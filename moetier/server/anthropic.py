@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moetier.engine.engine import Output
 from moetier.engine.sampler import SamplingParams
+from moetier.engine.scheduler import ContextLengthError
 from moetier.server.errors import ANTHROPIC_PREFIX, anthropic_error, stream_error_event
 from moetier.server.parsers.registry import FAMILIES
 from moetier.server.parsers.serving import (
@@ -290,6 +291,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 state, engine.tokenizer, req.thinking, params, parsing.starts_in_reasoning
             )
             engine.check(prompt_ids, params, req.max_tokens)
+        except ContextLengthError as err:
+            room = engine.engine.scheduler.room(len(prompt_ids)) if prompt_ids else 0
+            hint = (  # Claude Code asks for 32,000 tokens (its default) whatever is left
+                f" (the prompt leaves room for {room}: Claude Code asks for "
+                "CLAUDE_CODE_MAX_OUTPUT_TOKENS tokens, 32000 unless set lower)"
+                if room > 0 else ""
+            )  # fmt: skip
+            return error(400, f"{err}{hint}")
         except ValueError as err:
             return error(400, str(err))
         message_id = f"msg_{uuid.uuid4().hex}"

@@ -155,6 +155,7 @@ def test_errors_in_anthropics_shape(server, client):
         json={"model": MODEL, "max_tokens": 10**6, "messages": [{"role": "user", "content": "hi"}]},
     )
     assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+    assert "CLAUDE_CODE_MAX_OUTPUT_TOKENS" in too_long.json()["error"]["message"]  # what to do
 
 
 def billing_line(cch: str) -> str:
