@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,6 +33,7 @@ from moetier.server.parsers.serving import ChatParsing, prepare_chat, template_k
 from moetier.server.sampling_fields import JsonSchemaFormat, ResponseFormat, SamplingFields
 from moetier.server.state import ServerState, all_outputs, not_ready
 
+log = logging.getLogger("moetier.server")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
@@ -182,11 +184,26 @@ def _reasoning_text(item: InputItem) -> str:
     return "\n".join(str(p.get("text", "")) for p in summary if isinstance(p, dict))
 
 
+# tools that OpenAI's servers run themselves (no call reaches the client): a local model has
+# none of them, so they are left out of its prompt, not refused (a client such as Codex may
+# offer web_search beside its function tools)
+HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "code_interpreter",
+                          "image_generation", "computer_use_preview", "mcp"})  # fmt: skip
+_said_hosted: set[str] = set()
+
+
 def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools as the chat template's; ValueError for other tool types."""
+    """Responses function tools as the chat template's; hosted tools (HOSTED_TOOLS) left out,
+    said once per type in the log; ValueError for other tool types."""
     out = []
     for n, tool in enumerate(tools or ()):
-        if tool.get("type") != "function" or not tool.get("name"):
+        kind = tool.get("type")
+        if kind in HOSTED_TOOLS:
+            if kind not in _said_hosted:
+                _said_hosted.add(kind)
+                log.warning("tools: %r runs on OpenAI's servers, not here: left out", kind)
+            continue
+        if kind != "function" or not tool.get("name"):
             raise ValueError(
                 f"tools.{n}: only function tools with a name are supported, not "
                 f"{tool.get('type')!r}"

@@ -242,7 +242,7 @@ def test_stateless_and_unsupported_input_are_400s(client):
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
-        ({"tools": [{"type": "web_search"}]}, "function tools"),
+        ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "function tools"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "nope"),
         ({"input": [{"type": "message", "role": "user",
                      "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
@@ -260,6 +260,25 @@ def test_stateless_and_unsupported_input_are_400s(client):
         assert info.value.body["type"] == "invalid_request_error"
         if match == "context length":
             assert info.value.code == "context_length_exceeded"
+
+
+def test_hosted_tools_are_left_out_once_said(client, caplog):
+    """Tools OpenAI's servers run (web_search, file_search, ...) have no call for a client to
+    run: beside function tools they are left out of the prompt, said once in the log, and the
+    request is answered (a client such as Codex offers web_search)."""
+    from moetier.server.responses import template_tools
+
+    hosted = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": []}]
+    assert template_tools([*hosted, TOOL]) == template_tools([TOOL])
+    assert template_tools(hosted) is None
+    with caplog.at_level("WARNING", logger="moetier.server"):
+        for _ in range(2):
+            reply = client.responses.create(
+                model=MODEL, input="Hi", max_output_tokens=2, tools=[{"type": "web_search"}, TOOL]
+            )
+            assert reply.status in ("completed", "incomplete")
+    said = [r.getMessage() for r in caplog.records if "web_search" in r.getMessage()]
+    assert len(said) <= 1  # once a process (template_tools above may have said it already)
 
 
 PET = {
