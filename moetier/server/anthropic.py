@@ -1,8 +1,9 @@
 """The Anthropic surface: `POST /v1/messages` (streaming and not) and
 `POST /v1/messages/count_tokens`, with Anthropic-shaped errors.
 
-Messages become the chat template's messages: `system` (a string or text blocks) first, text
-blocks joined, an assistant's `tool_use` blocks as its `tool_calls`, a user's `tool_result`
+Messages become the chat template's messages: `system` (a string or text blocks) first, a
+message's text blocks joined by newlines (as vLLM joins them: Claude Code sends several), an
+assistant's `tool_use` blocks as its `tool_calls`, a user's `tool_result`
 blocks as `tool` messages, thinking blocks of the history as `reasoning_content` (for the
 templates that keep it); image blocks are refused with a 400. `tools` reach the chat template;
 the model's parser (server/parsers) turns its reasoning and tool calls into `thinking` and
@@ -142,28 +143,33 @@ def chat_messages(
             else:
                 raise ValueError(f"a {block.type!r} block cannot be in a {message.role} message")
         if texts or calls or message.role == "assistant":
-            entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+            entry: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
             if calls:
                 entry["tool_calls"] = calls
             if any(thinking):
-                entry["reasoning_content"] = "".join(thinking)
+                entry["reasoning_content"] = "\n".join(t for t in thinking if t)
             out.append(entry)
     return out
 
 
 def _system_text(system: str | list[Block] | None) -> str:
-    """The system prompt's text without Claude Code's billing line (in any of its blocks)."""
+    """The system prompt's text, its blocks joined by newlines, without Claude Code's billing
+    line (in any of its blocks; a block that was only that line is left out, not an empty
+    line)."""
     if not system:
         return ""
     blocks = [system] if isinstance(system, str) else system
     parts = []
     for block in blocks:
         text = block if isinstance(block, str) else _text([block], "system")
-        parts.append(BILLING_LINE.sub("", text))
-    return "".join(parts)
+        kept = BILLING_LINE.sub("", text)
+        if kept or kept == text:
+            parts.append(kept)
+    return "\n".join(parts)
 
 
 def _text(content: str | list[Block], where: str) -> str:
+    """Text blocks' text joined by newlines; ValueError for a block of another type."""
     if isinstance(content, str):
         return content
     parts = []
@@ -171,7 +177,7 @@ def _text(content: str | list[Block], where: str) -> str:
         if block.type != "text":
             raise ValueError(f"{where}: only text blocks are supported here, not {block.type!r}")
         parts.append(block.text or "")
-    return "".join(parts)
+    return "\n".join(parts)
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

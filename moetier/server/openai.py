@@ -60,6 +60,8 @@ class ChatMessage(BaseModel):
         return out
 
     def text(self) -> str:
+        """The content as one string: text parts joined by a newline (as vLLM joins them: the
+        parts are separate texts, and joined with nothing their words would run together)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
@@ -67,7 +69,7 @@ class ChatMessage(BaseModel):
             if part.type != "text":
                 raise ValueError(f"content part type {part.type!r} is not supported (text only)")
             parts.append(part.text or "")
-        return "".join(parts)
+        return "\n".join(parts)
 
 
 class ChatCompletionRequest(SamplingFields):
