@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from moetier.engine.engine import Output
 from moetier.engine.sampler import MAX_LOGPROBS
@@ -75,10 +75,33 @@ class ChatMessage(BaseModel):
         return "\n".join(parts)
 
 
+class FunctionDefinition(BaseModel):
+    """A chat tool's function: a name required (as OpenAI and vLLM require it); its other
+    fields reach the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """A tool in the chat API's shape, `{"type": "function", "function": {"name": ...}}`; any
+    other shape is a 400 naming the tool's index and field, as on OpenAI and vLLM (the
+    Responses API's flat `{"type": "function", "name": ...}` lacks `function`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: enable_thinking, thinking, ...
@@ -89,6 +112,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template gets them: as the client sent them."""
+        if self.tools is None:
+            return None
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools]
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -112,7 +141,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 state.parser,
                 messages,
                 req.sampling_params(defaults),
-                req.tools,
+                req.template_tools(),
                 req.tool_choice,
                 req.parallel_tool_calls is not False,
                 template_kwargs(state.template_defaults, req.chat_template_kwargs),
