@@ -111,7 +111,13 @@ def chat_messages(
     system_text = _system_text(system)
     if system_text:
         out.append({"role": "system", "content": system_text})
-    for message in messages:
+    for n, message in enumerate(messages):
+        if message.content == [] and not (n == len(messages) - 1 and message.role == "assistant"):
+            # Anthropic's rule (and its words); dropped, the turn would vanish unnoticed
+            raise ValueError(
+                f"messages.{n}: all messages must have non-empty content except for the "
+                "optional final assistant message"
+            )
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
@@ -141,7 +147,10 @@ def chat_messages(
                     f"{block.type} content blocks are not supported by this model: send text"
                 )
             else:
-                raise ValueError(f"a {block.type!r} block cannot be in a {message.role} message")
+                article = "an" if message.role == "assistant" else "a"
+                raise ValueError(
+                    f"a {block.type!r} block cannot be in {article} {message.role} message"
+                )
         if texts or calls or message.role == "assistant":
             entry: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
             if calls:
@@ -195,6 +204,26 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         }
         for tool in tools
     ]
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> Any:
+    """Anthropic's `tool_choice` as prepare_chat takes it: auto and none by name, any and a
+    named tool as they are (they force a call); ValueError in Anthropic's terms for another
+    (forced.py's own message names OpenAI's)."""
+    if not choice:
+        return None
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "tool" and not (isinstance(choice.get("name"), str) and choice["name"]):
+        raise ValueError(
+            'tool_choice: type tool needs the tool\'s name: {"type": "tool", "name": N}'
+        )
+    if kind not in ("any", "tool"):
+        raise ValueError(
+            f"tool_choice {choice!r}: use type auto, any, tool (with the tool's name) or none"
+        )
+    return choice
 
 
 def _prompt_ids(state: ServerState, req: CountTokensRequest) -> list[int]:
@@ -283,7 +312,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 chat_messages(req.system, req.messages),
                 params,
                 _tools(req.tools),
-                choice.get("type") if choice.get("type") in ("auto", "none") else choice or None,
+                _tool_choice(req.tool_choice),
                 not choice.get("disable_parallel_tool_use", False),
                 template_kwargs(state.template_defaults, anthropic_thinking(req.thinking)),
                 state.options.relaxed_chat_template,
