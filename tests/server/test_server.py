@@ -49,6 +49,8 @@ def generated(expected) -> int:
 
 def test_health_and_models(server, client):
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    head = httpx.head(server[0] + "/health")  # as load balancers and healthchecks ask
+    assert head.status_code == 200 and head.content == b""
     assert [m.id for m in client.models.list().data] == ["tiny-qwen3"]
 
 
