@@ -1,8 +1,9 @@
 """The Anthropic surface: `POST /v1/messages` (streaming and not) and
 `POST /v1/messages/count_tokens`, with Anthropic-shaped errors.
 
-Messages become the chat template's messages: `system` (a string or text blocks) first, text
-blocks joined, an assistant's `tool_use` blocks as its `tool_calls`, a user's `tool_result`
+Messages become the chat template's messages: `system` (a string or text blocks) first, a
+message's text blocks joined by newlines (as vLLM joins them: Claude Code sends several), an
+assistant's `tool_use` blocks as its `tool_calls`, a user's `tool_result`
 blocks as `tool` messages, thinking blocks of the history as `reasoning_content` (for the
 templates that keep it); image blocks are refused with a 400. `tools` reach the chat template;
 the model's parser (server/parsers) turns its reasoning and tool calls into `thinking` and
@@ -115,7 +116,13 @@ def chat_messages(
     system_text = _system_text(system)
     if system_text:
         out.append({"role": "system", "content": system_text})
-    for message in messages:
+    for n, message in enumerate(messages):
+        if message.content == [] and not (n == len(messages) - 1 and message.role == "assistant"):
+            # Anthropic's rule (and its words); dropped, the turn would vanish unnoticed
+            raise ValueError(
+                f"messages.{n}: all messages must have non-empty content except for the "
+                "optional final assistant message"
+            )
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
@@ -145,30 +152,38 @@ def chat_messages(
                     f"{block.type} content blocks are not supported by this model: send text"
                 )
             else:
-                raise ValueError(f"a {block.type!r} block cannot be in a {message.role} message")
+                article = "an" if message.role == "assistant" else "a"
+                raise ValueError(
+                    f"a {block.type!r} block cannot be in {article} {message.role} message"
+                )
         if texts or calls or message.role == "assistant":
-            entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+            entry: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
             if calls:
                 entry["tool_calls"] = calls
             if any(thinking):
-                entry["reasoning_content"] = "".join(thinking)
+                entry["reasoning_content"] = "\n".join(t for t in thinking if t)
             out.append(entry)
     return out
 
 
 def _system_text(system: str | list[Block] | None) -> str:
-    """The system prompt's text without Claude Code's billing line (in any of its blocks)."""
+    """The system prompt's text, its blocks joined by newlines, without Claude Code's billing
+    line (in any of its blocks; a block that was only that line is left out, not an empty
+    line)."""
     if not system:
         return ""
     blocks = [system] if isinstance(system, str) else system
     parts = []
     for block in blocks:
         text = block if isinstance(block, str) else _text([block], "system")
-        parts.append(BILLING_LINE.sub("", text))
-    return "".join(parts)
+        kept = BILLING_LINE.sub("", text)
+        if kept or kept == text:
+            parts.append(kept)
+    return "\n".join(parts)
 
 
 def _text(content: str | list[Block], where: str) -> str:
+    """Text blocks' text joined by newlines; ValueError for a block of another type."""
     if isinstance(content, str):
         return content
     parts = []
@@ -176,7 +191,7 @@ def _text(content: str | list[Block], where: str) -> str:
         if block.type != "text":
             raise ValueError(f"{where}: only text blocks are supported here, not {block.type!r}")
         parts.append(block.text or "")
-    return "".join(parts)
+    return "\n".join(parts)
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -194,6 +209,26 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         }
         for tool in tools
     ]
+
+
+def _tool_choice(choice: dict[str, Any] | None) -> Any:
+    """Anthropic's `tool_choice` as prepare_chat takes it: auto and none by name, any and a
+    named tool as they are (they force a call); ValueError in Anthropic's terms for another
+    (forced.py's own message names OpenAI's)."""
+    if not choice:
+        return None
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "tool" and not (isinstance(choice.get("name"), str) and choice["name"]):
+        raise ValueError(
+            'tool_choice: type tool needs the tool\'s name: {"type": "tool", "name": N}'
+        )
+    if kind not in ("any", "tool"):
+        raise ValueError(
+            f"tool_choice {choice!r}: use type auto, any, tool (with the tool's name) or none"
+        )
+    return choice
 
 
 def _prompt_ids(state: ServerState, req: CountTokensRequest) -> list[int]:
@@ -282,7 +317,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 chat_messages(req.system, req.messages),
                 params,
                 _tools(req.tools),
-                choice.get("type") if choice.get("type") in ("auto", "none") else choice or None,
+                _tool_choice(req.tool_choice),
                 not choice.get("disable_parallel_tool_use", False),
                 template_kwargs(state.template_defaults, anthropic_thinking(req.thinking)),
                 state.options.relaxed_chat_template,

@@ -106,7 +106,10 @@ def create_app(
     app.state.server = state
     errors.install(app)
 
+    # HEAD too: load balancers and healthchecks ask with it (FastAPI adds HEAD to no route;
+    # two routes, as one route of both methods gives both one OpenAPI operation id)
     @app.get("/health", response_model=None)
+    @app.head("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:
         if state.engine is not None:
             return {"status": "ok"}

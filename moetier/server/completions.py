@@ -5,9 +5,9 @@
 prompt is its own request to the engine, its choices indexed in prompt order. No chat template:
 the text is tokenized as it is (the tokenizer's special tokens added), the model's
 end-of-sequence tokens end it. `echo` puts the prompt's text before the completion's; `max_tokens`
-defaults to 16 as OpenAI's does (null: what the context leaves); 0, with `echo`, answers the
-prompt alone (to score it: its logprobs). `suffix` (insertion) is refused with a 400. With
-`n`, prompt i's sequences are choices i*n ... i*n + n-1.
+defaults to 16 as OpenAI's does (null: the server's default), either capped by what the context
+leaves; 0, with `echo`, answers the prompt alone (to score it: its logprobs). `suffix`
+(insertion) is refused with a 400. With `n`, prompt i's sequences are choices i*n ... i*n + n-1.
 
 `logprobs` N gives OpenAI's legacy shape per choice: `tokens` (each token's text),
 `token_logprobs`, `top_logprobs` (a dict of the N most likely tokens' texts, the chosen token
@@ -39,10 +39,14 @@ from moetier.server.sampling_fields import SamplingFields
 from moetier.server.state import ServerState, not_ready, unless_disconnected
 from moetier.server.tokenize import check_ids
 
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for a completion
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)  # 0: the prompt alone (with echo)
+    # 0: the prompt alone (with echo); left out: DEFAULT_MAX_TOKENS, null: the server's
+    # --max-new-tokens, either capped by what the context leaves
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -213,6 +217,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 raise ValueError("best_of: only best_of equal to n (or left out) is supported")
             asked = prompts(engine.tokenizer, req.prompt)
             params = req.sampling_params(state.defaults)
+            if "max_tokens" not in req.model_fields_set:
+                # OpenAI's default, capped by what the context leaves (as chat's default is):
+                # a prompt near the context is answered, not refused; an explicit max_tokens
+                # past the context stays a 400
+                params = replace(params, max_new_tokens=DEFAULT_MAX_TOKENS)
             if req.logprobs is not None:
                 echoed = req.logprobs if req.echo else None
                 params = replace(params, logprobs=req.logprobs, prompt_logprobs=echoed)

@@ -119,8 +119,11 @@ def stream_error_event(path: str, message: str, status: int = 503) -> bytes:
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """(message, the field's dotted path) of a request's first validation error."""
+def validation_message(
+    exc: RequestValidationError, required: list[str] | None = None
+) -> tuple[str, str | None]:
+    """(message, the field's dotted path) of a request's first validation error; `required`:
+    the fields the route's body must have, named when the body is missing altogether."""
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -128,9 +131,29 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msg = str(first.get("msg", "invalid request"))
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {msg}", None
+    if where is None and errors:  # the body itself: none at all, or not an object
+        fields = f" with {_listed(required)}" if required else ""
+        if first.get("type") == "missing":
+            return f"the request body is empty: send a JSON object{fields}", None
+        return f"the request body is not a JSON object: send a JSON object{fields}", None
     if first.get("type") == "missing":
         return f"{where}: a required field is missing", where
     return (f"{where}: {msg}" if where else msg), where
+
+
+def required_fields(request: Request) -> list[str]:
+    """The fields the body of the request's route requires (none known: empty)."""
+    body = getattr(request.scope.get("route"), "body_field", None)
+    model = getattr(getattr(body, "field_info", None), "annotation", None)
+    fields = getattr(model, "model_fields", None)
+    if not isinstance(fields, dict):
+        return []
+    return [name for name, info in fields.items() if info.is_required()]
+
+
+def _listed(names: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def install(app: FastAPI) -> None:
@@ -138,7 +161,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc)
+        message, param = validation_message(exc, required_fields(request))
         return error_response(request.url.path, 400, message, param)
 
     @app.exception_handler(HTTPException)

@@ -7,16 +7,19 @@ its output into `reasoning_content`, `content` and `tool_calls` (finish_reason t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from moetier.engine.engine import Output
 from moetier.engine.sampler import MAX_LOGPROBS
@@ -60,6 +63,8 @@ class ChatMessage(BaseModel):
         return out
 
     def text(self) -> str:
+        """The content as one string: text parts joined by a newline (as vLLM joins them: the
+        parts are separate texts, and joined with nothing their words would run together)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
@@ -67,13 +72,36 @@ class ChatMessage(BaseModel):
             if part.type != "text":
                 raise ValueError(f"content part type {part.type!r} is not supported (text only)")
             parts.append(part.text or "")
-        return "".join(parts)
+        return "\n".join(parts)
+
+
+class FunctionDefinition(BaseModel):
+    """A chat tool's function: a name required (as OpenAI and vLLM require it); its other
+    fields reach the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """A tool in the chat API's shape, `{"type": "function", "function": {"name": ...}}`; any
+    other shape is a 400 naming the tool's index and field, as on OpenAI and vLLM (the
+    Responses API's flat `{"type": "function", "name": ...}` lacks `function`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: enable_thinking, thinking, ...
@@ -84,6 +112,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return self.max_tokens
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template gets them: as the client sent them."""
+        if self.tools is None:
+            return None
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools]
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -107,7 +141,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 state.parser,
                 messages,
                 req.sampling_params(defaults),
-                req.tools,
+                req.template_tools(),
                 req.tool_choice,
                 req.parallel_tool_calls is not False,
                 template_kwargs(state.template_defaults, req.chat_template_kwargs),
@@ -199,13 +233,14 @@ class _Choice:
 
 
 def chat_logprobs(tokenizer: Any, out: Output) -> list[dict[str, Any]]:
-    """An output's tokens' logprobs in the chat shape: token text, logprob, its UTF-8 bytes,
-    and the top alternatives (a token alone may be part of a character: its text is then the
-    replacement character, its bytes what it decodes to)."""
+    """An output's tokens' logprobs in the chat shape: token text, logprob, the token's bytes,
+    and the top alternatives. A token alone may be part of a multi-byte character: its text is
+    then the replacement character, and its `bytes` (token_bytes) are what the client rebuilds
+    the character from, as OpenAI's are."""
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token], skip_special_tokens=False)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": logprob, "bytes": list(token_bytes(tokenizer, token))}
 
     content = []
     for item in out.logprobs or []:
@@ -214,6 +249,65 @@ def chat_logprobs(tokenizer: Any, out: Output) -> list[dict[str, Any]]:
         top = [entry(t, lp) for t, lp in item.top]
         content.append({**entry(item.token, item.logprob), "top_logprobs": top})
     return content
+
+
+def token_bytes(tokenizer: Any, token: int) -> bytes:
+    """The bytes `token` stands for, whole even where they are part of a UTF-8 character: a
+    byte-level BPE token's string (GPT-2 style: Qwen, DeepSeek, Llama 3) through the inverse of
+    the byte-to-unicode table, a SentencePiece byte-fallback token `<0xHH>` the byte itself;
+    otherwise (an added token, another tokenizer) the UTF-8 of its decoded text."""
+    byte_decoder, added = _byte_tables(tokenizer)
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str) and token not in added:
+        if byte_decoder is not None and all(c in byte_decoder for c in piece):
+            return bytes(byte_decoder[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback is not None:
+            return bytes([int(fallback.group(1), 16)])
+    return str(tokenizer.decode([token], skip_special_tokens=False)).encode("utf-8")
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# tokenizer -> (its byte-level decoder or None, its added tokens' ids): read once, not per token
+_TABLES: weakref.WeakKeyDictionary[Any, tuple[dict[str, int] | None, frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _byte_tables(tokenizer: Any) -> tuple[dict[str, int] | None, frozenset[int]]:
+    """(character -> byte where `tokenizer` is a byte-level BPE, else None; the ids of its added
+    tokens, which are stored as their text, not byte-mapped)."""
+    try:
+        return _TABLES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    byte_decoder = getattr(tokenizer, "byte_decoder", None)  # transformers' slow GPT-2 class
+    if not isinstance(byte_decoder, dict):
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        byte_decoder = _unicode_to_bytes() if _has_byte_level(state) else None
+    added = frozenset(getattr(tokenizer, "added_tokens_decoder", None) or ())
+    tables = (byte_decoder, added)
+    with contextlib.suppress(TypeError):  # (an object a weak reference cannot hold)
+        _TABLES[tokenizer] = tables
+    return tables
+
+
+def _has_byte_level(decoder: dict[str, Any]) -> bool:
+    """Whether a `tokenizers` decoder (its JSON state) is, or has in its sequence, ByteLevel."""
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_has_byte_level(d) for d in decoder.get("decoders") or () if isinstance(d, dict))
+
+
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-unicode table: the printable bytes stand for themselves,
+    the others for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in printable]
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
 
 
 def _finish(reason: str | None) -> str | None:

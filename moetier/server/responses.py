@@ -1,14 +1,14 @@
 """OpenAI's Responses API, stateless: `POST /v1/responses`, streaming (typed server-sent events
 with `sequence_number`s, no `[DONE]`) and not.
 
-`input` (a string, or items: messages with text parts, and the history's `function_call` and
-`function_call_output` items) and `instructions` become the chat template's messages; function
-`tools` reach the template, `tool_choice` required or a named function forces a call by a
-grammar. Nothing is stored: `previous_response_id` and `conversation` are refused with a 400
-(send the whole history in `input`), `store` is accepted and answered `false`. `text.format` is
-enforced as `response_format` is. The model's parser (server/parsers) splits the answer into
-output items, in order: `reasoning`, `message` (one output_text part) and `function_call`
-(`OutputItems`, the same for streamed and whole answers).
+`input` (a string, or items: messages with text parts, joined by newlines, and the history's
+`function_call` and `function_call_output` items) and `instructions` become the chat template's
+messages; function `tools` reach the template, `tool_choice` required or a named function
+forces a call by a grammar. Nothing is stored: `previous_response_id` and `conversation` are
+refused with a 400 (send the whole history in `input`), `store` is accepted and answered
+`false`. `text.format` is enforced as `response_format` is. The model's parser (server/parsers)
+splits the answer into output items, in order: `reasoning`, `message` (one output_text part) and
+`function_call` (`OutputItems`, the same for streamed and whole answers).
 """
 
 from __future__ import annotations
@@ -112,6 +112,9 @@ class ResponsesRequest(SamplingFields):
 
 
 def _text(content: str | list[ContentPart] | None, where: str) -> str:
+    """A message's (or a call output's) text: its text parts joined by newlines (as vLLM joins
+    them: joined with nothing, the words of two parts would run together); ValueError for a
+    part that is not text."""
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
@@ -119,7 +122,7 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
         if part.type not in TEXT_PARTS:
             raise ValueError(f"{where}: {part.type!r} content is not supported (text only)")
         parts.append(part.text if part.text is not None else part.refusal or "")
-    return "".join(parts)
+    return "\n".join(parts)
 
 
 def chat_messages(instructions: str | None, items: str | list[InputItem]) -> list[dict[str, Any]]:
@@ -139,7 +142,9 @@ def chat_messages(instructions: str | None, items: str | list[InputItem]) -> lis
 
     def assistant(entry: dict[str, Any]) -> None:
         if reasoning:
-            entry["reasoning_content"] = entry.get("reasoning_content", "") + "".join(reasoning)
+            entry["reasoning_content"] = "\n".join(
+                t for t in (entry.get("reasoning_content", ""), *reasoning) if t
+            )
             reasoning.clear()
 
     for n, item in enumerate(items):
@@ -179,7 +184,7 @@ def _reasoning_text(item: InputItem) -> str:
     """A reasoning item's text: its reasoning_text content, else its summary's text (an
     encrypted_content alone, which only OpenAI can read, gives none)."""
     if isinstance(item.content, list) and item.content:
-        return "".join(part.text or "" for part in item.content)
+        return "\n".join(part.text or "" for part in item.content)
     summary = (item.model_extra or {}).get("summary") or []
     return "\n".join(str(p.get("text", "")) for p in summary if isinstance(p, dict))
 

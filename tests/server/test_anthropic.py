@@ -158,6 +158,48 @@ def test_errors_in_anthropics_shape(server, client):
     assert "CLAUDE_CODE_MAX_OUTPUT_TOKENS" in too_long.json()["error"]["message"]  # what to do
 
 
+def test_anthropic_wording_of_the_requests_errors(server, client):
+    """Errors name Anthropic's terms: tool_choice's types (auto, any, tool, none), not OpenAI's;
+    "an assistant message"; an empty content list is a 400 naming the message (Anthropic's
+    words), except on a final assistant message (a prefill), not a turn silently dropped."""
+    tools = [{"name": "weather", "input_schema": {"type": "object"}}]
+    user = [{"role": "user", "content": USER}]
+    for choice in ({"type": "required"}, {"type": "function", "function": {"name": "weather"}}):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            client.messages.create(
+                model=MODEL, max_tokens=2, messages=user, tools=tools, tool_choice=choice
+            )
+        message = info.value.body["error"]["message"]
+        assert "auto, any, tool" in message and "required" not in message.split(":")[-1]
+    with pytest.raises(anthropic.BadRequestError, match="type tool needs the tool's name"):
+        client.messages.create(
+            model=MODEL, max_tokens=2, messages=user, tools=tools, tool_choice={"type": "tool"}
+        )
+    server_tool = {"type": "server_tool_use", "id": "s1", "name": "web_search", "input": {}}
+    with pytest.raises(anthropic.BadRequestError, match="cannot be in an assistant message"):
+        client.messages.create(
+            model=MODEL,
+            max_tokens=2,
+            messages=[*user, {"role": "assistant", "content": [server_tool]}, *user],
+        )
+    empty_cases = [
+        [{"role": "user", "content": []}],
+        [*user, {"role": "assistant", "content": []}, *user],
+        [{"role": "user", "content": []}, {"role": "assistant", "content": "Hi"}, *user],
+    ]
+    for messages in empty_cases:
+        n = next(i for i, m in enumerate(messages) if m["content"] == [])
+        want = f"messages.{n}: all messages must have non-empty content"
+        with pytest.raises(anthropic.BadRequestError, match=want):
+            client.messages.create(model=MODEL, max_tokens=2, messages=messages)
+        with pytest.raises(anthropic.BadRequestError, match=want):
+            client.messages.count_tokens(model=MODEL, messages=messages)
+    # a final assistant message may be empty: the answer starts the assistant turn
+    prefill = [*user, {"role": "assistant", "content": []}]
+    reply = client.messages.create(model=MODEL, max_tokens=2, messages=prefill)
+    assert reply.usage.output_tokens >= 1
+
+
 def billing_line(cch: str) -> str:
     return f"x-anthropic-billing-header: cc_version=2.1.77.a1b; cc_entrypoint=cli; cch={cch};"
 

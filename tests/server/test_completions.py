@@ -96,6 +96,24 @@ def test_max_tokens_defaults_to_16_as_openai(server, client):
     assert resp.usage.completion_tokens == generated(want)
 
 
+def test_the_default_max_tokens_is_capped_by_the_context(server, client):
+    """Left out, max_tokens is 16 capped by what the context leaves (as chat's default is): a
+    prompt 6 tokens short of the context is answered with at most 6 tokens, not refused; an
+    explicit max_tokens past the context stays a 400."""
+    url, generator = server
+    context = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    prompt = generator.prompt_ids(PROMPTS[0]) * context
+    prompt = prompt[: context - 6]
+    resp = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert resp.usage.prompt_tokens == context - 6
+    assert resp.usage.completion_tokens == 6 and resp.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=16)
+    assert info.value.response.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_several_prompts_and_token_id_prompts(server, client):
     generator = server[1]
     ids = [generator.prompt_ids(p) for p in PROMPTS]

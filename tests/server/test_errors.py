@@ -178,6 +178,58 @@ def test_validation_errors_are_400_naming_the_field(server, oai, claude):
     assert reply.status_code == 400 and anthropic_shaped(reply.json())
 
 
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [
+        ("/v1/chat/completions", "messages"),
+        ("/v1/messages", "model, messages and max_tokens"),
+        ("/v1/completions", "prompt"),
+        ("/v1/responses", "input"),
+    ],
+)
+def test_an_empty_body_is_a_400_saying_so(server, path, fields):
+    """No body is a 400 saying the body is empty and naming the route's required fields, in its
+    API's shape (not "None: a required field is missing"); a body that is JSON but not an
+    object, likewise."""
+    for raw, what in ((b"", "empty"), (b"null", "not a JSON object"), (b"[]", "not a JSON object")):
+        reply = httpx.post(
+            server[0] + path, content=raw, headers={"content-type": "application/json"}
+        )
+        assert reply.status_code == 400, raw
+        body = reply.json()
+        error = anthropic_shaped(body) if path == "/v1/messages" else openai_shaped(body)
+        assert error["message"] == f"the request body is {what}: send a JSON object with {fields}"
+        if path != "/v1/messages":
+            assert error["param"] is None
+
+
+@pytest.mark.parametrize("choice", [None, "required"])
+def test_chat_tools_in_another_shape_are_400s_naming_the_field(server, choice):
+    """A chat tool is `{"type": "function", "function": {"name": ...}}` (OpenAI and vLLM answer
+    400 for any other shape): a bare `{"name"}` or the Responses API's flat shape is refused,
+    naming the tool's index and field, never served (nor forced by tool_choice required)."""
+    good = {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}
+    cases = [
+        ([{"name": "x"}], "tools.0.type"),
+        ([good, {"type": "function", "name": "x"}], "tools.1.function"),  # the Responses shape
+        ([{"type": "custom", "function": {"name": "x"}}], "tools.0.type"),
+        ([{"type": "function", "function": {"description": "no name"}}], "tools.0.function.name"),
+        ([{"type": "function", "function": {"name": ""}}], "tools.0.function.name"),
+        ([{"type": "function", "function": {"name": "x", "parameters": "{}"}}],
+         "tools.0.function.parameters"),
+    ]  # fmt: skip
+    extra = {} if choice is None else {"tool_choice": choice}
+    for tools, where in cases:
+        body = {"model": MODEL, "messages": USER, "max_tokens": 2, "tools": tools, **extra}
+        reply = httpx.post(server[0] + "/v1/chat/completions", json=body)
+        assert reply.status_code == 400, (tools, reply.text)
+        error = openai_shaped(reply.json())
+        assert error["param"] == where and error["message"].startswith(where), error
+        assert error["type"] == "invalid_request_error"
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, "tools": [good], **extra}
+    assert httpx.post(server[0] + "/v1/chat/completions", json=body).status_code == 200
+
+
 def test_context_length_is_a_400_with_its_code(server, oai):
     with pytest.raises(openai.BadRequestError, match="context") as info:
         oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=10**9)

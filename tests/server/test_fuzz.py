@@ -33,7 +33,7 @@ from moetier.server.app import create_app
 from moetier.server.errors import is_anthropic
 
 MODEL = "tiny-qwen3"
-EXAMPLES = {"POST": 90, "GET": 10}  # per operation and generation mode
+EXAMPLES = {"POST": 90, "GET": 10, "HEAD": 10}  # per operation and generation mode
 CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 pytestmark = pytest.mark.slow

@@ -49,6 +49,8 @@ def generated(expected) -> int:
 
 def test_health_and_models(server, client):
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    head = httpx.head(server[0] + "/health")  # as load balancers and healthchecks ask
+    assert head.status_code == 200 and head.content == b""
     assert [m.id for m in client.models.list().data] == ["tiny-qwen3"]
 
 
@@ -121,3 +123,26 @@ def test_bad_sampling_and_template_input_is_a_400_not_a_failed_step(server, clie
     assert client.chat.completions.create(
         model="tiny-qwen3", messages=MESSAGES, max_tokens=2
     ).choices
+
+
+def test_logprob_bytes_of_a_token_inside_a_character_are_its_own(server, client):
+    """A token that is one byte of a multi-byte character (logit_bias forces the first of 日's
+    three bytes): its text is the replacement character, its `bytes` the byte itself (what a
+    client rebuilds the character from), not the replacement character's UTF-8."""
+    tokenizer = server[1].tokenizer
+    first = tokenizer.encode("日", add_special_tokens=False)[0]
+    assert tokenizer.decode([first]) == "\ufffd"  # the tiny vocabulary spells 日 byte by byte
+    kwargs = dict(
+        model="tiny-qwen3", messages=MESSAGES, max_tokens=1, temperature=0, logprobs=True,
+        logit_bias={str(first): 100},
+    )  # fmt: skip
+    (entry,) = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert entry.token == "\ufffd" and entry.bytes == list("日".encode()[:1])
+    streamed = [
+        e
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for e in choice.logprobs.content
+    ]
+    assert [e.bytes for e in streamed] == [entry.bytes]

@@ -210,6 +210,7 @@ def test_health_is_503_while_the_model_loads(tiny, capsys):
     with TestClient(create_app(factory, MODEL)) as http:
         assert http.get("/health").status_code == 503
         assert http.get("/health").json() == {"status": "loading"}
+        assert http.head("/health").status_code == 503
         reply = http.post("/v1/chat/completions", json=body("Hi", 2, False))
         assert reply.status_code == 503 and "loading" in reply.json()["error"]["message"]
         assert "ready" not in capsys.readouterr().out
@@ -219,6 +220,7 @@ def test_health_is_503_while_the_model_loads(tiny, capsys):
             assert time.time() < deadline
             time.sleep(0.05)
         assert http.post("/v1/chat/completions", json=body("Hi", 2, False)).status_code == 200
+        assert http.head("/health").status_code == 200
     # the load said when it was done, and how long it took (the factory waited for `release`)
     assert re.search(rf"moetier serve: {MODEL} ready in \d+\.\d s\n", capsys.readouterr().out)
 
