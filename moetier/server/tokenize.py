@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from moetier.engine.async_engine import AsyncEngine
 from moetier.server.errors import openai_error
-from moetier.server.openai import ChatMessage
+from moetier.server.openai import ChatMessage, ChatTool
 from moetier.server.parsers.serving import template_history
 from moetier.server.state import ServerState, not_ready
 
@@ -27,7 +27,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None  # as /v1/chat/completions takes them
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -72,7 +72,7 @@ def tokenize(tokenizer: Any, req: TokenizeRequest, family: str | None = None) ->
     try:
         text = tokenizer.apply_chat_template(
             messages,
-            tools=req.tools,
+            tools=[t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None,
             tokenize=False,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,

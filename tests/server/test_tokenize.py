@@ -74,6 +74,7 @@ def test_tokenizer_errors_are_400s(server):
         ("/tokenize", {}),
         ("/tokenize", {"prompt": "x", "messages": MESSAGES}),
         ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}),
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"name": "f"}]}),  # chat's shape only
         ("/detokenize", {"tokens": [1, vocab]}),
         ("/detokenize", {"tokens": [-5]}),
         ("/detokenize", {"tokens": "abc"}),
@@ -100,7 +101,10 @@ def test_tokenize_counts_what_chat_completions_reads(server):
         {"role": "tool", "tool_call_id": "call_1", "content": "42"},
         {"role": "developer", "content": "Answer now."},
     ]
-    count = post(server, "/tokenize", {"messages": messages}).json()["count"]
-    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    count = post(server, "/tokenize", {"messages": messages, "tools": tools}).json()["count"]
+    chat = post(
+        server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 1}
+    )
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["prompt_tokens"] == count
