@@ -117,7 +117,9 @@ def chat_messages(
     if system_text:
         out.append({"role": "system", "content": system_text})
     for n, message in enumerate(messages):
-        if message.content == [] and not (n == len(messages) - 1 and message.role == "assistant"):
+        if message.content in ([], "") and not (
+            n == len(messages) - 1 and message.role == "assistant"
+        ):
             # Anthropic's rule (and its words); dropped, the turn would vanish unnoticed
             raise ValueError(
                 f"messages.{n}: all messages must have non-empty content except for the "

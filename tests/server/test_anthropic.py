@@ -186,9 +186,11 @@ def test_anthropic_wording_of_the_requests_errors(server, client):
         [{"role": "user", "content": []}],
         [*user, {"role": "assistant", "content": []}, *user],
         [{"role": "user", "content": []}, {"role": "assistant", "content": "Hi"}, *user],
+        [{"role": "user", "content": ""}],  # an empty string likewise
+        [*user, {"role": "assistant", "content": ""}, *user],
     ]
     for messages in empty_cases:
-        n = next(i for i, m in enumerate(messages) if m["content"] == [])
+        n = next(i for i, m in enumerate(messages) if m["content"] in ([], ""))
         want = f"messages.{n}: all messages must have non-empty content"
         with pytest.raises(anthropic.BadRequestError, match=want):
             client.messages.create(model=MODEL, max_tokens=2, messages=messages)
