@@ -121,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--gpu-memory is required (e.g. --gpu-memory 24GiB)")
     if args.shape is None and _is_shape_name(args.store):
         args.shape, args.store = args.store, str(DEFAULT_STORE)
+    if args.write_recipe and Path(args.write_recipe).suffix not in (".yaml", ".yml"):
+        raise ValueError(
+            f"--write-recipe {args.write_recipe}: name the file NAME.yaml (serve --recipe takes "
+            "a path ending in .yaml or .yml, else a shipped recipe's name)"
+        )
     if args.predict or args.disk or args.json or args.write_recipe:
         if args.gpus != 1:
             raise ValueError(
@@ -362,8 +367,9 @@ def _target(args: argparse.Namespace, hf_config: dict, source: str, context: int
     from moetier.server.parsers.registry import MODEL_TYPES
 
     known = next((t for t in recipes.SHIPPED if t.shape == source), None)
-    folder = args.shape is None and Path(args.store).is_dir()  # a store or a checkpoint
-    model = args.model_id or (known.model if known else args.store if folder else source)
+    if Path(source).is_file():  # a config.json: absolute, so the recipe reads from anywhere
+        source = str(Path(source).resolve())
+    model = args.model_id or (known.model if known else _model_folder(args, source))
     parser = args.parser or (known.parser if known else None)
     parser = parser or MODEL_TYPES.get(str(hf_config.get("model_type")))
     if parser is None:
@@ -381,6 +387,25 @@ def _target(args: argparse.Namespace, hf_config: dict, source: str, context: int
         parser=parser,
         experts=args.experts,
     )
+
+
+def _model_folder(args: argparse.Namespace, config: str) -> str:
+    """The recipe's model where no id is known: MODEL's folder (a store or a checkpoint), or
+    the folder of the config.json given where it holds weights; absolute, so the recipe works
+    from any directory. ValueError asking for --model-id where there is none."""
+    folder = Path(args.store) if args.shape is None else Path(config).parent
+    if not folder.is_dir():
+        folder = folder.parent  # MODEL was a config.json
+    weights = Path(config).is_file() and (
+        (folder / "experts.json").is_file() or any(folder.glob("*.safetensors"))
+    )
+    if not weights:
+        raise ValueError(
+            f"--write-recipe: no Hugging Face id is known for {config} and no weights are "
+            "beside it: give --model-id ORG/NAME (the model serve is to download), or plan a "
+            "store or checkpoint folder"
+        )
+    return str(folder.resolve())
 
 
 def _json(links, options, refused, chosen) -> dict:  # type: ignore[no-untyped-def, type-arg]

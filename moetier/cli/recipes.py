@@ -378,7 +378,7 @@ def _config(shape_or_path: str) -> dict[str, Any]:
 
 
 HEADER = """\
-# moetier recipe (docs/recipes.md): `moetier serve --recipe {name}`.
+# moetier recipe (docs/recipes.md): `moetier serve --recipe {recipe}`.
 # Written by the planner (`moetier plan`); flags given beside --recipe override its settings.
 """
 
@@ -396,12 +396,18 @@ COMMENTS = {
 }
 
 
-def render(data: dict[str, Any]) -> str:
-    """YAML text of a recipe dict, with a comment above each section."""
+def render(data: dict[str, Any], path: str | Path | None = None) -> str:
+    """YAML text of a recipe dict, with a comment above each section; its header names the
+    recipe as `--recipe` takes it: a shipped one by name, another by `path`, made absolute."""
+    import shlex
+
     import yaml
 
     validate(data, data.get("name", "recipe"))
-    out = [HEADER.format(name=data["name"])]
+    recipe = data["name"]
+    if path is not None and Path(path).resolve().parent != RECIPE_DIR.resolve():
+        recipe = shlex.quote(str(Path(path).resolve()))
+    out = [HEADER.format(recipe=recipe)]
     for key, value in data.items():
         if key in COMMENTS:
             out.append(f"# {COMMENTS[key]}\n")
@@ -412,7 +418,7 @@ def render(data: dict[str, Any]) -> str:
 def write(data: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(data))
+    path.write_text(render(data, path))
     return path
 
 
