@@ -108,7 +108,9 @@ def _recipe() -> dict:
         (lambda d: d["parsers"].update(tool="qwen9"), "parsers.tool 'qwen9' is not a parser"),
         (lambda d: d["parsers"].update(reasoning="harmony"), "must agree"),
         (lambda d: d.update(gate="confidence"), "gate: off or a --delta rule"),
-        (lambda d: d.update(mtp="on"), "mtp 'on'"),
+        (lambda d: d.update(mtp="on"), "mtp is 'on': off, or the drafts per step"),
+        (lambda d: d.update(mtp=True), "mtp is 'on'"),  # YAML's reading of a bare on
+        (lambda d: d.update(mtp=0), "mtp is 0"),
     ],
 )
 def test_what_is_not_a_recipe_is_refused_naming_the_key(tmp_path, change, message):
@@ -162,6 +164,17 @@ def test_a_gate_rule_becomes_serves_delta(tmp_path):
     path.write_text(yaml.safe_dump(data))
     assert serve_args(["--recipe", str(path)]).delta == "budget:0.25:weight"
     assert serve_args(["--recipe", "qwen3-30b-a3b-12gb"]).delta == "all"  # off: the default
+
+
+def test_mtp_drafts_become_serves_speculative_tokens(tmp_path):
+    data = _recipe()
+    data["mtp"] = 2
+    path = tmp_path / "mtp.yaml"
+    path.write_text(recipes.render(data))
+    args = serve_args(["--recipe", str(path)])
+    assert args.speculative_tokens == 2  # serve loads the MTP layer with it (cli/serve.py)
+    assert serve_args(["--recipe", str(path), "--speculative-tokens", "1"]).speculative_tokens == 1
+    assert serve_args(["--recipe", "qwen3-30b-a3b-12gb"]).speculative_tokens == 0  # off
 
 
 def test_all_gpu_recipe_has_no_host_tier():
