@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args.log_level = args.log_level or ("info" if argv[0] == "serve" else "warning")
     set_log_level(args.log_level, given)
     try:
+        if hasattr(module, "check_arguments"):  # flags that are wrong together, or out of range
+            module.check_arguments(args, verb_parser)
         if argv[0] in HUB_VERBS:
             from moetier.cli import hub
 

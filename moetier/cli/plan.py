@@ -36,9 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--experts",
-        default="q2s",
+        default=None,
         choices=("q2s", "bfloat16"),
-        help="with --shape: the experts' stored format (default: q2s)",
+        help="with --shape, a config.json or a checkpoint: the experts' stored format (default: "
+        "q2s); a store's are those it was converted to",
     )
     parser.add_argument(
         "--dense",
@@ -111,8 +112,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """ValueError for values the plan cannot mean (cli/main.py calls it once the flags are
+    parsed): --batch or --max-context under 1, a negative --zero-copy-stage, --gpus under 1,
+    and --experts beside a store, whose expert format its conversion fixed."""
+    for flag, value, least in (
+        ("--batch", args.batch, 1),
+        ("--max-context", args.max_context, 1),
+        ("--zero-copy-stage", args.zero_copy_stage, 0),
+        ("--gpus", args.gpus, 1),
+    ):
+        if value < least:
+            raise ValueError(f"{flag} {value}: give {least} or more")
+    model = Path(args.store)
+    if args.experts is not None and args.shape is None and (model / "experts.json").is_file():
+        raise ValueError(
+            "--experts applies with --shape, a config.json or a checkpoint: a store's experts "
+            "are in the format `moetier convert --experts` wrote"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from moetier.residency.planner import parse_bytes, plan
+
+    args.experts = args.experts or "q2s"
 
     if args.dense_table:
         print(dense_table())

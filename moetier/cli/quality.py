@@ -83,9 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """ValueError for flags quality cannot take: a --ctx under 2, a negative --chunks, a
-    --batch-size under 1, --native."""
+def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """ValueError for flags quality cannot take (cli/main.py calls it once they are parsed): a
+    --ctx under 2, a negative --chunks, a --batch-size under 1, --native."""
     if args.ctx < 2:
         raise ValueError(
             f"--ctx {args.ctx}: a chunk needs 2 tokens or more (its second half is scored)"
@@ -150,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
     from moetier.engine.quality import chunks, compare
     from moetier.loader.load import load_model
 
-    check_arguments(args)
     engine_config = dataclass_from_args(EngineConfig, args)
     torch.manual_seed(args.seed)
     if args.write_act_sketch is not None:
