@@ -135,6 +135,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# flags that only --dense auto reads, and those that only --calibration reads
+DENSE_AUTO_FLAGS = ("gpu_memory", "host_memory", "max_context", "embeddings")
+CALIBRATION_FLAGS = (
+    "calibration_tokens",
+    "calibration_mode",
+    "calibration_target",
+    "calibration_refine",
+)
+GROUPED_EXPERTS = ("q2s", "int2", "affine2")  # the formats --group and --down-group size
+
+
+def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """ValueError for flags that would do nothing (cli/main.py calls it once they are parsed):
+    a flag differing from its default where the conversion asked for never reads it, as
+    --group with --experts source, --calibration-mode without --calibration or --gpu-memory
+    without --dense auto; and counts out of range."""
+
+    def given(dest: str) -> bool:
+        return getattr(args, dest) != parser.get_default(dest)
+
+    def flags(dests: tuple[str, ...]) -> str:
+        return ", ".join("--" + d.replace("_", "-") for d in dests if given(d))
+
+    grouped = flags(("group", "down_group"))
+    if grouped and args.experts not in GROUPED_EXPERTS:
+        raise ValueError(
+            f"{grouped}: group sizes of --experts {', '.join(GROUPED_EXPERTS)}; --experts "
+            f"{args.experts} has none to set (FP4 formats have fixed blocks; source keeps the "
+            "checkpoint's weights)"
+        )
+    for flag, value in (("--group", args.group), ("--down-group", args.down_group)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: give a group size of 1 or more, e.g. 32")
+    calibration = flags(CALIBRATION_FLAGS)
+    if calibration and args.calibration is None:
+        raise ValueError(
+            f"{calibration} set how --calibration TEXT rounds q2s experts; without "
+            "--calibration there is no calibration (q2s rounds to nearest): add it or drop them"
+        )
+    if args.calibration_mode == "diag" and given("calibration_target"):
+        raise ValueError(
+            "--calibration-target sets what GPTQ fits (--calibration-mode gptq); diag weights "
+            "the rounding error by input importance and has no target: drop one of them"
+        )
+    if args.calibration_tokens < 1 or args.calibration_refine < 0:
+        raise ValueError(
+            "--calibration-tokens must be 1 or more and --calibration-refine 0 or more"
+        )
+    auto = flags(DENSE_AUTO_FLAGS)
+    if auto and args.dense != "auto":
+        raise ValueError(
+            f"{auto}: what --dense auto chooses the dense format for; with --dense {args.dense} "
+            "they do nothing: drop them, or give --dense auto"
+        )
+    if args.max_context < 1:
+        raise ValueError(f"--max-context {args.max_context}: give 1 or more")
+
+
 def run(args: argparse.Namespace) -> int:
     """Convert, holding the destination's lock; SIGINT and SIGTERM stop it cleanly, keeping the
     work folder that the same command resumes (quant/work_folder.py)."""

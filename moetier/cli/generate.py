@@ -28,6 +28,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """ValueError for --system without --chat: a raw --prompt has no chat template to put a
+    system message in (it was silently dropped)."""
+    if args.system is not None and args.chat is None:
+        raise ValueError(
+            "--system goes with --chat (the chat template places it before the user message); "
+            "a --prompt is raw text: write the system text into it, or use --chat"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from moetier.cli.flags import dataclass_from_args
     from moetier.config import EngineConfig

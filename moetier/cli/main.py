@@ -49,6 +49,26 @@ def set_log_level(level: str, given: bool = True) -> None:
             logger.setLevel(getattr(logging, library.upper()))
 
 
+def quiet_library_bars() -> None:
+    """Where stderr is no terminal, no progress bars from transformers and huggingface_hub
+    (transformers' "Loading weights", the Hub's downloads), as moetier's own show only on a
+    terminal; HF_HUB_DISABLE_PROGRESS_BARS, when set, wins. Both read the variable when first
+    imported; where one already is (moetier called in-process), it is told directly."""
+    import os
+
+    if sys.stderr.isatty() or "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ:
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers.utils.logging" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
 def say_untuned(store: str) -> None:
     """A warning, once, where this CUDA card has neither the user's tuned kernel table nor a
     shipped one: how to tune (`moe_dispatch.untuned_hint`); nothing on CPU."""
@@ -77,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)  # prints help or the error for an unknown verb
         parser.print_help()
         return 2
+    quiet_library_bars()
     module = importlib.import_module(f"moetier.cli.{argv[0]}")
     verb_parser = argparse.ArgumentParser(prog=f"moetier {argv[0]}", description=VERBS[argv[0]])
     module.add_arguments(verb_parser)
@@ -102,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args.log_level = args.log_level or ("info" if argv[0] == "serve" else "warning")
     set_log_level(args.log_level, given)
     try:
+        if hasattr(module, "check_arguments"):  # flags that are wrong together, or out of range
+            module.check_arguments(args, verb_parser)
         if argv[0] in HUB_VERBS:
             from moetier.cli import hub
 

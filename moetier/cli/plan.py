@@ -36,9 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--experts",
-        default="q2s",
+        default=None,
         choices=("q2s", "bfloat16"),
-        help="with --shape: the experts' stored format (default: q2s)",
+        help="with --shape, a config.json or a checkpoint: the experts' stored format (default: "
+        "q2s); a store's are those it was converted to",
     )
     parser.add_argument(
         "--dense",
@@ -111,8 +112,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """ValueError for values the plan cannot mean (cli/main.py calls it once the flags are
+    parsed): --batch or --max-context under 1, a negative --zero-copy-stage, --gpus under 1,
+    and --experts beside a store, whose expert format its conversion fixed."""
+    for flag, value, least in (
+        ("--batch", args.batch, 1),
+        ("--max-context", args.max_context, 1),
+        ("--zero-copy-stage", args.zero_copy_stage, 0),
+        ("--gpus", args.gpus, 1),
+    ):
+        if value < least:
+            raise ValueError(f"{flag} {value}: give {least} or more")
+    model = Path(args.store)
+    if args.experts is not None and args.shape is None and (model / "experts.json").is_file():
+        raise ValueError(
+            "--experts applies with --shape, a config.json or a checkpoint: a store's experts "
+            "are in the format `moetier convert --experts` wrote"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from moetier.residency.planner import parse_bytes, plan
+
+    args.experts = args.experts or "q2s"
 
     if args.dense_table:
         print(dense_table())
@@ -121,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--gpu-memory is required (e.g. --gpu-memory 24GiB)")
     if args.shape is None and _is_shape_name(args.store):
         args.shape, args.store = args.store, str(DEFAULT_STORE)
+    if args.write_recipe and Path(args.write_recipe).suffix not in (".yaml", ".yml"):
+        raise ValueError(
+            f"--write-recipe {args.write_recipe}: name the file NAME.yaml (serve --recipe takes "
+            "a path ending in .yaml or .yml, else a shipped recipe's name)"
+        )
     if args.predict or args.disk or args.json or args.write_recipe:
         if args.gpus != 1:
             raise ValueError(
@@ -362,8 +390,9 @@ def _target(args: argparse.Namespace, hf_config: dict, source: str, context: int
     from moetier.server.parsers.registry import MODEL_TYPES
 
     known = next((t for t in recipes.SHIPPED if t.shape == source), None)
-    folder = args.shape is None and Path(args.store).is_dir()  # a store or a checkpoint
-    model = args.model_id or (known.model if known else args.store if folder else source)
+    if Path(source).is_file():  # a config.json: absolute, so the recipe reads from anywhere
+        source = str(Path(source).resolve())
+    model = args.model_id or (known.model if known else _model_folder(args, source))
     parser = args.parser or (known.parser if known else None)
     parser = parser or MODEL_TYPES.get(str(hf_config.get("model_type")))
     if parser is None:
@@ -381,6 +410,25 @@ def _target(args: argparse.Namespace, hf_config: dict, source: str, context: int
         parser=parser,
         experts=args.experts,
     )
+
+
+def _model_folder(args: argparse.Namespace, config: str) -> str:
+    """The recipe's model where no id is known: MODEL's folder (a store or a checkpoint), or
+    the folder of the config.json given where it holds weights; absolute, so the recipe works
+    from any directory. ValueError asking for --model-id where there is none."""
+    folder = Path(args.store) if args.shape is None else Path(config).parent
+    if not folder.is_dir():
+        folder = folder.parent  # MODEL was a config.json
+    weights = Path(config).is_file() and (
+        (folder / "experts.json").is_file() or any(folder.glob("*.safetensors"))
+    )
+    if not weights:
+        raise ValueError(
+            f"--write-recipe: no Hugging Face id is known for {config} and no weights are "
+            "beside it: give --model-id ORG/NAME (the model serve is to download), or plan a "
+            "store or checkpoint folder"
+        )
+    return str(folder.resolve())
 
 
 def _json(links, options, refused, chosen) -> dict:  # type: ignore[no-untyped-def, type-arg]

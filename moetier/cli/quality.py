@@ -30,12 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ctx",
         type=int,
         default=512,
-        help="chunk length; the second half is scored (default: 512)",
+        help="chunk length, 2 or more; the second half is scored (default: 512)",
     )
     parser.add_argument(
-        "--chunks", type=int, default=0, help="score at most this many chunks (0 = all)"
+        "--chunks", type=int, default=0, help="score at most this many chunks (default: 0 = all)"
     )
-    parser.add_argument("--batch-size", type=int, default=4, help="chunks per forward (default: 4)")
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="chunks per forward, 1 or more (default: 4)"
+    )
     parser.add_argument(
         "--write-sensitivity",
         action="store_true",
@@ -72,6 +74,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="torch seed (the random gate term)")
     add_dataclass_arguments(parser, EngineConfig, "engine")
+    for action in parser._actions:
+        if action.dest == "native":  # refused when given (run): None tells given from not
+            action.default = None
+            action.help = (
+                "not taken: quality scores the store through the transformers model class, "
+                "whose forward gives every position's logits (--no-native is the default)"
+            )
+
+
+def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """ValueError for flags quality cannot take (cli/main.py calls it once they are parsed): a
+    --ctx under 2, a negative --chunks, a --batch-size under 1, --native."""
+    if args.ctx < 2:
+        raise ValueError(
+            f"--ctx {args.ctx}: a chunk needs 2 tokens or more (its second half is scored)"
+        )
+    if args.chunks < 0:
+        raise ValueError(f"--chunks {args.chunks}: give 0 (every chunk) or how many to score")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size}: give 1 or more chunks per forward")
+    if args.native:
+        raise ValueError(
+            "quality does not take --native: it scores the store through the transformers model "
+            "class, whose forward gives every position's logits (the native model files are "
+            "checked against the same class in tests/models/test_native.py); drop the flag"
+        )
+
+
+def check_reference(store: str, reference: str) -> None:
+    """ValueError where `reference` is not a Hugging Face model directory of the store's model
+    (engine/quality.py `reference_mismatch`): the logits could not be compared."""
+    from moetier.engine.quality import reference_mismatch
+    from moetier.quant.store import Store
+
+    config = Path(reference) / "config.json"
+    if not config.is_file():
+        raise ValueError(
+            f"--reference {reference}: no config.json there; give the Hugging Face model "
+            "directory the store was converted from"
+        )
+    differs = reference_mismatch(Store(store).hf_config, json.loads(config.read_text()))
+    if differs:
+        raise ValueError(
+            f"--reference {reference} is not the store's model ({differs}): give the "
+            "checkpoint the store was converted from"
+        )
+
+
+def check_tokenizers(store: str, reference: str) -> None:
+    """ValueError where the reference directory has a tokenizer whose vocabulary is not the
+    store's: the text is tokenised once, by the store's tokenizer, for both models."""
+    from moetier.quant.convert import tokenizer_files
+
+    if not (tokenizer_files(Path(reference)) and tokenizer_files(Path(store))):
+        return
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(reference).get_vocab()
+    ours = AutoTokenizer.from_pretrained(store).get_vocab()
+    if theirs != ours:
+        moved = sum(1 for token, i in ours.items() if theirs.get(token) != i)
+        raise ValueError(
+            f"--reference {reference}: its tokenizer is not the store's ({moved} of the store's "
+            f"{len(ours)} tokens have another id or none there): give the checkpoint the store "
+            "was converted from"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("moetier quality needs --reference HF_DIR and --text FILE")
     if args.write_hot is not None:
         return _write_hot(args)
+    check_reference(args.store, args.reference)
+    check_tokenizers(args.store, args.reference)
+    text = Path(args.text).read_text(encoding="utf-8")
     if args.write_sensitivity:  # measured with the delta plane; the rule given is not used
         engine_config = EngineConfig(**{**engine_config.__dict__, "delta": "all"})
     # full-sequence logits come from the transformers model class (the native model is
@@ -102,7 +173,6 @@ def run(args: argparse.Namespace) -> int:
         args.reference, dtype=loaded.dtype, experts_implementation="eager"
     )
     reference = reference.to(loaded.device).eval()  # type: ignore[arg-type]
-    text = Path(args.text).read_text(encoding="utf-8")
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     token_chunks = chunks(ids, args.ctx, args.chunks)
 

@@ -45,13 +45,14 @@ SCHEMA: dict[str, Any] = {
     },
     "context_length": (int, True),
     "gate": (str, True),
-    "mtp": (str, True),
+    "mtp": (object, True),  # off, or drafts per step (validate)
     "parsers": {"tool": (str, True), "reasoning": (str, True)},
     "plan": (dict, False),  # what the planner predicted: informational, not applied
 }
 
 # gate: off, or a confidence-gate rule for the store's delta plane (serve --delta; docs/gate.md)
-MTP_VALUES = ("off",)  # speculative decoding with MTP layers is not implemented yet
+# mtp: off, or the drafts per step of speculative decoding with the model's MTP layer (serve
+# --speculative-tokens, which loads the store's MTP layer: docs/serve.md)
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,8 @@ def load(name_or_path: str | Path) -> Recipe:
 
 def validate(data: Any, source: str = "recipe") -> None:
     """ValueError naming the key where `data` is not a recipe: an unknown key, a missing one,
-    a value of the wrong type, a budget that is not a size, an unknown parser or a gate / MTP
-    setting that is not implemented."""
+    a value of the wrong type, a budget that is not a size, an unknown parser, a gate that is
+    not a --delta rule or an mtp that is neither off nor a count of drafts."""
     if isinstance(data, dict):
         for key in ("gate", "mtp"):  # YAML 1.1 reads a bare `off` as false
             if data.get(key) is False:
@@ -134,8 +135,13 @@ def validate(data: Any, source: str = "recipe") -> None:
             f"{source}: parsers.tool and parsers.reasoning name different parsers; one parser "
             "reads both, so they must agree"
         )
-    if data["mtp"] not in MTP_VALUES:
-        raise ValueError(f"{source}: mtp {data['mtp']!r}: only {MTP_VALUES} (not implemented)")
+    mtp = data["mtp"]
+    if mtp != "off" and (not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 1):
+        shown = "on" if mtp is True else mtp  # YAML 1.1 reads a bare on as true
+        raise ValueError(
+            f"{source}: mtp is {shown!r}: off, or the drafts per step of speculative decoding "
+            "with the model's MTP layer (serve --speculative-tokens), e.g. mtp: 2"
+        )
     if data["gate"] != "off":
         from moetier.config import DeltaRule
 
@@ -171,7 +177,8 @@ def _check_mapping(data: Any, schema: dict[str, Any], source: str, prefix: str) 
 
 def serve_defaults(recipe: Recipe, page_size: int) -> dict[str, Any]:
     """`moetier serve`'s argument defaults from `recipe` (argparse dests): the model, budgets,
-    KV pages for its context length, parser, and the formats a Hub id is converted to."""
+    KV pages for its context length, parser, the formats a Hub id is converted to, the gate
+    rule and MTP drafts where it has them."""
     data = recipe.data
     budgets = data["budgets"]
     out: dict[str, Any] = {
@@ -189,6 +196,8 @@ def serve_defaults(recipe: Recipe, page_size: int) -> dict[str, Any]:
 
     if data["gate"] != "off":
         out["delta"] = data["gate"]
+    if data["mtp"] != "off":  # serve loads the store's MTP layer with --speculative-tokens
+        out["speculative_tokens"] = data["mtp"]
     if parse_bytes(budgets["host_memory"]):
         out["host_memory"] = budgets["host_memory"]
     return out
@@ -378,7 +387,7 @@ def _config(shape_or_path: str) -> dict[str, Any]:
 
 
 HEADER = """\
-# moetier recipe (docs/recipes.md): `moetier serve --recipe {name}`.
+# moetier recipe (docs/recipes.md): `moetier serve --recipe {recipe}`.
 # Written by the planner (`moetier plan`); flags given beside --recipe override its settings.
 """
 
@@ -390,18 +399,24 @@ COMMENTS = {
     "budgets": "serve's --gpu-memory, --host-memory, --embeddings, --expert-reads; disk: the store",
     "context_length": "KV-cache positions all requests share (serve --num-pages)",
     "gate": "off, or a confidence-gate rule (serve --delta, docs/gate.md) for a delta plane",
-    "mtp": "MTP speculative decoding is not implemented yet: off",
+    "mtp": "off, or drafts per step of MTP speculative decoding (serve --speculative-tokens)",
     "parsers": "serve --tool-parser (one parser reads reasoning and tool calls)",
     "plan": "the planner's prediction (not measured); informational",
 }
 
 
-def render(data: dict[str, Any]) -> str:
-    """YAML text of a recipe dict, with a comment above each section."""
+def render(data: dict[str, Any], path: str | Path | None = None) -> str:
+    """YAML text of a recipe dict, with a comment above each section; its header names the
+    recipe as `--recipe` takes it: a shipped one by name, another by `path`, made absolute."""
+    import shlex
+
     import yaml
 
     validate(data, data.get("name", "recipe"))
-    out = [HEADER.format(name=data["name"])]
+    recipe = data["name"]
+    if path is not None and Path(path).resolve().parent != RECIPE_DIR.resolve():
+        recipe = shlex.quote(str(Path(path).resolve()))
+    out = [HEADER.format(recipe=recipe)]
     for key, value in data.items():
         if key in COMMENTS:
             out.append(f"# {COMMENTS[key]}\n")
@@ -412,7 +427,7 @@ def render(data: dict[str, Any]) -> str:
 def write(data: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(data))
+    path.write_text(render(data, path))
     return path
 
 

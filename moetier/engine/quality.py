@@ -34,8 +34,46 @@ class QualityReport:
         return asdict(self)
 
 
+# what must agree between a store and its reference for their logits to be compared: the
+# vocabulary (the logits' width, the ids the store's tokenizer gives) and the model's geometry
+# (ModelConfig fields; a store keeps its checkpoint's config.json)
+MATCHED = (
+    ("model_type", "model_type"),
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("num_layers", "num_hidden_layers"),
+    ("num_experts", "experts"),
+    ("top_k", "experts per token"),
+    ("expert_intermediate_size", "expert size"),
+)
+
+
+def reference_mismatch(store_config: dict[str, Any], reference_config: dict[str, Any]) -> str:
+    """What differs between a store's config.json and its reference's, as 'vocab_size 8192 in
+    the store, 320 in the reference; ...'; '' when they are the same model. A reference that is
+    no MoE model moetier knows says why."""
+    from moetier.config import ModelConfig
+
+    ours = ModelConfig.from_hf(store_config)
+    try:
+        theirs = ModelConfig.from_hf(reference_config)
+    except ValueError as err:
+        return str(err)
+    return "; ".join(
+        f"{label} {getattr(ours, field)} in the store, {getattr(theirs, field)} in the reference"
+        for field, label in MATCHED
+        if getattr(ours, field) != getattr(theirs, field)
+    )
+
+
 def chunks(ids: list[int], ctx: int, max_chunks: int = 0) -> torch.Tensor:
-    """Token ids -> [n, ctx] non-overlapping chunks (the tail that does not fill one is dropped)."""
+    """Token ids -> [n, ctx] non-overlapping chunks (the tail that does not fill one is dropped);
+    at most `max_chunks` of them (0: all). ValueError for a ctx under 2: a chunk scores its
+    second half, the predictions from position ctx // 2 on, so it needs two tokens."""
+    if ctx < 2:
+        raise ValueError(
+            f"chunks of {ctx} token(s): a chunk needs 2 or more (its second half is scored)"
+        )
     n = len(ids) // ctx
     if max_chunks > 0:
         n = min(n, max_chunks)

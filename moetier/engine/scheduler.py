@@ -168,9 +168,15 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
+    @property
+    def context_limit(self) -> int:
+        """The most tokens a request's prompt and completion hold: the model's context, or the
+        KV cache's pages where they hold fewer (what the server reports as max_model_len)."""
+        return min(self.max_model_len, self.pool.num_pages * self.pool.page_size)
+
     def room(self, prompt: int) -> int:
         """Tokens the context and the KV cache leave after a prompt of `prompt` tokens."""
-        return min(self.max_model_len, self.pool.num_pages * self.pool.page_size) - prompt
+        return self.context_limit - prompt
 
     def check(self, prompt: int, max_tokens: int | None) -> int:
         """The tokens a request of `prompt` tokens may generate (max_tokens None: what the

@@ -45,10 +45,18 @@ def check_engine_config(
     kv_positions: int | None = None,
     ranks: int = 1,
 ) -> None:
-    """Fail on a path that is not a store, a bad cache policy or a --gpu-memory the dense part
-    and `kv_positions` of KV cache do not fit (on each of `ranks` GPUs), before any weight is
-    loaded."""
+    """Fail on a path that is not a store, a negative cache size, slot cap, staging or thread
+    count, a bad cache policy or a --gpu-memory the dense part and `kv_positions` of KV cache
+    do not fit (on each of `ranks` GPUs), before any weight is loaded."""
     Store.check_path(store_path)
+    for flag, value, zero in (
+        ("--expert-cache-mb", engine_config.expert_cache_mb, "room for every expert"),
+        ("--expert-cache-slots", engine_config.expert_cache_slots, "no cap"),
+        ("--zero-copy-stage", engine_config.zero_copy_stage, "off"),
+        ("--cpu-threads", engine_config.cpu_threads, "every core"),
+    ):
+        if value < 0:
+            raise ValueError(f"{flag} {value:g}: give 0 ({zero}) or more")
     make_policy(engine_config.cache_policy)
     if engine_config.expert_reads not in ("mmap", "direct"):
         raise ValueError(f"--expert-reads {engine_config.expert_reads!r}: use mmap or direct")

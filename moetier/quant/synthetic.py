@@ -580,12 +580,20 @@ def meta_model(hf_config: dict[str, Any]) -> torch.nn.Module:
 
 def dense_and_experts(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
     """The (meta) tensors a store keeps dense, by name, and layer -> experts module path: every
-    persistent tensor but the routed experts' parameters."""
+    persistent tensor but the routed experts' parameters, a tensor tied to another (the output
+    head of a model with tie_word_embeddings) once, under its first name (the embedding), as
+    save_pretrained writes the checkpoint and convert the store."""
     from moetier.quant.convert import EXPERT_PARAMS, experts_modules
 
     modules = experts_modules(model)
     routed = {f"{path}.{p}" for path in modules for p in EXPERT_PARAMS}
-    dense = {k: t for k, t in model.state_dict().items() if k not in routed}
+    dense: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves
+        if name in routed or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        dense[name] = tensor.detach()
     return dense, {m.layer: path for path, m in modules.items()}
 
 

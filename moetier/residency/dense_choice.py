@@ -18,7 +18,7 @@ from typing import Any
 
 from moetier.core.layout import BlobFormat
 from moetier.quant.dense_formats import AUTO_ORDER, DensePolicy
-from moetier.residency.planner import Plan, plan_shape
+from moetier.residency.planner import Plan, plan_shape, size_flag, size_text
 
 GIB = 2**30
 
@@ -61,7 +61,7 @@ class Candidate:
             return f"{self.kind}: the dense part does not fit ({self.error})"
         p = self.plan
         return (
-            f"{self.kind}: dense {p.dense_bytes / GIB:.2f} GiB leaves {cached_slots(p)} expert "
+            f"{self.kind}: dense {size_text(p.dense_bytes)} leaves {cached_slots(p)} expert "
             f"slots, fewer than one token's {needed_slots(p)}"
         )
 
@@ -70,7 +70,7 @@ class Candidate:
         assert self.plan is not None
         p = self.plan
         return (
-            f"{self.option} fits: dense {p.dense_bytes / GIB:.2f} GiB on the GPU, "
+            f"{self.option} fits: dense {size_text(p.dense_bytes)} on the GPU, "
             f"{cached_slots(p)} expert slots (one token reads {needed_slots(p)})"
         )
 
@@ -167,8 +167,8 @@ def refusal(
     gpu = budgets["gpu_memory"]
     lines = [
         f"--dense auto: no dense precision leaves a useful expert cache on --gpu-memory "
-        f"{gpu / GIB:.2f} GiB (one token's routed experts, MoE layers x top-k, besides staging): "
-        + "; ".join(c.why_not() for c in refused)
+        f"{size_flag(gpu, up=False)} (one token's routed experts, MoE layers x top-k, besides "
+        "staging): " + "; ".join(c.why_not() for c in refused)
     ]
     other = suggest(hf_config, overrides, experts, **budgets)
     if other:
@@ -179,7 +179,7 @@ def refusal(
     host = " with --embeddings host" if budgets.get("host_memory", 0) else ""
     return (
         f"{lines[0]}. The least that would do, --dense {kind}{host}, needs --gpu-memory "
-        f"{need / GIB:.2f} GiB or more (or a shorter --max-context)"
+        f"{size_flag(need)} or more (or a shorter --max-context)"
     )
 
 
@@ -190,19 +190,23 @@ def min_gpu_memory(
     experts: str | BlobFormat = "q2s",
     **budgets: Any,
 ) -> int:
-    """The least --gpu-memory (to 1 MiB) at which `kind` is useful (the table in host RAM
-    where there is a host budget for it)."""
+    """The least --gpu-memory in whole MiB at which `kind` is useful (the table in host RAM
+    where there is a host budget for it): useful there, not 1 MiB less."""
     if budgets.get("host_memory", 0):
         budgets = dict(budgets, embeddings_host=True)
-    lo, hi = 0, max(int(budgets["gpu_memory"]), GIB)
-    while not candidate(hf_config, kind, overrides, experts, **dict(budgets, gpu_memory=hi)).useful:
-        lo, hi = hi, hi * 2
     mib = 2**20
-    while hi - lo > mib:
+
+    def ok(mibs: int) -> bool:
+        budget = dict(budgets, gpu_memory=mibs * mib)
+        return candidate(hf_config, kind, overrides, experts, **budget).useful
+
+    lo, hi = 0, -(-max(int(budgets["gpu_memory"]), GIB) // mib)  # in MiB; none useful at 0
+    while not ok(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        ok = candidate(hf_config, kind, overrides, experts, **dict(budgets, gpu_memory=mid)).useful
-        lo, hi = (lo, mid) if ok else (mid, hi)
-    return -(-hi // mib) * mib
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi * mib
 
 
 def _short(message: str) -> str:

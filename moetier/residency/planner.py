@@ -37,6 +37,29 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def size_flag(nbytes: int, up: bool = True) -> str:
+    """`nbytes` as a size flag takes it (`parse_bytes` reads it back): whole GiB as such, bytes
+    under 1 MiB, else whole MiB rounded `up` (a need: that much is enough) or down (a budget: no
+    more than it was), with the GiB beside it from 1 GiB. '537MiB', '24GiB', '24034MiB (23.47
+    GiB)'."""
+    if nbytes % 2**30 == 0:
+        return f"{nbytes // 2**30}GiB"
+    if nbytes < 2**20:
+        return f"{nbytes}B"
+    mib = -(-nbytes // 2**20) if up else nbytes // 2**20
+    return f"{mib}MiB" + (f" ({nbytes / 2**30:.2f} GiB)" if nbytes >= 2**30 else "")
+
+
+def size_text(nbytes: int) -> str:
+    """`nbytes` to read: GiB to 2 decimals from 1 GiB, MiB to 1 from 1 MiB ('14.0 MiB'), else
+    KiB to 1."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
 @dataclass(frozen=True)
 class Plan:
     dense_bytes: int
@@ -268,17 +291,18 @@ def _plan(
     if host_embedding and host_memory:  # a host tier: the table takes its share first
         if host_embedding > host_memory:
             raise ValueError(
-                f"--embeddings host: the embedding table ({host_embedding / 2**30:.2f} GiB) does "
-                f"not fit --host-memory {host_memory / 2**30:.2f} GiB: raise it"
+                f"--embeddings host: the embedding table ({size_text(host_embedding)}) does "
+                f"not fit --host-memory {size_flag(host_memory, up=False)}: raise it to "
+                f"{size_flag(host_embedding)} or more"
             )
         host_memory -= host_embedding
     kv = cfg.num_layers * cfg.kv_width * max_context * batch * dtype_bytes
     fixed = dense + kv + workspace
     if fixed > gpu_memory:
         raise ValueError(
-            f"the dense weights ({dense / 2**30:.2f} GiB), a KV cache of {max_context} tokens × "
-            f"{batch} ({kv / 2**30:.2f} GiB) and {workspace / 2**30:.2f} GiB of workspace need "
-            f"{fixed / 2**30:.2f} GiB, more than --gpu-memory {gpu_memory / 2**30:.2f} GiB: "
+            f"the dense weights ({size_text(dense)}), a KV cache of {max_context} tokens × "
+            f"{batch} ({size_text(kv)}) and {size_text(workspace)} of workspace need "
+            f"{size_flag(fixed)}, more than --gpu-memory {size_flag(gpu_memory, up=False)}: "
             "raise --gpu-memory (`moetier plan` also takes a shorter --max-context)"
         )
     slot, base, delta, layers = sizes.slot, sizes.base, sizes.delta, sizes.moe_layers

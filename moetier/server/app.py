@@ -135,10 +135,11 @@ def create_app(
         return Response(body, headers={"Content-Type": content_type})
 
     def context() -> int | None:
-        """The model's context length (None while loading)."""
+        """The most tokens a request holds (None while loading): the model's context, or the
+        KV cache's where it is smaller (as a longer request is refused)."""
         if state.engine is None:
             return None
-        return int(state.engine.engine.scheduler.max_model_len)
+        return int(state.engine.engine.scheduler.context_limit)
 
     def openai_model(name: str) -> dict[str, Any]:
         return {

@@ -48,8 +48,9 @@ class DetokenizeRequest(BaseModel):
 
 
 def max_model_len(engine: AsyncEngine) -> int:
-    """The longest prompt plus completion the engine takes (vLLM's `max_model_len`)."""
-    return int(engine.engine.scheduler.max_model_len)
+    """The longest prompt plus completion the engine takes (vLLM's `max_model_len`): the
+    model's context, or the KV cache's where it is smaller."""
+    return int(engine.engine.scheduler.context_limit)
 
 
 def check_ids(tokenizer: Any, ids: list[int], where: str) -> None:

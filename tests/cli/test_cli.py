@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from moetier.config import EngineConfig
 from moetier.engine.generate import Generator
 from moetier.engine.sampler import SamplingParams
@@ -76,3 +78,53 @@ def test_plan_prints_the_split_and_refuses_too_little(tiny):
     assert "GPU:  dense" in done.stdout and "16 of 16 base blobs" in done.stdout
     done = moetier("plan", store, "--gpu-memory", "100MiB")
     assert done.returncode == 1 and "raise --gpu-memory" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "STORE", "--gpu-memory", "1GiB", "--batch", "-1"], "--batch -1: give 1 or more"),
+        (["plan", "STORE", "--gpu-memory", "1GiB", "--batch", "0"], "--batch 0: give 1 or more"),
+        (["plan", "STORE", "--gpu-memory", "1GiB", "--max-context", "0"], "--max-context 0"),
+        (["plan", "STORE", "--gpu-memory", "1GiB", "--zero-copy-stage", "-1"], "give 0 or more"),
+        (["plan", "STORE", "--gpu-memory", "1GiB", "--gpus", "0"], "--gpus 0: give 1 or more"),
+        (["plan", "STORE", "--gpu-memory", "1GiB", "--experts", "bfloat16"],
+         "--experts applies with --shape"),
+        (["convert", "CKPT", "OUT", "--group", "64"],
+         "--group: group sizes of --experts q2s, int2, affine2; --experts source has none"),
+        (["convert", "CKPT", "OUT", "--experts", "nvfp4", "--down-group", "16"],
+         "--down-group: group sizes"),
+        (["convert", "CKPT", "OUT", "--experts", "q2s", "--group", "0"], "--group 0: give a group"),
+        (["convert", "CKPT", "OUT", "--experts", "q2s", "--calibration-mode", "diag"],
+         "--calibration-mode set how --calibration TEXT rounds"),
+        (["convert", "CKPT", "OUT", "--gpu-memory", "24GiB", "--embeddings", "host"],
+         "--gpu-memory, --embeddings: what --dense auto chooses"),
+        (["generate", "STORE", "--prompt", "Hello", "--system", "Be brief.", "--device", "cpu"],
+         "--system goes with --chat"),
+        (["generate", "STORE", "--prompt", "Hello", "--expert-cache-mb", "-5", "--device", "cpu"],
+         "--expert-cache-mb -5: give 0 (room for every expert) or more"),
+    ],
+)  # fmt: skip
+def test_meaningless_and_ignored_flags_are_refused(tiny, tmp_path, capsys, argv, message):
+    """Each was accepted: a negative batch planned a "KV cache -10 MiB", --group with source
+    experts, --calibration-mode without --calibration, --system with --prompt and --experts
+    beside a store were silently ignored. One line, exit 1, nothing written."""
+    from moetier.cli.main import main
+
+    where = {"STORE": str(tiny.store("qwen3_moe")), "CKPT": str(tiny.checkpoint("qwen3_moe")),
+             "OUT": str(tmp_path / "out")}  # fmt: skip
+    capsys.readouterr()  # the fixtures' building
+    assert main([where.get(a, a) for a in argv]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_flags_that_apply_still_pass(tiny, capsys):
+    from moetier.cli.main import main
+
+    store = str(tiny.store("qwen3_moe"))
+    assert main(["plan", store, "--gpu-memory", "1GiB", "--batch", "2"]) == 0
+    assert main(["plan", "--shape", "qwen3-30b-a3b", "--experts", "bfloat16", "--gpu-memory",
+                 "80GiB"]) == 0  # fmt: skip
+    assert "bfloat16 experts" in capsys.readouterr().out

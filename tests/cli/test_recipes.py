@@ -108,7 +108,9 @@ def _recipe() -> dict:
         (lambda d: d["parsers"].update(tool="qwen9"), "parsers.tool 'qwen9' is not a parser"),
         (lambda d: d["parsers"].update(reasoning="harmony"), "must agree"),
         (lambda d: d.update(gate="confidence"), "gate: off or a --delta rule"),
-        (lambda d: d.update(mtp="on"), "mtp 'on'"),
+        (lambda d: d.update(mtp="on"), "mtp is 'on': off, or the drafts per step"),
+        (lambda d: d.update(mtp=True), "mtp is 'on'"),  # YAML's reading of a bare on
+        (lambda d: d.update(mtp=0), "mtp is 0"),
     ],
 )
 def test_what_is_not_a_recipe_is_refused_naming_the_key(tmp_path, change, message):
@@ -162,6 +164,17 @@ def test_a_gate_rule_becomes_serves_delta(tmp_path):
     path.write_text(yaml.safe_dump(data))
     assert serve_args(["--recipe", str(path)]).delta == "budget:0.25:weight"
     assert serve_args(["--recipe", "qwen3-30b-a3b-12gb"]).delta == "all"  # off: the default
+
+
+def test_mtp_drafts_become_serves_speculative_tokens(tmp_path):
+    data = _recipe()
+    data["mtp"] = 2
+    path = tmp_path / "mtp.yaml"
+    path.write_text(recipes.render(data))
+    args = serve_args(["--recipe", str(path)])
+    assert args.speculative_tokens == 2  # serve loads the MTP layer with it (cli/serve.py)
+    assert serve_args(["--recipe", str(path), "--speculative-tokens", "1"]).speculative_tokens == 1
+    assert serve_args(["--recipe", "qwen3-30b-a3b-12gb"]).speculative_tokens == 0  # off
 
 
 def test_all_gpu_recipe_has_no_host_tier():
@@ -224,3 +237,37 @@ def test_plan_of_a_store_keeps_its_formats(tmp_path, capsys):
     assert main(["plan", str(DEFAULT_STORE), "--gpu-memory", "1GiB", "--predict",
                  "--dense", "int4"]) == 1  # fmt: skip
     assert "--dense applies with --shape" in capsys.readouterr().err
+
+
+def test_a_written_recipe_names_its_path_and_works_from_another_directory(
+    tiny, tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copytree(tiny.store("qwen3_moe"), work / "st" / "e")
+    monkeypatch.chdir(work)
+    # relative paths, as a user types them: the store folder, then its config.json
+    for model in ("st/e", "st/e/config.json"):
+        assert main(["plan", model, "--gpu-memory", "1GiB", "--predict",
+                     "--write-recipe", "mine.yaml"]) == 0  # fmt: skip
+        text = (work / "mine.yaml").read_text()
+        assert f"`moetier serve --recipe {work / 'mine.yaml'}`" in text.splitlines()[0]
+        monkeypatch.chdir(elsewhere)
+        recipe = recipes.load(work / "mine.yaml")
+        assert recipe["model"] == str(work / "st" / "e")
+        assert recipe["shape"] == str(work / "st" / "e" / "config.json")
+        assert serve_args(["--recipe", str(work / "mine.yaml")]).store == str(work / "st" / "e")
+        monkeypatch.chdir(work)
+    capsys.readouterr()
+    # a file serve --recipe would take for a shipped recipe's name is refused
+    assert main(["plan", "st/e", "--gpu-memory", "1GiB", "--write-recipe", "mine"]) == 1
+    assert "name the file NAME.yaml" in capsys.readouterr().err
+    # a shape with no known Hugging Face id and no weights: the recipe needs --model-id
+    assert main(["plan", "deepseek-v3", "--gpu-memory", "80GiB", "--host-memory", "512GiB",
+                 "--write-recipe", "ds.yaml"]) == 1  # fmt: skip
+    assert "give --model-id ORG/NAME" in capsys.readouterr().err
+    # the shipped recipes' headers name them
+    shipped = (recipes.RECIPE_DIR / "qwen3-30b-a3b-12gb.yaml").read_text().splitlines()[0]
+    assert "`moetier serve --recipe qwen3-30b-a3b-12gb`" in shipped

@@ -147,10 +147,10 @@ def test_refusals_name_the_option_that_fits(capsys):
     with pytest.raises(ValueError, match="needs --gpu-memory") as err:
         dense_choice.choose_dense(config, parse_bytes("12GiB"), **budgets)
     text = str(err.value)
-    need = float(text.split("needs --gpu-memory ")[1].split(" GiB")[0])
+    need = parse_bytes(text.split("needs --gpu-memory ")[1].split(" ")[0])  # 'NMiB (x GiB)'
     kind = text.split("The least that would do, --dense ")[1].split(" ")[0]
-    for gib, ok in ((need + 0.01, True), (need - 0.05, False)):
-        p = plan_shape(config, int(gib * 2**30), dense=DensePolicy.parse(kind),
+    for gpu, ok in ((need, True), (need - 2**20, False)):  # the least, to the MiB
+        p = plan_shape(config, gpu, dense=DensePolicy.parse(kind),
                        embeddings_host=True, **budgets)  # fmt: skip
         assert (cached(p) >= p.blobs_per_token) is ok
     # an explicit format whose dense part does not fit names the one that would
@@ -161,6 +161,40 @@ def test_refusals_name_the_option_that_fits(capsys):
     assert main([*args, "--dense", "auto"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[1].startswith("--dense auto chose ")
+
+
+def test_the_gpu_memory_a_refusal_asks_for_is_exact(eval_model):
+    """eval-moe-70m at 530MiB: the message gave the budget back as '0.52 GiB' and asked for
+    '0.52 GiB or more' (the need, some MiB more, rounded to 2 decimals), which is no more. It
+    names the budget as given and the least that does, in MiB: that works, 1 MiB less not."""
+    config = json.loads((eval_model / "config.json").read_text())
+    budgets = dict(host_memory=0, max_context=4096, zero_copy_stage=3)
+    with pytest.raises(ValueError, match="needs --gpu-memory") as err:
+        dense_choice.choose_dense(config, parse_bytes("530MiB"), **budgets)
+    text = str(err.value)
+    assert "on --gpu-memory 530MiB (" in text and "GiB or more" not in text
+    need = text.split("needs --gpu-memory ")[1].split(" ")[0]
+    kind = text.split("The least that would do, --dense ")[1].split(",")[0]
+    assert need.endswith("MiB") and parse_bytes(need) > parse_bytes("530MiB")
+    assert dense_choice.choose_dense(config, parse_bytes(need), **budgets).kind == kind
+    with pytest.raises(ValueError, match=f"needs --gpu-memory {need} or more"):
+        dense_choice.choose_dense(config, parse_bytes(need) - 2**20, **budgets)
+
+
+def test_size_flags_read_back_as_enough_or_no_more():
+    from moetier.residency.planner import size_flag
+
+    assert size_flag(parse_bytes("24GiB")) == "24GiB"
+    assert size_flag(parse_bytes("530MiB"), up=False) == "530MiB"
+    for text in ("0.52GiB", "24GB", "530MB", "23.47GiB"):
+        n = parse_bytes(text)
+        assert (
+            parse_bytes(size_flag(n).split(" ")[0]) - 2**20
+            < n
+            <= parse_bytes(size_flag(n).split(" ")[0])
+        )
+        assert parse_bytes(size_flag(n, up=False).split(" ")[0]) <= n
+    assert size_flag(parse_bytes("23.47GiB")) == "24034MiB (23.47 GiB)"
 
 
 def test_plan_refuses_dense_for_a_store(tmp_path, capsys):
@@ -193,6 +227,27 @@ def test_convert_dense_auto_writes_the_chosen_precision(tiny, tmp_path, capsys):
     # auto needs the card's size
     assert main(["convert", str(src), str(tmp_path / "x"), "--dense", "auto"]) != 0
     assert "--dense auto needs --gpu-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dense", ["bf16", "fp8"])
+def test_tied_embeddings_are_planned_once_as_the_store_keeps_them(tmp_path, dense):
+    """A checkpoint whose output head is its embedding table (tie_word_embeddings, as
+    eval-moe-70m): the plan from its config counted the table twice, as embedding and lm_head
+    (eval-moe-70m: dense 22 MiB, its store's 14 MiB); the store keeps it once."""
+    from tiny_models import build_tiny
+
+    from moetier.quant.convert import convert
+
+    src = build_tiny("qwen3_moe", tmp_path / "tied", tie_word_embeddings=True)
+    config = json.loads((src / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    store = Store(convert(src, tmp_path / "store", progress=False,
+                          dense=DensePolicy.parse(dense)))  # fmt: skip
+    assert "lm_head.weight" not in store.index["dense"]["tensors"]
+    fmt = dense_choice.convert_expert_format(config, "source")
+    budget = parse_bytes("1GiB")
+    predicted = plan_shape(config, budget, experts=fmt, dense=DensePolicy.parse(dense))
+    assert dataclasses.asdict(plan(store, budget)) == dataclasses.asdict(predicted)
 
 
 def test_docs_table_is_the_commands_output():

@@ -3,6 +3,8 @@ engine's --gpu-memory sizing the expert cache without changing numerics."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -101,6 +103,13 @@ def test_bad_engine_settings_fail_before_loading(store):
         check_engine_config(store.path, EngineConfig(cache_policy="fifo"))
     with pytest.raises(ValueError, match="not a memory size"):
         check_engine_config(store.path, EngineConfig(gpu_memory="plenty"))
+    # negative sizes and counts (accepted before: --expert-cache-mb -5 ran)
+    for field, flag in (("expert_cache_mb", "--expert-cache-mb -5: give 0 (room for every"),
+                        ("expert_cache_slots", "--expert-cache-slots -5: give 0 (no cap)"),
+                        ("zero_copy_stage", "--zero-copy-stage -5: give 0 (off)"),
+                        ("cpu_threads", "--cpu-threads -5: give 0 (every core)")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(flag)):
+            check_engine_config(store.path, EngineConfig(**{field: -5}))
     with pytest.raises(ValueError, match="raise --gpu-memory"):
         load_model(store.path, EngineConfig(native=False, device="cpu", gpu_memory="64MiB"))
 

@@ -108,3 +108,22 @@ def test_tokenize_counts_what_chat_completions_reads(server):
     )
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["prompt_tokens"] == count
+
+
+def test_a_kv_cache_smaller_than_the_context_is_the_limit_reported(tiny):
+    """A server whose KV pages hold fewer tokens than the model's context (serve --num-pages, a
+    recipe's context_length) refuses longer requests at the pages' count: /v1/models and
+    /tokenize report that, not the model's context (256)."""
+    from moetier.engine.engine import EngineLimits
+
+    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu"))
+    limits = EngineLimits(num_pages=7, page_size=16)  # 112 tokens < 256
+    assert int(loaded.model.config.max_position_embeddings) == 256
+    with serving(create_app(AsyncEngine(Engine(loaded, limits)), MODEL)) as url:
+        assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 112
+        assert httpx.post(url + "/tokenize", json={"prompt": "Hi"}).json()["max_model_len"] == 112
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        ok = client.completions.create(model=MODEL, prompt=[5] * 111, max_tokens=1)
+        assert ok.usage.prompt_tokens == 111
+        with pytest.raises(openai.BadRequestError, match="KV cache holds 112 tokens"):
+            client.completions.create(model=MODEL, prompt=[5] * 112, max_tokens=1)
