@@ -16,7 +16,12 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", help="Hugging Face model directory (config.json + *.safetensors)")
     parser.add_argument("out_dir", help="where to write the moetier store")
-    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT_DIR if it holds a moetier store or is empty (any other folder, a file, "
+        "or the checkpoint's own folder is refused)",
+    )
     parser.add_argument(
         "--tokenizer",
         metavar="PATH",

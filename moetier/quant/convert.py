@@ -23,6 +23,7 @@ index lists them (`mtp_layers`, `mtp_dense`) so the loaders leave them out of th
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import math
 import os
@@ -65,6 +66,7 @@ from moetier.quant.store import (
     INDEX_FILE,
     STORE_VERSION,
     blob_index_entry,
+    store_folder_for,
 )
 from moetier.quant.work_folder import (
     SETTINGS_FILE,
@@ -628,6 +630,104 @@ def work_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}{WORK_SUFFIX}"
 
 
+# The names of what a store folder holds (quant/store.py): its index, experts and dense files
+# (with the temporary and side files of their writers: experts.bin.q2s ...), the files copied
+# from the checkpoint (and TOKENIZER_GLOBS, from a --tokenizer folder), the tables later verbs
+# write beside (gate_hot.json ...). --force replaces a folder that holds nothing else and one of
+# STORE_MARKERS, or nothing at all.
+STORE_NAMES = ("experts.*", DENSE_FILE, *(f"*{s}" for s in AUX_SUFFIXES), *AUX_NAMES)
+STORE_MARKERS = (INDEX_FILE, EXPERTS_FILE, DENSE_FILE)
+
+
+class DestinationChanged(ConvertError):
+    """Files that are not a store's appeared in the destination while the conversion ran: the
+    finished store is kept in the work folder, not published over them."""
+
+
+def check_destination(
+    src: str | Path, dst: str | Path, force: bool = False, resuming: bool = False
+) -> None:
+    """Refuse, before any work, an output folder that converting `src` must not write: the
+    checkpoint's own folder or one holding it or any of its files (publishing replaces the
+    folder whole), a file, a symbolic link, a folder holding anything but a moetier store (or
+    what is left of one); and any existing folder unless `force` or `resuming` (a rerun of a
+    conversion whose work folder is there)."""
+    src, dst = Path(src), Path(dst).absolute()
+    if not dst.exists() and not dst.is_symlink():
+        return
+    held = _source_inside(src, dst)
+    if held is not None:
+        what = (
+            "is the checkpoint folder being converted"
+            if dst.resolve() == src.resolve()
+            else f"holds the checkpoint being converted ({held})"
+        )
+        raise ConvertError(
+            f"{dst} {what}: the store goes into a folder of its own, e.g. {store_folder_for(src)}"
+        )
+    problem = _replace_problem(dst)
+    if problem is not None and not dst.is_dir():
+        raise ConvertError(f"{dst} {problem}: choose another output folder, or remove it yourself")
+    if problem is not None:
+        raise ConvertError(
+            f"{dst} {problem}; --force replaces only a moetier store or an empty folder. "
+            "Choose another output folder, or remove it yourself"
+        )
+    if not force and not resuming:
+        raise ConvertError(
+            f"{dst} already exists: choose another directory or pass --force to replace it"
+        )
+
+
+def _source_inside(src: Path, dst: Path) -> Path | None:
+    """The checkpoint folder `src`, or the first of its files, that is `dst` or lies inside it
+    (links followed: a Hub snapshot's files point into the Hub cache's blobs); None if none."""
+    if not src.is_dir():
+        return None
+    root = dst.resolve()
+    for path in [src, *sorted(p for p in src.iterdir() if p.is_file())]:
+        real = path.resolve()
+        if real == root or root in real.parents:
+            return path
+    return None
+
+
+def _replace_problem(dst: Path) -> str | None:
+    """Why replacing the existing `dst` would lose something that is not a moetier store's, as
+    the end of a sentence naming `dst`; None for an empty folder or a store's files alone."""
+    if dst.is_symlink():
+        return "is a symbolic link, not a folder"
+    if not dst.is_dir():
+        return "is a file, not a folder"
+    entries = sorted(dst.iterdir())
+    names = (*STORE_NAMES, *TOKENIZER_GLOBS)
+    foreign = [
+        p.name + "/" if p.is_dir() else p.name
+        for p in entries
+        if p.is_dir() or not any(fnmatch.fnmatchcase(p.name, g) for g in names)
+    ]
+    if not foreign and entries and not any((dst / m).is_file() for m in STORE_MARKERS):
+        foreign = [p.name for p in entries]  # a store's names, but no store's files
+    if not foreign:
+        return None
+    shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+    return f"is not a moetier store: it holds {shown}"
+
+
+def publish(store: Path, dst: Path) -> None:
+    """Rename the finished `store` to `dst`, replacing the store or empty folder there; files
+    that appeared there meanwhile are not removed (DestinationChanged, `store` kept)."""
+    if dst.exists() or dst.is_symlink():
+        problem = _replace_problem(dst)
+        if problem is not None:
+            raise DestinationChanged(
+                f"{dst} {problem} (put there while the conversion ran): the finished store is "
+                f"kept in {store}. Move that away, then run the same command again to publish it"
+            )
+        shutil.rmtree(dst)
+    os.replace(store, dst)
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -659,10 +759,7 @@ def convert(
     missing, into a store byte-identical to an uninterrupted run's."""
     src, dst = Path(src), Path(dst).absolute()
     work = work_path(dst)
-    if dst.exists() and not force and not work.exists():
-        raise ConvertError(
-            f"{dst} already exists: choose another directory or pass --force to replace it"
-        )
+    check_destination(src, dst, force, resuming=work.exists())
     plan = plan_conversion(src)
     cfg = plan.model_config
     dims = (cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias)
@@ -690,10 +787,7 @@ def convert(
             say(f"removed {path}, the work folder of a conversion whose process is gone")
         if _published_before(work, dst, settings):
             return dst
-        if dst.exists() and not force:
-            raise ConvertError(
-                f"{dst} already exists: choose another directory or pass --force to replace it"
-            )
+        check_destination(src, dst, force)  # again, now that no other conversion writes it
         resumed = open_work_folder(work, settings)
         journal = Journal(work / JOURNAL_FILE)
         written: dict[str, int] = {}  # what this run wrote: dense tensors, expert blobs
@@ -711,9 +805,7 @@ def convert(
                    finish, fp4, written)  # fmt: skip
             journal.commit({"stage": "publish"})
             fault("publish")
-            if dst.exists():
-                shutil.rmtree(dst)
-            os.replace(work / STORE_DIR, dst)
+            publish(work / STORE_DIR, dst)
             fault("published")
         except (KeyboardInterrupt, OSError) as err:
             journal.close()
@@ -724,6 +816,9 @@ def convert(
                 f"{why}; the work done so far is kept in {work}: run the same command again "
                 "to resume it (or delete that folder to start afresh)"
             )
+            raise
+        except DestinationChanged:  # the finished store stays in the work folder
+            journal.close()
             raise
         except BaseException:
             journal.close()

@@ -48,6 +48,15 @@ EXPERTS_FILE = "experts.bin"
 DENSE_FILE = "dense.safetensors"
 
 
+def store_folder_for(checkpoint: str | Path) -> Path:
+    """A folder for the store of the checkpoint in `checkpoint` to suggest: beside it, named
+    after it (`moetier convert` refuses to write into the checkpoint's own folder)."""
+    path = Path(checkpoint)
+    if path.name in ("", ".", ".."):  # `.` names no folder to put the suffix on
+        path = path.resolve()
+    return path.with_name(f"{path.name}-moetier")
+
+
 @dataclass(frozen=True)
 class BlobEntry:
     layer: int

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,10 +37,12 @@ from moetier.quant.convert import (
     ConversionPlan,
     _copy_aux_files,
     _write_dense,
+    check_destination,
     check_free_space,
     dequantized_dtype,
     plan_conversion,
     planned_store_bytes,
+    publish,
     store_index,
 )
 from moetier.quant.dense_formats import DensePolicy
@@ -100,11 +100,8 @@ def convert_calibrated(
         raise ValueError(f"--calibration-mode {mode!r}: choose {' or '.join(MODES)}")
     if target not in TARGETS:
         raise ValueError(f"--calibration-target {target!r}: choose {' or '.join(TARGETS)}")
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and not force:
-        raise ConvertError(
-            f"{dst} already exists: choose another directory or pass --force to replace it"
-        )
+    src, dst = Path(src), Path(dst).absolute()
+    check_destination(src, dst, force)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     plan = plan_conversion(src)
     cfg = plan.model_config
@@ -426,7 +423,5 @@ def _finish(
         }
     index["quantization"] = quant
     (work.store / INDEX_FILE).write_text(json.dumps(index, indent=1))
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(work.store, dst)
+    publish(work.store, dst)
     work.remove()

@@ -1,0 +1,163 @@
+"""`moetier convert` never deletes what it did not write (`--force` replaces only a moetier store
+or an empty folder, never the checkpoint or a folder holding it), and its errors say what is
+wrong, naming the file, in one line."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moetier.cli.main import main
+from moetier.quant import convert as convert_module
+from moetier.quant.convert import convert, work_path
+from moetier.quant.sources import ConvertError
+from moetier.quant.store import Store
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (hidden ones included) -> its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """Run `moetier convert ARGS`, which must fail with one error line; returns that line."""
+    assert main(["convert", *args]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moetier convert: error: "), err
+    return lines[0]
+
+
+@pytest.fixture
+def ckpt(tiny, tmp_path: Path) -> Path:
+    """A copy of the tiny Qwen3-MoE checkpoint, for tests that aim conversions at it."""
+    path = tmp_path / "ckpt" / "qwen3"
+    shutil.copytree(tiny.checkpoint("qwen3_moe"), path)
+    return path
+
+
+def test_the_checkpoint_folder_itself_is_refused(ckpt, capsys):
+    before = _tree(ckpt.parent)
+    for force in ([], ["--force"]):
+        line = _refused(capsys, str(ckpt), str(ckpt), *force)
+        assert "is the checkpoint folder being converted" in line
+        assert f"e.g. {ckpt.parent / 'qwen3-moetier'}" in line
+    assert _tree(ckpt.parent) == before  # no lock, no work folder, the checkpoint whole
+
+
+def test_a_folder_holding_the_checkpoint_is_refused(ckpt, tmp_path, capsys):
+    """`convert victim/inner/qwen3 victim --force` deleted victim, the checkpoint inside it and
+    the user's file beside."""
+    victim = tmp_path / "victim"
+    shutil.copytree(ckpt, victim / "inner" / "qwen3")
+    (victim / "user.txt").write_text("mine")
+    before = _tree(tmp_path)
+    line = _refused(capsys, str(victim / "inner" / "qwen3"), str(victim), "--force")
+    assert f"{victim} holds the checkpoint being converted" in line
+    assert _tree(tmp_path) == before
+
+
+def test_a_hub_snapshots_blobs_are_refused(ckpt, tmp_path, capsys):
+    """A Hub snapshot's files are links into the cache's blobs/: that folder holds the
+    checkpoint too, though the snapshot folder is elsewhere."""
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in ckpt.iterdir():
+        shutil.copyfile(path, blobs / f"blob-{path.name}")
+        (snapshot / path.name).symlink_to(blobs / f"blob-{path.name}")
+    before = _tree(blobs)
+    line = _refused(capsys, str(snapshot), str(blobs), "--force")
+    assert "holds the checkpoint being converted" in line
+    assert _tree(blobs) == before
+
+
+def test_the_current_folder_with_user_files_is_refused(ckpt, tmp_path, capsys, monkeypatch):
+    """`cd work && moetier convert ../ckpt/qwen3 . --force` emptied the user's folder."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    (work / "results").mkdir()
+    monkeypatch.chdir(work)
+    line = _refused(capsys, str(ckpt), ".", "--force")
+    assert "is not a moetier store: it holds notes.txt, results/" in line
+    assert "Choose another output folder, or remove it yourself" in line
+    assert (work / "notes.txt").read_text() == "mine" and (work / "results").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "work"]
+
+
+def test_a_file_is_refused_up_front(ckpt, tmp_path, capsys):
+    """OUT a regular file: --force failed after converting ('Not a directory ... run the same
+    command again to resume', which could never succeed) and left .OUT.convert/ behind."""
+    out = tmp_path / "afile"
+    out.write_text("data")
+    for force in ([], ["--force"]):
+        line = _refused(capsys, str(ckpt), str(out), *force)
+        assert f"{out} is a file, not a folder" in line
+    assert out.read_text() == "data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ckpt"]
+
+
+def test_force_replaces_a_store_or_an_empty_folder(tiny, ckpt, tmp_path, capsys):
+    store = tmp_path / "store"
+    shutil.copytree(tiny.store("qwen3_moe"), store)
+    line = _refused(capsys, str(ckpt), str(store))
+    assert "already exists" in line and "--force" in line
+    (store / "gate_hot.json").write_text("{}")  # a table a later verb wrote beside: a store's
+    assert main(["convert", str(ckpt), str(store), "--force"]) == 0
+    assert Store(store).verify() == []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["convert", str(ckpt), str(empty), "--force"]) == 0
+    assert Store(empty).verify() == []
+    (store / "README.md").write_text("my notes")  # no longer a store's files alone
+    line = _refused(capsys, str(ckpt), str(store), "--force")
+    assert "is not a moetier store: it holds README.md" in line
+    assert (store / "README.md").read_text() == "my notes"
+
+
+def test_the_calibrated_conversion_checks_the_same(ckpt, tmp_path, capsys):
+    text = tmp_path / "calib.txt"
+    text.write_text("hello world " * 400)
+    before = _tree(ckpt.parent)
+    flags = ["--experts", "q2s", "--calibration", str(text), "--force"]
+    line = _refused(capsys, str(ckpt), str(ckpt), *flags)
+    assert "is the checkpoint folder being converted" in line
+    line = _refused(capsys, str(ckpt), str(ckpt.parent), *flags)
+    assert "holds the checkpoint being converted" in line
+    assert _tree(ckpt.parent) == before
+
+
+def test_files_put_in_the_destination_meanwhile_are_kept(ckpt, tmp_path, monkeypatch):
+    """A user file that appears in OUT while the conversion runs is not removed at publish: the
+    finished store stays in the work folder, and the same command publishes it once OUT holds
+    only a store's files again."""
+    from moetier.quant.convert import DestinationChanged
+
+    out = tmp_path / "out"
+    out.mkdir()
+    real = convert_module._build
+
+    def build_then_user_writes(*args, **kwargs):  # type: ignore[no-untyped-def]
+        real(*args, **kwargs)
+        (out / "user.txt").write_text("mine")
+
+    monkeypatch.setattr(convert_module, "_build", build_then_user_writes)
+    with pytest.raises(DestinationChanged, match="put there while the conversion ran"):
+        convert(ckpt, out, force=True, progress=False)
+    assert (out / "user.txt").read_text() == "mine"
+    assert (work_path(out) / "store" / "experts.json").is_file()
+    monkeypatch.setattr(convert_module, "_build", real)
+    (out / "user.txt").unlink()
+    convert(ckpt, out, force=True, progress=False)
+    assert Store(out).verify() == [] and not work_path(out).exists()
+
+
+def test_destination_check_without_the_command_line(ckpt, tmp_path):
+    """The library call refuses the same (hub.converted and scripts call it directly)."""
+    with pytest.raises(ConvertError, match="is the checkpoint folder being converted"):
+        convert(ckpt, ckpt, force=True, progress=False)
+    assert (ckpt / "model.safetensors").is_file()
