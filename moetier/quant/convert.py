@@ -781,7 +781,6 @@ def convert(
         "tokenizer": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
         "finish": options if finish is not None else None,
     }
-    dst.parent.mkdir(parents=True, exist_ok=True)
     with DestinationLock(dst):
         for path in clean_dead_folders(dst):
             say(f"removed {path}, the work folder of a conversion whose process is gone")

@@ -4,7 +4,8 @@ the same command resumes, its journal of committed pieces, and the test hook tha
 - `DestinationLock`: `.{OUT}.lock` beside the destination, flock'ed while a conversion writes
   `OUT` and holding its PID, so a second conversion into `OUT` is refused while the first lives;
   the kernel drops the lock of a dead process (SIGKILL included), so a stale file never blocks.
-  Re-entrant within one process.
+  Re-entrant within one process. Being the first thing written, it is where a folder that
+  cannot be written is refused (UnwritableError).
 - `open_work_folder(path, settings)`: a work folder written under other settings is cleared, not
   resumed (and says so); `settings.json` records what the run depends on.
 - `Journal`: an append-only file of JSON lines, one per committed piece (a tensor or blob written
@@ -36,6 +37,11 @@ class LockedError(ValueError):
     """Another live process is converting into the same destination."""
 
 
+class UnwritableError(ValueError):
+    """The destination's folder cannot be created or written (permissions, a read-only file
+    system): said before anything is written."""
+
+
 def lock_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}.lock"
 
@@ -56,9 +62,24 @@ class DestinationLock:
         if held is not None:
             self._held[self.path] = (held[0], held[1] + 1)
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            file = next((p for p in (folder, *folder.parents) if p.is_file()), None)
+            why = f"{file} is a file" if file else err.strerror
+            raise UnwritableError(
+                f"cannot create the folder {folder} ({why}): nothing was written; choose an "
+                "output folder you can write to"
+            ) from None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:
+                raise UnwritableError(
+                    f"cannot write in {folder} ({err.strerror}): nothing was written; choose "
+                    "an output folder you can write to"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:

@@ -4,6 +4,7 @@ wrong, naming the file, in one line."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -154,6 +155,26 @@ def test_files_put_in_the_destination_meanwhile_are_kept(ckpt, tmp_path, monkeyp
     (out / "user.txt").unlink()
     convert(ckpt, out, force=True, progress=False)
     assert Store(out).verify() == [] and not work_path(out).exists()
+
+
+def test_an_unwritable_folder_is_named(ckpt, tmp_path, capsys, monkeypatch):
+    """`convert ckpt /sys/foo` said "Permission denied: '/sys/.foo.lock'; what is written is
+    kept: run the same command again to resume" though nothing was written."""
+    (tmp_path / "afile").write_text("data")
+    line = _refused(capsys, str(ckpt), str(tmp_path / "afile" / "sub" / "out"))
+    assert f"cannot create the folder {tmp_path / 'afile' / 'sub'}" in line
+    assert f"{tmp_path / 'afile'} is a file" in line and "nothing was written" in line
+    real = os.open
+
+    def read_only(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path).endswith(".lock"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    line = _refused(capsys, str(ckpt), str(tmp_path / "ro" / "out"))
+    assert f"cannot write in {tmp_path / 'ro'} (Permission denied): nothing was written" in line
+    assert "resume" not in line
 
 
 def test_destination_check_without_the_command_line(ckpt, tmp_path):
