@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     work folder that the same command resumes (quant/work_folder.py)."""
     from moetier.quant.convert import tokenizer_files
     from moetier.quant.sources import ConvertError
-    from moetier.quant.work_folder import DestinationLock
+    from moetier.quant.work_folder import STOP_SAID, DestinationLock
 
     if not tokenizer_files(Path(args.hf_dir)) and args.tokenizer is None:
         if (Path(args.hf_dir) / "config.json").is_file():
@@ -158,21 +158,24 @@ def run(args: argparse.Namespace) -> int:
 
     def stop(signum: int, frame: object) -> None:
         stopped.append(signum)
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(signal.Signals(signum).name)  # the converter says which
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with DestinationLock(Path(args.out_dir)):
             return _convert(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         signum = stopped[0] if stopped else signal.SIGINT
-        print(
-            f"moetier convert: stopped by {signal.Signals(signum).name}; run the same command "
-            "again to resume: what is written is kept",
-            file=sys.stderr,
-        )
+        if not getattr(err, STOP_SAID, False):  # else the converter said it, naming its folder
+            print(
+                f"moetier convert: stopped by {signal.Signals(signum).name}; run the same "
+                "command again to resume: what is written is kept",
+                file=sys.stderr,
+            )
         return 128 + signum
     except OSError as err:
+        if getattr(err, STOP_SAID, False):
+            return 1
         if isinstance(err, FileNotFoundError):
             raise
         print(

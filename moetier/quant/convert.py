@@ -76,6 +76,7 @@ from moetier.quant.work_folder import (
     fault,
     open_work_folder,
     say,
+    say_stopped,
     write_text,
 )
 
@@ -810,11 +811,7 @@ def convert(
             journal.close()
             if resumed:
                 _say_written(written)
-            why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"stopped by {err}"
-            say(
-                f"{why}; the work done so far is kept in {work}: run the same command again "
-                "to resume it (or delete that folder to start afresh)"
-            )
+            say_stopped(err, work)
             raise
         except DestinationChanged:  # the finished store stays in the work folder
             journal.close()

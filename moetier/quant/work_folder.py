@@ -11,6 +11,8 @@ the same command resumes, its journal of committed pieces, and the test hook tha
 - `Journal`: an append-only file of JSON lines, one per committed piece (a tensor or blob written
   and flushed, with its crc32); a torn last line is dropped. A resumed writer re-reads what the
   journal claims and keeps the pieces whose crc32 still matches, then truncates after them.
+- `say_stopped(err, work)`: the one line that says why a conversion stopped and that the same
+  command resumes the work kept in `work`; the command line adds nothing to it.
 - `fault(point)`: the test hook. `MOETIER_FAULT_AT=POINT:N[:SIGNAL]` makes the process send itself
   SIGNAL (KILL, TERM or INT; default KILL) the N-th time it passes POINT; unset, it costs one
   global lookup. The points are named where `fault` is called (quant/convert.py).
@@ -18,6 +20,7 @@ the same command resumes, its journal of committed pieces, and the test hook tha
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -26,6 +29,7 @@ import re
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +232,35 @@ def write_text(path: Path, text: str) -> None:
 
 def say(message: str) -> None:
     print(f"moetier convert: {message}", file=sys.stderr, flush=True)
+
+
+STOP_SAID = "moetier_stop_said"  # set on an exception whose stop was said (say_stopped)
+
+
+def say_stopped(err: BaseException, work: Path) -> None:
+    """Say why the conversion stopped (`err`: a signal, KeyboardInterrupt("SIGTERM") from
+    the command line's handler, or an OSError) and that the same command resumes the work in
+    `work`; `err` is marked (STOP_SAID) so that the command line says it only once."""
+    if isinstance(err, KeyboardInterrupt):
+        why = f"stopped by {err.args[0]}" if err.args else "interrupted"
+    else:
+        why = f"stopped by {err}"
+    say(
+        f"{why}; the work done so far is kept in {work}: run the same command again to resume "
+        "it (or delete that folder to start afresh)"
+    )
+    setattr(err, STOP_SAID, True)
+
+
+@contextlib.contextmanager
+def said_when_stopped(work: Path) -> Iterator[None]:
+    """say_stopped for a KeyboardInterrupt or OSError that stops the work kept in `work`; the
+    exception goes on up."""
+    try:
+        yield
+    except (KeyboardInterrupt, OSError) as err:
+        say_stopped(err, work)
+        raise
 
 
 # --- the fault hook (tests) ------------------------------------------------------------------

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from moetier.quant import convert as convert_module
 from moetier.quant.convert import convert, work_path
 from moetier.quant.sources import ConvertError
 from moetier.quant.store import Store
+from moetier.quant.work_folder import FAULT_ENV
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -175,6 +179,44 @@ def test_an_unwritable_folder_is_named(ckpt, tmp_path, capsys, monkeypatch):
     line = _refused(capsys, str(ckpt), str(tmp_path / "ro" / "out"))
     assert f"cannot write in {tmp_path / 'ro'} (Permission denied): nothing was written" in line
     assert "resume" not in line
+
+
+def test_a_stopped_conversion_says_so_once(tiny, tmp_path):
+    """Stopped by a signal, it printed two lines saying the same thing; once, naming the work
+    folder to resume from."""
+    env = {**os.environ, FAULT_ENV: "experts:3:INT"}
+    done = subprocess.run(
+        [sys.executable, "-m", "moetier", "convert", str(tiny.checkpoint("qwen3_moe")),
+         str(tmp_path / "out")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    lines = [x for x in done.stderr.splitlines() if "run the same command again" in x]
+    assert lines == [
+        f"moetier convert: stopped by SIGINT; the work done so far is kept in "
+        f"{tmp_path / '.out.convert'}: run the same command again to resume it (or delete that "
+        "folder to start afresh)"
+    ]
+
+
+def test_a_stopped_calibrated_conversion_says_so_once(ckpt, tmp_path, capsys, monkeypatch):
+    from moetier.quant.calibration import sequential
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        os.kill(os.getpid(), signal.SIGTERM)  # the command's handler raises KeyboardInterrupt
+
+    monkeypatch.setattr(sequential, "_run_layers", interrupted)
+    text = tmp_path / "calib.txt"
+    text.write_text("hello world " * 400)
+    code = main(["convert", str(ckpt), str(tmp_path / "out"), "--experts", "q2s",
+                 "--calibration", str(text), "--calibration-tokens", "512",
+                 "--calibration-mode", "diag"])  # fmt: skip
+    assert code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "run the same command again" in x]
+    assert len(lines) == 1, err
+    work = tmp_path / ".out.calibration"
+    assert f"stopped by SIGTERM; the work done so far is kept in {work}" in lines[0]
 
 
 def test_destination_check_without_the_command_line(ckpt, tmp_path):

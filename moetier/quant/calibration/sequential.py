@@ -49,6 +49,7 @@ from moetier.quant.dense_formats import DensePolicy
 from moetier.quant.requantize import Q2_DELTA, Override, layer_codecs
 from moetier.quant.sources import ConvertError, TensorReader
 from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, blob_index_entry
+from moetier.quant.work_folder import said_when_stopped
 
 CTX = 512  # tokens per calibration sequence
 BATCH = 4  # sequences per forward
@@ -151,34 +152,36 @@ def convert_calibrated(
     if dev.type == "cuda":
         dtype = getattr(torch, dequantized_dtype(src) if plan.quantization else plan.expert_dtype)
     _check_space(src, plan, plans, policy, chunks, dtype, work, dst)
-    if work.dense_index() is None:
-        _copy_aux_files(src, work.store)
-        work.commit_dense(_write_dense(plan, work.store / "dense.safetensors", progress, policy))
-    dense_tensors = work.dense_index()
-    assert dense_tensors is not None
-    per_expert = bytes_per_expert(mode, cfg.hidden_size, cfg.expert_intermediate_size, group)
-    if chunk_bytes is None:
-        chunk_bytes = 2 * 2**30
-        if dev.type == "cuda":
-            chunk_bytes = int(torch.cuda.mem_get_info(dev)[0] * 0.4)
-    chunk = max(1, min(cfg.num_experts, chunk_bytes // per_expert))
-    _preflight(plan, chunks, mode, dev, dtype, chunk, per_expert, work.path)
+    with said_when_stopped(work.path):  # the same command resumes after the last layer done
+        if work.dense_index() is None:
+            _copy_aux_files(src, work.store)
+            dense_record = _write_dense(plan, work.store / "dense.safetensors", progress, policy)
+            work.commit_dense(dense_record)
+        dense_tensors = work.dense_index()
+        assert dense_tensors is not None
+        per_expert = bytes_per_expert(mode, cfg.hidden_size, cfg.expert_intermediate_size, group)
+        if chunk_bytes is None:
+            chunk_bytes = 2 * 2**30
+            if dev.type == "cuda":
+                chunk_bytes = int(torch.cuda.mem_get_info(dev)[0] * 0.4)
+        chunk = max(1, min(cfg.num_experts, chunk_bytes // per_expert))
+        _preflight(plan, chunks, mode, dev, dtype, chunk, per_expert, work.path)
 
-    start = time.perf_counter()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    _run_layers(src, plan, plans, chunks, work, dev, dtype, chunk, progress)
-    seconds = sum(work.record(layer).get("seconds", 0.0) for layer in work.committed())
-    peak = ""
-    if dev.type == "cuda":
-        peak = f"; peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB"
-    print(
-        f"calibrated {len(work.committed())} layers: {seconds:.1f} s of layer work "
-        f"({time.perf_counter() - start:.1f} s in this run){peak}",
-        flush=True,
-    )
-    _finish(plan, plans, work, dst, policy, dense_tensors, mode, group, down_group, delta,
-            overrides, chunks.numel(), target, refine)  # fmt: skip
+        start = time.perf_counter()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        _run_layers(src, plan, plans, chunks, work, dev, dtype, chunk, progress)
+        seconds = sum(work.record(layer).get("seconds", 0.0) for layer in work.committed())
+        peak = ""
+        if dev.type == "cuda":
+            peak = f"; peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB"
+        print(
+            f"calibrated {len(work.committed())} layers: {seconds:.1f} s of layer work "
+            f"({time.perf_counter() - start:.1f} s in this run){peak}",
+            flush=True,
+        )
+        _finish(plan, plans, work, dst, policy, dense_tensors, mode, group, down_group, delta,
+                overrides, chunks.numel(), target, refine)  # fmt: skip
     return dst
 
 
