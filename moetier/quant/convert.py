@@ -302,6 +302,11 @@ def dequantized_dtype(src: Path) -> str:
 
 def plan_conversion(src: Path) -> ConversionPlan:
     """Read headers only and decide where every checkpoint tensor goes; raise on any gap."""
+    if (src / INDEX_FILE).is_file():
+        raise ConvertError(
+            f"{src} is already a moetier store ({INDEX_FILE} is there): generate, serve or bench "
+            "it as it is. `moetier convert` reads a Hugging Face checkpoint folder"
+        )
     if not (src / "config.json").is_file():
         raise ConvertError(f"{src}/config.json not found: point at a Hugging Face model directory")
     try:

@@ -73,12 +73,21 @@ class Store:
 
     @staticmethod
     def check_path(path: str | Path) -> None:
-        """Raise what to do where `path` is not a store (its index missing), without reading it."""
-        if not (Path(path) / INDEX_FILE).is_file():
+        """Raise what to do where `path` is not a store (its index missing), without reading it:
+        a Hugging Face checkpoint is converted into a folder of its own, never into itself."""
+        path = Path(path)
+        if (path / INDEX_FILE).is_file():
+            return
+        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
             raise ValueError(
-                f"{path} is not a moetier store ({INDEX_FILE} missing). "
-                f"Convert a Hugging Face checkpoint first: moetier convert HF_DIR {path}"
+                f"{path} is a Hugging Face checkpoint, not a moetier store ({INDEX_FILE} "
+                f"missing). Convert it into a folder of its own first: moetier convert {path} "
+                f"{store_folder_for(path)}"
             )
+        raise ValueError(
+            f"{path} is not a moetier store ({INDEX_FILE} missing). "
+            f"Convert a Hugging Face checkpoint first: moetier convert HF_DIR {path}"
+        )
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)

@@ -181,6 +181,22 @@ def test_an_unwritable_folder_is_named(ckpt, tmp_path, capsys, monkeypatch):
     assert "resume" not in line
 
 
+def test_a_store_as_the_source_is_named(tiny, tmp_path, capsys):
+    line = _refused(capsys, str(tiny.store("qwen3_moe")), str(tmp_path / "out"))
+    assert "is already a moetier store (experts.json is there)" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_given_as_a_store_is_told_to_convert_elsewhere(ckpt, capsys):
+    """The hint of the verbs that read a store used to be `moetier convert HF_DIR <that very
+    folder>`, steering the conversion into the checkpoint."""
+    with pytest.raises(ValueError) as err:
+        Store.check_path(ckpt)
+    assert f"moetier convert {ckpt} {ckpt.parent / 'qwen3-moetier'}" in str(err.value)
+    assert main(["plan", str(ckpt), "--gpu-memory", "1GiB"]) == 1
+    assert f"moetier convert {ckpt} {ckpt.parent / 'qwen3-moetier'}" in capsys.readouterr().err
+
+
 def test_a_stopped_conversion_says_so_once(tiny, tmp_path):
     """Stopped by a signal, it printed two lines saying the same thing; once, naming the work
     folder to resume from."""
