@@ -197,6 +197,16 @@ def test_a_checkpoint_given_as_a_store_is_told_to_convert_elsewhere(ckpt, capsys
     assert f"moetier convert {ckpt} {ckpt.parent / 'qwen3-moetier'}" in capsys.readouterr().err
 
 
+def test_nested_with_another_delta_says_what_is_wrong(ckpt, tmp_path, capsys):
+    """It said 'choose nvfp4 or q2' to a user who had chosen nvfp4, after converting."""
+    line = _refused(
+        capsys, str(ckpt), str(tmp_path / "out"), "--experts", "nested", "--delta", "nvfp4"
+    )
+    assert "--delta nvfp4 does not apply to --experts nested" in line
+    assert "choose nvfp4 or q2" not in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # refused before converting
+
+
 def test_a_stopped_conversion_says_so_once(tiny, tmp_path):
     """Stopped by a signal, it printed two lines saying the same thing; once, naming the work
     folder to resume from."""
