@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -109,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibration-tokens",
-        type=int,
+        type=_at_least(1),
         default=65536,
         help="calibration tokens carried through the model, layer by layer (default: 65536)",
     )
@@ -131,13 +132,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibration-refine",
-        type=int,
+        type=_at_least(0),
         default=0,
         metavar="N",
         help="gptq: N rounds of GPTQ again with the refitted group scales held, then the scales "
         "refitted to the new codes; each row keeps the pair with the least output error "
         "(default: 0)",
     )
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number `low` or more (a negative token count crashed the
+    calibration deep inside; 0 read as too little text)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: a whole number, {low} or more")
+        return value
+
+    return parse
 
 
 def run(args: argparse.Namespace) -> int:

@@ -207,6 +207,35 @@ def test_nested_with_another_delta_says_what_is_wrong(ckpt, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # refused before converting
 
 
+@pytest.mark.parametrize("tokens", ["0", "-5", "many"])
+def test_calibration_tokens_are_checked_when_parsed(ckpt, tmp_path, capsys, tokens):
+    """0 said 'calibration text has 0 tokens'; -5 crashed with shape '[-1, 512]' is invalid."""
+    text = tmp_path / "calib.txt"
+    text.write_text("hello world " * 400)
+    with pytest.raises(SystemExit) as exit_:
+        main(["convert", str(ckpt), str(tmp_path / "out"), "--experts", "q2s",
+              "--calibration", str(text), f"--calibration-tokens={tokens}"])  # fmt: skip
+    assert exit_.value.code == 2
+    assert f"--calibration-tokens: '{tokens}': a whole number, 1 or more" in capsys.readouterr().err
+
+
+def test_calibration_tokens_below_one_sequence_are_named(ckpt, tmp_path, capsys):
+    """100 tokens said 'calibration text has 100 tokens, fewer than one chunk of 512' of a
+    text far longer: the flag is what is short."""
+    text = tmp_path / "calib.txt"
+    text.write_text("hello world " * 400)
+    line = _refused(capsys, str(ckpt), str(tmp_path / "out"), "--experts", "q2s",
+                    "--calibration", str(text), "--calibration-tokens", "100")  # fmt: skip
+    assert "--calibration-tokens 100 is less than one calibration sequence of 512" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "ckpt"]
+
+
+def test_calibration_refine_is_checked_when_parsed(ckpt, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["convert", str(ckpt), str(tmp_path / "out"), "--calibration-refine=-1"])
+    assert "--calibration-refine: '-1': a whole number, 0 or more" in capsys.readouterr().err
+
+
 def test_a_stopped_conversion_says_so_once(tiny, tmp_path):
     """Stopped by a signal, it printed two lines saying the same thing; once, naming the work
     folder to resume from."""

@@ -101,6 +101,11 @@ def convert_calibrated(
         raise ValueError(f"--calibration-mode {mode!r}: choose {' or '.join(MODES)}")
     if target not in TARGETS:
         raise ValueError(f"--calibration-target {target!r}: choose {' or '.join(TARGETS)}")
+    if tokens < ctx:
+        raise ValueError(
+            f"--calibration-tokens {tokens} is less than one calibration sequence of {ctx} "
+            f"tokens: pass at least {ctx}"
+        )
     src, dst = Path(src), Path(dst).absolute()
     check_destination(src, dst, force)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
