@@ -40,7 +40,7 @@ from typing import Any, BinaryIO
 import torch
 from tqdm import tqdm
 
-from moetier.config import ModelConfig
+from moetier.config import ModelConfig, read_json
 from moetier.core.layout import (
     DTYPES,
     BlobFormat,
@@ -52,6 +52,7 @@ from moetier.core.layout import (
 from moetier.quant.dense_formats import DenseFormat, DensePolicy, dense_class
 from moetier.quant.experts_probe import ExpertsMismatch, check_model_experts
 from moetier.quant.sources import (
+    CHECKPOINT_FIX,
     ConvertError,
     SourceQuantization,
     SourceTensor,
@@ -167,7 +168,7 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 def find_shards(src: Path) -> list[Path]:
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(read_json(index, CHECKPOINT_FIX)["weight_map"].values()))
         missing = [n for n in names if not (src / n).is_file()]
         if missing:
             raise ConvertError(
@@ -295,7 +296,7 @@ def mtp_place(key: str, num_layers: int, num_mtp: int) -> tuple[int, str] | None
 def dequantized_dtype(src: Path) -> str:
     """What quantized weights are dequantised to: config.json's dtype (bf16 for the real
     releases), bfloat16 if it names none."""
-    config = json.loads((src / "config.json").read_text())
+    config = read_json(src / "config.json", CHECKPOINT_FIX)
     dtype = config.get("dtype") or config.get("torch_dtype")
     return dtype if dtype in FLOAT_DTYPES else "bfloat16"
 
@@ -335,7 +336,7 @@ def plan_conversion(src: Path) -> ConversionPlan:
     for path in modules:
         for pname in EXPERT_PARAMS:
             experts_params[f"{path}.{pname}"] = (path, pname)
-    hf_config = json.loads((src / "config.json").read_text())
+    hf_config = read_json(src / "config.json", CHECKPOINT_FIX)
     num_mtp = mtp_layer_count(hf_config)
     like = next(iter(modules.values()))  # MTP experts are built by the same class
     mtp_layers: dict[int, str] = {}
@@ -1092,7 +1093,7 @@ def _aux_sources(src: Path, tokenizer: str | Path | None = None) -> list[Path]:
 def _copy_aux_files(src: Path, dst: Path, tokenizer: str | Path | None = None) -> None:
     # The store's weights are dequantised or in moetier's own formats: transformers must not
     # apply the source's quantization when it builds the model from this config.
-    config = json.loads((src / "config.json").read_text())
+    config = read_json(src / "config.json", CHECKPOINT_FIX)
     config.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for path in _aux_sources(src, tokenizer):

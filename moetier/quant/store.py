@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import ModelConfig
+from moetier.config import ModelConfig, read_json
 from moetier.core.layout import BlobFormat
 from moetier.quant.dense_formats import DenseFormat, dense_class
 
@@ -92,13 +92,14 @@ class Store:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.check_path(self.path)
-        self.index: dict[str, Any] = json.loads((self.path / INDEX_FILE).read_text())
+        again = "convert the model again"
+        self.index: dict[str, Any] = read_json(self.path / INDEX_FILE, again)
         if self.index.get("version") != STORE_VERSION:
             raise ValueError(
                 f"{self.path} was written by store version {self.index.get('version')}, this "
                 f"moetier reads version {STORE_VERSION}: convert the model again"
             )
-        self.hf_config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
+        self.hf_config: dict[str, Any] = read_json(self.path / "config.json", again)
         self.model_config = ModelConfig.from_hf(self.hf_config)
         self.source_dtype: str = self.index["source_dtype"]
         self.formats = {k: BlobFormat.from_json(k, v) for k, v in self.index["formats"].items()}

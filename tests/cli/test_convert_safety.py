@@ -236,6 +236,26 @@ def test_calibration_refine_is_checked_when_parsed(ckpt, tmp_path, capsys):
     assert "--calibration-refine: '-1': a whole number, 0 or more" in capsys.readouterr().err
 
 
+def test_damaged_input_files_are_named(ckpt, tiny, tmp_path, capsys):
+    text = tmp_path / "calib.bin.txt"
+    text.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 4)  # gzip, not text
+    line = _refused(
+        capsys, str(ckpt), str(tmp_path / "o1"), "--experts", "q2s", "--calibration", str(text)
+    )
+    assert f"calibration file {text} is not UTF-8 text" in line
+    store = tmp_path / "store"
+    shutil.copytree(tiny.store("qwen3_moe"), store)
+    (store / "experts.json").write_text('{"version": 1,')
+    with pytest.raises(ValueError, match=f"{store / 'experts.json'} cannot be read as JSON"):
+        Store(store)
+    (ckpt / "config.json").write_text('{"model_type": "qwen3_moe",')
+    line = _refused(capsys, str(ckpt), str(tmp_path / "o2"))
+    assert f"{ckpt / 'config.json'} cannot be read as JSON" in line
+    line = _refused(capsys, str(ckpt), str(tmp_path / "o3"), "--experts", "q2s")
+    assert f"{ckpt / 'config.json'} cannot be read as JSON" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.bin.txt", "ckpt", "store"]
+
+
 def test_a_stopped_conversion_says_so_once(tiny, tmp_path):
     """Stopped by a signal, it printed two lines saying the same thing; once, naming the work
     folder to resume from."""

@@ -60,7 +60,16 @@ def calibration_texts(path: Path) -> list[str]:
     files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
     if not files:
         raise ValueError(f"no .txt calibration text in {path}")
-    return [f.read_text(encoding="utf-8") for f in files]
+    texts = []
+    for f in files:
+        try:
+            texts.append(f.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"calibration file {f} is not UTF-8 text ({err.reason} at byte {err.start}): "
+                "convert it to UTF-8, or pass plain text files"
+            ) from None
+    return texts
 
 
 def calibration_ids(tokenizer: Any, texts: list[str], max_tokens: int, ctx: int) -> torch.Tensor:
