@@ -778,6 +778,7 @@ def convert(
     policy = dense or DensePolicy()
     if tokenizer is not None and not tokenizer_files(Path(tokenizer)):
         raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there")
+    say_unfit_dense(plan, policy)
     settings = {
         "moetier": _version(),
         "source": str(src.resolve()),
@@ -1098,6 +1099,14 @@ def _copy_aux_files(src: Path, dst: Path, tokenizer: str | Path | None = None) -
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for path in _aux_sources(src, tokenizer):
         shutil.copyfile(path, dst / path.name)
+
+
+def say_unfit_dense(plan: ConversionPlan, policy: DensePolicy) -> None:
+    """Say which dense weights `policy` would quantize but must leave unquantized (their K is
+    not in whole groups of the format): the store then differs from what --dense asked."""
+    unfit = policy.unfit({name: t.shape for name, t in plan.dense.items()})
+    if unfit is not None:
+        say(f"--dense {unfit}")
 
 
 def _dense_specs(

@@ -43,6 +43,7 @@ from moetier.quant.convert import (
     plan_conversion,
     planned_store_bytes,
     publish,
+    say_unfit_dense,
     store_index,
 )
 from moetier.quant.dense_formats import DensePolicy
@@ -125,6 +126,7 @@ def convert_calibrated(
     tokenizer = AutoTokenizer.from_pretrained(src)
     chunks = calibration_ids(tokenizer, calibration_texts(Path(calibration)), tokens, ctx)
     policy = dense or DensePolicy()
+    say_unfit_dense(plan, policy)
     settings = {
         "source": str(src.resolve()),
         "experts": "q2s",
