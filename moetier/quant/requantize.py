@@ -96,6 +96,8 @@ def _layer_numbers(spec: str) -> list[int]:
         lo, sep, hi = part.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
             raise ValueError(f"bad layer list {spec!r}")
+        if sep and int(hi) < int(lo):  # range() of it is empty: the override would do nothing
+            raise ValueError(f"the layer range {part!r} runs backwards (write {hi}-{lo})")
         out += range(int(lo), int(hi if sep else lo) + 1)
     return out
 
