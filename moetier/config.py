@@ -56,6 +56,15 @@ CLAMPED_ACTIVATIONS = {
 ACTIVATIONS = ("silu", "silu_clamped", "gpt_oss")
 
 
+def read_json(path: str | Path, fix: str = "replace it with a good copy") -> Any:
+    """The JSON value in `path`; ValueError naming the file, and saying `fix` (what to do),
+    where it is not UTF-8 JSON (truncated, damaged, another kind of file)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError both are
+        raise ValueError(f"{path} cannot be read as JSON ({err}): {fix}") from None
+
+
 @dataclass(frozen=True)
 class ExpertActivation:
     """How a routed expert combines its gate and up projections (see ACTIVATIONS)."""
@@ -154,7 +163,7 @@ class ModelConfig:
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise ValueError(f"{config_path} not found: point at a Hugging Face model directory")
-        return cls.from_hf(json.loads(config_path.read_text()))
+        return cls.from_hf(read_json(config_path, "download the checkpoint's config.json again"))
 
 
 @dataclass(frozen=True)

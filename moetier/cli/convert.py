@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,12 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", help="Hugging Face model directory (config.json + *.safetensors)")
     parser.add_argument("out_dir", help="where to write the moetier store")
-    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT_DIR if it holds a moetier store or is empty (any other folder, a file, "
+        "or the checkpoint's own folder is refused)",
+    )
     parser.add_argument(
         "--tokenizer",
         metavar="PATH",
@@ -104,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibration-tokens",
-        type=int,
+        type=_at_least(1),
         default=65536,
         help="calibration tokens carried through the model, layer by layer (default: 65536)",
     )
@@ -126,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibration-refine",
-        type=int,
+        type=_at_least(0),
         default=0,
         metavar="N",
         help="gptq: N rounds of GPTQ again with the refitted group scales held, then the scales "
@@ -193,12 +199,28 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         raise ValueError(f"--max-context {args.max_context}: give 1 or more")
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number `low` or more (a negative token count crashed the
+    calibration deep inside; 0 read as too little text)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: a whole number, {low} or more")
+        return value
+
+    return parse
+
+
 def run(args: argparse.Namespace) -> int:
     """Convert, holding the destination's lock; SIGINT and SIGTERM stop it cleanly, keeping the
     work folder that the same command resumes (quant/work_folder.py)."""
     from moetier.quant.convert import tokenizer_files
     from moetier.quant.sources import ConvertError
-    from moetier.quant.work_folder import DestinationLock
+    from moetier.quant.work_folder import STOP_SAID, DestinationLock
 
     if not tokenizer_files(Path(args.hf_dir)) and args.tokenizer is None:
         if (Path(args.hf_dir) / "config.json").is_file():
@@ -211,21 +233,24 @@ def run(args: argparse.Namespace) -> int:
 
     def stop(signum: int, frame: object) -> None:
         stopped.append(signum)
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(signal.Signals(signum).name)  # the converter says which
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with DestinationLock(Path(args.out_dir)):
             return _convert(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         signum = stopped[0] if stopped else signal.SIGINT
-        print(
-            f"moetier convert: stopped by {signal.Signals(signum).name}; run the same command "
-            "again to resume: what is written is kept",
-            file=sys.stderr,
-        )
+        if not getattr(err, STOP_SAID, False):  # else the converter said it, naming its folder
+            print(
+                f"moetier convert: stopped by {signal.Signals(signum).name}; run the same "
+                "command again to resume: what is written is kept",
+                file=sys.stderr,
+            )
         return 128 + signum
     except OSError as err:
+        if getattr(err, STOP_SAID, False):
+            return 1
         if isinstance(err, FileNotFoundError):
             raise
         print(

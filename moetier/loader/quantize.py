@@ -15,6 +15,7 @@ from moetier.quant.requantize import (
     Q2_DELTA,
     Override,
     base_codecs,
+    check_planes,
     layer_codecs,
     requantize_experts,
 )
@@ -55,6 +56,7 @@ def convert_quantized(
         raise ValueError(f"--calibration applies to --experts q2s, not {kind}")
     # Fail on bad arguments before converting (divisibility by the model's K is checked later).
     parsed = [Override.parse(text) for text in overrides]
+    check_planes(kind, delta, parsed)
     if kind in ("q2s", "int2", "affine2"):
         base_codecs(kind, group, down_group or group)
     quantization = detect_quantization(Path(src))

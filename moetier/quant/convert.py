@@ -23,6 +23,7 @@ index lists them (`mtp_layers`, `mtp_dense`) so the loaders leave them out of th
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from typing import Any, BinaryIO
 import torch
 from tqdm import tqdm
 
-from moetier.config import ModelConfig
+from moetier.config import ModelConfig, read_json
 from moetier.core.layout import (
     DTYPES,
     BlobFormat,
@@ -51,6 +52,7 @@ from moetier.core.layout import (
 from moetier.quant.dense_formats import DenseFormat, DensePolicy, dense_class
 from moetier.quant.experts_probe import ExpertsMismatch, check_model_experts
 from moetier.quant.sources import (
+    CHECKPOINT_FIX,
     ConvertError,
     SourceQuantization,
     SourceTensor,
@@ -65,6 +67,7 @@ from moetier.quant.store import (
     INDEX_FILE,
     STORE_VERSION,
     blob_index_entry,
+    store_folder_for,
 )
 from moetier.quant.work_folder import (
     SETTINGS_FILE,
@@ -74,6 +77,7 @@ from moetier.quant.work_folder import (
     fault,
     open_work_folder,
     say,
+    say_stopped,
     write_text,
 )
 
@@ -164,7 +168,7 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
 def find_shards(src: Path) -> list[Path]:
     index = src / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(read_json(index, CHECKPOINT_FIX)["weight_map"].values()))
         missing = [n for n in names if not (src / n).is_file()]
         if missing:
             raise ConvertError(
@@ -292,13 +296,18 @@ def mtp_place(key: str, num_layers: int, num_mtp: int) -> tuple[int, str] | None
 def dequantized_dtype(src: Path) -> str:
     """What quantized weights are dequantised to: config.json's dtype (bf16 for the real
     releases), bfloat16 if it names none."""
-    config = json.loads((src / "config.json").read_text())
+    config = read_json(src / "config.json", CHECKPOINT_FIX)
     dtype = config.get("dtype") or config.get("torch_dtype")
     return dtype if dtype in FLOAT_DTYPES else "bfloat16"
 
 
 def plan_conversion(src: Path) -> ConversionPlan:
     """Read headers only and decide where every checkpoint tensor goes; raise on any gap."""
+    if (src / INDEX_FILE).is_file():
+        raise ConvertError(
+            f"{src} is already a moetier store ({INDEX_FILE} is there): generate, serve or bench "
+            "it as it is. `moetier convert` reads a Hugging Face checkpoint folder"
+        )
     if not (src / "config.json").is_file():
         raise ConvertError(f"{src}/config.json not found: point at a Hugging Face model directory")
     try:
@@ -327,7 +336,7 @@ def plan_conversion(src: Path) -> ConversionPlan:
     for path in modules:
         for pname in EXPERT_PARAMS:
             experts_params[f"{path}.{pname}"] = (path, pname)
-    hf_config = json.loads((src / "config.json").read_text())
+    hf_config = read_json(src / "config.json", CHECKPOINT_FIX)
     num_mtp = mtp_layer_count(hf_config)
     like = next(iter(modules.values()))  # MTP experts are built by the same class
     mtp_layers: dict[int, str] = {}
@@ -628,6 +637,104 @@ def work_path(dst: Path) -> Path:
     return dst.parent / f".{dst.name}{WORK_SUFFIX}"
 
 
+# The names of what a store folder holds (quant/store.py): its index, experts and dense files
+# (with the temporary and side files of their writers: experts.bin.q2s ...), the files copied
+# from the checkpoint (and TOKENIZER_GLOBS, from a --tokenizer folder), the tables later verbs
+# write beside (gate_hot.json ...). --force replaces a folder that holds nothing else and one of
+# STORE_MARKERS, or nothing at all.
+STORE_NAMES = ("experts.*", DENSE_FILE, *(f"*{s}" for s in AUX_SUFFIXES), *AUX_NAMES)
+STORE_MARKERS = (INDEX_FILE, EXPERTS_FILE, DENSE_FILE)
+
+
+class DestinationChanged(ConvertError):
+    """Files that are not a store's appeared in the destination while the conversion ran: the
+    finished store is kept in the work folder, not published over them."""
+
+
+def check_destination(
+    src: str | Path, dst: str | Path, force: bool = False, resuming: bool = False
+) -> None:
+    """Refuse, before any work, an output folder that converting `src` must not write: the
+    checkpoint's own folder or one holding it or any of its files (publishing replaces the
+    folder whole), a file, a symbolic link, a folder holding anything but a moetier store (or
+    what is left of one); and any existing folder unless `force` or `resuming` (a rerun of a
+    conversion whose work folder is there)."""
+    src, dst = Path(src), Path(dst).absolute()
+    if not dst.exists() and not dst.is_symlink():
+        return
+    held = _source_inside(src, dst)
+    if held is not None:
+        what = (
+            "is the checkpoint folder being converted"
+            if dst.resolve() == src.resolve()
+            else f"holds the checkpoint being converted ({held})"
+        )
+        raise ConvertError(
+            f"{dst} {what}: the store goes into a folder of its own, e.g. {store_folder_for(src)}"
+        )
+    problem = _replace_problem(dst)
+    if problem is not None and not dst.is_dir():
+        raise ConvertError(f"{dst} {problem}: choose another output folder, or remove it yourself")
+    if problem is not None:
+        raise ConvertError(
+            f"{dst} {problem}; --force replaces only a moetier store or an empty folder. "
+            "Choose another output folder, or remove it yourself"
+        )
+    if not force and not resuming:
+        raise ConvertError(
+            f"{dst} already exists: choose another directory or pass --force to replace it"
+        )
+
+
+def _source_inside(src: Path, dst: Path) -> Path | None:
+    """The checkpoint folder `src`, or the first of its files, that is `dst` or lies inside it
+    (links followed: a Hub snapshot's files point into the Hub cache's blobs); None if none."""
+    if not src.is_dir():
+        return None
+    root = dst.resolve()
+    for path in [src, *sorted(p for p in src.iterdir() if p.is_file())]:
+        real = path.resolve()
+        if real == root or root in real.parents:
+            return path
+    return None
+
+
+def _replace_problem(dst: Path) -> str | None:
+    """Why replacing the existing `dst` would lose something that is not a moetier store's, as
+    the end of a sentence naming `dst`; None for an empty folder or a store's files alone."""
+    if dst.is_symlink():
+        return "is a symbolic link, not a folder"
+    if not dst.is_dir():
+        return "is a file, not a folder"
+    entries = sorted(dst.iterdir())
+    names = (*STORE_NAMES, *TOKENIZER_GLOBS)
+    foreign = [
+        p.name + "/" if p.is_dir() else p.name
+        for p in entries
+        if p.is_dir() or not any(fnmatch.fnmatchcase(p.name, g) for g in names)
+    ]
+    if not foreign and entries and not any((dst / m).is_file() for m in STORE_MARKERS):
+        foreign = [p.name for p in entries]  # a store's names, but no store's files
+    if not foreign:
+        return None
+    shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+    return f"is not a moetier store: it holds {shown}"
+
+
+def publish(store: Path, dst: Path) -> None:
+    """Rename the finished `store` to `dst`, replacing the store or empty folder there; files
+    that appeared there meanwhile are not removed (DestinationChanged, `store` kept)."""
+    if dst.exists() or dst.is_symlink():
+        problem = _replace_problem(dst)
+        if problem is not None:
+            raise DestinationChanged(
+                f"{dst} {problem} (put there while the conversion ran): the finished store is "
+                f"kept in {store}. Move that away, then run the same command again to publish it"
+            )
+        shutil.rmtree(dst)
+    os.replace(store, dst)
+
+
 def convert(
     src: str | Path,
     dst: str | Path,
@@ -659,10 +766,7 @@ def convert(
     missing, into a store byte-identical to an uninterrupted run's."""
     src, dst = Path(src), Path(dst).absolute()
     work = work_path(dst)
-    if dst.exists() and not force and not work.exists():
-        raise ConvertError(
-            f"{dst} already exists: choose another directory or pass --force to replace it"
-        )
+    check_destination(src, dst, force, resuming=work.exists())
     plan = plan_conversion(src)
     cfg = plan.model_config
     dims = (cfg.hidden_size, cfg.expert_intermediate_size, cfg.expert_has_bias)
@@ -674,6 +778,7 @@ def convert(
     policy = dense or DensePolicy()
     if tokenizer is not None and not tokenizer_files(Path(tokenizer)):
         raise ConvertError(f"--tokenizer {tokenizer}: no tokenizer files there")
+    say_unfit_dense(plan, policy)
     settings = {
         "moetier": _version(),
         "source": str(src.resolve()),
@@ -684,16 +789,12 @@ def convert(
         "tokenizer": str(Path(tokenizer).resolve()) if tokenizer is not None else None,
         "finish": options if finish is not None else None,
     }
-    dst.parent.mkdir(parents=True, exist_ok=True)
     with DestinationLock(dst):
         for path in clean_dead_folders(dst):
             say(f"removed {path}, the work folder of a conversion whose process is gone")
         if _published_before(work, dst, settings):
             return dst
-        if dst.exists() and not force:
-            raise ConvertError(
-                f"{dst} already exists: choose another directory or pass --force to replace it"
-            )
+        check_destination(src, dst, force)  # again, now that no other conversion writes it
         resumed = open_work_folder(work, settings)
         journal = Journal(work / JOURNAL_FILE)
         written: dict[str, int] = {}  # what this run wrote: dense tensors, expert blobs
@@ -711,19 +812,16 @@ def convert(
                    finish, fp4, written)  # fmt: skip
             journal.commit({"stage": "publish"})
             fault("publish")
-            if dst.exists():
-                shutil.rmtree(dst)
-            os.replace(work / STORE_DIR, dst)
+            publish(work / STORE_DIR, dst)
             fault("published")
         except (KeyboardInterrupt, OSError) as err:
             journal.close()
             if resumed:
                 _say_written(written)
-            why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"stopped by {err}"
-            say(
-                f"{why}; the work done so far is kept in {work}: run the same command again "
-                "to resume it (or delete that folder to start afresh)"
-            )
+            say_stopped(err, work)
+            raise
+        except DestinationChanged:  # the finished store stays in the work folder
+            journal.close()
             raise
         except BaseException:
             journal.close()
@@ -996,11 +1094,19 @@ def _aux_sources(src: Path, tokenizer: str | Path | None = None) -> list[Path]:
 def _copy_aux_files(src: Path, dst: Path, tokenizer: str | Path | None = None) -> None:
     # The store's weights are dequantised or in moetier's own formats: transformers must not
     # apply the source's quantization when it builds the model from this config.
-    config = json.loads((src / "config.json").read_text())
+    config = read_json(src / "config.json", CHECKPOINT_FIX)
     config.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     for path in _aux_sources(src, tokenizer):
         shutil.copyfile(path, dst / path.name)
+
+
+def say_unfit_dense(plan: ConversionPlan, policy: DensePolicy) -> None:
+    """Say which dense weights `policy` would quantize but must leave unquantized (their K is
+    not in whole groups of the format): the store then differs from what --dense asked."""
+    unfit = policy.unfit({name: t.shape for name, t in plan.dense.items()})
+    if unfit is not None:
+        say(f"--dense {unfit}")
 
 
 def _dense_specs(

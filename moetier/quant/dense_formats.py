@@ -25,6 +25,7 @@ Formats (`DenseFormat`), each stored under the weight's own name plus its scales
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -231,6 +232,36 @@ class DensePolicy:
         if fmt.kind == "fp8" and source_fp8 is not None:
             return DenseFormat("fp8", source_fp8, source=True)
         return fmt
+
+    def unfit(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """One line naming the weights (of `shapes`, name -> shape) of a quantized class that
+        `choose` leaves as the checkpoint has them, their K not in whole groups of the class's
+        format, with the group that would fit them; None when every such weight fits."""
+        left: dict[DenseFormat, list[tuple[str, int]]] = {}
+        for name, shape in sorted(shapes.items()):
+            klass = dense_class(name, len(shape))
+            fmt = self.format_of(klass) if klass in CLASSES else None
+            if fmt is not None and fmt.quantized and len(shape) == 2 and not fmt.fits(shape):
+                left.setdefault(fmt, []).append((name, shape[1]))
+        parts = []
+        for fmt, weights in left.items():
+            need = fmt.group if fmt.kind == "int4" else 16
+            named = ", ".join(f"{name} (K {k})" for name, k in weights[:3])
+            more = f" and {len(weights) - 3} more" if len(weights) > 3 else ""
+            part = (
+                f"{fmt.name}: {len(weights)} weight(s) stay as the checkpoint has them, their K "
+                f"is not a multiple of {need}: {named}{more}"
+            )
+            if fmt.kind == "int4":
+                k = math.gcd(*(k for _, k in weights))
+                group = k & -k  # the largest power of two dividing every K
+                part += (
+                    f"; int4-g{group} (or a smaller group) would fit them"
+                    if group >= 2
+                    else "; no int4 group fits an odd K"
+                )
+            parts.append(part)
+        return "; ".join(parts) or None
 
     def to_json(self) -> dict[str, Any]:
         return {

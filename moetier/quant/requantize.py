@@ -96,8 +96,27 @@ def _layer_numbers(spec: str) -> list[int]:
         lo, sep, hi = part.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
             raise ValueError(f"bad layer list {spec!r}")
+        if sep and int(hi) < int(lo):  # range() of it is empty: the override would do nothing
+            raise ValueError(f"the layer range {part!r} runs backwards (write {hi}-{lo})")
         out += range(int(lo), int(hi if sep else lo) + 1)
     return out
+
+
+def check_planes(kind: str, delta: str | None, overrides: Sequence[Override] = ()) -> None:
+    """Refuse an expert format, delta plane or overrides that do not go together (before any
+    work: convert_quantized checks them first)."""
+    if kind not in EXPERT_KINDS:
+        raise ValueError(f"unknown expert format {kind!r}: choose one of {', '.join(EXPERT_KINDS)}")
+    if delta not in (None, *DELTA_KINDS):
+        raise ValueError(f"delta plane {delta!r}: choose {' or '.join(DELTA_KINDS)}")
+    if kind == "nested" and delta is not None:
+        raise ValueError(
+            f"--delta {delta} does not apply to --experts nested: nested experts already have "
+            "their delta plane (the FP4 codes' low bits). Drop --delta, or choose a base format "
+            "that takes one (q2s, int2, affine2, nvfp4, mxfp4)"
+        )
+    if kind == "nested" and overrides:
+        raise ValueError("--override does not apply to nested experts (one FP4 bit-plane split)")
 
 
 def base_codecs(kind: str, group: int, down_group: int) -> dict[str, MatrixCodec]:
@@ -202,15 +221,7 @@ def requantize_experts(
     `resume`: each re-encoded expert is committed to a journal beside (REQUANTIZE_JOURNAL), and
     a call stopped midway is continued by the next one with the same arguments: the experts
     whose bytes still match their journal crc32 are kept, the others re-encoded."""
-    if kind not in EXPERT_KINDS:
-        raise ValueError(f"unknown expert format {kind!r}: choose one of {', '.join(EXPERT_KINDS)}")
-    if delta not in (None, *DELTA_KINDS) or (delta is not None and kind == "nested"):
-        raise ValueError(
-            f"delta plane {delta!r} with {kind} experts: choose {' or '.join(DELTA_KINDS)} "
-            "(nested experts bring their own delta plane)"
-        )
-    if kind == "nested" and overrides:
-        raise ValueError("--override does not apply to nested experts (one FP4 bit-plane split)")
+    check_planes(kind, delta, overrides)
     if down_group is None:
         down_group = 16 if kind == "q2s" else group
     store = Store(store_dir)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from moetier.config import read_json
 from moetier.core.layout import DTYPES
 from moetier.kernels.moe_ref import e2m1_values, unpack_fp4
 
@@ -38,6 +39,8 @@ SUPPORTED = (
     "gpt-oss layout), NVFP4 (compressed-tensors format 'nvfp4-pack-quantized', or ModelOpt "
     "quant_algo 'NVFP4')"
 )
+# what to do about a damaged checkpoint file (config.json, an index): read_json's advice
+CHECKPOINT_FIX = "the checkpoint is damaged; download that file again"
 ACTIVATION_SCALES = (".input_scale", ".input_global_scale")
 
 
@@ -81,11 +84,12 @@ def detect_quantization(src: Path) -> SourceQuantization | None:
     None for an unquantized checkpoint. Raises for a method moetier does not read."""
     if not (src / "config.json").is_file():
         raise ConvertError(f"{src}/config.json not found: point at a Hugging Face model directory")
-    config = json.loads((src / "config.json").read_text())
+    config = read_json(src / "config.json", CHECKPOINT_FIX)
     qc = config.get("quantization_config")
     modelopt_file = src / "hf_quant_config.json"
     if qc is None and modelopt_file.is_file():
-        qc = {"quant_method": "modelopt", **json.loads(modelopt_file.read_text())["quantization"]}
+        modelopt = read_json(modelopt_file, CHECKPOINT_FIX)
+        qc = {"quant_method": "modelopt", **modelopt["quantization"]}
     if qc is None:
         return None
     method = qc.get("quant_method")

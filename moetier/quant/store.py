@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import ModelConfig
+from moetier.config import ModelConfig, read_json
 from moetier.core.layout import BlobFormat
 from moetier.quant.dense_formats import DenseFormat, dense_class
 
@@ -46,6 +46,15 @@ BLOB_ALIGN = 4096
 INDEX_FILE = "experts.json"
 EXPERTS_FILE = "experts.bin"
 DENSE_FILE = "dense.safetensors"
+
+
+def store_folder_for(checkpoint: str | Path) -> Path:
+    """A folder for the store of the checkpoint in `checkpoint` to suggest: beside it, named
+    after it (`moetier convert` refuses to write into the checkpoint's own folder)."""
+    path = Path(checkpoint)
+    if path.name in ("", ".", ".."):  # `.` names no folder to put the suffix on
+        path = path.resolve()
+    return path.with_name(f"{path.name}-moetier")
 
 
 @dataclass(frozen=True)
@@ -64,23 +73,33 @@ class Store:
 
     @staticmethod
     def check_path(path: str | Path) -> None:
-        """Raise what to do where `path` is not a store (its index missing), without reading it."""
-        if not (Path(path) / INDEX_FILE).is_file():
+        """Raise what to do where `path` is not a store (its index missing), without reading it:
+        a Hugging Face checkpoint is converted into a folder of its own, never into itself."""
+        path = Path(path)
+        if (path / INDEX_FILE).is_file():
+            return
+        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
             raise ValueError(
-                f"{path} is not a moetier store ({INDEX_FILE} missing). "
-                f"Convert a Hugging Face checkpoint first: moetier convert HF_DIR {path}"
+                f"{path} is a Hugging Face checkpoint, not a moetier store ({INDEX_FILE} "
+                f"missing). Convert it into a folder of its own first: moetier convert {path} "
+                f"{store_folder_for(path)}"
             )
+        raise ValueError(
+            f"{path} is not a moetier store ({INDEX_FILE} missing). "
+            f"Convert a Hugging Face checkpoint first: moetier convert HF_DIR {path}"
+        )
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.check_path(self.path)
-        self.index: dict[str, Any] = json.loads((self.path / INDEX_FILE).read_text())
+        again = "convert the model again"
+        self.index: dict[str, Any] = read_json(self.path / INDEX_FILE, again)
         if self.index.get("version") != STORE_VERSION:
             raise ValueError(
                 f"{self.path} was written by store version {self.index.get('version')}, this "
                 f"moetier reads version {STORE_VERSION}: convert the model again"
             )
-        self.hf_config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
+        self.hf_config: dict[str, Any] = read_json(self.path / "config.json", again)
         self.model_config = ModelConfig.from_hf(self.hf_config)
         self.source_dtype: str = self.index["source_dtype"]
         self.formats = {k: BlobFormat.from_json(k, v) for k, v in self.index["formats"].items()}

@@ -4,12 +4,15 @@ the same command resumes, its journal of committed pieces, and the test hook tha
 - `DestinationLock`: `.{OUT}.lock` beside the destination, flock'ed while a conversion writes
   `OUT` and holding its PID, so a second conversion into `OUT` is refused while the first lives;
   the kernel drops the lock of a dead process (SIGKILL included), so a stale file never blocks.
-  Re-entrant within one process.
+  Re-entrant within one process. Being the first thing written, it is where a folder that
+  cannot be written is refused (UnwritableError).
 - `open_work_folder(path, settings)`: a work folder written under other settings is cleared, not
   resumed (and says so); `settings.json` records what the run depends on.
 - `Journal`: an append-only file of JSON lines, one per committed piece (a tensor or blob written
   and flushed, with its crc32); a torn last line is dropped. A resumed writer re-reads what the
   journal claims and keeps the pieces whose crc32 still matches, then truncates after them.
+- `say_stopped(err, work)`: the one line that says why a conversion stopped and that the same
+  command resumes the work kept in `work`; the command line adds nothing to it.
 - `fault(point)`: the test hook. `MOETIER_FAULT_AT=POINT:N[:SIGNAL]` makes the process send itself
   SIGNAL (KILL, TERM or INT; default KILL) the N-th time it passes POINT; unset, it costs one
   global lookup. The points are named where `fault` is called (quant/convert.py).
@@ -17,6 +20,7 @@ the same command resumes, its journal of committed pieces, and the test hook tha
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -25,6 +29,7 @@ import re
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,11 @@ SETTINGS_FILE = "settings.json"
 
 class LockedError(ValueError):
     """Another live process is converting into the same destination."""
+
+
+class UnwritableError(ValueError):
+    """The destination's folder cannot be created or written (permissions, a read-only file
+    system): said before anything is written."""
 
 
 def lock_path(dst: Path) -> Path:
@@ -56,9 +66,24 @@ class DestinationLock:
         if held is not None:
             self._held[self.path] = (held[0], held[1] + 1)
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = self.path.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            file = next((p for p in (folder, *folder.parents) if p.is_file()), None)
+            why = f"{file} is a file" if file else err.strerror
+            raise UnwritableError(
+                f"cannot create the folder {folder} ({why}): nothing was written; choose an "
+                "output folder you can write to"
+            ) from None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:
+                raise UnwritableError(
+                    f"cannot write in {folder} ({err.strerror}): nothing was written; choose "
+                    "an output folder you can write to"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -207,6 +232,35 @@ def write_text(path: Path, text: str) -> None:
 
 def say(message: str) -> None:
     print(f"moetier convert: {message}", file=sys.stderr, flush=True)
+
+
+STOP_SAID = "moetier_stop_said"  # set on an exception whose stop was said (say_stopped)
+
+
+def say_stopped(err: BaseException, work: Path) -> None:
+    """Say why the conversion stopped (`err`: a signal, KeyboardInterrupt("SIGTERM") from
+    the command line's handler, or an OSError) and that the same command resumes the work in
+    `work`; `err` is marked (STOP_SAID) so that the command line says it only once."""
+    if isinstance(err, KeyboardInterrupt):
+        why = f"stopped by {err.args[0]}" if err.args else "interrupted"
+    else:
+        why = f"stopped by {err}"
+    say(
+        f"{why}; the work done so far is kept in {work}: run the same command again to resume "
+        "it (or delete that folder to start afresh)"
+    )
+    setattr(err, STOP_SAID, True)
+
+
+@contextlib.contextmanager
+def said_when_stopped(work: Path) -> Iterator[None]:
+    """say_stopped for a KeyboardInterrupt or OSError that stops the work kept in `work`; the
+    exception goes on up."""
+    try:
+        yield
+    except (KeyboardInterrupt, OSError) as err:
+        say_stopped(err, work)
+        raise
 
 
 # --- the fault hook (tests) ------------------------------------------------------------------

@@ -257,16 +257,16 @@ def convert_expert_format(
 def choose_for_convert(args: Any) -> DenseChoice:
     """`moetier convert --dense auto`: choose_dense over the source's config.json with the
     conversion's expert format and the budgets given beside it (args: convert's namespace)."""
-    import json
     from pathlib import Path
 
-    from moetier.quant.sources import detect_quantization
+    from moetier.config import read_json
+    from moetier.quant.sources import CHECKPOINT_FIX, detect_quantization
     from moetier.residency.planner import parse_bytes
 
     if not args.gpu_memory:
         raise ValueError("--dense auto needs --gpu-memory (the card it will run on, e.g. 24GiB)")
     src = Path(args.hf_dir)
-    config = json.loads((src / "config.json").read_text())
+    config = read_json(src / "config.json", CHECKPOINT_FIX)
     config.pop("quantization_config", None)  # the store's formats are moetier's own
     source = detect_quantization(src)
     fmt = convert_expert_format(

@@ -146,14 +146,20 @@ def test_refuses_missing_expert(tiny, tmp_path):
 
 
 def test_existing_target_needs_force(tiny, tmp_path):
+    """--force replaces a store or an empty folder, never a folder holding anything else
+    (tests/cli/test_convert_safety.py has the rest)."""
     out = tmp_path / "store"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
+    for force in (False, True):
+        with pytest.raises(ConvertError, match="not a moetier store: it holds precious.txt"):
+            convert(tiny.checkpoint("qwen3_moe"), out, force=force, progress=False)
+    assert (out / "precious.txt").read_text() == "keep me"
+    (out / "precious.txt").unlink()
+    convert(tiny.checkpoint("qwen3_moe"), out, force=True, progress=False)  # empty: replaced
     with pytest.raises(ConvertError, match="already exists.*--force"):
         convert(tiny.checkpoint("qwen3_moe"), out, progress=False)
-    assert (out / "precious.txt").read_text() == "keep me"
-    convert(tiny.checkpoint("qwen3_moe"), out, force=True, progress=False)
-    assert not (out / "precious.txt").exists()
+    convert(tiny.checkpoint("qwen3_moe"), out, force=True, progress=False)  # a store: replaced
     assert Store(out).verify() == []
 
 

@@ -288,6 +288,31 @@ def test_quantized_dense_from_float_source_matches_hf(tiny, tmp_path, fmt):
     assert (ours_native - theirs).abs().max().item() <= 1e-4
 
 
+def test_weights_int4_cannot_take_are_named(tiny, tmp_path, capfd):
+    """`--dense int4` (group 128) on K=64 weights left every one unquantized without a word:
+    one line names them, why, and the group that fits (docs/formats.md: such a weight stays
+    unquantized)."""
+    convert(tiny.checkpoint("qwen3_moe"), tmp_path / "g128", progress=False,
+            dense=DensePolicy.parse("int4"))  # fmt: skip
+    line = next(x for x in capfd.readouterr().err.splitlines() if "--dense" in x)
+    assert line.startswith("moetier convert: --dense int4-g128: 9 weight(s) stay as the ")
+    assert "K is not a multiple of 128: lm_head.weight (K 64)" in line
+    assert line.endswith("and 6 more; int4-g64 (or a smaller group) would fit them")
+    assert Store(tmp_path / "g128").dense_formats == {}  # what the line says
+    convert(tiny.checkpoint("qwen3_moe"), tmp_path / "g32", progress=False,
+            dense=DensePolicy.parse("int4-g32"))  # fmt: skip
+    assert "--dense" not in capfd.readouterr().err
+    assert len(Store(tmp_path / "g32").dense_formats) == 9
+    shapes = {"model.layers.0.self_attn.o_proj.weight": (64, 24), "x.mlp.up_proj.weight": (8, 9)}
+    assert DensePolicy.parse("nvfp4").unfit(shapes) == (
+        "nvfp4: 2 weight(s) stay as the checkpoint has them, their K is not a multiple of 16: "
+        "model.layers.0.self_attn.o_proj.weight (K 24), x.mlp.up_proj.weight (K 9)"
+    )
+    odd = DensePolicy.parse("int4-g16").unfit(shapes)
+    assert odd is not None and odd.endswith("; no int4 group fits an odd K")
+    assert DensePolicy.parse("bf16").unfit(shapes) is None
+
+
 def test_convert_cli_prints_bytes_per_class(tiny, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "moetier", "convert", str(tiny.checkpoint("qwen3_moe")),

@@ -31,6 +31,13 @@ def test_parse():
             Override.parse(bad)
 
 
+def test_a_reversed_layer_range_is_refused():
+    """`layers=1-0` was an empty range: the override silently changed nothing."""
+    with pytest.raises(ValueError, match=r"'layers=0,3-2:nvfp4'.*the layer range '3-2' runs backw"):
+        Override.parse("layers=0,3-2:nvfp4")
+    assert Override.parse("layers=2-2:nvfp4").layers == {2}
+
+
 def test_plan_last_wins_and_unknown_layers_refused():
     overrides = [
         Override.parse(t) for t in ("down=q2s-g16", "layers=1-2:nvfp4", "layers=2:down=int2-g32")

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,16 +37,20 @@ from moetier.quant.convert import (
     ConversionPlan,
     _copy_aux_files,
     _write_dense,
+    check_destination,
     check_free_space,
     dequantized_dtype,
     plan_conversion,
     planned_store_bytes,
+    publish,
+    say_unfit_dense,
     store_index,
 )
 from moetier.quant.dense_formats import DensePolicy
 from moetier.quant.requantize import Q2_DELTA, Override, layer_codecs
 from moetier.quant.sources import ConvertError, TensorReader
 from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, blob_index_entry
+from moetier.quant.work_folder import said_when_stopped
 
 CTX = 512  # tokens per calibration sequence
 BATCH = 4  # sequences per forward
@@ -59,7 +61,16 @@ def calibration_texts(path: Path) -> list[str]:
     files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
     if not files:
         raise ValueError(f"no .txt calibration text in {path}")
-    return [f.read_text(encoding="utf-8") for f in files]
+    texts = []
+    for f in files:
+        try:
+            texts.append(f.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"calibration file {f} is not UTF-8 text ({err.reason} at byte {err.start}): "
+                "convert it to UTF-8, or pass plain text files"
+            ) from None
+    return texts
 
 
 def calibration_ids(tokenizer: Any, texts: list[str], max_tokens: int, ctx: int) -> torch.Tensor:
@@ -100,11 +111,13 @@ def convert_calibrated(
         raise ValueError(f"--calibration-mode {mode!r}: choose {' or '.join(MODES)}")
     if target not in TARGETS:
         raise ValueError(f"--calibration-target {target!r}: choose {' or '.join(TARGETS)}")
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and not force:
-        raise ConvertError(
-            f"{dst} already exists: choose another directory or pass --force to replace it"
+    if tokens < ctx:
+        raise ValueError(
+            f"--calibration-tokens {tokens} is less than one calibration sequence of {ctx} "
+            f"tokens: pass at least {ctx}"
         )
+    src, dst = Path(src), Path(dst).absolute()
+    check_destination(src, dst, force)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     plan = plan_conversion(src)
     cfg = plan.model_config
@@ -113,6 +126,7 @@ def convert_calibrated(
     tokenizer = AutoTokenizer.from_pretrained(src)
     chunks = calibration_ids(tokenizer, calibration_texts(Path(calibration)), tokens, ctx)
     policy = dense or DensePolicy()
+    say_unfit_dense(plan, policy)
     settings = {
         "source": str(src.resolve()),
         "experts": "q2s",
@@ -154,34 +168,36 @@ def convert_calibrated(
     if dev.type == "cuda":
         dtype = getattr(torch, dequantized_dtype(src) if plan.quantization else plan.expert_dtype)
     _check_space(src, plan, plans, policy, chunks, dtype, work, dst)
-    if work.dense_index() is None:
-        _copy_aux_files(src, work.store)
-        work.commit_dense(_write_dense(plan, work.store / "dense.safetensors", progress, policy))
-    dense_tensors = work.dense_index()
-    assert dense_tensors is not None
-    per_expert = bytes_per_expert(mode, cfg.hidden_size, cfg.expert_intermediate_size, group)
-    if chunk_bytes is None:
-        chunk_bytes = 2 * 2**30
-        if dev.type == "cuda":
-            chunk_bytes = int(torch.cuda.mem_get_info(dev)[0] * 0.4)
-    chunk = max(1, min(cfg.num_experts, chunk_bytes // per_expert))
-    _preflight(plan, chunks, mode, dev, dtype, chunk, per_expert, work.path)
+    with said_when_stopped(work.path):  # the same command resumes after the last layer done
+        if work.dense_index() is None:
+            _copy_aux_files(src, work.store)
+            dense_record = _write_dense(plan, work.store / "dense.safetensors", progress, policy)
+            work.commit_dense(dense_record)
+        dense_tensors = work.dense_index()
+        assert dense_tensors is not None
+        per_expert = bytes_per_expert(mode, cfg.hidden_size, cfg.expert_intermediate_size, group)
+        if chunk_bytes is None:
+            chunk_bytes = 2 * 2**30
+            if dev.type == "cuda":
+                chunk_bytes = int(torch.cuda.mem_get_info(dev)[0] * 0.4)
+        chunk = max(1, min(cfg.num_experts, chunk_bytes // per_expert))
+        _preflight(plan, chunks, mode, dev, dtype, chunk, per_expert, work.path)
 
-    start = time.perf_counter()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    _run_layers(src, plan, plans, chunks, work, dev, dtype, chunk, progress)
-    seconds = sum(work.record(layer).get("seconds", 0.0) for layer in work.committed())
-    peak = ""
-    if dev.type == "cuda":
-        peak = f"; peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB"
-    print(
-        f"calibrated {len(work.committed())} layers: {seconds:.1f} s of layer work "
-        f"({time.perf_counter() - start:.1f} s in this run){peak}",
-        flush=True,
-    )
-    _finish(plan, plans, work, dst, policy, dense_tensors, mode, group, down_group, delta,
-            overrides, chunks.numel(), target, refine)  # fmt: skip
+        start = time.perf_counter()
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        _run_layers(src, plan, plans, chunks, work, dev, dtype, chunk, progress)
+        seconds = sum(work.record(layer).get("seconds", 0.0) for layer in work.committed())
+        peak = ""
+        if dev.type == "cuda":
+            peak = f"; peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**30:.2f} GiB"
+        print(
+            f"calibrated {len(work.committed())} layers: {seconds:.1f} s of layer work "
+            f"({time.perf_counter() - start:.1f} s in this run){peak}",
+            flush=True,
+        )
+        _finish(plan, plans, work, dst, policy, dense_tensors, mode, group, down_group, delta,
+                overrides, chunks.numel(), target, refine)  # fmt: skip
     return dst
 
 
@@ -426,7 +442,5 @@ def _finish(
         }
     index["quantization"] = quant
     (work.store / INDEX_FILE).write_text(json.dumps(index, indent=1))
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(work.store, dst)
+    publish(work.store, dst)
     work.remove()
