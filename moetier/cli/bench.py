@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     cases = _cases(args)
     engine_config = dataclass_from_args(EngineConfig, args)
+    engine_config.check_device_and_dtype()  # before a synthetic store is written
     if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
     limits = _limits(cases, args.speculative_tokens, args.speculative_policy)

@@ -45,10 +45,11 @@ def check_engine_config(
     kv_positions: int | None = None,
     ranks: int = 1,
 ) -> None:
-    """Fail on a path that is not a store, a bad cache policy or a --gpu-memory the dense part
-    and `kv_positions` of KV cache do not fit (on each of `ranks` GPUs), before any weight is
-    loaded."""
+    """Fail on a path that is not a store, a --device this machine lacks, a --dtype the model
+    cannot compute in, a bad cache policy or a --gpu-memory the dense part and `kv_positions`
+    of KV cache do not fit (on each of `ranks` GPUs), before any weight is loaded."""
     Store.check_path(store_path)
+    engine_config.check_device_and_dtype()
     make_policy(engine_config.cache_policy)
     if engine_config.expert_reads not in ("mmap", "direct"):
         raise ValueError(f"--expert-reads {engine_config.expert_reads!r}: use mmap or direct")

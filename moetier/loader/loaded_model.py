@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from moetier.config import EngineConfig, ModelConfig
+from moetier.config import COMPUTE_DTYPES, EngineConfig, ModelConfig
 from moetier.core.layout import DTYPES
 from moetier.models.experts import ExpertShard, ExpertsRuntime
 from moetier.models.host_embedding import embeddings_to_host
@@ -78,10 +78,15 @@ def load_progress(items: list[Any], desc: str) -> Any:
 
 
 def device_and_dtype(store: Store, engine_config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and compute dtype the model loads on (--device, --dtype; ValueError for one
+    this machine lacks or a dtype the model cannot compute in)."""
     device = torch.device(engine_config.resolved_device())
     dtype_name = engine_config.resolved_dtype(store.source_dtype)
-    if dtype_name not in DTYPES:
-        raise ValueError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)} or auto")
+    if dtype_name not in COMPUTE_DTYPES:  # auto: the store's dtype, which should be one
+        raise ValueError(
+            f"{store.path}: its dtype {dtype_name!r} is not one the model computes in: give "
+            f"--dtype {' or '.join(COMPUTE_DTYPES)}"
+        )
     return device, DTYPES[dtype_name]
 
 

@@ -1,0 +1,80 @@
+"""What a user sees when a run cannot start or stops early: one line on stderr saying what is
+wrong and what to do, never a traceback (a user audit's findings, run through the CLI's entry
+point in-process, or as a subprocess where the process itself is what is checked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetier.cli.main import main
+from moetier.config import EngineConfig
+
+
+def error_of(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The one line `moetier ARGV` writes to stderr as it exits with status 1."""
+    capsys.readouterr()  # (what building a fixture printed)
+    status = main(list(argv))
+    err = capsys.readouterr().err
+    assert status == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bool", "float8_e4m3fn", "float64", "uint8"])
+def test_dtype_is_a_compute_dtype(tiny, capsys, dtype):
+    store = str(tiny.store("qwen3_moe"))
+    line = error_of(capsys, "generate", store, "--prompt", "hi", "--device", "cpu",
+                    "--dtype", dtype)  # fmt: skip
+    assert line == (
+        f"moetier generate: error: --dtype {dtype!r}: choose one of float32, bfloat16, float16 "
+        "or auto (the dtype the model computes in)"
+    )
+    from moetier.config import COMPUTE_DTYPES
+
+    assert COMPUTE_DTYPES == ("float32", "bfloat16", "float16")
+    assert EngineConfig(dtype="bfloat16").resolved_dtype("float32") == "bfloat16"
+    assert EngineConfig(device="cpu").resolved_dtype("bfloat16") == "float32"  # auto on CPU
+
+
+@pytest.mark.parametrize("device", ["tpu", "mps", "cuda:x", "xla"])
+def test_device_moetier_does_not_run_on(tiny, capsys, device):
+    line = error_of(capsys, "generate", str(tiny.store("qwen3_moe")), "--prompt", "hi",
+                    "--device", device)  # fmt: skip
+    assert line == f"moetier generate: error: --device {device!r}: use cuda, cuda:N, cpu or auto"
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_cuda_device_on_a_machine_without_one(tiny, capsys, monkeypatch, built):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.version, "cuda", "12.8" if built else None)
+    line = error_of(capsys, "generate", str(tiny.store("qwen3_moe")), "--prompt", "hi",
+                    "--device", "cuda")  # fmt: skip
+    why = "finds no GPU" if built else "is built without CUDA"
+    assert line == (
+        f"moetier generate: error: --device cuda: this machine's torch {why}: use --device cpu "
+        "(or auto, which takes a CUDA GPU where there is one)"
+    )
+    assert EngineConfig().resolved_device() == "cpu"  # auto
+
+
+def test_cuda_index_past_the_gpus(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert EngineConfig(device="cuda:1").resolved_device() == "cuda:1"
+    with pytest.raises(ValueError, match=r"^--device cuda:2: this machine has 2 CUDA GPU\(s\), "):
+        EngineConfig(device="cuda:2").resolved_device()
+
+
+def test_bench_checks_the_device_before_writing_a_synthetic_store(capsys, monkeypatch):
+    import moetier.quant.synthetic as synthetic
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a synthetic store was written for a run that cannot start")
+
+    monkeypatch.setattr(synthetic, "write_synthetic_store", refuse)
+    line = error_of(capsys, "bench", "--shape", "qwen3-30b-a3b", "--layers", "1",
+                    "--device", "tpu")  # fmt: skip
+    assert line == "moetier bench: error: --device 'tpu': use cuda, cuda:N, cpu or auto"
