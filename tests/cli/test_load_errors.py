@@ -4,6 +4,11 @@ point in-process, or as a subprocess where the process itself is what is checked
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -78,3 +83,28 @@ def test_bench_checks_the_device_before_writing_a_synthetic_store(capsys, monkey
     line = error_of(capsys, "bench", "--shape", "qwen3-30b-a3b", "--layers", "1",
                     "--device", "tpu")  # fmt: skip
     assert line == "moetier bench: error: --device 'tpu': use cuda, cuda:N, cpu or auto"
+
+
+def run_into_a_closed_pipe(argv: list[str], stdin: bytes = b"") -> subprocess.CompletedProcess:
+    """`python -m moetier ARGV` whose stdout is a pipe nobody reads any more (`| head -c 5`
+    after its five bytes: here the reader is gone before the first byte)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "moetier", *argv], input=stdin,
+                              stdout=write, stderr=subprocess.PIPE, timeout=300)  # fmt: skip
+    finally:
+        os.close(write)
+
+
+def test_generate_into_a_closed_pipe_stops_quietly(tiny):
+    done = run_into_a_closed_pipe(["generate", str(tiny.store("qwen3_moe")), "--prompt", "hello",
+                                   "--max-new-tokens", "200", "--device", "cpu"])  # fmt: skip
+    assert done.returncode == 128 + signal.SIGPIPE, done.stderr.decode()
+    assert done.stderr == b""
+
+
+def test_parse_stream_into_a_closed_pipe_stops_quietly():
+    done = run_into_a_closed_pipe(["parse", "--family", "hermes", "--stream"], b"hello\n" * 20000)
+    assert done.returncode == 128 + signal.SIGPIPE, done.stderr.decode()
+    assert done.stderr == b""
