@@ -192,10 +192,12 @@ class Store:
         return {name: DenseFormat.from_json(info["format"]) for name, info in tensors.items()}
 
     def _dense_header(self) -> dict[str, Any]:
-        with open(self.path / DENSE_FILE, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header: dict[str, Any] = json.loads(f.read(header_len))
-        # the main model's tensors: the MTP layers' (mtp_dense) left out
+        """dense.safetensors' tensor records, the MTP layers' (mtp_dense) left out; ValueError
+        saying what to do where the header cannot be read."""
+        try:
+            header = safetensors_header(self.path / DENSE_FILE)
+        except ValueError as err:
+            raise ValueError(f"{err}: {damaged_advice(self.path)}") from None
         return {k: v for k, v in header.items() if k != "__metadata__" and k not in self.mtp_dense}
 
     @property
@@ -216,9 +218,10 @@ class Store:
     @property
     def mtp_dense_size(self) -> tuple[int, int]:
         """(parameters, bytes) of the MTP layers' tensors in dense.safetensors."""
-        with open(self.path / DENSE_FILE, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
+        try:
+            header = safetensors_header(self.path / DENSE_FILE)
+        except ValueError as err:
+            raise ValueError(f"{err}: {damaged_advice(self.path)}") from None
         infos = [info for key, info in header.items() if key in self.mtp_dense]
         params = sum(math.prod(info["shape"]) for info in infos)
         return params, sum(info["data_offsets"][1] - info["data_offsets"][0] for info in infos)
@@ -283,6 +286,55 @@ def blob_index_entry(
         "shape": {s.name: list(s.shape) for s in fmt.tensors},
         "crc32": crc32(blob[: fmt.nbytes]),
     }
+
+
+def damaged_advice(store_path: str | Path) -> str:
+    """What to do about a damaged file of the store at `store_path`."""
+    return f"run `moetier verify {store_path}`; convert the model again or restore the file"
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The header of the safetensors file `path` (tensor name -> dtype, shape, data_offsets;
+    "__metadata__"), read without asking for more bytes than the file holds. ValueError saying
+    what is wrong where the file is missing, its header cut short, not JSON, or where a tensor's
+    record is malformed or lies past the end of the file."""
+    if not path.is_file():
+        raise ValueError(f"{path} is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path}: unreadable safetensors header (the file has {size} bytes)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8:  # (a damaged length field: reading it would ask for exabytes)
+            raise ValueError(
+                f"{path}: unreadable safetensors header (its length field says {header_len} "
+                f"bytes, the file has {size})"
+            )
+        text = f.read(header_len)
+    try:
+        header = json.loads(text)
+    except ValueError as err:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise ValueError(f"{path}: unreadable safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: unreadable safetensors header (not a JSON object)")
+    data = size - 8 - header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+            and isinstance(info.get("dtype"), str)
+            and isinstance(info.get("shape"), list)
+        ):
+            raise ValueError(f"{path}: the safetensors header's record of {name} is malformed")
+        if offsets[1] > data:
+            raise ValueError(f"{path}: tensor {name} lies past the end of the file")
+    return header
 
 
 def crc32(data: torch.Tensor | bytes | memoryview) -> int:

@@ -9,9 +9,7 @@ blobs run side by side on a small thread pool.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import threading
 import time
 import zlib
@@ -29,6 +27,8 @@ from moetier.quant.store import (
     BlobEntry,
     Store,
     crc32,
+    damaged_advice,
+    safetensors_header,
 )
 
 BlobKey = tuple[int, int, str]
@@ -108,22 +108,30 @@ def index_problems(store: Store) -> list[str]:
 
 
 def _dense_problems(path: Path) -> list[str]:
-    if not path.is_file():
-        return [f"{path} is missing"]
-    size = path.stat().st_size
+    """What keeps dense.safetensors from loading, without reading its tensors: a missing file,
+    a header that cannot be read (its length field checked against the file's size first),
+    tensors past the end, or anything else safetensors refuses in the header."""
     try:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-    except (struct.error, ValueError, UnicodeDecodeError) as err:
-        return [f"{path}: unreadable safetensors header ({err})"]
-    data = size - 8 - header_len
-    bad = [
-        name
-        for name, info in header.items()
-        if name != "__metadata__" and info["data_offsets"][1] > data
-    ]
-    return [f"{path}: tensor {bad[0]} lies past the end of the file"] if bad else []
+        safetensors_header(path)
+    except ValueError as err:
+        return [str(err)]
+    from safetensors import safe_open
+
+    try:  # what the loaders open it with: their own checks of the header (offsets, dtypes)
+        with safe_open(str(path), framework="pt"):
+            pass
+    except Exception as err:  # safetensors' SafetensorError, an Exception only
+        return [f"{path}: safetensors cannot read it ({err})"]
+    return []
+
+
+def dense_problem(store_path: str | Path) -> str | None:
+    """What keeps a store's dense.safetensors from loading (`_dense_problems`), with what to
+    do; None when its header reads. Cheap: the loaders check it before reading any weight."""
+    problems = _dense_problems(Path(store_path) / DENSE_FILE)
+    if not problems:
+        return None
+    return f"{problems[0]}: {damaged_advice(store_path)}"
 
 
 def _short(values: list[int]) -> str:

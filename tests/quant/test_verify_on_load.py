@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import sys
 import time
 import zlib
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
 from uvicorn_thread import serving  # noqa: E402
 
 from moetier.cli.main import main  # noqa: E402
-from moetier.quant.store import EXPERTS_FILE, INDEX_FILE, Store  # noqa: E402
+from moetier.quant.store import DENSE_FILE, EXPERTS_FILE, INDEX_FILE, Store  # noqa: E402
 from moetier.quant.verify import CorruptBlob, FirstReadCheck, verify_store  # noqa: E402
 from moetier.residency.disk import DiskReader  # noqa: E402
 from moetier.residency.host_tier import HostTier  # noqa: E402
@@ -101,6 +102,47 @@ def test_verify_reports_a_truncated_experts_file(store_copy):
         f.truncate(size - 4096)
     report = verify_store(store_copy)
     assert not report.ok and "truncated" in report.problems[0]
+
+
+def test_a_damaged_dense_header_is_reported_and_refused_in_one_line(store_copy, capsys):
+    """Its length field overwritten (a length of exabytes): verify reports the header instead of
+    asking for that many bytes (a MemoryError), generate and plan refuse it in one line before
+    any weight loads (safetensors' error was a traceback); an offset changed in the header's
+    JSON is what safetensors itself refuses, reported by both too."""
+    with open(store_copy / DENSE_FILE, "r+b") as f:
+        f.seek(5)
+        f.write(b"\xff\xff")
+    dense = store_copy / DENSE_FILE
+    size = dense.stat().st_size
+    (length,) = struct.unpack("<Q", dense.read_bytes()[:8])
+    assert length > 2**55
+    assert main(["verify", str(store_copy)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [
+        f"{dense}: unreadable safetensors header (its length field says {length} bytes, the "
+        f"file has {size})"
+    ]
+    advice = f"run `moetier verify {store_copy}`; convert the model again or restore the file"
+    for argv in (
+        ["generate", "--prompt", "hi", "--device", "cpu"],
+        ["plan", "--gpu-memory", "1GiB"],
+    ):
+        assert main([argv[0], str(store_copy), *argv[1:]]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"moetier {argv[0]}: error: {out[0]}: {advice}"]
+
+    raw = bytearray(dense.read_bytes())
+    raw[5:7] = b"\0\0"  # the length as it was (zero: the header is under 2**40 bytes)
+    first = raw.index(b'"data_offsets":[0,')
+    raw[first : first + 18] = b'"data_offsets":[8,'
+    dense.write_bytes(bytes(raw))
+    assert main(["verify", str(store_copy)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "safetensors cannot read it" in out[0] and "invalid offset" in out[0]
+    assert main(["generate", str(store_copy), "--prompt", "hi", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"moetier generate: error: {out[0]}: {advice}"
+    ]
 
 
 def test_first_read_check_in_the_gpu_tier_mmap_and_direct(store_copy):
