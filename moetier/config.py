@@ -580,8 +580,9 @@ class EngineConfig:
         default=True,
         metadata={
             "help": "check each expert blob's crc32 the first time it is read into a tier (host "
-            "RAM or the GPU cache); a corrupted blob is an error naming its layer, expert, plane "
-            "and file offset; --no-verify skips the check (`moetier verify STORE` checks all)"
+            "RAM or the GPU cache), and dense.safetensors' at load (stores converted since the "
+            "index records it); a corrupted blob is an error naming its layer, expert, plane "
+            "and file offset; --no-verify skips the checks (`moetier verify STORE` checks all)"
         },
     )
     native: bool = field(

@@ -15,7 +15,7 @@ VERBS = {
     "plan": "print where a store's weights, KV cache and experts go under memory budgets",
     "bench": "measure prefill and decode speed on this machine, next to its floor",
     "tune": "time the experts kernels' configurations on this GPU and keep the fastest",
-    "verify": "check a store's index and every expert blob's checksum",
+    "verify": "check a store's index, every expert blob's checksum and dense.safetensors'",
     "parse": "split raw model output on stdin into content, reasoning and tool calls (JSON)",
 }
 

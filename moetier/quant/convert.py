@@ -65,6 +65,7 @@ from moetier.quant.store import (
     INDEX_FILE,
     STORE_VERSION,
     blob_index_entry,
+    file_records,
 )
 from moetier.quant.work_folder import (
     SETTINGS_FILE,
@@ -860,6 +861,7 @@ def _build(
         journal.commit({"stage": "experts"})
     if not journal.has_stage("index"):
         index = store_index(plan, [fmt], blobs, policy, dense_tensors)
+        index["files"] = file_records(store)  # dense.safetensors' checksums (quant/verify.py)
         if fp4 is not None:
             index["quantization"] = {"experts": fp4, "codes": "source"}
         write_text(store / INDEX_FILE, json.dumps(index, indent=1))

@@ -6,7 +6,9 @@
       experts.bin         one contiguous, 4 KiB-aligned blob per (layer, expert, plane)
       experts.json        the index: formats, and per blob layer, expert, plane, offset, bytes,
                           format, shape, crc32 checksum; under "dense" the quantized dense
-                          weights (module name -> format, class, [N, K]; quant/dense_formats.py)
+                          weights (module name -> format, class, [N, K]; quant/dense_formats.py);
+                          under "files" dense.safetensors' size and crc32 per FILE_CHUNK bytes
+                          (stores written before it have none)
 
 A blob holds all tensors of one expert for one plane ("base"; an optional "delta" plane after
 all base blobs) back to back, each sub-tensor 256-byte aligned. Unquantized blobs use the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import struct
 import weakref
 import zlib
@@ -46,6 +49,12 @@ BLOB_ALIGN = 4096
 INDEX_FILE = "experts.json"
 EXPERTS_FILE = "experts.bin"
 DENSE_FILE = "dense.safetensors"
+# The weights files beside experts.bin whose bytes the index checksums under "files" (the blobs
+# carry their own): the crc32 of each FILE_CHUNK bytes, so that a check runs chunks side by side
+# (quant/verify.py) and names the damaged range
+CHECKSUMMED_FILES = (DENSE_FILE,)
+FILE_CHUNK = 64 << 20
+READ_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,9 @@ class Store:
             int(k): v["experts"] for k, v in mtp.items() if v.get("experts")
         }
         self.mtp_dense: frozenset[str] = frozenset(self.index.get("mtp_dense", ()))
+        # file name -> {"bytes", "chunk_bytes", "crc32": [per chunk]} (file_record); stores
+        # written before the converter recorded them have none
+        self.files: dict[str, dict[str, Any]] = self.index.get("files", {})
         # the main model's blobs; the MTP layers' apart (`mtp_blobs`)
         self.blobs: dict[tuple[int, int, str], BlobEntry] = {}
         self.mtp_blobs: dict[tuple[int, int, str], BlobEntry] = {}
@@ -335,6 +347,42 @@ def safetensors_header(path: Path) -> dict[str, Any]:
         if offsets[1] > data:
             raise ValueError(f"{path}: tensor {name} lies past the end of the file")
     return header
+
+
+def file_crc(fd: int, offset: int, nbytes: int) -> int:
+    """crc32 of bytes [offset, offset + nbytes) of `fd`, read in chunks with pread (no mmap: a
+    pass over the whole file must not stay in the process's resident memory)."""
+    crc = 0
+    done = 0
+    while done < nbytes:
+        chunk = os.pread(fd, min(READ_CHUNK, nbytes - done), offset + done)
+        if not chunk:
+            raise OSError(f"short read at {offset + done}")
+        crc = zlib.crc32(chunk, crc)
+        done += len(chunk)
+    return crc & 0xFFFFFFFF
+
+
+def file_record(path: Path, chunk: int = FILE_CHUNK) -> dict[str, Any]:
+    """The index's record of a weights file (CHECKSUMMED_FILES): its size and the crc32 of each
+    `chunk` bytes, the last chunk shorter."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sums = [file_crc(fd, at, min(chunk, size - at)) for at in range(0, size, chunk)]
+    finally:
+        os.close(fd)
+    return {"bytes": size, "chunk_bytes": chunk, "crc32": sums}
+
+
+def file_records(store_dir: Path) -> dict[str, dict[str, Any]]:
+    """The index's "files": the record of each weights file (CHECKSUMMED_FILES) in `store_dir`,
+    read once its bytes are final (what a converter writes last, with the index)."""
+    return {
+        name: file_record(store_dir / name)
+        for name in CHECKSUMMED_FILES
+        if (store_dir / name).is_file()
+    }
 
 
 def crc32(data: torch.Tensor | bytes | memoryview) -> int:

@@ -641,6 +641,7 @@ def write_synthetic_store(
         INDEX_FILE,
         STORE_VERSION,
         blob_index_entry,
+        file_records,
     )
 
     dense_meta, moe = dense_and_experts(meta_model(hf_config))
@@ -735,6 +736,7 @@ def write_synthetic_store(
         "skipped_source_tensors": [],
         "blobs": index_blobs,
         "quantization": {"experts": experts, "synthetic": True},
+        "files": file_records(dst),  # dense.safetensors' checksums, as a converted store's
     }
     if dense is not None:
         index["dense"] = {"policy": dense.to_json(), "tensors": quantized}
