@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moetier.config import EngineConfig
 from moetier.loader.hf_model import load_transformers
-from moetier.loader.loaded_model import LoadedModel, kv_plan_arguments
+from moetier.loader.loaded_model import LoadedModel, check_tokenizer, kv_plan_arguments
 from moetier.loader.native import has_native_file, load_native
 from moetier.models.experts import ExpertShard
 from moetier.quant.store import Store
@@ -52,14 +52,15 @@ def check_engine_config(
     ranks: int = 1,
 ) -> None:
     """Fail on a path that is not a store, a dense.safetensors whose header cannot be read, a
-    --device this machine lacks, a --dtype the model cannot compute in, a bad cache policy or
-    a --gpu-memory the dense part and `kv_positions` of KV cache do not fit (on each of `ranks`
-    GPUs), before any weight is loaded."""
+    store without tokenizer files, a --device this machine lacks, a --dtype the model cannot
+    compute in, a bad cache policy or a --gpu-memory the dense part and `kv_positions` of KV
+    cache do not fit (on each of `ranks` GPUs), before any weight is loaded."""
     Store.check_path(store_path)
     engine_config.check_device_and_dtype()
     problem = dense_problem(store_path)  # (safetensors' own error would be a traceback)
     if problem is not None:
         raise ValueError(problem)
+    check_tokenizer(store_path)  # (also where it loads: here before any weight is read)
     make_policy(engine_config.cache_policy)
     if engine_config.expert_reads not in ("mmap", "direct"):
         raise ValueError(f"--expert-reads {engine_config.expert_reads!r}: use mmap or direct")

@@ -5,6 +5,7 @@ device and dtype, the experts runtime over the slot pool, the store's tokenizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from moetier.config import COMPUTE_DTYPES, EngineConfig, ModelConfig
 from moetier.core.layout import DTYPES
 from moetier.models.experts import ExpertShard, ExpertsRuntime
 from moetier.models.host_embedding import embeddings_to_host
-from moetier.quant.store import Store
+from moetier.quant.store import Store, tokenizer_files
 from moetier.quant.verify import FirstReadCheck
 from moetier.residency.disk import DiskReader
 from moetier.residency.slot_pool import SlotPool, make_policy
@@ -53,6 +54,7 @@ def loaded_model(
         from moetier.models.experts import router_weights
 
         runtime.gate.set_routers(router_weights(model, store.moe_layers)[0])
+    check_tokenizer(store.path)
     tokenizer = AutoTokenizer.from_pretrained(store.path)
     return LoadedModel(
         model,
@@ -65,6 +67,18 @@ def loaded_model(
         dtype,
         store.path.name,
     )
+
+
+def check_tokenizer(store_path: str | Path) -> None:
+    """ValueError naming the store and what to do where it has no tokenizer files: transformers
+    would build an empty tokenizer from tokenizer_config.json alone (every prompt "empty", a
+    server answering nothing)."""
+    if not tokenizer_files(Path(store_path)):
+        raise ValueError(
+            f"{store_path} has no tokenizer files (tokenizer.json, tokenizer.model, *.tiktoken, "
+            "vocab.json or vocab.txt): copy the original model's into it, or convert the model "
+            "again with --tokenizer PATH naming a folder that has them"
+        )
 
 
 def load_progress(items: list[Any], desc: str) -> Any:

@@ -66,6 +66,7 @@ from moetier.quant.store import (
     STORE_VERSION,
     blob_index_entry,
     file_records,
+    tokenizer_files,
 )
 from moetier.quant.work_folder import (
     SETTINGS_FILE,
@@ -951,31 +952,6 @@ def store_index(
     if plan.quantization is not None:
         index["source_quantization"] = plan.quantization.to_json()
     return index
-
-
-# Tokenizer and chat-template files (one of TOKENIZER_CORE makes a usable tokenizer).
-TOKENIZER_GLOBS = (
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "*.tiktoken",
-    "*.model",
-    "chat_template*",
-    "*.jinja",
-)
-TOKENIZER_CORE = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
-
-
-def tokenizer_files(folder: Path) -> list[Path]:
-    """The tokenizer and chat-template files of `folder`; empty when it has no tokenizer
-    (none of tokenizer.json, *.model, *.tiktoken, vocab.json, vocab.txt)."""
-    if not folder.is_dir() or not any(
-        p.is_file() for pattern in TOKENIZER_CORE for p in folder.glob(pattern)
-    ):
-        return []
-    return sorted({p for g in TOKENIZER_GLOBS for p in folder.glob(g) if p.is_file()})
 
 
 def _aux_sources(src: Path, tokenizer: str | Path | None = None) -> list[Path]:

@@ -300,6 +300,31 @@ def blob_index_entry(
     }
 
 
+# Tokenizer and chat-template files (one of TOKENIZER_CORE makes a usable tokenizer).
+TOKENIZER_GLOBS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "*.model",
+    "chat_template*",
+    "*.jinja",
+)
+TOKENIZER_CORE = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    """The tokenizer and chat-template files of `folder`; empty when it has no tokenizer
+    (none of tokenizer.json, *.model, *.tiktoken, vocab.json, vocab.txt)."""
+    if not folder.is_dir() or not any(
+        p.is_file() for pattern in TOKENIZER_CORE for p in folder.glob(pattern)
+    ):
+        return []
+    return sorted({p for g in TOKENIZER_GLOBS for p in folder.glob(g) if p.is_file()})
+
+
 def damaged_advice(store_path: str | Path) -> str:
     """What to do about a damaged file of the store at `store_path`."""
     return f"run `moetier verify {store_path}`; convert the model again or restore the file"

@@ -5,6 +5,7 @@ point in-process, or as a subprocess where the process itself is what is checked
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,3 +109,25 @@ def test_parse_stream_into_a_closed_pipe_stops_quietly():
     done = run_into_a_closed_pipe(["parse", "--family", "hermes", "--stream"], b"hello\n" * 20000)
     assert done.returncode == 128 + signal.SIGPIPE, done.stderr.decode()
     assert done.stderr == b""
+
+
+def test_a_store_without_tokenizer_files_is_refused_naming_it(tiny, tmp_path, capsys):
+    """transformers builds an empty tokenizer from tokenizer_config.json alone: generate said
+    "the prompt is empty" and serve started with it. Both refuse the store before loading."""
+    store = tmp_path / "store"
+    shutil.copytree(tiny.store("qwen3_moe"), store)
+    (store / "tokenizer.json").unlink()
+    assert (store / "tokenizer_config.json").is_file()
+    want = (
+        f"{store} has no tokenizer files (tokenizer.json, tokenizer.model, *.tiktoken, "
+        "vocab.json or vocab.txt): copy the original model's into it, or convert the model "
+        "again with --tokenizer PATH naming a folder that has them"
+    )
+    line = error_of(capsys, "generate", str(store), "--prompt", "hello", "--device", "cpu")
+    assert line == f"moetier generate: error: {want}"
+    line = error_of(capsys, "serve", str(store), "--device", "cpu", "--port", "1")  # never bound
+    assert line == f"moetier serve: error: {want}"
+    from moetier.loader.hf_model import load_transformers
+
+    with pytest.raises(ValueError, match="has no tokenizer files"):  # the loader's own check
+        load_transformers(store, EngineConfig(device="cpu"))
