@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from moetier.cli.common import add_model_arguments
+from moetier.cli.common import add_model_arguments, sampling_params
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from moetier.parallel import launch
 
     engine_config = dataclass_from_args(EngineConfig, args)
+    sampling_params(args)  # its flags checked before the model loads
     if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
     # --gpus N: N ranks, this body on rank 0 (moetier/parallel/launch.py)
@@ -42,13 +43,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, engine_config: Any, session: Any) -> int:
-    from moetier.cli.flags import dataclass_from_args
     from moetier.engine.engine import Engine, EngineLimits
     from moetier.engine.prompts import chat_prompt_ids
-    from moetier.engine.sampler import SamplingParams
     from moetier.engine.timing import GenerationTiming
 
-    params = dataclass_from_args(SamplingParams, args)
+    params = sampling_params(args)
     loaded = session.load_model(args.store, engine_config)
     tokenizer = loaded.tokenizer
     if args.chat is not None:

@@ -131,3 +131,16 @@ def test_a_store_without_tokenizer_files_is_refused_naming_it(tiny, tmp_path, ca
 
     with pytest.raises(ValueError, match="has no tokenizer files"):  # the loader's own check
         load_transformers(store, EngineConfig(device="cpu"))
+
+
+def test_max_new_tokens_0_is_refused_as_the_server_refuses_max_tokens_0(tiny, capsys):
+    """The engine generates at least one token: `generate --max-new-tokens 0` printed one. It
+    and serve's default for requests are refused before the model loads."""
+    store = str(tiny.store("qwen3_moe"))
+    want = "--max-new-tokens 0: give 1 or more (each run generates at least one token)"
+    line = error_of(capsys, "generate", store, "--prompt", "hi", "--max-new-tokens", "0")
+    assert line == f"moetier generate: error: {want}"
+    line = error_of(capsys, "serve", store, "--max-new-tokens", "0", "--port", "1")
+    assert line == f"moetier serve: error: {want}"
+    line = error_of(capsys, "generate", store, "--prompt", "hi", "--max-new-tokens", "-3")
+    assert line.startswith("moetier generate: error: --max-new-tokens -3: give 1 or more")
