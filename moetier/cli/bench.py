@@ -128,14 +128,47 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
     limits = _limits(cases, args.speculative_tokens, args.speculative_policy)
-    with _store(args) as store_path:
-        # --gpus N: N ranks, the benchmark on rank 0 (moetier/parallel/launch.py); ranks this
-        # process spawns read the synthetic store written here
-        env = {SHARED_STORE_ENV: str(store_path)} if args.shape else {}
-        return launch.run(
-            lambda session: _bench(args, cases, engine_config, limits, store_path, session),
-            __name__, args, engine_config, store_path, limits.num_pages * limits.page_size, env,
-        )  # fmt: skip
+    with _terminated_as_interrupted() as stopped:
+        try:
+            with _store(args) as store_path:
+                # --gpus N: N ranks, the benchmark on rank 0 (moetier/parallel/launch.py); ranks
+                # this process spawns read the synthetic store written here
+                env = {SHARED_STORE_ENV: str(store_path)} if args.shape else {}
+                return launch.run(
+                    lambda session: _bench(args, cases, engine_config, limits, store_path, session),
+                    __name__, args, engine_config, store_path, limits.num_pages * limits.page_size,
+                    env,
+                )  # fmt: skip
+        except KeyboardInterrupt:
+            if stopped:  # SIGTERM: its status, the synthetic store removed on the way out
+                return 128 + stopped[0]
+            raise
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupted() -> Iterator[list[int]]:
+    """SIGTERM handled as Ctrl-C while the body runs, so that a synthetic store's temporary
+    folder (hundreds of MB) is removed on the way out, as after SIGINT, instead of being left
+    behind by the default action; the list yields the signal once it came. Repeats are ignored
+    while the folder is removed. Outside the main thread (no handler can be set) a no-op."""
+    import signal
+    import threading
+
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if not stopped:
+            stopped.append(signum)
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # a synthetic store written by the process that spawned this rank (bench --shape --gpus N)

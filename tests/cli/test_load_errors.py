@@ -144,3 +144,26 @@ def test_max_new_tokens_0_is_refused_as_the_server_refuses_max_tokens_0(tiny, ca
     assert line == f"moetier serve: error: {want}"
     line = error_of(capsys, "generate", store, "--prompt", "hi", "--max-new-tokens", "-3")
     assert line.startswith("moetier generate: error: --max-new-tokens -3: give 1 or more")
+
+
+def test_bench_stopped_by_sigterm_removes_its_synthetic_store(tmp_path):
+    """SIGINT removed the temporary store of `bench --shape` (500 MB for qwen3-30b-a3b at two
+    layers); SIGTERM left it behind. Now it is removed too, and the status is 128 + SIGTERM."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moetier", "bench", "--shape", "tiny", "--layers", "1",
+         "--device", "cpu", "--prompt-tokens", "8", "--new-tokens", "4000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:  # the store is written and the run under way
+        said.append(line)
+        if line.startswith("moetier bench: loading"):
+            break
+    assert [p.name for p in tmp_path.glob("moetier-bench-*")], said
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(said) + rest
+    assert "Traceback" not in rest
+    assert not list(tmp_path.glob("moetier-bench-*"))
