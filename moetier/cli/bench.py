@@ -188,6 +188,7 @@ def _bench(
     from moetier.engine.engine import Engine
 
     device = engine_config.resolved_device().split(":")[0]
+    _check_context(cases, store_path)
     speeds, links = _links(device, store_path)
     _say(f"loading {store_path.name}")
     loaded = session.load_model(store_path, engine_config, limits.num_pages * limits.page_size)
@@ -225,6 +226,23 @@ def _bench(
             print(_row(record))
         sys.stdout.flush()
     return 0
+
+
+def _check_context(cases: list[Any], store_path: Path) -> None:
+    """ValueError, in bench's flags, where a row's prompt and new tokens do not fit the model's
+    context (config.json's max_position_embeddings, a composite config's text model's), before
+    anything is measured or loaded; the engine's own error names the server's max_tokens."""
+    hf = json.loads((store_path / "config.json").read_text())
+    context = hf.get("max_position_embeddings") or (hf.get("text_config") or {}).get(
+        "max_position_embeddings"
+    )
+    case = cases[0]  # every case has the same counts
+    if context and case.prompt_tokens + case.new_tokens > int(context):
+        raise ValueError(
+            f"--prompt-tokens {case.prompt_tokens} and --new-tokens {case.new_tokens} make rows "
+            f"of {case.prompt_tokens + case.new_tokens} tokens, and this model's context holds "
+            f"{context}: lower them so that they add up to {context} or fewer"
+        )
 
 
 def _links(device: str, store_path: Path) -> tuple[Any, dict[str, Any]]:

@@ -57,6 +57,8 @@ def _generate(args: argparse.Namespace, engine_config: Any, session: Any) -> int
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     context = int(loaded.model.config.max_position_embeddings)
+    if len(prompt_ids) >= context:  # (the engine's error names the server's max_tokens)
+        raise ValueError(_too_long(args, len(prompt_ids), context, params.max_new_tokens))
     positions = min(context, len(prompt_ids) + params.max_new_tokens)
     page = EngineLimits().page_size
     positions += max(0, args.speculative_tokens)  # the last step's drafts
@@ -88,3 +90,19 @@ def _generate(args: argparse.Namespace, engine_config: Any, session: Any) -> int
     sys.stdout.flush()
     print(f"moetier: {timing.summary()}", file=sys.stderr)
     return 0
+
+
+def _too_long(args: argparse.Namespace, prompt: int, context: int, new: int) -> str:
+    """What to change when a prompt of `prompt` tokens leaves no room in a `context`-token
+    context for the `new` tokens --max-new-tokens asks for, in this verb's flags."""
+    flag = "--prompt" if args.chat is None else "--chat (with --system and the chat template)"
+    said = f"the prompt is {prompt} tokens and this model's context holds {context}"
+    if context - new >= 1:
+        return (
+            f"{said}, the prompt and the {new} new tokens of --max-new-tokens together: shorten "
+            f"{flag} to {context - new} tokens or fewer"
+        )
+    return (
+        f"{said}: shorten {flag} to fewer than {context} tokens (--max-new-tokens {new} is more "
+        "than the context holds: generation stops where it is full)"
+    )

@@ -167,3 +167,34 @@ def test_bench_stopped_by_sigterm_removes_its_synthetic_store(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, "".join(said) + rest
     assert "Traceback" not in rest
     assert not list(tmp_path.glob("moetier-bench-*"))
+
+
+def test_context_overflow_names_the_verbs_flags_and_numbers(tiny, capsys):
+    """A prompt past the context said "(N in the prompt, 1 to generate): ... lower max_tokens":
+    no such flag there, and 8 tokens were asked for. generate and bench name their own flags
+    and the numbers given (the tiny model's context is 256 tokens)."""
+    from transformers import AutoTokenizer
+
+    store = str(tiny.store("qwen3_moe"))
+    text = "hello world " * 200
+    n = len(AutoTokenizer.from_pretrained(store).encode(text))
+    assert n > 256
+    line = error_of(capsys, "generate", store, "--prompt", text, "--max-new-tokens", "8",
+                    "--device", "cpu")  # fmt: skip
+    assert line == (
+        f"moetier generate: error: the prompt is {n} tokens and this model's context holds "
+        "256, the prompt and the 8 new tokens of --max-new-tokens together: shorten --prompt to "
+        "248 tokens or fewer"
+    )
+    line = error_of(capsys, "generate", store, "--prompt", text, "--max-new-tokens", "300",
+                    "--device", "cpu")  # fmt: skip
+    assert line.endswith(
+        "shorten --prompt to fewer than 256 tokens (--max-new-tokens 300 is more than the "
+        "context holds: generation stops where it is full)"
+    )
+    line = error_of(capsys, "bench", store, "--prompt-tokens", "250", "--new-tokens", "8",
+                    "--device", "cpu")  # fmt: skip
+    assert line == (
+        "moetier bench: error: --prompt-tokens 250 and --new-tokens 8 make rows of 258 tokens, "
+        "and this model's context holds 256: lower them so that they add up to 256 or fewer"
+    )
