@@ -6,6 +6,7 @@ checksums says that file is not checked."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -21,11 +22,16 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from moetier.quant.store import CHECKSUMMED_FILES, EXPERTS_FILE
+    from moetier.quant.store import EXPERTS_FILE, INDEX_FILE
     from moetier.quant.verify import verify_store
 
-    files = [Path(args.store) / name for name in (EXPERTS_FILE, *CHECKSUMMED_FILES)]
-    total = sum(path.stat().st_size for path in files if path.is_file())
+    experts = Path(args.store) / EXPERTS_FILE
+    total = experts.stat().st_size if experts.is_file() else 0
+    try:  # and the weights files the index has checksums of (the bar's total only)
+        files = json.loads((Path(args.store) / INDEX_FILE).read_text()).get("files", {})
+        total += sum(int(record["bytes"]) for record in files.values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass  # (verify_store says what is wrong with the index)
     with tqdm(
         total=total, unit="B", unit_scale=True, desc="verify", disable=not sys.stderr.isatty()
     ) as bar:
