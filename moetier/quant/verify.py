@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -171,23 +172,37 @@ def file_problems(
     problems: list[ValueError] = []
     for name, record in store.files.items():
         path = store.path / name
-        size = path.stat().st_size if path.is_file() else -1
-        if size != record["bytes"]:
-            what = "is missing" if size < 0 else f"is {size} bytes"
+        if not _well_formed(record):
             problems.append(
                 ValueError(
-                    f"{path} {what}, the index says {record['bytes']}: {damaged_advice(store.path)}"
+                    f"the index's checksums of {name} are malformed: convert the model again"
                 )
             )
             continue
-        chunk = int(record["chunk_bytes"])
-        starts = range(0, size, chunk)
+        want_size, chunk = int(record["bytes"]), int(record["chunk_bytes"])
+        size = path.stat().st_size if path.is_file() else -1
+        if size != want_size:
+            what = "is missing" if size < 0 else f"is {size} bytes"
+            problems.append(
+                ValueError(
+                    f"{path} {what}, the index says {want_size}: {damaged_advice(store.path)}"
+                )
+            )
+            continue
         sums = _chunk_sums(path, size, chunk, workers, progress)
-        for begin, got, want in zip(starts, sums, record["crc32"], strict=True):
+        for begin, got, want in zip(range(0, size, chunk), sums, record["crc32"], strict=True):
             if got != want:
                 end = min(begin + chunk, size)
                 problems.append(CorruptFile(store.path, name, begin, end, got, want))
     return problems
+
+
+def _well_formed(record: dict[str, Any]) -> bool:
+    """Whether a "files" record has a size, a chunk size and one crc32 per chunk."""
+    size, chunk, sums = record.get("bytes"), record.get("chunk_bytes"), record.get("crc32")
+    if not (isinstance(size, int) and isinstance(chunk, int) and chunk > 0):
+        return False
+    return isinstance(sums, list) and len(sums) == len(range(0, size, chunk))
 
 
 def _chunk_sums(

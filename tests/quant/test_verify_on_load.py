@@ -204,6 +204,30 @@ def test_dense_corruption_is_found_by_verify_and_refused_at_load(store_copy, cap
     assert len(problems) == 1 and f"bytes {begin} to {min(begin + 4096, size)}:" in problems[0]
 
 
+def test_a_dense_file_of_another_size_or_a_malformed_record_is_named(store_copy):
+    from moetier.quant.verify import check_files
+
+    dense = store_copy / DENSE_FILE
+    size = dense.stat().st_size
+    with open(dense, "ab") as f:
+        f.write(b"\0" * 10)
+    with pytest.raises(ValueError) as err:
+        check_files(store_copy)
+    assert str(err.value) == (
+        f"{dense} is {size + 10} bytes, the index says {size}: run `moetier verify "
+        f"{store_copy}`; convert the model again or restore the file"
+    )
+    with open(dense, "r+b") as f:  # (safetensors itself refuses the bytes past the tensors)
+        f.truncate(size)
+    assert verify_store(store_copy).ok
+    index = json.loads((store_copy / INDEX_FILE).read_text())
+    index["files"][DENSE_FILE]["crc32"] = []
+    (store_copy / INDEX_FILE).write_text(json.dumps(index))
+    assert verify_store(store_copy).problems == [
+        "the index's checksums of dense.safetensors are malformed: convert the model again"
+    ]
+
+
 def test_a_store_without_dense_checksums_says_it_cannot_check_them(store_copy, capsys):
     """A store converted before the index recorded them: verify says dense.safetensors is not
     checked (not "ok" for it) and exits 0; it loads as before."""
