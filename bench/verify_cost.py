@@ -1,6 +1,8 @@
 """What the first-read crc32 check costs at load: load a store and read every expert blob into its
 tiers once, with the check (default) and with `--no-verify`, alternating, and print one JSON line
-per configuration with the median seconds and the overhead in percent.
+per configuration with the median seconds and the overhead in percent. With the check on,
+load_model also checks dense.safetensors against the index's checksums; that check is timed on
+its own too (`dense_check_seconds`, against load_model without the checks).
 
     PYTHONPATH=. python bench/verify_cost.py [STORE ...] [--shape qwen3-30b-a3b --layers 2]
         [--host-memory 8GiB] [--repeat 3] [--device auto]
@@ -53,6 +55,20 @@ def load_and_fill(store: Path, config: EngineConfig) -> tuple[float, float, floa
     return end - start, loaded_at - start, crc
 
 
+def dense_check_seconds(store: Path, repeat: int) -> float | None:
+    """The median seconds of the load's check of dense.safetensors' checksums (check_files),
+    the file in the page cache as the runs before left it; None where the index has none."""
+    from moetier.quant.store import Store
+    from moetier.quant.verify import check_files
+
+    s = Store(store)
+    has = bool(s.files)
+    s.close()
+    if not has:
+        return None
+    return statistics.median(check_files(store) for _ in range(repeat))
+
+
 def measure(store: Path, args: argparse.Namespace, label: str) -> dict[str, Any]:
     from moetier.quant.store import Store
 
@@ -67,6 +83,8 @@ def measure(store: Path, args: argparse.Namespace, label: str) -> dict[str, Any]
             times[verify].append(load_and_fill(store, config))
     on = statistics.median(t[0] for t in times[True])
     off = statistics.median(t[0] for t in times[False])
+    dense = dense_check_seconds(store, args.repeat)
+    load = statistics.median(t[1] for t in times[False])
     return {
         "bench": "verify_cost",
         "store": label,
@@ -76,7 +94,12 @@ def measure(store: Path, args: argparse.Namespace, label: str) -> dict[str, Any]
         "repeat": args.repeat,
         "seconds_verify": round(on, 4),
         "seconds_no_verify": round(off, 4),
-        "load_model_seconds": round(statistics.median(t[1] for t in times[False]), 4),
+        "load_model_seconds": round(load, 4),
+        # dense.safetensors' checksums, checked in load_model with the check on (None: a store
+        # whose index has none)
+        "dense_bytes": sum(r["bytes"] for r in s.files.values()) if s.files else None,
+        "dense_check_seconds": None if dense is None else round(dense, 4),
+        "dense_check_pct_of_load_model": None if dense is None else round(100 * dense / load, 2),
         "crc_seconds": round(statistics.median(t[2] for t in times[True]), 4),
         "overhead_pct": round(100 * (on - off) / off, 2),
         # the best runs (least disturbed by other work on the machine) and the check's own share

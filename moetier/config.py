@@ -509,12 +509,17 @@ class DeltaRule:
         return {term.partition("@")[0] for product in self.score for term in product}
 
 
+# The dtypes a model computes in (--dtype): those the experts kernels' dots and the model files
+# run. The storage table (core/layout.DTYPES) holds the integer and fp8 types of stored tensors.
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Runtime settings. Each field becomes a CLI flag (`--expert-cache-mb` ...)."""
 
     device: str = field(
-        default="auto", metadata={"help": "cuda, cpu, or auto (cuda when available)"}
+        default="auto", metadata={"help": "cuda, cuda:N, cpu, or auto (cuda when available)"}
     )
     dtype: str = field(
         default="auto",
@@ -584,8 +589,9 @@ class EngineConfig:
         default=True,
         metadata={
             "help": "check each expert blob's crc32 the first time it is read into a tier (host "
-            "RAM or the GPU cache); a corrupted blob is an error naming its layer, expert, plane "
-            "and file offset; --no-verify skips the check (`moetier verify STORE` checks all)"
+            "RAM or the GPU cache), and dense.safetensors' at load (stores converted since the "
+            "index records it); a corrupted blob is an error naming its layer, expert, plane "
+            "and file offset; --no-verify skips the checks (`moetier verify STORE` checks all)"
         },
     )
     native: bool = field(
@@ -729,16 +735,51 @@ class EngineConfig:
         return DeltaRule.parse(self.delta)
 
     def resolved_device(self) -> str:
+        """--device: auto is cuda where torch finds a CUDA GPU, else cpu. ValueError, one line
+        saying what to give, for a device moetier does not run on or this machine lacks."""
         import torch
 
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            kind = torch.device(self.device).type
+            index = torch.device(self.device).index
+        except (RuntimeError, ValueError):  # not a device name torch knows ("tpu")
+            kind, index = "", None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: use cuda, cuda:N, cpu or auto")
+        if kind == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                why = "is built without CUDA" if torch.version.cuda is None else "finds no GPU"
+                raise ValueError(
+                    f"--device {self.device}: this machine's torch {why}: use --device cpu "
+                    "(or auto, which takes a CUDA GPU where there is one)"
+                )
+            if index is not None and index >= count:
+                raise ValueError(
+                    f"--device {self.device}: this machine has {count} CUDA GPU(s), cuda:0 to "
+                    f"cuda:{count - 1}"
+                )
         return self.device
 
     def resolved_dtype(self, checkpoint_dtype: str) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return checkpoint_dtype if self.resolved_device().startswith("cuda") else "float32"
+        """--dtype: auto is the checkpoint's dtype on CUDA, float32 on CPU. ValueError for a
+        dtype the model cannot compute in (COMPUTE_DTYPES)."""
+        if self.dtype == "auto":
+            return checkpoint_dtype if self.resolved_device().startswith("cuda") else "float32"
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"--dtype {self.dtype!r}: choose one of {', '.join(COMPUTE_DTYPES)} or auto "
+                "(the dtype the model computes in)"
+            )
+        return self.dtype
+
+    def check_device_and_dtype(self) -> None:
+        """ValueError for a --device this machine lacks or a --dtype the model cannot compute in,
+        before anything is loaded."""
+        self.resolved_device()
+        self.resolved_dtype(COMPUTE_DTYPES[0])
 
 
 def replace(config: Any, **changes: Any) -> Any:

@@ -124,17 +124,51 @@ def run(args: argparse.Namespace) -> int:
 
     cases = _cases(args)
     engine_config = dataclass_from_args(EngineConfig, args)
+    engine_config.check_device_and_dtype()  # before a synthetic store is written
     if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
     limits = _limits(cases, args.speculative_tokens, args.speculative_policy)
-    with _store(args) as store_path:
-        # --gpus N: N ranks, the benchmark on rank 0 (moetier/parallel/launch.py); ranks this
-        # process spawns read the synthetic store written here
-        env = {SHARED_STORE_ENV: str(store_path)} if args.shape else {}
-        return launch.run(
-            lambda session: _bench(args, cases, engine_config, limits, store_path, session),
-            __name__, args, engine_config, store_path, limits.num_pages * limits.page_size, env,
-        )  # fmt: skip
+    with _terminated_as_interrupted() as stopped:
+        try:
+            with _store(args) as store_path:
+                # --gpus N: N ranks, the benchmark on rank 0 (moetier/parallel/launch.py); ranks
+                # this process spawns read the synthetic store written here
+                env = {SHARED_STORE_ENV: str(store_path)} if args.shape else {}
+                return launch.run(
+                    lambda session: _bench(args, cases, engine_config, limits, store_path, session),
+                    __name__, args, engine_config, store_path, limits.num_pages * limits.page_size,
+                    env,
+                )  # fmt: skip
+        except KeyboardInterrupt:
+            if stopped:  # SIGTERM: its status, the synthetic store removed on the way out
+                return 128 + stopped[0]
+            raise
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupted() -> Iterator[list[int]]:
+    """SIGTERM handled as Ctrl-C while the body runs, so that a synthetic store's temporary
+    folder (hundreds of MB) is removed on the way out, as after SIGINT, instead of being left
+    behind by the default action; the list yields the signal once it came. Repeats are ignored
+    while the folder is removed. Outside the main thread (no handler can be set) a no-op."""
+    import signal
+    import threading
+
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if not stopped:
+            stopped.append(signum)
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield stopped
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # a synthetic store written by the process that spawned this rank (bench --shape --gpus N)
@@ -154,6 +188,7 @@ def _bench(
     from moetier.engine.engine import Engine
 
     device = engine_config.resolved_device().split(":")[0]
+    _check_context(cases, store_path)
     speeds, links = _links(device, store_path)
     _say(f"loading {store_path.name}")
     loaded = session.load_model(store_path, engine_config, limits.num_pages * limits.page_size)
@@ -191,6 +226,23 @@ def _bench(
             print(_row(record))
         sys.stdout.flush()
     return 0
+
+
+def _check_context(cases: list[Any], store_path: Path) -> None:
+    """ValueError, in bench's flags, where a row's prompt and new tokens do not fit the model's
+    context (config.json's max_position_embeddings, a composite config's text model's), before
+    anything is measured or loaded; the engine's own error names the server's max_tokens."""
+    hf = json.loads((store_path / "config.json").read_text())
+    context = hf.get("max_position_embeddings") or (hf.get("text_config") or {}).get(
+        "max_position_embeddings"
+    )
+    case = cases[0]  # every case has the same counts
+    if context and case.prompt_tokens + case.new_tokens > int(context):
+        raise ValueError(
+            f"--prompt-tokens {case.prompt_tokens} and --new-tokens {case.new_tokens} make rows "
+            f"of {case.prompt_tokens + case.new_tokens} tokens, and this model's context holds "
+            f"{context}: lower them so that they add up to {context} or fewer"
+        )
 
 
 def _links(device: str, store_path: Path) -> tuple[Any, dict[str, Any]]:

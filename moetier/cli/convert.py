@@ -218,8 +218,8 @@ def _at_least(low: int) -> Callable[[str], int]:
 def run(args: argparse.Namespace) -> int:
     """Convert, holding the destination's lock; SIGINT and SIGTERM stop it cleanly, keeping the
     work folder that the same command resumes (quant/work_folder.py)."""
-    from moetier.quant.convert import tokenizer_files
     from moetier.quant.sources import ConvertError
+    from moetier.quant.store import tokenizer_files
     from moetier.quant.work_folder import STOP_SAID, DestinationLock
 
     if not tokenizer_files(Path(args.hf_dir)) and args.tokenizer is None:

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any
 
-from moetier.cli.common import add_model_arguments
+from moetier.cli.common import add_model_arguments, sampling_params
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from moetier.parallel import launch
 
     engine_config = dataclass_from_args(EngineConfig, args)
+    sampling_params(args)  # its flags checked before the model loads
     if args.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
     # --gpus N: N ranks, this body on rank 0 (moetier/parallel/launch.py)
@@ -52,13 +53,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, engine_config: Any, session: Any) -> int:
-    from moetier.cli.flags import dataclass_from_args
     from moetier.engine.engine import Engine, EngineLimits
     from moetier.engine.prompts import chat_prompt_ids
-    from moetier.engine.sampler import SamplingParams
     from moetier.engine.timing import GenerationTiming
 
-    params = dataclass_from_args(SamplingParams, args)
+    params = sampling_params(args)
     loaded = session.load_model(args.store, engine_config)
     tokenizer = loaded.tokenizer
     if args.chat is not None:
@@ -68,6 +67,8 @@ def _generate(args: argparse.Namespace, engine_config: Any, session: Any) -> int
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     context = int(loaded.model.config.max_position_embeddings)
+    if len(prompt_ids) >= context:  # (the engine's error names the server's max_tokens)
+        raise ValueError(_too_long(args, len(prompt_ids), context, params.max_new_tokens))
     positions = min(context, len(prompt_ids) + params.max_new_tokens)
     page = EngineLimits().page_size
     positions += max(0, args.speculative_tokens)  # the last step's drafts
@@ -99,3 +100,19 @@ def _generate(args: argparse.Namespace, engine_config: Any, session: Any) -> int
     sys.stdout.flush()
     print(f"moetier: {timing.summary()}", file=sys.stderr)
     return 0
+
+
+def _too_long(args: argparse.Namespace, prompt: int, context: int, new: int) -> str:
+    """What to change when a prompt of `prompt` tokens leaves no room in a `context`-token
+    context for the `new` tokens --max-new-tokens asks for, in this verb's flags."""
+    flag = "--prompt" if args.chat is None else "--chat (with --system and the chat template)"
+    said = f"the prompt is {prompt} tokens and this model's context holds {context}"
+    if context - new >= 1:
+        return (
+            f"{said}, the prompt and the {new} new tokens of --max-new-tokens together: shorten "
+            f"{flag} to {context - new} tokens or fewer"
+        )
+    return (
+        f"{said}: shorten {flag} to fewer than {context} tokens (--max-new-tokens {new} is more "
+        "than the context holds: generation stops where it is full)"
+    )

@@ -15,7 +15,7 @@ VERBS = {
     "plan": "print where a store's weights, KV cache and experts go under memory budgets",
     "bench": "measure prefill and decode speed on this machine, next to its floor",
     "tune": "time the experts kernels' configurations on this GPU and keep the fastest",
-    "verify": "check a store's index and every expert blob's checksum",
+    "verify": "check a store's index, every expert blob's checksum and dense.safetensors'",
     "parse": "split raw model output on stdin into content, reasoning and tool calls (JSON)",
 }
 
@@ -131,12 +131,34 @@ def main(argv: list[str] | None = None) -> int:
             hub.resolve(args, argv[0])
         if argv[0] in TUNED_VERBS:
             say_untuned(str(args.store))
-        return int(module.run(args) or 0)
+        status = int(module.run(args) or 0)
+        sys.stdout.flush()  # (a reader gone by now fails here, not at exit)
+        return status
+    except BrokenPipeError:
+        return stdout_closed()
     except (ValueError, FileNotFoundError) as err:
         print(f"moetier {argv[0]}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def stdout_closed() -> int:
+    """The reader of stdout went away (`moetier generate ... | head`): stop quietly as a Unix
+    tool that SIGPIPE ends does, exit status 128 + SIGPIPE (141). stdout is pointed at
+    /dev/null first, so that the interpreter's flush at exit does not fail again (the "Note on
+    SIGPIPE" in Python's signal docs; SIGPIPE's default action is not restored, as it asks,
+    since it would also end a server whose client goes away)."""
+    import os
+    import signal
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout with no file descriptor (captured in a test)
+        pass
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

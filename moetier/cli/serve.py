@@ -14,11 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from moetier.cli.common import add_model_arguments
+from moetier.cli.common import add_model_arguments, sampling_params
 from moetier.cli.flags import add_dataclass_arguments, dataclass_from_args
 from moetier.config import EngineConfig
 from moetier.engine.engine import EngineLimits
-from moetier.engine.sampler import SamplingParams
 from moetier.server.options import ServerOptions
 
 # seconds a shutdown (SIGTERM, Ctrl-C) waits for open connections before closing them
@@ -74,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from moetier.parallel import launch
 
     engine_config = dataclass_from_args(EngineConfig, args)
+    sampling_params(args)  # the request defaults' flags checked before the server starts
     limits = dataclass_from_args(EngineLimits, args)
     if limits.speculative_tokens > 0:  # drafts come from the model's MTP layer
         engine_config = dataclasses.replace(engine_config, mtp=True)
@@ -94,7 +94,7 @@ def _serve(args: argparse.Namespace, engine_config: EngineConfig, limits: Engine
     from moetier.server.app import create_app
     from moetier.server.auth import keys_from
 
-    params = dataclass_from_args(SamplingParams, args)
+    params = sampling_params(args)
     kv_positions = (limits.num_pages + 1) * limits.page_size
     name = args.model_name or Path(args.store).resolve().name
     if engine_config.resolved_device() == "cpu" and session.ranks == 1:

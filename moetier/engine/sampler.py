@@ -35,7 +35,9 @@ class SamplingParams:
     """How to pick tokens and when to stop. Fields with a `help` are also CLI flags of `moetier
     generate` (the single-stream Generator takes those); the others are the serving engine's."""
 
-    max_new_tokens: int = field(default=256, metadata={"help": "stop after this many new tokens"})
+    max_new_tokens: int = field(
+        default=256, metadata={"help": "stop after this many new tokens (1 or more)"}
+    )
     temperature: float = field(default=0.7, metadata={"help": "0 = greedy"})
     top_p: float = field(default=0.95, metadata={"help": "nucleus sampling mass (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "keep the k most likely tokens (0 = off)"})

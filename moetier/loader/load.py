@@ -4,14 +4,16 @@ model class (hf_model.py)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from moetier.config import EngineConfig
 from moetier.loader.hf_model import load_transformers
-from moetier.loader.loaded_model import LoadedModel, kv_plan_arguments
+from moetier.loader.loaded_model import LoadedModel, check_tokenizer, kv_plan_arguments
 from moetier.loader.native import has_native_file, load_native
 from moetier.models.experts import ExpertShard
 from moetier.quant.store import Store
+from moetier.quant.verify import check_files, dense_problem
 from moetier.residency.slot_pool import make_policy
 
 
@@ -25,10 +27,14 @@ def load_model(
     its model_type where it has one (loader/native.py), else the transformers model class.
     kv_positions: the KV cache the --gpu-memory plan sets aside (default: one 4096-token
     sequence; the server's page pool). shard: expert parallel (moetier/parallel), this rank's
-    experts only; native model files only."""
+    experts only; native model files only. With `engine_config.verify`, dense.safetensors'
+    bytes are checked against the index's checksums first (a store that has them)."""
     engine_config = engine_config or EngineConfig()
     ranks = shard.ranks if shard is not None else 1
     check_engine_config(store_path, engine_config, kv_positions, ranks)
+    if engine_config.verify:  # dense.safetensors' checksums: the load reads all its bytes anyway
+        seconds = check_files(store_path)
+        logging.getLogger(__name__).debug("dense weights' checksums checked in %.3f s", seconds)
     if engine_config.native and has_native_file(store_path):
         return load_native(store_path, engine_config, kv_positions, shard)
     if shard is not None:
@@ -45,9 +51,11 @@ def check_engine_config(
     kv_positions: int | None = None,
     ranks: int = 1,
 ) -> None:
-    """Fail on a path that is not a store, a negative cache size, slot cap, staging or thread
-    count, a bad cache policy or a --gpu-memory the dense part and `kv_positions` of KV cache
-    do not fit (on each of `ranks` GPUs), before any weight is loaded."""
+    """Fail on a path that is not a store, a dense.safetensors whose header cannot be read, a
+    store without tokenizer files, a --device this machine lacks, a --dtype the model cannot
+    compute in, a negative cache size, slot cap, staging or thread count, a bad cache policy or
+    a --gpu-memory the dense part and `kv_positions` of KV cache do not fit (on each of `ranks`
+    GPUs), before any weight is loaded."""
     Store.check_path(store_path)
     for flag, value, zero in (
         ("--expert-cache-mb", engine_config.expert_cache_mb, "room for every expert"),
@@ -57,6 +65,11 @@ def check_engine_config(
     ):
         if value < 0:
             raise ValueError(f"{flag} {value:g}: give 0 ({zero}) or more")
+    engine_config.check_device_and_dtype()
+    problem = dense_problem(store_path)  # (safetensors' own error would be a traceback)
+    if problem is not None:
+        raise ValueError(problem)
+    check_tokenizer(store_path)  # (also where it loads: here before any weight is read)
     make_policy(engine_config.cache_policy)
     if engine_config.expert_reads not in ("mmap", "direct"):
         raise ValueError(f"--expert-reads {engine_config.expert_reads!r}: use mmap or direct")

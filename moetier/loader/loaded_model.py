@@ -5,15 +5,16 @@ device and dtype, the experts runtime over the slot pool, the store's tokenizer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from moetier.config import EngineConfig, ModelConfig
+from moetier.config import COMPUTE_DTYPES, EngineConfig, ModelConfig
 from moetier.core.layout import DTYPES
 from moetier.models.experts import ExpertShard, ExpertsRuntime
 from moetier.models.host_embedding import embeddings_to_host
-from moetier.quant.store import Store
+from moetier.quant.store import Store, tokenizer_files
 from moetier.quant.verify import FirstReadCheck
 from moetier.residency.disk import DiskReader
 from moetier.residency.slot_pool import SlotPool, make_policy
@@ -53,6 +54,7 @@ def loaded_model(
         from moetier.models.experts import router_weights
 
         runtime.gate.set_routers(router_weights(model, store.moe_layers)[0])
+    check_tokenizer(store.path)
     tokenizer = AutoTokenizer.from_pretrained(store.path)
     return LoadedModel(
         model,
@@ -67,6 +69,18 @@ def loaded_model(
     )
 
 
+def check_tokenizer(store_path: str | Path) -> None:
+    """ValueError naming the store and what to do where it has no tokenizer files: transformers
+    would build an empty tokenizer from tokenizer_config.json alone (every prompt "empty", a
+    server answering nothing)."""
+    if not tokenizer_files(Path(store_path)):
+        raise ValueError(
+            f"{store_path} has no tokenizer files (tokenizer.json, tokenizer.model, *.tiktoken, "
+            "vocab.json or vocab.txt): copy the original model's into it, or convert the model "
+            "again with --tokenizer PATH naming a folder that has them"
+        )
+
+
 def load_progress(items: list[Any], desc: str) -> Any:
     """`items`, iterated under a progress bar on stderr where it is a terminal (cleared when
     done)."""
@@ -78,10 +92,15 @@ def load_progress(items: list[Any], desc: str) -> Any:
 
 
 def device_and_dtype(store: Store, engine_config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device and compute dtype the model loads on (--device, --dtype; ValueError for one
+    this machine lacks or a dtype the model cannot compute in)."""
     device = torch.device(engine_config.resolved_device())
     dtype_name = engine_config.resolved_dtype(store.source_dtype)
-    if dtype_name not in DTYPES:
-        raise ValueError(f"--dtype {dtype_name!r}: choose one of {', '.join(DTYPES)} or auto")
+    if dtype_name not in COMPUTE_DTYPES:  # auto: the store's dtype, which should be one
+        raise ValueError(
+            f"{store.path}: its dtype {dtype_name!r} is not one the model computes in: give "
+            f"--dtype {' or '.join(COMPUTE_DTYPES)}"
+        )
     return device, DTYPES[dtype_name]
 
 

@@ -66,8 +66,11 @@ from moetier.quant.store import (
     EXPERTS_FILE,
     INDEX_FILE,
     STORE_VERSION,
+    TOKENIZER_GLOBS,
     blob_index_entry,
+    file_records,
     store_folder_for,
+    tokenizer_files,
 )
 from moetier.quant.work_folder import (
     SETTINGS_FILE,
@@ -958,6 +961,7 @@ def _build(
         journal.commit({"stage": "experts"})
     if not journal.has_stage("index"):
         index = store_index(plan, [fmt], blobs, policy, dense_tensors)
+        index["files"] = file_records(store)  # dense.safetensors' checksums (quant/verify.py)
         if fp4 is not None:
             index["quantization"] = {"experts": fp4, "codes": "source"}
         write_text(store / INDEX_FILE, json.dumps(index, indent=1))
@@ -1047,31 +1051,6 @@ def store_index(
     if plan.quantization is not None:
         index["source_quantization"] = plan.quantization.to_json()
     return index
-
-
-# Tokenizer and chat-template files (one of TOKENIZER_CORE makes a usable tokenizer).
-TOKENIZER_GLOBS = (
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "*.tiktoken",
-    "*.model",
-    "chat_template*",
-    "*.jinja",
-)
-TOKENIZER_CORE = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
-
-
-def tokenizer_files(folder: Path) -> list[Path]:
-    """The tokenizer and chat-template files of `folder`; empty when it has no tokenizer
-    (none of tokenizer.json, *.model, *.tiktoken, vocab.json, vocab.txt)."""
-    if not folder.is_dir() or not any(
-        p.is_file() for pattern in TOKENIZER_CORE for p in folder.glob(pattern)
-    ):
-        return []
-    return sorted({p for g in TOKENIZER_GLOBS for p in folder.glob(g) if p.is_file()})
 
 
 def _aux_sources(src: Path, tokenizer: str | Path | None = None) -> list[Path]:

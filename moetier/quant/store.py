@@ -6,7 +6,9 @@
       experts.bin         one contiguous, 4 KiB-aligned blob per (layer, expert, plane)
       experts.json        the index: formats, and per blob layer, expert, plane, offset, bytes,
                           format, shape, crc32 checksum; under "dense" the quantized dense
-                          weights (module name -> format, class, [N, K]; quant/dense_formats.py)
+                          weights (module name -> format, class, [N, K]; quant/dense_formats.py);
+                          under "files" dense.safetensors' size and crc32 per FILE_CHUNK bytes
+                          (stores written before it have none)
 
 A blob holds all tensors of one expert for one plane ("base"; an optional "delta" plane after
 all base blobs) back to back, each sub-tensor 256-byte aligned. Unquantized blobs use the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import struct
 import weakref
 import zlib
@@ -46,6 +49,12 @@ BLOB_ALIGN = 4096
 INDEX_FILE = "experts.json"
 EXPERTS_FILE = "experts.bin"
 DENSE_FILE = "dense.safetensors"
+# The weights files beside experts.bin whose bytes the index checksums under "files" (the blobs
+# carry their own): the crc32 of each FILE_CHUNK bytes, so that a check runs chunks side by side
+# (quant/verify.py) and names the damaged range
+CHECKSUMMED_FILES = (DENSE_FILE,)
+FILE_CHUNK = 64 << 20
+READ_CHUNK = 8 << 20
 
 
 def store_folder_for(checkpoint: str | Path) -> Path:
@@ -114,6 +123,9 @@ class Store:
             int(k): v["experts"] for k, v in mtp.items() if v.get("experts")
         }
         self.mtp_dense: frozenset[str] = frozenset(self.index.get("mtp_dense", ()))
+        # file name -> {"bytes", "chunk_bytes", "crc32": [per chunk]} (file_record); stores
+        # written before the converter recorded them have none
+        self.files: dict[str, dict[str, Any]] = self.index.get("files", {})
         # the main model's blobs; the MTP layers' apart (`mtp_blobs`)
         self.blobs: dict[tuple[int, int, str], BlobEntry] = {}
         self.mtp_blobs: dict[tuple[int, int, str], BlobEntry] = {}
@@ -211,10 +223,12 @@ class Store:
         return {name: DenseFormat.from_json(info["format"]) for name, info in tensors.items()}
 
     def _dense_header(self) -> dict[str, Any]:
-        with open(self.path / DENSE_FILE, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header: dict[str, Any] = json.loads(f.read(header_len))
-        # the main model's tensors: the MTP layers' (mtp_dense) left out
+        """dense.safetensors' tensor records, the MTP layers' (mtp_dense) left out; ValueError
+        saying what to do where the header cannot be read."""
+        try:
+            header = safetensors_header(self.path / DENSE_FILE)
+        except ValueError as err:
+            raise ValueError(f"{err}: {damaged_advice(self.path)}") from None
         return {k: v for k, v in header.items() if k != "__metadata__" and k not in self.mtp_dense}
 
     @property
@@ -235,9 +249,10 @@ class Store:
     @property
     def mtp_dense_size(self) -> tuple[int, int]:
         """(parameters, bytes) of the MTP layers' tensors in dense.safetensors."""
-        with open(self.path / DENSE_FILE, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
+        try:
+            header = safetensors_header(self.path / DENSE_FILE)
+        except ValueError as err:
+            raise ValueError(f"{err}: {damaged_advice(self.path)}") from None
         infos = [info for key, info in header.items() if key in self.mtp_dense]
         params = sum(math.prod(info["shape"]) for info in infos)
         return params, sum(info["data_offsets"][1] - info["data_offsets"][0] for info in infos)
@@ -301,6 +316,116 @@ def blob_index_entry(
         "format": fmt.name,
         "shape": {s.name: list(s.shape) for s in fmt.tensors},
         "crc32": crc32(blob[: fmt.nbytes]),
+    }
+
+
+# Tokenizer and chat-template files (one of TOKENIZER_CORE makes a usable tokenizer).
+TOKENIZER_GLOBS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "*.model",
+    "chat_template*",
+    "*.jinja",
+)
+TOKENIZER_CORE = ("tokenizer.json", "*.model", "*.tiktoken", "vocab.json", "vocab.txt")
+
+
+def tokenizer_files(folder: Path) -> list[Path]:
+    """The tokenizer and chat-template files of `folder`; empty when it has no tokenizer
+    (none of tokenizer.json, *.model, *.tiktoken, vocab.json, vocab.txt)."""
+    if not folder.is_dir() or not any(
+        p.is_file() for pattern in TOKENIZER_CORE for p in folder.glob(pattern)
+    ):
+        return []
+    return sorted({p for g in TOKENIZER_GLOBS for p in folder.glob(g) if p.is_file()})
+
+
+def damaged_advice(store_path: str | Path) -> str:
+    """What to do about a damaged file of the store at `store_path`."""
+    return f"run `moetier verify {store_path}`; convert the model again or restore the file"
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The header of the safetensors file `path` (tensor name -> dtype, shape, data_offsets;
+    "__metadata__"), read without asking for more bytes than the file holds. ValueError saying
+    what is wrong where the file is missing, its header cut short, not JSON, or where a tensor's
+    record is malformed or lies past the end of the file."""
+    if not path.is_file():
+        raise ValueError(f"{path} is missing")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path}: unreadable safetensors header (the file has {size} bytes)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8:  # (a damaged length field: reading it would ask for exabytes)
+            raise ValueError(
+                f"{path}: unreadable safetensors header (its length field says {header_len} "
+                f"bytes, the file has {size})"
+            )
+        text = f.read(header_len)
+    try:
+        header = json.loads(text)
+    except ValueError as err:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise ValueError(f"{path}: unreadable safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: unreadable safetensors header (not a JSON object)")
+    data = size - 8 - header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+            and isinstance(info.get("dtype"), str)
+            and isinstance(info.get("shape"), list)
+        ):
+            raise ValueError(f"{path}: the safetensors header's record of {name} is malformed")
+        if offsets[1] > data:
+            raise ValueError(f"{path}: tensor {name} lies past the end of the file")
+    return header
+
+
+def file_crc(fd: int, offset: int, nbytes: int) -> int:
+    """crc32 of bytes [offset, offset + nbytes) of `fd`, read in chunks with pread (no mmap: a
+    pass over the whole file must not stay in the process's resident memory)."""
+    crc = 0
+    done = 0
+    while done < nbytes:
+        chunk = os.pread(fd, min(READ_CHUNK, nbytes - done), offset + done)
+        if not chunk:
+            raise OSError(f"short read at {offset + done}")
+        crc = zlib.crc32(chunk, crc)
+        done += len(chunk)
+    return crc & 0xFFFFFFFF
+
+
+def file_record(path: Path, chunk: int = FILE_CHUNK) -> dict[str, Any]:
+    """The index's record of a weights file (CHECKSUMMED_FILES): its size and the crc32 of each
+    `chunk` bytes, the last chunk shorter."""
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sums = [file_crc(fd, at, min(chunk, size - at)) for at in range(0, size, chunk)]
+    finally:
+        os.close(fd)
+    return {"bytes": size, "chunk_bytes": chunk, "crc32": sums}
+
+
+def file_records(store_dir: Path) -> dict[str, dict[str, Any]]:
+    """The index's "files": the record of each weights file (CHECKSUMMED_FILES) in `store_dir`,
+    read once its bytes are final (what a converter writes last, with the index)."""
+    return {
+        name: file_record(store_dir / name)
+        for name in CHECKSUMMED_FILES
+        if (store_dir / name).is_file()
     }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from moetier.config import DEFAULT_STORE
 from moetier.core.layout import DTYPES, BlobFormat
 from moetier.quant.dense_formats import DensePolicy, dense_class
 
@@ -620,7 +621,7 @@ def write_synthetic_store(
     dst: Path,
     hf_config: dict[str, Any],
     experts: str = "q2s",
-    tokenizer_from: Path | None = None,
+    tokenizer_from: Path | None = DEFAULT_STORE,
     seed: int = 0,
     distinct: int = 8,
     progress: bool = False,
@@ -630,15 +631,16 @@ def write_synthetic_store(
 ) -> Path:
     """A moetier store of a model of `hf_config` (any family transformers builds) with random
     weights, written directly: dense tensors random bf16 (norms 1, integer buffers 0) one at a
-    time, experts in `experts` form ("q2s" g32/down g16, or "bfloat16"),
-    `distinct` random blobs repeated over all (layer, expert) slots, never an unquantized
-    expert. For benchmarks at shapes no checkpoint is at hand for; `tokenizer_from` (a store or
-    HF directory) lends its tokenizer files; `progress`: a progress bar of the layers written;
-    `dense`: the dense classes' formats, as `moetier convert --dense` (quant/dense_formats.py);
-    `delta` "nvfp4": a delta plane of random NVFP4 blobs too (the gate's benchmarks); `mtp`: an
-    MTP layer too (`model.layers.{num_hidden_layers}.*`, DeepSeek's layout with the family's
-    dense decoder block; qwen3_moe), kept as a converted store keeps one (speculative decoding's
-    benchmarks)."""
+    time, experts in `experts` form ("q2s" g32/down g16, or "bfloat16"), `distinct` random blobs
+    repeated over all (layer, expert) slots, never an unquantized expert. For benchmarks at
+    shapes no checkpoint is at hand for; `tokenizer_from` (a store or HF directory; default the
+    demo store's, whose vocabulary random token ids need not match) lends its tokenizer files,
+    which the loaders require (None: a store without them); `progress`: a progress bar of the
+    layers written; `dense`: the dense classes' formats, as `moetier convert --dense`
+    (quant/dense_formats.py); `delta` "nvfp4": a delta plane of random NVFP4 blobs too (the
+    gate's benchmarks); `mtp`: an MTP layer too (`model.layers.{num_hidden_layers}.*`,
+    DeepSeek's layout with the family's dense decoder block; qwen3_moe), kept as a converted
+    store keeps one (speculative decoding's benchmarks)."""
     from moetier.config import ModelConfig
     from moetier.core.layout import align_up
     from moetier.quant.convert import _SafetensorsWriter
@@ -649,6 +651,7 @@ def write_synthetic_store(
         INDEX_FILE,
         STORE_VERSION,
         blob_index_entry,
+        file_records,
     )
 
     dense_meta, moe = dense_and_experts(meta_model(hf_config))
@@ -743,6 +746,7 @@ def write_synthetic_store(
         "skipped_source_tensors": [],
         "blobs": index_blobs,
         "quantization": {"experts": experts, "synthetic": True},
+        "files": file_records(dst),  # dense.safetensors' checksums, as a converted store's
     }
     if dense is not None:
         index["dense"] = {"policy": dense.to_json(), "tensors": quantized}

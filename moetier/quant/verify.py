@@ -1,40 +1,45 @@
-"""Store integrity: `verify_store` (what `moetier verify` runs) checks the index and every blob's
-crc32; `FirstReadCheck` verifies a blob the first time a tier reads it (residency/host_tier.py,
-residency/slot_pool.py), so a corrupted blob is an error naming it, never a wrong answer.
+"""Store integrity: `verify_store` (what `moetier verify` runs) checks the index, every blob's
+crc32 and dense.safetensors' checksums; `FirstReadCheck` verifies a blob the first time a tier
+reads it (residency/host_tier.py, residency/slot_pool.py), and `check_files` dense.safetensors at
+load (loader/load.py), so a corrupted blob or dense weight is an error naming it, never a wrong
+answer.
 
 A blob's checksum is zlib's crc32 of its bytes, written by the converter into experts.json
-(quant/store.py). zlib releases the GIL on buffers of more than a few KiB, so checks of several
-blobs run side by side on a small thread pool.
+(quant/store.py); dense.safetensors' are the crc32 of each FILE_CHUNK bytes (the index's
+"files"; stores converted before have none, and their dense bytes cannot be checked). zlib
+releases the GIL on buffers of more than a few KiB, so checks of several blobs or chunks run
+side by side on a small thread pool.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from moetier.quant.store import (
     BLOB_ALIGN,
+    CHECKSUMMED_FILES,
     DENSE_FILE,
     EXPERTS_FILE,
     BlobEntry,
     Store,
     crc32,
+    damaged_advice,
+    file_crc,
+    safetensors_header,
 )
 
 BlobKey = tuple[int, int, str]
 # checks of fewer bytes than this run on the calling thread (a pool hand-off costs more)
 PARALLEL_BYTES = 1 << 20
-READ_CHUNK = 8 << 20
 
 
 def _workers() -> int:
@@ -55,15 +60,32 @@ class CorruptBlob(ValueError):
         )
 
 
+class CorruptFile(ValueError):
+    """A weights file (dense.safetensors) whose bytes do not match the index's checksums."""
+
+    def __init__(
+        self, store_path: Path, name: str, begin: int, end: int, got: int, want: int
+    ) -> None:
+        super().__init__(
+            f"corrupted {name}: file {store_path / name}, bytes {begin} to {end}: crc32 "
+            f"{got:#010x}, the index says {want:#010x}. Run `moetier verify {store_path}`; "
+            "convert the model again or restore the file"
+        )
+
+
 @dataclass
 class VerifyReport:
-    """What `verify_store` found: one line per problem (none: the store is sound)."""
+    """What `verify_store` found: one line per problem (none: the store is sound); `files`, the
+    weights files whose checksums were checked, `unchecked` those the index has none of (a
+    store written before the converter recorded them)."""
 
     path: Path
     blobs: int = 0
     bytes: int = 0
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
+    files: dict[str, int] = field(default_factory=dict)  # name -> bytes checked
+    unchecked: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -108,22 +130,30 @@ def index_problems(store: Store) -> list[str]:
 
 
 def _dense_problems(path: Path) -> list[str]:
-    if not path.is_file():
-        return [f"{path} is missing"]
-    size = path.stat().st_size
+    """What keeps dense.safetensors from loading, without reading its tensors: a missing file,
+    a header that cannot be read (its length field checked against the file's size first),
+    tensors past the end, or anything else safetensors refuses in the header."""
     try:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-    except (struct.error, ValueError, UnicodeDecodeError) as err:
-        return [f"{path}: unreadable safetensors header ({err})"]
-    data = size - 8 - header_len
-    bad = [
-        name
-        for name, info in header.items()
-        if name != "__metadata__" and info["data_offsets"][1] > data
-    ]
-    return [f"{path}: tensor {bad[0]} lies past the end of the file"] if bad else []
+        safetensors_header(path)
+    except ValueError as err:
+        return [str(err)]
+    from safetensors import safe_open
+
+    try:  # what the loaders open it with: their own checks of the header (offsets, dtypes)
+        with safe_open(str(path), framework="pt"):
+            pass
+    except Exception as err:  # safetensors' SafetensorError, an Exception only
+        return [f"{path}: safetensors cannot read it ({err})"]
+    return []
+
+
+def dense_problem(store_path: str | Path) -> str | None:
+    """What keeps a store's dense.safetensors from loading (`_dense_problems`), with what to
+    do; None when its header reads. Cheap: the loaders check it before reading any weight."""
+    problems = _dense_problems(Path(store_path) / DENSE_FILE)
+    if not problems:
+        return None
+    return f"{problems[0]}: {damaged_advice(store_path)}"
 
 
 def _short(values: list[int]) -> str:
@@ -131,18 +161,90 @@ def _short(values: list[int]) -> str:
     return ", ".join(map(str, values[:8])) + more
 
 
-def _file_crc(fd: int, offset: int, nbytes: int) -> int:
-    """crc32 of bytes [offset, offset + nbytes) of `fd`, read in chunks with pread (no mmap: a
-    pass over the whole file must not stay in the process's resident memory)."""
-    crc = 0
-    done = 0
-    while done < nbytes:
-        chunk = os.pread(fd, min(READ_CHUNK, nbytes - done), offset + done)
-        if not chunk:
-            raise OSError(f"short read at {offset + done}")
-        crc = zlib.crc32(chunk, crc)
-        done += len(chunk)
-    return crc & 0xFFFFFFFF
+def file_problems(
+    store: Store,
+    workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[ValueError]:
+    """Each weights file of the index's "files" checked against its record: its size, then the
+    crc32 of each chunk, `workers` chunks at a time; an error per mismatch (CorruptFile names
+    the byte range), saying what to do. `progress(nbytes)` is called after each chunk."""
+    problems: list[ValueError] = []
+    for name, record in store.files.items():
+        path = store.path / name
+        if not _well_formed(record):
+            problems.append(
+                ValueError(
+                    f"the index's checksums of {name} are malformed: convert the model again"
+                )
+            )
+            continue
+        want_size, chunk = int(record["bytes"]), int(record["chunk_bytes"])
+        size = path.stat().st_size if path.is_file() else -1
+        if size != want_size:
+            what = "is missing" if size < 0 else f"is {size} bytes"
+            problems.append(
+                ValueError(
+                    f"{path} {what}, the index says {want_size}: {damaged_advice(store.path)}"
+                )
+            )
+            continue
+        sums = _chunk_sums(path, size, chunk, workers, progress)
+        for begin, got, want in zip(range(0, size, chunk), sums, record["crc32"], strict=True):
+            if got != want:
+                end = min(begin + chunk, size)
+                problems.append(CorruptFile(store.path, name, begin, end, got, want))
+    return problems
+
+
+def _well_formed(record: dict[str, Any]) -> bool:
+    """Whether a "files" record has a size, a chunk size and one crc32 per chunk."""
+    size, chunk, sums = record.get("bytes"), record.get("chunk_bytes"), record.get("crc32")
+    if not (isinstance(size, int) and isinstance(chunk, int) and chunk > 0):
+        return False
+    return isinstance(sums, list) and len(sums) == len(range(0, size, chunk))
+
+
+def _chunk_sums(
+    path: Path, size: int, chunk: int, workers: int | None, progress: Callable[[int], None] | None
+) -> list[int]:
+    """The crc32 of each `chunk` bytes of the `size`-byte file `path`, `workers` at a time."""
+    fd = os.open(path, os.O_RDONLY)
+
+    def one(begin: int) -> int:
+        got = file_crc(fd, begin, min(chunk, size - begin))
+        if progress is not None:
+            progress(min(chunk, size - begin))
+        return got
+
+    try:
+        starts = range(0, size, chunk)
+        if len(starts) < 2:
+            return [one(begin) for begin in starts]
+        with ThreadPoolExecutor(min(workers or _workers(), len(starts))) as pool:
+            return list(pool.map(one, starts))
+    finally:
+        os.close(fd)
+
+
+def unchecked_files(store: Store) -> list[str]:
+    """The weights files of `store` the index has no checksum of (an older store)."""
+    return [n for n in CHECKSUMMED_FILES if (store.path / n).is_file() and n not in store.files]
+
+
+def check_files(store_path: str | Path, workers: int | None = None) -> float:
+    """At load (`--verify`, the default): raise the first problem `file_problems` finds, with
+    what to do (CorruptFile, or a ValueError for a file whose size changed); else the seconds
+    it took. Nothing to check in a store written before the index recorded checksums."""
+    start = time.perf_counter()
+    store = Store(store_path)
+    try:
+        problems = file_problems(store, workers)
+    finally:
+        store.close()
+    if problems:
+        raise problems[0]
+    return time.perf_counter() - start
 
 
 def verify_store(
@@ -161,13 +263,16 @@ def verify_store(
         return report
     try:
         report.problems += index_problems(store)
+        report.problems += [str(err) for err in file_problems(store, workers, progress)]
+        report.files = {name: record["bytes"] for name, record in store.files.items()}
+        report.unchecked = unchecked_files(store)
         size = (store.path / EXPERTS_FILE).stat().st_size
         entries = [e for e in store.all_blobs.values() if e.offset + e.nbytes <= size]
         fd = os.open(store.path / EXPERTS_FILE, os.O_RDONLY)
         try:
 
             def check(entry: BlobEntry) -> tuple[BlobEntry, int]:
-                got = _file_crc(fd, entry.offset, entry.nbytes)
+                got = file_crc(fd, entry.offset, entry.nbytes)
                 if progress is not None:
                     progress(entry.nbytes)
                 return entry, got

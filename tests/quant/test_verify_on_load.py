@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import sys
 import time
 import zlib
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
 from uvicorn_thread import serving  # noqa: E402
 
 from moetier.cli.main import main  # noqa: E402
-from moetier.quant.store import EXPERTS_FILE, INDEX_FILE, Store  # noqa: E402
+from moetier.quant.store import DENSE_FILE, EXPERTS_FILE, INDEX_FILE, Store  # noqa: E402
 from moetier.quant.verify import CorruptBlob, FirstReadCheck, verify_store  # noqa: E402
 from moetier.residency.disk import DiskReader  # noqa: E402
 from moetier.residency.host_tier import HostTier  # noqa: E402
@@ -101,6 +102,150 @@ def test_verify_reports_a_truncated_experts_file(store_copy):
         f.truncate(size - 4096)
     report = verify_store(store_copy)
     assert not report.ok and "truncated" in report.problems[0]
+
+
+def test_a_damaged_dense_header_is_reported_and_refused_in_one_line(store_copy, capsys):
+    """Its length field overwritten (a length of exabytes): verify reports the header instead of
+    asking for that many bytes (a MemoryError), generate and plan refuse it in one line before
+    any weight loads (safetensors' error was a traceback); an offset changed in the header's
+    JSON is what safetensors itself refuses, reported by both too. (verify also names the
+    checksum that no longer matches.)"""
+    with open(store_copy / DENSE_FILE, "r+b") as f:
+        f.seek(5)
+        f.write(b"\xff\xff")
+    dense = store_copy / DENSE_FILE
+    size = dense.stat().st_size
+    (length,) = struct.unpack("<Q", dense.read_bytes()[:8])
+    assert length > 2**55
+    assert main(["verify", str(store_copy)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == (
+        f"{dense}: unreadable safetensors header (its length field says {length} bytes, the "
+        f"file has {size})"
+    )
+    assert len(out) == 2 and out[1].startswith("corrupted dense.safetensors: ")  # its checksum
+    advice = f"run `moetier verify {store_copy}`; convert the model again or restore the file"
+    for argv in (
+        ["generate", "--prompt", "hi", "--device", "cpu"],
+        ["plan", "--gpu-memory", "1GiB"],
+    ):
+        assert main([argv[0], str(store_copy), *argv[1:]]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"moetier {argv[0]}: error: {out[0]}: {advice}"]
+
+    raw = bytearray(dense.read_bytes())
+    raw[5:7] = b"\0\0"  # the length as it was (zero: the header is under 2**40 bytes)
+    first = raw.index(b'"data_offsets":[0,')
+    raw[first : first + 18] = b'"data_offsets":[8,'
+    dense.write_bytes(bytes(raw))
+    assert main(["verify", str(store_copy)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "safetensors cannot read it" in out[0] and "invalid offset" in out[0]
+    assert len(out) == 2 and out[1].startswith("corrupted dense.safetensors: ")
+    assert main(["generate", str(store_copy), "--prompt", "hi", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"moetier generate: error: {out[0]}: {advice}"
+    ]
+
+
+def overwrite_near_the_end(path: Path, nbytes: int = 100, before_end: int = 300) -> int:
+    """`nbytes` bytes changed `before_end` bytes before the end of `path`; returns where."""
+    at = path.stat().st_size - before_end
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old = f.read(nbytes)
+        f.seek(at)
+        f.write(bytes(b ^ 0x5A for b in old))
+    return at
+
+
+def test_the_index_records_dense_checksums_per_chunk(store_copy):
+    from moetier.quant.store import FILE_CHUNK, file_record
+
+    dense = store_copy / DENSE_FILE
+    data = dense.read_bytes()
+    record = json.loads((store_copy / INDEX_FILE).read_text())["files"][DENSE_FILE]
+    assert record == {"bytes": len(data), "chunk_bytes": FILE_CHUNK, "crc32": [zlib.crc32(data)]}
+    small = file_record(dense, 4096)
+    assert small["crc32"] == [zlib.crc32(data[at : at + 4096]) for at in range(0, len(data), 4096)]
+
+
+def test_dense_corruption_is_found_by_verify_and_refused_at_load(store_copy, capsys):
+    """100 bytes overwritten near the end of dense.safetensors (inside a tensor: the header
+    still reads) went unnoticed: verify said ok and generate ran. Now verify names the damaged
+    range, the load refuses it in one line, and --no-verify loads the bytes as they are."""
+    index = json.loads((store_copy / INDEX_FILE).read_text())
+    at = overwrite_near_the_end(store_copy / DENSE_FILE)
+    assert main(["verify", str(store_copy)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    size = index["files"][DENSE_FILE]["bytes"]
+    assert len(out) == 1 and out[0].startswith(
+        f"corrupted dense.safetensors: file {store_copy / DENSE_FILE}, bytes 0 to {size}: crc32 "
+    )
+    assert out[0].endswith(
+        f"Run `moetier verify {store_copy}`; convert the model again or restore the file"
+    )
+    argv = ["generate", str(store_copy), "--prompt", "hi", "--max-new-tokens", "2"]
+    assert main([*argv, "--device", "cpu"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"moetier generate: error: {out[0]}"]
+    assert main([*argv, "--device", "cpu", "--no-verify"]) == 0
+    capsys.readouterr()
+
+    # recorded per 4 KiB instead: only the chunk holding the damage is named
+    from moetier.quant.store import file_record
+
+    overwrite_near_the_end(store_copy / DENSE_FILE)  # (undone: the bytes are as converted)
+    index["files"][DENSE_FILE] = file_record(store_copy / DENSE_FILE, 4096)
+    (store_copy / INDEX_FILE).write_text(json.dumps(index))
+    assert verify_store(store_copy).ok
+    overwrite_near_the_end(store_copy / DENSE_FILE)
+    problems = verify_store(store_copy).problems
+    begin = at // 4096 * 4096
+    assert len(problems) == 1 and f"bytes {begin} to {min(begin + 4096, size)}:" in problems[0]
+
+
+def test_a_dense_file_of_another_size_or_a_malformed_record_is_named(store_copy):
+    from moetier.quant.verify import check_files
+
+    dense = store_copy / DENSE_FILE
+    size = dense.stat().st_size
+    with open(dense, "ab") as f:
+        f.write(b"\0" * 10)
+    with pytest.raises(ValueError) as err:
+        check_files(store_copy)
+    assert str(err.value) == (
+        f"{dense} is {size + 10} bytes, the index says {size}: run `moetier verify "
+        f"{store_copy}`; convert the model again or restore the file"
+    )
+    with open(dense, "r+b") as f:  # (safetensors itself refuses the bytes past the tensors)
+        f.truncate(size)
+    assert verify_store(store_copy).ok
+    index = json.loads((store_copy / INDEX_FILE).read_text())
+    index["files"][DENSE_FILE]["crc32"] = []
+    (store_copy / INDEX_FILE).write_text(json.dumps(index))
+    assert verify_store(store_copy).problems == [
+        "the index's checksums of dense.safetensors are malformed: convert the model again"
+    ]
+
+
+def test_a_store_without_dense_checksums_says_it_cannot_check_them(store_copy, capsys):
+    """A store converted before the index recorded them: verify says dense.safetensors is not
+    checked (not "ok" for it) and exits 0; it loads as before."""
+    index = json.loads((store_copy / INDEX_FILE).read_text())
+    del index["files"]
+    (store_copy / INDEX_FILE).write_text(json.dumps(index))
+    overwrite_near_the_end(store_copy / DENSE_FILE)  # what cannot be found without a checksum
+    assert main(["verify", str(store_copy)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == (
+        f"{store_copy / DENSE_FILE}: not checked: the index has no checksum of it (a store "
+        "converted before moetier recorded one); convert the model again to have it checked"
+    )
+    assert out[1].startswith(f"{store_copy}: index and ")
+    assert out[1].endswith("; dense.safetensors not checked (no checksum)")
+    assert not out[1].startswith(f"{store_copy}: ok")
+    assert main(["generate", str(store_copy), "--prompt", "hi", "--max-new-tokens", "2",
+                 "--device", "cpu"]) == 0  # fmt: skip
 
 
 def test_first_read_check_in_the_gpu_tier_mmap_and_direct(store_copy):

@@ -326,15 +326,26 @@ def test_moetier_serve_refuses_a_path_that_is_not_a_store_before_it_listens(tmp_
 
 def test_moetier_serve_exits_1_when_the_model_fails_to_load(tiny, tmp_path):
     """A load that fails in the background (after the server started listening; here the dense
-    weights' file is gone): the error on stderr, then the server stops and `moetier serve`
-    exits with 1, instead of answering 503 for good."""
+    weights' bytes are damaged, which their checksums find at load): the error on stderr, then
+    the server stops and `moetier serve` exits with 1, instead of answering 503 for good. (A
+    dense.safetensors that is gone, or whose header cannot be read, is refused before it
+    listens.)"""
     store = tmp_path / "store"
     shutil.copytree(tiny.store("qwen3_moe"), store)
-    (store / "dense.safetensors").unlink()
+    with open(store / "dense.safetensors", "r+b") as f:
+        f.seek(-300, os.SEEK_END)
+        damaged = bytes(b ^ 0x5A for b in f.read(100))
+        f.seek(-300, os.SEEK_END)
+        f.write(damaged)
     done = _serve_exits(store)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "(loading)" in done.stdout and "ready" not in done.stdout
-    assert "moetier serve: loading failed:" in done.stderr and "dense.safetensors" in done.stderr
+    assert "moetier serve: loading failed:" in done.stderr
+    assert "corrupted dense.safetensors" in done.stderr
+    (store / "dense.safetensors").unlink()
+    done = _serve_exits(store)
+    assert done.returncode == 1 and "(loading)" not in done.stdout
+    assert "dense.safetensors is missing: run `moetier verify" in done.stderr
 
 
 @pytest.mark.parametrize("port", ["99999", "0", "http"])

@@ -49,7 +49,13 @@ from moetier.quant.convert import (
 from moetier.quant.dense_formats import DensePolicy
 from moetier.quant.requantize import Q2_DELTA, Override, layer_codecs
 from moetier.quant.sources import ConvertError, TensorReader
-from moetier.quant.store import BLOB_ALIGN, EXPERTS_FILE, INDEX_FILE, blob_index_entry
+from moetier.quant.store import (
+    BLOB_ALIGN,
+    EXPERTS_FILE,
+    INDEX_FILE,
+    blob_index_entry,
+    file_records,
+)
 from moetier.quant.work_folder import said_when_stopped
 
 CTX = 512  # tokens per calibration sequence
@@ -423,6 +429,7 @@ def _finish(
                         f.write(raw)
                         offset += stride
     index = store_index(plan, list(formats.values()), blobs, policy, dense_tensors)
+    index["files"] = file_records(work.store)  # dense.safetensors' checksums
     quant: dict[str, Any] = {
         "experts": "q2s",
         "group": group,
