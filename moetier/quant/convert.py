@@ -69,6 +69,7 @@ from moetier.quant.store import (
     TOKENIZER_GLOBS,
     blob_index_entry,
     file_records,
+    safetensors_header,
     store_folder_for,
     tokenizer_files,
 )
@@ -137,35 +138,14 @@ class ExpertsModule:
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """Parse a safetensors header and check the file holds every byte it promises."""
+    """A checkpoint shard's safetensors header (store.safetensors_header: every tensor's
+    record checked and within the file); ConvertError naming the shard where it is not."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise ConvertError(f"{path} is truncated (no header): download it again")
-            (header_len,) = struct.unpack("<Q", raw)
-            if 8 + header_len > size:
-                raise ConvertError(f"{path} is truncated inside its header: download it again")
-            header = json.loads(f.read(header_len))
-        entries = [v for k, v in header.items() if k != "__metadata__"]
-        data_end = max((int(v["data_offsets"][1]) for v in entries), default=0)
-        for v in entries:  # every field the converter reads, of the right kind
-            if not isinstance(v["dtype"], str) or not isinstance(v["shape"], list):
-                raise TypeError(f"a tensor record {v} has no dtype string or shape list")
-    except ConvertError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        return safetensors_header(path)
+    except (OSError, ValueError) as err:
         raise ConvertError(
-            f"{path} cannot be read as a safetensors shard ({type(err).__name__}: {err}): "
-            "the file is damaged or not a safetensors file; download it again"
+            f"{err}: the shard is cut short, damaged or not a safetensors file; download it again"
         ) from None
-    if 8 + header_len + data_end > size:
-        raise ConvertError(
-            f"{path} is truncated: {size} bytes, its header needs {8 + header_len + data_end}. "
-            "Download the shard again."
-        )
-    return header
 
 
 def find_shards(src: Path) -> list[Path]:
