@@ -48,6 +48,13 @@ class ConvertError(ValueError):
     """A checkpoint that cannot be converted; the message says what to do."""
 
 
+class SourceReadError(ConvertError, OSError):
+    """A shard that failed to read in the middle of a conversion (an I/O error, a read cut
+    short): an OSError too, so that the converters keep their work folder as for any I/O
+    failure. The rerun resumes, or starts afresh where the shard changed meanwhile (its size
+    and time are in the work folder's settings)."""
+
+
 @dataclass
 class SourceTensor:
     """One checkpoint tensor, or (`quant` set) one quantized weight folded from its `parts`;
@@ -223,12 +230,14 @@ class TensorReader:
             while done < end - begin:
                 n = os.preadv(fd, [view[done:]], data_start + begin + done)
                 if n <= 0:
-                    raise ConvertError(f"{t.file}: short read of {t.key}; download the shard again")
+                    raise SourceReadError(
+                        f"{t.file}: short read of {t.key}; download the shard again"
+                    )
                 done += n
         except (OSError, struct.error, KeyError, ValueError) as err:
             if isinstance(err, ConvertError):
                 raise
-            raise ConvertError(
+            raise SourceReadError(
                 f"{t.file}: reading {t.key} failed ({type(err).__name__}: {err}); the shard "
                 "changed or is damaged since the conversion started: download it again"
             ) from None

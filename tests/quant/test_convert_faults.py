@@ -288,6 +288,13 @@ def test_damaged_shard_is_named(tiny, tmp_path, monkeypatch):
         ConvertError, match=rf"{re.escape(str(shard))}: reading .* failed \(OSError"
     ):
         convert(src, tmp_path / "out", progress=False)
+    # the work done before it is kept (hours of it on a large model): the rerun resumes
+    assert (work_path(tmp_path / "out") / "store").is_dir()
+    monkeypatch.setattr(os, "preadv", real)
+    convert(src, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "experts.json").is_file() and not work_path(
+        tmp_path / "out"
+    ).exists()
 
 
 def test_fault_hook_costs_nothing_unset():
