@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from moetier.core.paths import cache_root
+from moetier.quant.store import TOKENIZER_GLOBS
 
 # the verbs whose first argument may be a Hub id, and that argument's name in their namespace
 VERBS = {"convert": "hf_dir", "serve": "store", "generate": "store", "bench": "store"}
@@ -26,15 +27,7 @@ ALLOW_PATTERNS = [
     "generation_config.json",
     "*.safetensors",
     "*.safetensors.index.json",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.*",
-    "merges.txt",
-    "*.tiktoken",
-    "*.model",
-    "chat_template*",
-    "*.jinja",
+    *TOKENIZER_GLOBS,
 ]
 # files in subfolders are never read (gpt-oss's original/ and metal/ hold second copies)
 IGNORE_PATTERNS = ["*/*"]

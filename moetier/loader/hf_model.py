@@ -22,6 +22,7 @@ from moetier.loader.loaded_model import (
     experts_runtime,
     load_progress,
     loaded_model,
+    open_store,
 )
 from moetier.models.dense_linear import quantize_linears
 from moetier.models.experts import (
@@ -48,7 +49,7 @@ def load_transformers(
     """The store's model as its transformers model class, moetier's experts op wired in."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    store = Store(store_path)
+    store = open_store(store_path, engine_config)
     device, dtype = device_and_dtype(store, engine_config)
 
     register_experts_implementation()

@@ -4,7 +4,6 @@ model class (hf_model.py)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from moetier.config import EngineConfig
@@ -13,7 +12,7 @@ from moetier.loader.loaded_model import LoadedModel, check_tokenizer, kv_plan_ar
 from moetier.loader.native import has_native_file, load_native
 from moetier.models.experts import ExpertShard
 from moetier.quant.store import Store
-from moetier.quant.verify import check_files, dense_problem
+from moetier.quant.verify import dense_problem
 from moetier.residency.slot_pool import make_policy
 
 
@@ -28,13 +27,10 @@ def load_model(
     kv_positions: the KV cache the --gpu-memory plan sets aside (default: one 4096-token
     sequence; the server's page pool). shard: expert parallel (moetier/parallel), this rank's
     experts only; native model files only. With `engine_config.verify`, dense.safetensors'
-    bytes are checked against the index's checksums first (a store that has them)."""
+    bytes are checked against the index's checksums before any weight loads (open_store)."""
     engine_config = engine_config or EngineConfig()
     ranks = shard.ranks if shard is not None else 1
     check_engine_config(store_path, engine_config, kv_positions, ranks)
-    if engine_config.verify:  # dense.safetensors' checksums: the load reads all its bytes anyway
-        seconds = check_files(store_path)
-        logging.getLogger(__name__).debug("dense weights' checksums checked in %.3f s", seconds)
     if engine_config.native and has_native_file(store_path):
         return load_native(store_path, engine_config, kv_positions, shard)
     if shard is not None:

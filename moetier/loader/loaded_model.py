@@ -4,6 +4,7 @@ device and dtype, the experts runtime over the slot pool, the store's tokenizer.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from moetier.core.layout import DTYPES
 from moetier.models.experts import ExpertShard, ExpertsRuntime
 from moetier.models.host_embedding import embeddings_to_host
 from moetier.quant.store import Store, tokenizer_files
-from moetier.quant.verify import FirstReadCheck
+from moetier.quant.verify import FirstReadCheck, check_files
 from moetier.residency.disk import DiskReader
 from moetier.residency.slot_pool import SlotPool, make_policy
 
@@ -67,6 +68,16 @@ def loaded_model(
         dtype,
         store.path.name,
     )
+
+
+def open_store(store_path: str | Path, engine_config: EngineConfig) -> Store:
+    """The store the loaders read, its dense.safetensors checked against the index's checksums
+    first with `engine_config.verify` (the load reads all its bytes anyway)."""
+    store = Store(store_path)
+    if engine_config.verify:
+        seconds = check_files(store)
+        logging.getLogger(__name__).debug("dense weights' checksums checked in %.3f s", seconds)
+    return store
 
 
 def check_tokenizer(store_path: str | Path) -> None:

@@ -25,6 +25,7 @@ from moetier.loader.loaded_model import (
     experts_runtime,
     load_progress,
     loaded_model,
+    open_store,
 )
 from moetier.models import glm4_moe, glm_moe_dsa, gpt_oss, minimax_m2
 from moetier.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
@@ -100,7 +101,8 @@ def has_native_file(store_path: str | Path) -> bool:
     """Whether the store's model_type has a native model file."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(Store(store_path).path).model_type in NATIVE_FAMILIES
+    Store.check_path(store_path)  # (not Store(): the loader parses the whole index once)
+    return AutoConfig.from_pretrained(store_path).model_type in NATIVE_FAMILIES
 
 
 def load_native(
@@ -113,7 +115,7 @@ def load_native(
     `shard`: expert parallel, this rank's experts only (loaded_model.experts_runtime)."""
     from transformers import AutoConfig
 
-    store = Store(store_path)
+    store = open_store(store_path, engine_config)
     device, dtype = device_and_dtype(store, engine_config)
     hf_config = AutoConfig.from_pretrained(store.path)
     family = NATIVE_FAMILIES.get(hf_config.model_type)

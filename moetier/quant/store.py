@@ -225,11 +225,15 @@ class Store:
     def _dense_header(self) -> dict[str, Any]:
         """dense.safetensors' tensor records, the MTP layers' (mtp_dense) left out; ValueError
         saying what to do where the header cannot be read."""
+        header = self._dense_file_header()
+        return {k: v for k, v in header.items() if k != "__metadata__" and k not in self.mtp_dense}
+
+    def _dense_file_header(self) -> dict[str, Any]:
+        """dense.safetensors' whole header; ValueError saying what to do where it is damaged."""
         try:
-            header = safetensors_header(self.path / DENSE_FILE)
+            return safetensors_header(self.path / DENSE_FILE)
         except ValueError as err:
             raise ValueError(f"{err}: {damaged_advice(self.path)}") from None
-        return {k: v for k, v in header.items() if k != "__metadata__" and k not in self.mtp_dense}
 
     @property
     def dense_size(self) -> tuple[int, int]:
@@ -249,10 +253,7 @@ class Store:
     @property
     def mtp_dense_size(self) -> tuple[int, int]:
         """(parameters, bytes) of the MTP layers' tensors in dense.safetensors."""
-        try:
-            header = safetensors_header(self.path / DENSE_FILE)
-        except ValueError as err:
-            raise ValueError(f"{err}: {damaged_advice(self.path)}") from None
+        header = self._dense_file_header()
         infos = [info for key, info in header.items() if key in self.mtp_dense]
         params = sum(math.prod(info["shape"]) for info in infos)
         return params, sum(info["data_offsets"][1] - info["data_offsets"][0] for info in infos)

@@ -232,16 +232,20 @@ def unchecked_files(store: Store) -> list[str]:
     return [n for n in CHECKSUMMED_FILES if (store.path / n).is_file() and n not in store.files]
 
 
-def check_files(store_path: str | Path, workers: int | None = None) -> float:
+def check_files(store: Store | str | Path, workers: int | None = None) -> float:
     """At load (`--verify`, the default): raise the first problem `file_problems` finds, with
     what to do (CorruptFile, or a ValueError for a file whose size changed); else the seconds
-    it took. Nothing to check in a store written before the index recorded checksums."""
+    it took. Nothing to check in a store written before the index recorded checksums. The
+    loaders pass the Store they opened (its index is parsed once); a path is opened here."""
     start = time.perf_counter()
-    store = Store(store_path)
-    try:
+    if isinstance(store, Store):
         problems = file_problems(store, workers)
-    finally:
-        store.close()
+    else:
+        opened = Store(store)
+        try:
+            problems = file_problems(opened, workers)
+        finally:
+            opened.close()
     if problems:
         raise problems[0]
     return time.perf_counter() - start
