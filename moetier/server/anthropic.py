@@ -60,12 +60,27 @@ HELD_PING_S = 5.0
 BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(\n|$)", re.MULTILINE)
 
 
+# the block types a request's messages may hold here (documented in the schema as an enum;
+# another type is still parsed and answered with a 400 that names it and says what to send)
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+
+def _documented_non_empty(schema: dict[str, Any]) -> None:
+    """The schema of a `str | list` field documented as non-empty (Anthropic's rule, checked by
+    chat_messages: the final assistant message alone may be empty, which a schema cannot say)."""
+    for branch in schema.get("anyOf", []):
+        if branch.get("type") == "string":
+            branch["minLength"] = 1
+        elif branch.get("type") == "array":
+            branch["minItems"] = 1
+
+
 class Block(BaseModel):
     """A content block; which fields apply depends on `type`."""
 
     model_config = ConfigDict(extra="allow")
 
-    type: str
+    type: str = Field(json_schema_extra={"enum": list(BLOCK_TYPES)})
     text: str | None = None
     id: str | None = None
     name: str | None = None
@@ -77,7 +92,7 @@ class Block(BaseModel):
 
 class Message(BaseModel):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: str | list[Block] = Field(json_schema_extra=_documented_non_empty)
 
 
 class MessagesRequest(BaseModel):
