@@ -28,18 +28,12 @@
 #           planner against the bench (#48), calibrated conversion of an 8-layer
 #           Qwen3-30B-A3B slice (#53)
 #
-# On the dev machine first (repo root): wheels of what the device image (torch, triton,
-# transformers) lacks, for Python 3.12, into the ignored .whl/: `pip download --no-deps
-# --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 --platform
-# manylinux_2_31_x86_64 -d .whl` of pytest pluggy iniconfig pytest-xdist execnet fastapi
-# starlette uvicorn h11 click anyio sniffio pydantic pydantic-core annotated-types
-# typing-inspection typing_extensions llguidance prometheus_client httpx httpcore certifi idna
-# openai anthropic distro jiter docstring_parser hypothesis sortedcontainers attrs jsonschema
-# jsonschema-specifications referencing rpds-py opentelemetry-api annotated-doc (fastapi's; the
-# versions of the dev venv); then
+# On the dev machine first (repo root): `bash bench/device_prepare.sh [GPU test files]` fills
+# the ignored .whl/ (wheels of what the device image lacks) and .carry/ (../shared's small
+# files, the list GPU_TESTS may read); then
 #   run(command="python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-#       && PYTHONPATH=/tmp/site:$PWD MOETIER_COMMIT=<hash> PART=1 bash bench/device_checks.sh",
-#       carry=[".whl"])
+#       && ln -s $PWD/.carry/shared ../shared && PYTHONPATH=/tmp/site:$PWD \
+#       MOETIER_COMMIT=<hash> PART=1 bash bench/device_checks.sh", carry=[".whl", ".carry"])
 # CPU smoke test of the chain (tiny shape, no GPU tests): SMOKE=1 OUT=/tmp/d PART=1 bash ...
 # TESTS=0 leaves PART=1's GPU suite out (a short call: the decode figures only); GPU_TESTS
 # names the tests it runs instead of all of tests/ (node ids or files, space-separated); ONLY
