@@ -142,3 +142,22 @@ def test_an_id_missing_offline_is_a_clear_error(offline):
     assert done.returncode == 1
     assert "nobody/no-such-model is not a local folder" in done.stderr
     assert "HF_HUB_OFFLINE" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_convert_checks_its_destination_before_downloading(offline, tmp_path):
+    """An output folder convert must refuse is refused before the Hub is asked for anything:
+    the id here is in no cache, so a download first would fail on that instead (on a real
+    model, after hours of downloading)."""
+    env, _ = offline
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "todo.txt").write_text("mine")
+    done = moetier(["convert", "nobody/no-such-model", str(out)], env)
+    assert done.returncode == 1
+    assert str(out) in done.stderr and "--force replaces only a moetier store" in done.stderr
+    assert "not a local folder" not in done.stderr and "Traceback" not in done.stderr
+    assert (out / "todo.txt").read_text() == "mine"
+    existing = tmp_path / "old-store"
+    existing.mkdir()
+    done = moetier(["convert", "nobody/no-such-model", str(existing)], env)
+    assert done.returncode == 1 and "already exists" in done.stderr

@@ -140,6 +140,11 @@ def resolve(args: argparse.Namespace, verb: str) -> None:
     if not isinstance(value, str) or not is_hub_id(value):
         return
     if verb == "convert":
+        # the destination first: a download of hundreds of GB then refused would waste hours
+        from moetier.quant.convert import check_destination, work_path
+
+        out = Path(args.out_dir).absolute()
+        check_destination(value, out, args.force, resuming=work_path(out).exists())
         setattr(args, name, str(download(value, args.revision)))
     else:
         progress = sys.stderr.isatty()
