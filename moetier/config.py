@@ -514,6 +514,13 @@ class DeltaRule:
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
+# EngineConfig fields that only the native model files read (--mtp and --mtp-file: the
+# speculative drafter; --zero-copy-stage: the native decode's staging; --expert-hotness: the
+# expert-parallel split); cuda_graph, compile_decode and lookahead are left out, since turning
+# them off where there is nothing to turn off is harmless
+NATIVE_ONLY_FIELDS = ("mtp", "mtp_file", "zero_copy_stage", "expert_hotness")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Runtime settings. Each field becomes a CLI flag (`--expert-cache-mb` ...)."""
@@ -774,6 +781,16 @@ class EngineConfig:
                 "(the dtype the model computes in)"
             )
         return self.dtype
+
+    def native_only_flags(self) -> list[str]:
+        """The flags set away from their defaults that only native model files read (the
+        transformers model class ignores them: a run without one must refuse them, not drop
+        them unsaid)."""
+        return [
+            "--" + f.name.replace("_", "-")
+            for f in dataclasses.fields(self)
+            if f.name in NATIVE_ONLY_FIELDS and getattr(self, f.name) != f.default
+        ]
 
     def check_device_and_dtype(self) -> None:
         """ValueError for a --device this machine lacks or a --dtype the model cannot compute in,

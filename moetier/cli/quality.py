@@ -100,6 +100,12 @@ def check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             "class, whose forward gives every position's logits (the native model files are "
             "checked against the same class in tests/models/test_native.py); drop the flag"
         )
+    native_only = dataclass_from_args(EngineConfig, args).native_only_flags()
+    if native_only:
+        raise ValueError(
+            f"{', '.join(native_only)}: quality scores the store through the transformers model "
+            "class, and only the native model files read these flags: drop them"
+        )
 
 
 def check_reference(store: str, reference: str) -> None:

@@ -62,6 +62,14 @@ def check_engine_config(
         if value < 0:
             raise ValueError(f"{flag} {value:g}: give 0 ({zero}) or more")
     engine_config.check_device_and_dtype()
+    native_only = engine_config.native_only_flags()
+    if native_only and not (engine_config.native and has_native_file(store_path)):
+        how = "--no-native" if not engine_config.native else "this family has no native file"
+        raise ValueError(
+            f"{', '.join(native_only)}: only the native model files read "
+            f"{'it' if len(native_only) == 1 else 'them'}, and this run uses the transformers "
+            f"model class ({how}, docs/models.md): drop {'it' if len(native_only) == 1 else 'them'}"
+        )
     problem = dense_problem(store_path)  # (safetensors' own error would be a traceback)
     if problem is not None:
         raise ValueError(problem)

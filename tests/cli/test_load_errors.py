@@ -198,3 +198,30 @@ def test_context_overflow_names_the_verbs_flags_and_numbers(tiny, capsys):
         "moetier bench: error: --prompt-tokens 250 and --new-tokens 8 make rows of 258 tokens, "
         "and this model's context holds 256: lower them so that they add up to 256 or fewer"
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--mtp"], "--mtp: only the native model files read it"),
+        (["--mtp-file", "x.safetensors", "--zero-copy-stage", "1"],
+         "--zero-copy-stage, --mtp-file: only the native model files read them"),
+        (["--expert-hotness", "trace.npz"], "--expert-hotness: only the native model files"),
+    ],
+)  # fmt: skip
+def test_native_only_flags_are_refused_where_the_transformers_class_runs(
+    tiny, capsys, flags, named
+):
+    """--no-native (or a family without a native file) runs the transformers class, which never
+    reads these: they were dropped unsaid (`generate --no-native --mtp` decoded without drafts)."""
+    store = str(tiny.store("qwen3_moe"))
+    line = error_of(capsys, "generate", store, "--prompt", "hi", "--device", "cpu",
+                    "--no-native", *flags)  # fmt: skip
+    assert line.startswith(f"moetier generate: error: {named}"), line
+    assert "(--no-native, docs/models.md): drop" in line
+    line = error_of(capsys, "quality", store, "--reference", "x", "--text", "y", *flags)
+    assert "quality scores the store through the transformers model class" in line, line
+    # the flags at their defaults, or on the native path, are taken
+    assert EngineConfig(native=False, zero_copy_stage=3).native_only_flags() == []
+    assert main(["generate", store, "--prompt", "hi", "--device", "cpu", "--no-native",
+                 "--max-new-tokens", "2", "--zero-copy-stage", "3"]) == 0  # fmt: skip
