@@ -36,7 +36,13 @@ from moetier.engine.kv_pages import PagePool, next_token_key, page_hashes
 
 
 class ContextLengthError(ValueError):
-    """A request that can never run: longer than the model's context or the KV cache."""
+    """A request that can never run: longer than the model's context or the KV cache. Its
+    numbers: `prompt` tokens, `new` to generate, `limit` (the most the context and the KV
+    cache hold), for an API that words the refusal its own way."""
+
+    def __init__(self, message: str, prompt: int = 0, new: int = 0, limit: int = 0) -> None:
+        super().__init__(message)
+        self.prompt, self.new, self.limit = prompt, new, limit
 
 
 class State(Enum):
@@ -185,8 +191,12 @@ class Scheduler:
         wanted = room if max_tokens is None else max_tokens
         if wanted < 1 or wanted > room:
             capacity = self.pool.num_pages * self.pool.page_size
+            new = max(1, wanted)
             raise ContextLengthError(
-                _too_long(self.max_model_len, capacity, prompt, max(1, wanted))
+                _too_long(self.max_model_len, capacity, prompt, new),
+                prompt,
+                new,
+                min(self.max_model_len, capacity),
             )
         return wanted
 

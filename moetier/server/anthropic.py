@@ -291,6 +291,26 @@ def _reasoning_budget(
     return replace(params, reasoning_budget=(budget, end_ids, start_ids))
 
 
+def context_error(err: ContextLengthError) -> str:
+    """A request past the context in Anthropic's words, which clients parse: Claude Code
+    retries `input length and `max_tokens` exceed context limit: I + O > N` with a max_tokens
+    that fits (its default, 32000, fits no small context) and takes `prompt is too long: I
+    tokens > N maximum` as a context to compact. Our own account and what to do follow."""
+    prompt, new, limit = err.prompt, err.new, err.limit
+    if prompt > limit:
+        return f"prompt is too long: {prompt} tokens > {limit} maximum ({err})"
+    room = limit - prompt
+    hint = (  # Claude Code asks for 32,000 tokens (its default) whatever is left
+        f"; the prompt leaves room for {room}: Claude Code asks for "
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS tokens, 32000 unless set lower"
+        if room > 0 else ""
+    )  # fmt: skip
+    return (
+        f"input length and `max_tokens` exceed context limit: {prompt} + {new} > {limit}, "
+        f"decrease input length or `max_tokens` and try again ({err}{hint})"
+    )
+
+
 def stop_reason(out: Output) -> str | None:
     if out.finish_reason == "length":
         return "max_tokens"
@@ -344,13 +364,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             )
             engine.check(prompt_ids, params, req.max_tokens)
         except ContextLengthError as err:
-            room = engine.engine.scheduler.room(len(prompt_ids)) if prompt_ids else 0
-            hint = (  # Claude Code asks for 32,000 tokens (its default) whatever is left
-                f" (the prompt leaves room for {room}: Claude Code asks for "
-                "CLAUDE_CODE_MAX_OUTPUT_TOKENS tokens, 32000 unless set lower)"
-                if room > 0 else ""
-            )  # fmt: skip
-            return error(400, f"{err}{hint}")
+            return error(400, context_error(err))
         except ValueError as err:
             return error(400, str(err))
         message_id = f"msg_{uuid.uuid4().hex}"

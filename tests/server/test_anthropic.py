@@ -158,6 +158,34 @@ def test_errors_in_anthropics_shape(server, client):
     assert "CLAUDE_CODE_MAX_OUTPUT_TOKENS" in too_long.json()["error"]["message"]  # what to do
 
 
+def test_context_errors_in_anthropics_words(server, client):
+    """A request past the context is refused in Anthropic's own words, with its numbers, which
+    clients parse: Claude Code retries `input length and `max_tokens` exceed context limit: I + O
+    > N` with a smaller max_tokens (its default 32000 fits no small context), and reads `prompt
+    is too long: I tokens > N maximum` as a context to compact. Streamed or not alike."""
+    context = client.models.retrieve(MODEL).max_input_tokens
+    user = [{"role": "user", "content": USER}]
+    prompt = client.messages.count_tokens(model=MODEL, messages=user).input_tokens
+    for stream in (False, True):
+        too_long = httpx.post(
+            server[0] + "/v1/messages",
+            json={"model": MODEL, "max_tokens": 32000, "messages": user, "stream": stream},
+        )
+        assert too_long.status_code == 400
+        message = too_long.json()["error"]["message"]
+        assert message.startswith(
+            f"input length and `max_tokens` exceed context limit: {prompt} + 32000 > {context}, "
+            "decrease input length or `max_tokens` and try again"
+        )
+        assert f"the prompt leaves room for {context - prompt}" in message  # what to do
+    long = [{"role": "user", "content": "hello " * context}]
+    prompt = client.messages.count_tokens(model=MODEL, messages=long).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=MODEL, max_tokens=1, messages=long)
+    message = info.value.body["error"]["message"]
+    assert message.startswith(f"prompt is too long: {prompt} tokens > {context} maximum")
+
+
 def test_anthropic_wording_of_the_requests_errors(server, client):
     """Errors name Anthropic's terms: tool_choice's types (auto, any, tool, none), not OpenAI's;
     "an assistant message"; an empty content list is a 400 naming the message (Anthropic's
