@@ -399,8 +399,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def count_tokens(req: CountTokensRequest) -> JSONResponse | dict[str, int]:
         if state.engine is None:
             return error(*not_ready(state), "overloaded_error")
-        try:
-            return {"input_tokens": len(_prompt_ids(state, req))}
+        try:  # a whole conversation rendered and tokenized: off the event loop
+            return {"input_tokens": len(await asyncio.to_thread(_prompt_ids, state, req))}
         except ValueError as err:
             return error(400, str(err))
 

@@ -215,7 +215,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 raise ValueError("suffix: inserting text (suffix) is not supported; leave it out")
             if req.best_of is not None and req.best_of != req.n:
                 raise ValueError("best_of: only best_of equal to n (or left out) is supported")
-            asked = prompts(engine.tokenizer, req.prompt)
+            # tokenizing a long prompt takes a while: off the event loop
+            asked = await asyncio.to_thread(prompts, engine.tokenizer, req.prompt)
             params = req.sampling_params(state.defaults)
             if "max_tokens" not in req.model_fields_set:
                 # OpenAI's default, capped by what the context leaves (as chat's default is):

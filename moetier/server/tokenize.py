@@ -4,6 +4,7 @@ chat template, into token ids with their count and the context length) and `POST
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import FastAPI
@@ -90,7 +91,9 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         if engine is None:
             return openai_error(*not_ready(state), "server_error")
         try:
-            ids = tokenize(engine.tokenizer, req, state.parser.family if state.parser else None)
+            family = state.parser.family if state.parser else None
+            # rendering and tokenizing a long prompt takes a while: off the event loop
+            ids = await asyncio.to_thread(tokenize, engine.tokenizer, req, family)
         except ValueError as err:
             return openai_error(400, str(err))
         return {

@@ -3,6 +3,9 @@ serving engine (engine/async_engine.py), answers checked against the Generator a
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import openai
 import pytest
@@ -146,3 +149,48 @@ def test_logprob_bytes_of_a_token_inside_a_character_are_its_own(server, client)
         for e in choice.logprobs.content
     ]
     assert [e.bytes for e in streamed] == [entry.bytes]
+
+
+@pytest.mark.parametrize(
+    ("patched", "path", "body"),
+    [
+        (
+            "moetier.server.anthropic.prepare_chat",
+            "/v1/messages/count_tokens",
+            {"model": "tiny-qwen3", "messages": MESSAGES[1:]},
+        ),
+        ("moetier.server.tokenize.tokenize", "/tokenize", {"prompt": "Hello there"}),
+        (
+            "moetier.server.completions.prompts",
+            "/v1/completions",
+            {"prompt": "Hi", "max_tokens": 1},
+        ),
+    ],
+)
+def test_tokenizing_a_long_prompt_does_not_stall_the_server(
+    server, monkeypatch, patched, path, body
+):
+    """Counting and tokenizing prompts (Claude Code counts its whole conversation through
+    /v1/messages/count_tokens) render and tokenize off the event loop, as the chat routes do: a
+    conversation of hundreds of thousands of tokens takes seconds to tokenize, and on the loop
+    it froze every other stream and /health for that long."""
+    module, name = patched.rsplit(".", 1)
+    real = getattr(__import__(module, fromlist=[name]), name)
+
+    def slow(*args, **kwargs):
+        time.sleep(1.5)  # a long conversation's tokenizing
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(patched, slow)
+    answer = []
+    slow_request = threading.Thread(
+        target=lambda: answer.append(httpx.post(server[0] + path, json=body, timeout=30))
+    )
+    slow_request.start()
+    time.sleep(0.3)  # the request is being tokenized
+    began = time.perf_counter()
+    assert httpx.get(server[0] + "/health", timeout=30).status_code == 200
+    waited = time.perf_counter() - began
+    slow_request.join()
+    assert answer[0].status_code == 200
+    assert waited < 0.5, f"/health waited {waited:.2f} s for another request's tokenizing"
