@@ -233,6 +233,9 @@ class OutputItems:
         self.open: dict[str, Any] | None = None
         self.text = ""  # the open item's text (a call's arguments)
         self.call = -1  # the open function_call's tool-call index
+        # the open item's output_index: items announced before it, a withdrawn call's too (its
+        # index was sent and is never given to another item)
+        self.index = -1
 
     def push(self, delta: Delta) -> list[Event]:
         events: list[Event] = []
@@ -261,7 +264,8 @@ class OutputItems:
 
     def _withdraw(self, index: int) -> None:
         """The parser found the open call broken (its markup follows as text): the item leaves
-        the output; its events were sent and stay sent (a stream cannot take them back)."""
+        the output; its events were sent and stay sent (a stream cannot take them back), so
+        the items after it keep counting from its output_index (never reused)."""
         if self._kind() == "function_call" and self.call == index and self.open is not None:
             self.items.remove(self.open)
             self.open, self.text, self.call = None, "", -1
@@ -271,7 +275,7 @@ class OutputItems:
 
     def _where(self, content: bool = True) -> dict[str, Any]:
         assert self.open is not None
-        where = {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+        where = {"item_id": self.open["id"], "output_index": self.index}
         return {**where, "content_index": 0} if content else where
 
     def _begin(self, kind: str) -> list[Event]:
@@ -284,7 +288,8 @@ class OutputItems:
             part = _text_part("")
         self.open, self.text = item, ""
         self.items.append(item)
-        added = {"output_index": len(self.items) - 1, "item": dict(item)}  # as it is now
+        self.index += 1
+        added = {"output_index": self.index, "item": dict(item)}  # as it is now
         return [
             ("response.output_item.added", added),
             ("response.content_part.added", {**self._where(), "part": part}),
@@ -301,7 +306,8 @@ class OutputItems:
         }
         self.open, self.text, self.call = item, "", index
         self.items.append(item)
-        added = {"output_index": len(self.items) - 1, "item": dict(item)}  # as it is now
+        self.index += 1
+        added = {"output_index": self.index, "item": dict(item)}  # as it is now
         return [("response.output_item.added", added)]
 
     def _grow(self, piece: str) -> list[Event]:
@@ -337,8 +343,7 @@ class OutputItems:
                 events.append(("response.output_text.done", done))
             events.append(("response.content_part.done", {**self._where(), "part": part}))
             item.update(content=[part], status=status)
-        index = len(self.items) - 1
-        events.append(("response.output_item.done", {"output_index": index, "item": item}))
+        events.append(("response.output_item.done", {"output_index": self.index, "item": item}))
         self.open = None
         return events
 

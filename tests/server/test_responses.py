@@ -443,3 +443,31 @@ def test_output_items_from_parser_deltas():
     empty = OutputItems()
     assert [name for name, _ in empty.close("stop")][-1] == "response.output_item.done"
     assert empty.items[0]["content"][0]["text"] == ""
+
+
+def test_a_call_withdrawn_midstream_leaves_its_output_index_to_no_other_item(client):
+    """A forced call cut by max_output_tokens was announced (output_item.added, arguments
+    streamed) and then found broken: its markup follows as a message item. That item takes a
+    new output_index: the official SDK's stream accumulator raised 'Duplicate response output
+    index 0.' when it reused the withdrawn call's, and clients that key items by index would
+    have mixed the two."""
+    args = {"model": MODEL, "input": "Rome?", "tools": [TOOL], "tool_choice": "required"}
+    for cap in range(40, 80):  # the first cap that cuts the call inside its arguments
+        events = list(client.responses.create(**args, max_output_tokens=cap, temperature=0,
+                                              stream=True))  # fmt: skip
+        added = [e for e in events if e.type == "response.output_item.added"]
+        final = events[-1].response
+        if [a.item.type for a in added] == ["function_call", "message"] and not [
+            i for i in final.output if i.type == "function_call"
+        ]:
+            break
+    else:
+        pytest.fail("no max_output_tokens cut the forced call midway")
+    assert events[-1].type == "response.incomplete"
+    assert len({a.output_index for a in added}) == len(added)
+    [message] = final.output
+    mine = [e for e in events if getattr(e, "item_id", None) == message.id]
+    assert {e.output_index for e in mine} == {added[1].output_index}
+    with client.responses.stream(**args, max_output_tokens=cap, temperature=0) as stream:
+        streamed = list(stream)  # the SDK accumulates every event
+    assert streamed[-1].type == "response.incomplete"
