@@ -5,7 +5,8 @@ Messages become the chat template's messages: `system` (a string or text blocks)
 message's text blocks joined by newlines (as vLLM joins them: Claude Code sends several), an
 assistant's `tool_use` blocks as its `tool_calls`, a user's `tool_result`
 blocks as `tool` messages, thinking blocks of the history as `reasoning_content` (for the
-templates that keep it); image blocks are refused with a 400. `tools` reach the chat template;
+templates that keep it); image blocks are refused with a 400. `tools` reach the chat
+template (Anthropic's own tools, of a versioned type, are left out: hosted_tools.py);
 the model's parser (server/parsers) turns its reasoning and tool calls into `thinking` and
 `tool_use` blocks (streamed as thinking_delta and input_json_delta; stop_reason tool_use);
 `tool_choice` any or tool forces a call by a grammar; `thinking` enabled / disabled sets the
@@ -39,6 +40,7 @@ from moetier.engine.engine import Output
 from moetier.engine.sampler import SamplingParams
 from moetier.engine.scheduler import ContextLengthError
 from moetier.server.errors import ANTHROPIC_PREFIX, anthropic_error, stream_error_event
+from moetier.server.hosted_tools import leave_out
 from moetier.server.parsers.registry import FAMILIES
 from moetier.server.parsers.serving import (
     AnthropicStream,
@@ -211,21 +213,53 @@ def _text(content: str | list[Block], where: str) -> str:
     return "\n".join(parts)
 
 
-def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tool definitions as the chat template's (OpenAI-style functions)."""
-    if not tools:
-        return None
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": tool.get("name"),
-                "description": tool.get("description", ""),
-                "parameters": tool.get("input_schema", {"type": "object"}),
-            },
+# Anthropic's own tools: a versioned type (web_search_20250305, bash_20250124,
+# text_editor_20250124, code_execution_20250825, ...) and no input_schema, their definitions
+# built into Anthropic's models: left out of the prompt, not refused (hosted_tools.py)
+ANTHROPIC_TOOL = re.compile(r"[a-z][a-z0-9_]*_\d{8}")
+
+
+def _tools(
+    tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None = None
+) -> list[dict[str, Any]] | None:
+    """Anthropic tool definitions (`custom`, or no type, with an input_schema) as the chat
+    template's (OpenAI-style functions); Anthropic's own tools (ANTHROPIC_TOOL) left out, said
+    once in the log. ValueError for another type, and for a `tool_choice` that names a tool left
+    out or forces a call when every tool was."""
+    out = []
+    left_out: dict[str, str] = {}  # name -> type
+    for n, tool in enumerate(tools or ()):
+        kind = tool.get("type")
+        if isinstance(kind, str) and ANTHROPIC_TOOL.fullmatch(kind):
+            leave_out(kind, "Anthropic")
+            left_out[str(tool.get("name"))] = kind
+            continue
+        if kind not in (None, "custom"):
+            raise ValueError(
+                f"tools.{n}: type {kind!r} is not a tool type here: send a tool with a name and "
+                'an input_schema (type "custom" or no type)'
+            )
+        function = {
+            "name": tool.get("name"),
+            "description": tool.get("description", ""),
+            "parameters": tool.get("input_schema", {"type": "object"}),
         }
-        for tool in tools
-    ]
+        out.append({"type": "function", "function": function})
+    choice = tool_choice or {}
+    named = choice.get("name") if choice.get("type") == "tool" else None
+    if isinstance(named, str) and named in left_out:
+        raise ValueError(
+            f"tool_choice names {named!r}, Anthropic's own {left_out[named]} tool, which this "
+            "server leaves out (this model does not have it): name one of the request's custom "
+            "tools, or use auto"
+        )
+    if choice.get("type") == "any" and left_out and not out:
+        raise ValueError(
+            f"tool_choice any forces a call, but the request's only tools are Anthropic's own "
+            f"({', '.join(sorted(left_out.values()))}), which this server leaves out (this "
+            "model does not have them): add a custom tool, or use auto"
+        )
+    return out or None
 
 
 def _tool_choice(choice: dict[str, Any] | None) -> Any:
@@ -353,7 +387,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
                 state.parser,
                 chat_messages(req.system, req.messages),
                 params,
-                _tools(req.tools),
+                _tools(req.tools, req.tool_choice),
                 _tool_choice(req.tool_choice),
                 not choice.get("disable_parallel_tool_use", False),
                 template_kwargs(state.template_defaults, anthropic_thinking(req.thinking)),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,12 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from moetier.engine.engine import Output
 from moetier.engine.scheduler import ContextLengthError
 from moetier.server.errors import openai_error
+from moetier.server.hosted_tools import leave_out
 from moetier.server.parsers.base import Delta
 from moetier.server.parsers.serving import ChatParsing, prepare_chat, template_kwargs
 from moetier.server.sampling_fields import JsonSchemaFormat, ResponseFormat, SamplingFields
 from moetier.server.state import ServerState, all_outputs, not_ready
 
-log = logging.getLogger("moetier.server")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
@@ -189,12 +188,10 @@ def _reasoning_text(item: InputItem) -> str:
     return "\n".join(str(p.get("text", "")) for p in summary if isinstance(p, dict))
 
 
-# tools that OpenAI's servers run themselves (no call reaches the client): a local model has
-# none of them, so they are left out of its prompt, not refused (a client such as Codex may
-# offer web_search beside its function tools)
+# tools that OpenAI's servers run themselves (no call reaches the client): left out of the
+# prompt, not refused (hosted_tools.py)
 HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "code_interpreter",
                           "image_generation", "computer_use_preview", "mcp"})  # fmt: skip
-_said_hosted: set[str] = set()
 
 
 def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -204,9 +201,7 @@ def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
     for n, tool in enumerate(tools or ()):
         kind = tool.get("type")
         if kind in HOSTED_TOOLS:
-            if kind not in _said_hosted:
-                _said_hosted.add(kind)
-                log.warning("tools: %r runs on OpenAI's servers, not here: left out", kind)
+            leave_out(kind, "OpenAI")
             continue
         if kind != "function" or not tool.get("name"):
             raise ValueError(

@@ -389,3 +389,58 @@ def test_a_thinking_budget_forces_nothing_into_an_answer_that_does_not_reason(se
     assert [block.type for block in reply.content] == ["text"]
     assert reply.content[0].text == want.text
     assert reply.usage.output_tokens == len(want.token_ids) + (want.finish_reason == "stop")
+
+
+def test_anthropics_own_tools_are_left_out(server, client, caplog, monkeypatch):
+    """Anthropic's own tools (a versioned type, no input_schema: web_search_20250305,
+    bash_20250124, ...) are not functions this model has: they are left out of the chat
+    template's tools, said once in the log, and the request is answered (Claude Code offers
+    web_search); a custom tool beside them reaches the template as without them. tool_choice
+    naming one, or `any` with no other tool, is a 400 that says so; another type: 400."""
+    from moetier.server import anthropic as route
+
+    offered = []
+    real = route.prepare_chat
+
+    def spy(engine, parser, messages, params, tools=None, *args, **kwargs):
+        offered.append(tools)
+        return real(engine, parser, messages, params, tools, *args, **kwargs)
+
+    monkeypatch.setattr(route, "prepare_chat", spy)
+    weather = {"name": "weather", "input_schema": {"type": "object"}}
+    function = {"name": "weather", "description": "", "parameters": {"type": "object"}}
+    own = [
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+        {"type": "bash_20250124", "name": "bash"},
+        {"type": "text_editor_20250124", "name": "str_replace_based_edit_tool"},
+    ]
+    user = [{"role": "user", "content": USER}]
+    with caplog.at_level("WARNING", logger="moetier.server"):
+        for _ in range(2):
+            client.messages.count_tokens(
+                model=MODEL, messages=user, tools=[*own, {**weather, "type": "custom"}]
+            )
+            assert offered[-1] == [{"type": "function", "function": function}]
+            reply = client.messages.create(model=MODEL, max_tokens=2, messages=user, tools=own)
+            assert reply.usage.output_tokens >= 1
+            assert offered[-1] is None
+    said = [r.getMessage() for r in caplog.records if "web_search_20250305" in r.getMessage()]
+    assert len(said) == 1 and "left out" in said[0]
+    refused = [
+        ({"type": "tool", "name": "web_search"}, [*own, weather], "web_search_20250305"),
+        ({"type": "any"}, own, "only tools are Anthropic's own"),
+    ]
+    for choice, tools, match in refused:
+        with pytest.raises(anthropic.BadRequestError, match=match):
+            client.messages.create(
+                model=MODEL, max_tokens=2, messages=user, tools=tools, tool_choice=choice
+            )
+    forced = client.messages.create(
+        model=MODEL, max_tokens=30, messages=user, tools=[*own, weather],
+        tool_choice={"type": "tool", "name": "weather"},
+    )  # fmt: skip
+    assert forced.stop_reason in ("tool_use", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError, match="tools.0: type 'function'"):
+        client.messages.count_tokens(
+            model=MODEL, messages=user, tools=[{"type": "function", "name": "f"}]
+        )
