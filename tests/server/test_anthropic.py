@@ -444,3 +444,55 @@ def test_anthropics_own_tools_are_left_out(server, client, caplog, monkeypatch):
         client.messages.count_tokens(
             model=MODEL, messages=user, tools=[{"type": "function", "name": "f"}]
         )
+
+
+def test_streamed_thinking_has_the_whole_answers_fields(server, client):
+    """A thinking block streams as Anthropic streams it: content_block_start with an empty
+    thinking and signature, thinking_delta events, then a signature_delta just before its
+    content_block_stop; the official SDK's accumulated message then has the same blocks, field
+    for field, as the answer sent whole (the tiny model, its prompt ending in `<think>`, is
+    cut by max_tokens while it reasons: all of its answer is thinking)."""
+    kwargs = dict(
+        model=MODEL,
+        max_tokens=8,
+        messages=[
+            {"role": "user", "content": USER},
+            {"role": "assistant", "content": "<think>"},  # continued as reasoning
+        ],
+        extra_body={"temperature": 0},  # this SDK has no temperature argument
+    )
+    whole = client.messages.create(**kwargs)
+    assert [block.type for block in whole.content] == ["thinking"]
+    with client.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+    body = {**kwargs, **kwargs["extra_body"], "stream": True}
+    del body["extra_body"]
+    with httpx.stream("POST", server[0] + "/v1/messages", json=body) as raw:
+        events = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: ")]
+    blocks = [e for e in events if e["type"].startswith("content_block")]
+    assert blocks[0]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    deltas = [e["delta"]["type"] for e in blocks if e["type"] == "content_block_delta"]
+    assert set(deltas[:-1]) == {"thinking_delta"} and deltas[-1] == "signature_delta"
+    assert blocks[-2]["delta"] == {"type": "signature_delta", "signature": ""}
+    assert blocks[-1] == {"type": "content_block_stop", "index": 0}
+
+    # a thinking block that another block follows gets its signature before its stop too
+    from moetier.server.parsers.base import Delta
+    from moetier.server.parsers.serving import AnthropicStream
+
+    stream_ = AnthropicStream()
+    delta = Delta()
+    delta.add("reasoning", "hm")
+    delta.add("content", "Hi")
+    names = [(name, data.get("delta", {}).get("type")) for name, data in stream_.events(delta)]
+    names += [(name, None) for name, _ in stream_.close()]
+    assert names == [
+        ("content_block_start", None),
+        ("content_block_delta", "thinking_delta"),
+        ("content_block_delta", "signature_delta"),
+        ("content_block_stop", None),
+        ("content_block_start", None),
+        ("content_block_delta", "text_delta"),
+        ("content_block_stop", None),
+    ]

@@ -472,11 +472,18 @@ class ChatParsing:
         return reason
 
 
+# A thinking block's `signature`: Anthropic's servers sign their models' thinking so that it can
+# be sent back; nothing here signs or checks it, so every block carries this same (empty) one,
+# whole or streamed (a signature_delta before the block's stop, as Anthropic streams it)
+SIGNATURE = ""
+
+
 def anthropic_blocks(message: Message) -> list[dict[str, Any]]:
     """A whole answer as Anthropic content blocks: thinking, text, tool_use (input an object)."""
     blocks: list[dict[str, Any]] = []
     if message.reasoning_content:
-        blocks.append({"type": "thinking", "thinking": message.reasoning_content, "signature": ""})
+        thinking = message.reasoning_content
+        blocks.append({"type": "thinking", "thinking": thinking, "signature": SIGNATURE})
     if message.content or not blocks and not message.tool_calls:  # never no block at all
         blocks.append({"type": "text", "text": message.content or ""})
     for call in message.tool_calls:
@@ -541,7 +548,7 @@ class AnthropicStream:
         self._release(out)
         if self.open is None:
             self._begin(out, "text", {"type": "text", "text": ""})
-        out.append(("content_block_stop", {"index": self.index}))
+        self._stop(out)
         self.open = None
         return out
 
@@ -567,10 +574,17 @@ class AnthropicStream:
         if self.open == kind and not new:
             return
         if self.open is not None:
-            out.append(("content_block_stop", {"index": self.index}))
+            self._stop(out)
         self.index += 1
         self.open = kind
         out.append(("content_block_start", {"index": self.index, "content_block": block}))
+
+    def _stop(self, out: list[tuple[str, dict[str, Any]]]) -> None:
+        """The open block's stop; a thinking block's signature comes first, as Anthropic sends
+        it (a signature_delta), the same placeholder as the whole answer's (SIGNATURE)."""
+        if self.open == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": SIGNATURE}))
+        out.append(("content_block_stop", {"index": self.index}))
 
     def _delta(self, delta: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         return ("content_block_delta", {"index": self.index, "delta": delta})
