@@ -98,6 +98,8 @@ class Message(BaseModel):
 
 
 class MessagesRequest(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)  # NaN: "a finite number" (sampling_fields)
+
     model: str
     messages: list[Message] = Field(min_length=1)
     max_tokens: int = Field(ge=1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -125,10 +125,10 @@ def validation_message(
     """(message, the field's dotted path) of a request's first validation error; `required`:
     the fields the route's body must have, named when the body is missing altogether."""
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    first = _most_specific(errors) if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     where = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid request"))
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {msg}", None
     if where is None and errors:  # the body itself: none at all, or not an object
@@ -139,6 +139,35 @@ def validation_message(
     if first.get("type") == "missing":
         return f"{where}: a required field is missing", where
     return (f"{where}: {msg}" if where else msg), where
+
+
+# pydantic's names for a union's members in an error's location (`str | list[Part]`: "str",
+# "list[Part]"): not fields, so never shown
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "any"})
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _SCALAR_TAGS)
+
+
+def _most_specific(errors: Sequence[Any]) -> dict[str, Any]:
+    """The first error, or where it is one member of a union failing (each member gives its own
+    error: `content` as a string fails on a list), the member's error that goes deepest: the
+    member whose shape the value has, failing on one of its fields (`messages.0.content.0.text`,
+    not "messages.0.content: Input should be a valid string")."""
+    first: dict[str, Any] = errors[0]
+    loc = tuple(first.get("loc", ()))
+    at = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if at is None:
+        return first
+    rivals = [
+        e
+        for e in errors
+        if len(e.get("loc", ())) > at
+        and tuple(e["loc"][:at]) == loc[:at]
+        and _is_union_tag(e["loc"][at])
+    ]
+    return max(rivals, key=lambda e: len(e["loc"]))  # the first of the deepest
 
 
 def required_fields(request: Request) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from moetier.engine.engine import Output
 from moetier.engine.sampler import MAX_LOGPROBS
@@ -41,11 +41,47 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+_JSON_KINDS = {str: "a string", list: "an array", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}  # fmt: skip
+
+
+class CalledFunction(BaseModel):
+    """The function of a history tool call, as OpenAI sends it back: its name and arguments (the
+    JSON text of an object; the object itself is taken too)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class HistoryToolCall(BaseModel):
+    """An assistant message's tool call: `{"id", "type": "function", "function": {"name",
+    "arguments"}}`; another shape of `function` is a 400 that says this one."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: str | None = None
+    function: CalledFunction
+
+    @field_validator("function", mode="before")
+    @classmethod
+    def _an_object(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            kind = _JSON_KINDS.get(type(value), type(value).__name__)
+            raise ValueError(
+                'use an object {"name": NAME, "arguments": "the arguments as JSON text"}, '
+                f"not {kind}"
+            )
+        return value
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     # tool calls and reasoning of the history (server/parsers/serving.py shapes them)
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[HistoryToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
     reasoning_content: str | None = None
@@ -57,7 +93,9 @@ class ChatMessage(BaseModel):
             "role": self.role if self.role != "developer" else "system",
             "content": self.text(),
         }
-        for key in ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning"):
+        if self.tool_calls is not None:  # as sent (fields not given stay out)
+            out["tool_calls"] = [call.model_dump(exclude_unset=True) for call in self.tool_calls]
+        for key in ("tool_call_id", "name", "reasoning_content", "reasoning"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

@@ -62,6 +62,10 @@ class ResponseFormat(BaseModel):
 
 
 class SamplingFields(BaseModel):
+    # NaN and infinities (JSON's NaN, Infinity) are refused as such: "should be a finite
+    # number", not a range's bound that NaN fails ("should be less than or equal to 2")
+    model_config = ConfigDict(allow_inf_nan=False)
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)

@@ -178,6 +178,43 @@ def test_validation_errors_are_400_naming_the_field(server, oai, claude):
     assert reply.status_code == 400 and anthropic_shaped(reply.json())
 
 
+def test_400s_say_what_to_send(server):
+    """An audit's confusing 400s: NaN or Infinity (JSON's NaN, Infinity) said "should be less
+    than or equal to 2" (NaN fails every bound); a history call whose function is not an object
+    gave Python's "dictionary update sequence element #0 ..."; a value that fits no member of a
+    union (content a string or parts) was named by the member's type, "content.str"."""
+    nan = [
+        ("/v1/chat/completions", "messages", "temperature", "NaN"),
+        ("/v1/chat/completions", "messages", "top_p", "Infinity"),
+        ("/v1/chat/completions", "messages", "repetition_penalty", "Infinity"),
+        ("/v1/responses", "input", "temperature", "NaN"),
+        ("/v1/messages", "messages", "temperature", "NaN"),
+    ]
+    for path, field, name, value in nan:
+        body = f'"{field}": {json.dumps(USER)}' if field == "messages" else '"input": "Hi"'
+        raw = f'{{"model": "{MODEL}", "max_tokens": 2, {body}, "{name}": {value}}}'
+        reply = httpx.post(server[0] + path, content=raw.encode())
+        assert reply.status_code == 400, (path, name)
+        error = reply.json()["error"]
+        assert error["message"] == f"{name}: Input should be a finite number", error
+    shape = 'use an object {"name": NAME, "arguments": "the arguments as JSON text"}'
+    for function, kind in (("get_weather", "a string"), (["get_weather"], "an array")):
+        call = {"id": "c1", "type": "function", "function": function}
+        messages = [*USER, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        body = {"model": MODEL, "max_tokens": 2, "messages": messages}
+        error = httpx.post(server[0] + "/v1/chat/completions", json=body).json()["error"]
+        assert error["param"] == "messages.1.tool_calls.0.function"
+        assert error["message"] == f"messages.1.tool_calls.0.function: {shape}, not {kind}"
+    messages = [{"role": "user", "content": [{"type": "text", "text": 5}]}]
+    body = {"model": MODEL, "max_tokens": 2, "messages": messages}
+    error = httpx.post(server[0] + "/v1/chat/completions", json=body).json()["error"]
+    assert error["message"] == "messages.0.content.0.text: Input should be a valid string"
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": {"a": 1}}
+    body = {"model": MODEL, "input": [call]}
+    error = httpx.post(server[0] + "/v1/responses", json=body).json()["error"]
+    assert error["param"] == "input.0.arguments"
+
+
 @pytest.mark.parametrize(
     ("path", "fields"),
     [
