@@ -413,6 +413,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
         try:
             done = await all_outputs(http, outputs)
+        except ValueError as err:  # a request the engine refused when it came to add it
+            return error(400, str(err))
         except RuntimeError as err:
             return error(503, str(err), "overloaded_error")
         if done is None:

@@ -224,6 +224,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
         try:
             done = await all_outputs(http, outputs)
+        except ValueError as err:  # a request the engine refused when it came to add it
+            return openai_error(400, str(err))
         except RuntimeError as err:
             return openai_error(503, str(err), "server_error")
         if done is None:  # the client left: its request is aborted
@@ -414,6 +416,12 @@ async def _sse(
             if delta or out.finish_reason or logprobs:
                 finish = choice.parsing.finish_reason(_finish(out.finish_reason))
                 yield chunk(out.index, delta, finish, logprobs)
+    except ValueError as err:
+        if any(c.last is not None for c in choices):  # not the engine's refusal: a bug (sse.py)
+            raise
+        # refused when the engine took the request (a grammar it cannot compile, too long)
+        yield stream_error_event("/v1/chat/completions", str(err), 400).decode()
+        return
     except RuntimeError as err:  # the engine failed or is shutting down
         yield stream_error_event("/v1/chat/completions", str(err)).decode()
         return

@@ -621,6 +621,34 @@ def test_a_bug_mid_stream_ends_it_with_an_error_event(server, oai, claude, monke
     assert engine.engine.pool.used_pages == 0
 
 
+def test_a_request_the_engine_refuses_when_it_takes_it_is_a_400(server, oai, claude, monkeypatch):
+    """A ValueError from the engine when it takes the request (after the route's own checks: a
+    grammar it cannot compile, say) is a 400 in the API's shape on chat completions, streamed
+    (one error event after the role chunk, then [DONE]) and not, and on /v1/messages sent
+    whole, as on the other routes; it was a 500 ("internal error (ValueError)")."""
+
+    def refuse(self, request_id, *args, **kwargs):
+        raise ValueError("the engine refuses this request")
+
+    monkeypatch.setattr(Engine, "add", refuse)
+    with pytest.raises(openai.BadRequestError, match="the engine refuses") as info:
+        oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    assert openai_shaped(info.value.response.json())["type"] == "invalid_request_error"
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/chat/completions", json=body) as raw:
+        assert raw.status_code == 200
+        data = [line[6:] for line in raw.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    error = openai_shaped(json.loads(data[-2]))
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == "the engine refuses this request"
+    with pytest.raises(openai.APIError, match="the engine refuses"):
+        list(oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, stream=True))
+    with pytest.raises(anthropic.BadRequestError, match="the engine refuses") as info:
+        claude.messages.create(model=MODEL, messages=USER, max_tokens=2)
+    assert anthropic_shaped(info.value.response.json())["type"] == "invalid_request_error"
+
+
 def test_keep_alive_comments_while_a_stream_is_silent(loaded, monkeypatch):
     """A slow prefill (each step held 0.3 s) under a 0.1 s keep-alive: comments arrive before
     the first token, and both official clients still read the whole answer."""
