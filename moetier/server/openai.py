@@ -361,11 +361,13 @@ def _usage(choices: list[_Choice]) -> dict[str, Any]:
         return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     prompt = last[0].prompt_tokens
     completion = sum(out.completion_tokens for out in last)
+    reasoning = sum(c.parsing.reasoning_tokens for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": last[0].cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     }
 
 

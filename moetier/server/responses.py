@@ -358,12 +358,12 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _usage(last: Output) -> dict[str, Any]:
+def _usage(last: Output, reasoning_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": last.prompt_tokens,
         "input_tokens_details": {"cached_tokens": last.cached_tokens},
         "output_tokens": last.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": last.prompt_tokens + last.completion_tokens,
     }
 
@@ -407,6 +407,7 @@ class _Envelope:
         status: str,
         output: list[dict[str, Any]],
         last: Output | None = None,
+        reasoning_tokens: int = 0,
     ) -> dict[str, Any]:
         incomplete = None
         if last is not None and last.finish_reason == "length":
@@ -416,7 +417,7 @@ class _Envelope:
             "status": status,
             "incomplete_details": incomplete,
             "output": output,
-            "usage": _usage(last) if last is not None else None,
+            "usage": _usage(last, reasoning_tokens) if last is not None else None,
         }
 
 
@@ -477,7 +478,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         for out in done:
             items.push(parsing.push(out))
         items.close(done[-1].finish_reason)
-        return envelope.response("completed", items.items, done[-1])
+        return envelope.response("completed", items.items, done[-1], parsing.reasoning_tokens)
 
 
 async def _events(
@@ -511,6 +512,6 @@ async def _events(
     assert last is not None  # a finished request has a last output
     for name, data in items.close(last.finish_reason):
         yield event(name, data)
-    final = envelope.response("completed", items.items, last)
+    final = envelope.response("completed", items.items, last, parsing.reasoning_tokens)
     name = "response.completed" if final["status"] == "completed" else "response.incomplete"
     yield event(name, {"response": final})

@@ -299,6 +299,41 @@ def test_prefilled_think_is_continued_as_reasoning_under_the_chosen_field(server
         create_app(AsyncEngine(Engine(loaded)), MODEL, options=ServerOptions(reasoning_field="x"))
 
 
+def test_usage_counts_the_reasoning_tokens(server, oai):
+    """usage's reasoning tokens (Responses `output_tokens_details`, chat
+    `completion_tokens_details`) count the tokens generated in reasoning: all of an answer
+    continued after `<think>` and cut by max_tokens while it reasons, none of a plain one."""
+    thinking = [*USER, {"role": "assistant", "content": "<think>"}]
+    args = {"model": MODEL, "max_tokens": 12, "temperature": 0}
+    reply = oai.chat.completions.create(messages=thinking, **args)
+    assert reply.choices[0].finish_reason == "length" and not reply.choices[0].message.content
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 12
+    stream_usage = [
+        chunk.usage
+        for chunk in oai.chat.completions.create(
+            messages=thinking, stream=True, stream_options={"include_usage": True}, **args
+        )
+        if chunk.usage is not None
+    ]
+    assert stream_usage[-1].completion_tokens_details.reasoning_tokens == 12
+    plain = oai.chat.completions.create(messages=USER, **args)
+    assert plain.choices[0].message.model_extra.get("reasoning_content") is None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+    response = oai.responses.create(
+        model=MODEL, input=thinking, max_output_tokens=12, temperature=0
+    )
+    assert [item.type for item in response.output] == ["reasoning"]
+    assert response.usage.output_tokens_details.reasoning_tokens == 12
+    events = list(
+        oai.responses.create(
+            model=MODEL, input=thinking, max_output_tokens=12, temperature=0, stream=True
+        )
+    )
+    final = events[-1].response  # response.incomplete: cut by max_output_tokens
+    assert final.usage.output_tokens_details.reasoning_tokens == 12
+
+
 @pytest.mark.parametrize(
     "family", ["deepseek_v3", "deepseek_v31", "kimi_k2", "harmony", "mistral", "glm47"]
 )

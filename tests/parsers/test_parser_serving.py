@@ -467,3 +467,32 @@ def _is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+@pytest.mark.parametrize("per", [1, 3, 100])
+def test_reasoning_tokens_are_counted_exactly(kimi_tokenizer, per):
+    """ChatParsing counts the generated tokens read in reasoning: from the first (the prompt
+    opened `<think>`) through the token that completes `</think>`, none after, however the
+    engine's outputs split the tokens."""
+    raw = "The user asks about the weather.</think>It is sunny."
+    ids = kimi_tokenizer.encode(raw, add_special_tokens=False)
+    closes = next(k for k in range(len(ids)) if "</think>" in kimi_tokenizer.decode(ids[: k + 1]))
+    assert 0 < closes < len(ids) - 1  # reasoning tokens, then content tokens
+    parsing = ChatParsing(
+        ParserChoice("kimi_k2", "test"),
+        kimi_tokenizer,
+        kimi_tokenizer.encode("<|im_end|>assistant<think>"),
+        end_ids=frozenset({kimi_tokenizer.eos_token_id}),
+    )
+    assert parsing.starts_in_reasoning
+    for out in _outputs(kimi_tokenizer, raw, per):
+        parsing.push(out)
+    assert parsing.message.reasoning_content == "The user asks about the weather."
+    assert parsing.message.content == "It is sunny."
+    assert parsing.reasoning_tokens == closes + 1
+    plain = ChatParsing(
+        ParserChoice("kimi_k2", "test"), kimi_tokenizer, kimi_tokenizer.encode("assistant")
+    )
+    for out in _outputs(kimi_tokenizer, "It is sunny.", per):
+        plain.push(out)
+    assert plain.reasoning_tokens == 0

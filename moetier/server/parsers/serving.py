@@ -386,6 +386,9 @@ class ChatParsing:
         self.parser: Parser | None = None
         self.detok: StreamingDetokenizer | None = None
         self.starts_in_reasoning = False  # whether the prompt leaves the output in reasoning
+        # generated tokens read in reasoning: those the parser reads while in reasoning or that
+        # take it there (the markers that open and close the reasoning included)
+        self.reasoning_tokens = 0
         calls = bool(self.tools) and self.tool_choice != "none"
         if forced_tool_choice(self.tool_choice):
             # the grammar writes the call from the first token on, in this family's syntax
@@ -428,15 +431,20 @@ class ChatParsing:
         if self.parser is None or self.detok is None:
             delta.add("content", out.text)
         else:
-            text = ""
+            parser = self.parser
             for token in out.token_ids:
                 if self.detok.stopped:
                     break
-                text += self.detok.push(int(token))[0]
+                before = parser.state
+                text = self.detok.push(int(token))[0]
+                if text:  # fed token by token, to know each token's state
+                    delta.extend(parser.feed(text))
+                if "reasoning" in (before, parser.state):
+                    self.reasoning_tokens += 1
             if out.finish_reason is not None and not self.detok.stopped:
-                text += self.detok.flush()
-            if text:
-                delta.extend(self.parser.feed(text))
+                text = self.detok.flush()
+                if text:
+                    delta.extend(parser.feed(text))
             if out.finish_reason is not None:
                 delta.extend(self.parser.finish())
                 self.message.warnings = list(self.parser.warnings)
