@@ -86,6 +86,14 @@ def say_untuned(store: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`moetier VERB ...`: the verb's exit status. A process that ran as one rank of an
+    expert-parallel run ends here (parallel/group.end_process)."""
+    status = _main(argv)
+    group = sys.modules.get("moetier.parallel.group")  # (imported only where ranks ran)
+    return group.end_process(status) if group is not None else status
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="moetier", description="Run MoE LLMs larger than your GPU."

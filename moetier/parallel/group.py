@@ -11,6 +11,7 @@ request as long as it idles.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,12 +22,30 @@ import torch.distributed as dist
 TIMEOUT_ENV = "MOETIER_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 300.0
 CONTROL_TIMEOUT = timedelta(days=30)
+_joined: list[bool] = []  # this process joined a run (join)
 
 
 def launched_ranks() -> int:
     """WORLD_SIZE when this process was started as one rank of several (torchrun, or
     launch.spawn), else 1."""
     return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
+def end_process(status: int) -> int:
+    """The last call of a process that may have been a rank (the CLI's main, a spawned rank):
+    where it joined a run, stdout and stderr are flushed and the process ends here with
+    `status` (os._exit), without the interpreter's teardown, in which gloo's threads can abort
+    the process ("terminate called without an active exception", exit -6) after its work was
+    done and its groups closed (a loaded CI run; PyTorch's own account of it is an unfixed
+    race between gloo's work threads and interpreter finalization). Else `status`."""
+    if not _joined:
+        return status
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def timeout_seconds() -> float:
@@ -113,4 +132,5 @@ def join(device: str) -> RankGroup:
             f"{timeout:.0f} s ({err}): start every rank (torchrun on each node) with the same "
             f"--nnodes, --nproc-per-node and --rdzv-endpoint, or raise {TIMEOUT_ENV}"
         ) from err
+    _joined.append(True)
     return RankGroup(rank, ranks, local, where, dist.group.WORLD, control, timeout)

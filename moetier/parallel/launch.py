@@ -250,5 +250,6 @@ def _rank_main(
     except (ValueError, FileNotFoundError) as err:
         print(f"moetier (rank {index} of {ranks}): error: {err}", file=sys.stderr)
         sys.exit(1)
-    if status:
-        sys.exit(status)
+    from moetier.parallel.group import end_process
+
+    sys.exit(end_process(status))

@@ -31,6 +31,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--raise-in-step", type=int, default=0, help="rank 0's Nth attention")
     parser.add_argument("--rank1-hotness", default=None, help="rank 1's own --expert-hotness")
+    parser.add_argument("--atexit", action="store_true", help="say so if the teardown runs")
     return run(parser.parse_args(argv))
 
 
@@ -76,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     from moetier.parallel import launch
 
     rank = int(os.environ.get("RANK", "0"))
+    if args.atexit:
+        import atexit
+
+        atexit.register(lambda: print("interpreter teardown", file=sys.stderr, flush=True))
     if args.hang_rank >= 0:
         return hang(rank, args.hang_rank)
     if rank == args.fail_rank and "WORLD_SIZE" in os.environ:
@@ -117,4 +122,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from moetier.parallel.group import end_process
+
+    sys.exit(end_process(main(sys.argv[1:])))

@@ -105,6 +105,22 @@ def test_two_ranks_give_one_process_tokens(tiny, model_type, tmp_path):
     assert not results[1][1].strip()  # the follower prints nothing
 
 
+def test_finished_ranks_end_without_the_interpreters_teardown(tiny):
+    """Each rank of a finished run ends at once once its groups are closed (group.end_process:
+    gloo's threads can abort a process in the interpreter's teardown, exit -6 after its work,
+    seen in a loaded CI run about once in 50 runs): no atexit handler runs, the output is
+    all there, the status is 0. A process that joined no run exits as usual."""
+    store = str(tiny.store("qwen3_moe"))
+    results = _torchrun_ranks(2, store, "--atexit")
+    for code, _, stderr in results:
+        assert code == 0, stderr[-3000:]
+        assert "interpreter teardown" not in stderr
+    assert json.loads(results[0][1].strip().splitlines()[-1])["ranks"] == 2  # flushed
+    alone = subprocess.run([sys.executable, str(WORKER), store, "--atexit"], env=_env(),
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert alone.returncode == 0 and "interpreter teardown" in alone.stderr
+
+
 @pytest.mark.slow
 def test_generate_gpus_2_spawns_ranks_with_the_same_text(tiny):
     store = str(tiny.store("qwen3_moe"))
