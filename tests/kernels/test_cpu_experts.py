@@ -104,7 +104,11 @@ def test_c_kernel_matches_twin(march, shape):
         got = cpu_experts(x, token, weight, addresses[ids_t.flatten()], fmt, act, "c", march)
         want = cpu_experts_ref(x, token, weight, addresses[ids_t.flatten()], fmt, act, True)
         err = ((got - want).abs().max() / want.abs().max()).item()
-        assert err < 2e-5, f"{name}: relative error {err:.2e} ({march}, {vector_path(march)})"
+        # both round the activation to int8 words between the matrices: where the twin's
+        # float32 GEMM (the machine's BLAS, its own summation order) lands an ulp away, a word
+        # rounds the other way (4.8e-5 in the many-token case on an AMD EPYC host, under 2e-5
+        # on others); a wrong decode or accumulation is off by 1e-2 and more
+        assert err < 1e-4, f"{name}: relative error {err:.2e} ({march}, {vector_path(march)})"
 
 
 @pytest.mark.parametrize("activation", ["silu_clamped", "gpt_oss"])

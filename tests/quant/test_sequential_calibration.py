@@ -148,8 +148,11 @@ def test_each_layer_is_gptq_on_the_quantized_model_inputs(tiny, tmp_path, model_
                 got = expert_matrix(blob, fmt, name)
                 mismatches.append((got != want.dequantize()).float().mean().item())
     assert mismatches
-    # float summation order differs (batched vs per matrix): allow rare flipped codes
-    assert max(mismatches) < 0.01 and sum(mismatches) / len(mismatches) < 1e-3, mismatches
+    # float summation order differs (batched vs per matrix, and with the machine's BLAS kernels):
+    # allow rare flipped codes, a few in one small matrix (1.6% of one expert's codes on an
+    # AMD EPYC host, none on others), a thousandth over all
+    mean = sum(mismatches) / len(mismatches)
+    assert max(mismatches) < 0.03 and mean < 1e-3, (mean, sorted(mismatches)[-5:])
 
 
 _SOURCES: dict[Path, object] = {}
