@@ -505,7 +505,11 @@ async def _events(
             for name, data in items.push(parsing.push(out)):
                 yield event(name, data)
     except (RuntimeError, ValueError) as err:  # the engine failed, shuts down or refused
-        yield event("error", {"code": "server_error", "message": str(err), "param": None})
+        # refused when the engine took it (nothing generated yet): the request's fault, as
+        # the other routes answer it; else the server's
+        refused = isinstance(err, ValueError) and last is None
+        code = "invalid_request_error" if refused else "server_error"
+        yield event("error", {"code": code, "message": str(err), "param": None})
         return
     finally:
         await outputs.aclose()  # type: ignore[attr-defined]

@@ -647,6 +647,12 @@ def test_a_request_the_engine_refuses_when_it_takes_it_is_a_400(server, oai, cla
     with pytest.raises(anthropic.BadRequestError, match="the engine refuses") as info:
         claude.messages.create(model=MODEL, messages=USER, max_tokens=2)
     assert anthropic_shaped(info.value.response.json())["type"] == "invalid_request_error"
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 16, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/responses", json=body) as raw:
+        events = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "error", events[-1]
+    assert events[-1]["code"] == "invalid_request_error"  # was server_error
+    assert events[-1]["message"] == "the engine refuses this request"
 
 
 def test_keep_alive_comments_while_a_stream_is_silent(loaded, monkeypatch):
