@@ -281,14 +281,8 @@ class OutputItems:
         else:
             item = _message(f"msg_{uuid.uuid4().hex}", None, "in_progress")
             part = _text_part("")
-        self.open, self.text = item, ""
-        self.items.append(item)
-        self.index += 1
-        added = {"output_index": self.index, "item": dict(item)}  # as it is now
-        return [
-            ("response.output_item.added", added),
-            ("response.content_part.added", {**self._where(), "part": part}),
-        ]
+        added = self._announce(item)
+        return [added, ("response.content_part.added", {**self._where(), "part": part})]
 
     def _begin_call(self, call_id: str | None, name: str | None, index: int) -> list[Event]:
         item = {
@@ -299,11 +293,17 @@ class OutputItems:
             "arguments": "",
             "status": "in_progress",
         }
-        self.open, self.text, self.call = item, "", index
+        added = self._announce(item)
+        self.call = index
+        return [added]
+
+    def _announce(self, item: dict[str, Any]) -> Event:
+        """`item` opened at the next output_index, and its output_item.added event."""
+        self.open, self.text = item, ""
         self.items.append(item)
         self.index += 1
         added = {"output_index": self.index, "item": dict(item)}  # as it is now
-        return [("response.output_item.added", added)]
+        return ("response.output_item.added", added)
 
     def _grow(self, piece: str) -> list[Event]:
         if not piece or self.open is None:
