@@ -241,11 +241,15 @@ def _tools(
                 f"tools.{n}: type {kind!r} is not a tool type here: send a tool with a name and "
                 'an input_schema (type "custom" or no type)'
             )
-        function = {
-            "name": tool.get("name"),
-            "description": tool.get("description", ""),
-            "parameters": tool.get("input_schema", {"type": "object"}),
-        }
+        name, schema = tool.get("name"), tool.get("input_schema", {"type": "object"})
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools.{n}.name: a custom tool needs a name (a non-empty string)")
+        if not isinstance(schema, dict):
+            raise ValueError(
+                f"tools.{n}.input_schema: must be a JSON schema object such as "
+                f'{{"type": "object", "properties": {{...}}}}, not {type(schema).__name__}'
+            )
+        function = {"name": name, "description": tool.get("description", ""), "parameters": schema}
         out.append({"type": "function", "function": function})
     choice = tool_choice or {}
     named = choice.get("name") if choice.get("type") == "tool" else None

@@ -208,6 +208,12 @@ def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] |
                 f"tools.{n}: only function tools with a name are supported, not "
                 f"{tool.get('type')!r}"
             )
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise ValueError(
+                f"tools.{n}.parameters: must be a JSON schema object such as "
+                f'{{"type": "object", "properties": {{...}}}}, not '
+                f"{type(tool['parameters']).__name__}"
+            )
         function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": function})
     return out or None

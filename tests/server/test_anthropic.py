@@ -444,6 +444,16 @@ def test_anthropics_own_tools_are_left_out(server, client, caplog, monkeypatch):
         client.messages.count_tokens(
             model=MODEL, messages=user, tools=[{"type": "function", "name": "f"}]
         )
+    malformed = [
+        ({"name": "f", "input_schema": "object"}, "tools.0.input_schema: must be a JSON schema"),
+        ({"input_schema": {"type": "object"}}, "tools.0.name: a custom tool needs a name"),
+        ({"name": "", "type": "custom"}, "tools.0.name"),
+    ]
+    for tool, match in malformed:  # a 400 naming the field, not a template's 500
+        with pytest.raises(anthropic.BadRequestError, match=match):
+            client.messages.count_tokens(model=MODEL, messages=user, tools=[tool])
+        with pytest.raises(anthropic.BadRequestError, match=match):
+            client.messages.create(model=MODEL, max_tokens=2, messages=user, tools=[tool])
 
 
 def test_streamed_thinking_has_the_whole_answers_fields(server, client):

@@ -244,6 +244,8 @@ def test_stateless_and_unsupported_input_are_400s(client):
         ({"background": True}, "background"),
         ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "function tools"),
         ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [TOOL]}, "nope"),
+        ({"tools": [{**TOOL, "parameters": "object"}]}, "tools.0.parameters: must be a JSON"),
+        ({"tools": [{**TOOL, "parameters": []}]}, "tools.0.parameters"),
         ({"input": [{"type": "message", "role": "user",
                      "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
          "input_image"),
