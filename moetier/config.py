@@ -442,7 +442,8 @@ class DeltaRule:
         SCORE := PRODUCT (+ PRODUCT)*     PRODUCT := TERM (* TERM)*     TERM := NAME[@FILE]
 
     SCORE:T applies the delta to pairs whose score is >= T; budget:F:SCORE to the best
-    floor(F * pairs) pairs of each experts call (ties broken by position). `resident:` keeps
+    F * pairs pairs of each experts call, a fraction of a pair carried on to the next layer
+    (gate/policies.budget_count; ties broken by position). `resident:` keeps
     only pairs whose delta is on the GPU. `weight:T` is the old routing-weight rule. `act` (the
     pair's base hidden activation through a sketch of its down delta) is known only inside the
     experts op, so it takes the threshold form only and at most once per product."""

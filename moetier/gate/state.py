@@ -118,4 +118,5 @@ class Gate:
         topk_weights: torch.Tensor,
         resident: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return decide(self.rule, self.inputs(layer, hidden, topk_ids, topk_weights, resident))
+        inputs = self.inputs(layer, hidden, topk_ids, topk_weights, resident)
+        return decide(self.rule, inputs, layer)

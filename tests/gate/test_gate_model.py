@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moetier.config import EngineConfig
+from moetier.gate.policies import budget_count
 from moetier.gate.tables import write_table
 from moetier.loader.load import load_model
 from moetier.loader.quantize import convert_quantized
@@ -73,7 +74,7 @@ def test_policy_equals_the_same_mask_given_directly(store):
     def recording(layer, hidden, ids, weights, resident=None):
         mask = decide(layer, hidden, ids, weights, resident)
         recorded.append((layer, mask.clone()))
-        assert mask.sum() == int(0.25 * ids.numel())  # the budget, exactly
+        assert mask.sum() == budget_count(ids.numel(), 0.25, layer)  # the budget, exactly
         return mask
 
     gated.runtime.gate.decide = recording

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from moetier.config import DeltaRule, EngineConfig
-from moetier.gate.policies import GateInputs, budget_mask, decide, router_entropy, router_margin
+from moetier.gate.policies import (
+    GateInputs,
+    budget_count,
+    budget_mask,
+    decide,
+    router_entropy,
+    router_margin,
+)
 from moetier.gate.tables import hot_set, read_table, write_table
 
 IDS = torch.tensor([[0, 1], [2, 3], [1, 2]])
@@ -75,6 +82,31 @@ def test_budget_never_exceeds_its_fraction(fraction):
         assert m.sum().item() == math.floor(fraction * tokens * k + 1e-9)
         if m.any() and not m.all():  # best first: every kept score >= every dropped one
             assert scores[m].min() >= scores[~m].max()
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.125, 0.224, 0.25, 0.3])
+def test_a_budget_carries_fractions_of_a_pair_across_layers(fraction):
+    """At batch 1 a layer's share of a pair (8 pairs x 10% = 0.8) is not dropped in every
+    layer: layers 0..L-1 take floor(L F p) pairs together, none more than ceil(F p), and where
+    F p is whole every layer takes exactly that."""
+    for pairs, layers in [(8, 8), (8, 48), (4, 5), (6, 61), (2048, 5)]:
+        counts = [budget_count(pairs, fraction, layer) for layer in range(layers)]
+        assert sum(counts) == math.floor(layers * fraction * pairs + 1e-9)
+        assert max(counts) <= math.ceil(fraction * pairs - 1e-9)
+        assert min(counts) >= math.floor(fraction * pairs + 1e-9)
+        if float(fraction * pairs).is_integer():
+            assert set(counts) == {int(fraction * pairs)}
+        scores = torch.rand(1, pairs, generator=torch.Generator().manual_seed(pairs))
+        for layer in range(layers):
+            kept = budget_mask(scores, fraction, layer)
+            assert kept.sum() == counts[layer]
+            if kept.any() and not kept.all():
+                assert scores[kept].min() >= scores[~kept].max()
+    # 8 layers of one token's 8 pairs at 10%: 6 pairs, where a floor per call gave none
+    assert sum(budget_count(8, 0.1, layer) for layer in range(8)) == 6
+    x = GateInputs(torch.zeros(1, 8, dtype=torch.long), torch.rand(1, 8))
+    rule = DeltaRule.parse("budget:0.1:weight")
+    assert sum(int(decide(rule, x, layer).sum()) for layer in range(8)) == 6
 
 
 def test_forced_rows_and_resident_only():
