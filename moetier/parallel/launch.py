@@ -207,6 +207,8 @@ def spawn(verb: str, args: argparse.Namespace, ranks: int, env: dict[str, str]) 
             f"stopped:\n{err.msg}"
         ) from None
     except mp.ProcessExitedException as err:
+        if err.exit_code == STDOUT_CLOSED:  # the reader went away: no rank failed
+            return STDOUT_CLOSED
         raise SystemExit(
             f"moetier: rank {err.error_index} of {ranks} exited with status {err.exit_code} "
             "(its error above) and the other ranks were stopped"
@@ -216,6 +218,7 @@ def spawn(verb: str, args: argparse.Namespace, ranks: int, env: dict[str, str]) 
     return 0
 
 
+STDOUT_CLOSED = 141  # a rank's exit status where its stdout's reader went away (cli.main)
 GRACE_S = 15.0  # what an interrupted run gives rank 0 to stop the others before they are killed
 
 
@@ -247,6 +250,11 @@ def _rank_main(
     module: Any = importlib.import_module(verb)
     try:
         status = int(module.run(args) or 0)
+        sys.stdout.flush()  # (a reader gone by now fails here, not at exit)
+    except BrokenPipeError:  # `moetier generate --gpus 2 ... | head`: as the CLI's main
+        from moetier.cli.main import stdout_closed
+
+        status = stdout_closed()
     except (ValueError, FileNotFoundError) as err:
         print(f"moetier (rank {index} of {ranks}): error: {err}", file=sys.stderr)
         sys.exit(1)

@@ -133,6 +133,25 @@ def test_generate_gpus_2_spawns_ranks_with_the_same_text(tiny):
     assert two.stdout == one.stdout and one.stdout.strip()
 
 
+@pytest.mark.slow
+def test_a_closed_stdout_under_gpus_2_ends_quietly(tiny):
+    """`moetier generate --gpus 2 ... | head -c 1`: the reader goes away; the run ends with
+    status 141 as one process does (128 + SIGPIPE), not as a failed rank."""
+    store = str(tiny.store("qwen3_moe"))
+    command = [sys.executable, "-m", "moetier", "generate", store, "--prompt", "hello there",
+               "--max-new-tokens", "40", "--temperature", "0", "--device", "cpu",
+               "--gpus", "2"]  # fmt: skip
+    with subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader is gone before the first token
+        stderr = proc.stderr.read()
+        status = proc.wait(timeout=120)
+    assert status == 141, stderr[-3000:]
+    assert "failed" not in stderr and "exited with status" not in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
 def test_a_failing_rank_stops_the_run_with_its_error(tiny):
     store = str(tiny.store("qwen3_moe"))
     command = [sys.executable, str(WORKER), store, "--spawn", "2", "--fail-rank", "1"]
