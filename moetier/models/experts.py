@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,7 +58,11 @@ class HybridCpu:
     pairs: int = 0
     bytes: int = 0
     seconds: float = 0.0
-    splits: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu) misses per call
+    # the split's decisions: calls split, missed experts left to the GPU and sent to the CPU
+    # (totals: a server runs millions of calls)
+    calls: int = 0
+    gpu_misses: int = 0
+    cpu_misses: int = 0
 
 
 @dataclass(frozen=True)
@@ -561,7 +565,9 @@ class ExpertsRuntime:
         blob = pool.store.blobs[(layer, candidates[0], "base")].nbytes
         speeds = hybrid.speeds or HybridSpeeds(1.0, 1.0)  # (a forced share does not use them)
         split = split_misses({e: int(counts[e]) for e in candidates}, blob, speeds, hybrid.share)
-        hybrid.splits.append((len(split.gpu), len(split.cpu)))
+        hybrid.calls += 1
+        hybrid.gpu_misses += len(split.gpu)
+        hybrid.cpu_misses += len(split.cpu)
         if not split.cpu:
             return needed, None
         on_cpu = torch.zeros(counts.numel(), dtype=torch.bool)

@@ -107,11 +107,14 @@ def test_forced_split_matches_hf(tiny, model_type, cpu_experts):
     assert (ours - theirs).abs().max().item() <= 1e-4
     assert Generator(loaded).generate(ids[0].tolist(), GREEDY).token_ids == hf_greedy(ref, ids[:1])
     hybrid = loaded.runtime.hybrid
-    assert hybrid is not None and hybrid.splits
+    assert hybrid is not None and hybrid.calls > 0 and hybrid.gpu_misses + hybrid.cpu_misses > 0
+    # totals, not a record per call (a server's runtime makes millions of calls)
+    assert all(isinstance(v, (int, float)) for k, v in vars(hybrid).items()
+               if k not in ("speeds", "share", "executor"))  # fmt: skip
     if cpu_experts != "auto":  # the CPU really computed pairs (auto may find it too slow here)
         assert hybrid.pairs > 0 and hybrid.bytes > 0
     if cpu_experts == "share:1":  # then every miss in the host tier went to the CPU
-        assert all(gpu == 0 for gpu, _ in hybrid.splits)
+        assert hybrid.gpu_misses == 0 and hybrid.cpu_misses > 0
     cpu = loaded.runtime.telemetry()["cpu"]  # /metrics' tier="cpu"
     assert (cpu.hits, cpu.bytes) == (hybrid.pairs, hybrid.bytes)
     if hybrid.pairs:
