@@ -69,7 +69,9 @@ def assert_idle(engine: AsyncEngine) -> None:
     time.sleep(0.05)  # the loop thread's stats of its last step
     inner = engine.engine
     assert not inner.scheduler.running and not inner.scheduler.waiting
-    assert inner.pool.used_pages == 0 and inner.streams == {}
+    assert inner.pool.used_pages == 0 and inner.streams == {} and inner.requests == {}
+    runner = inner.runner  # no per-request state left behind (a server runs for weeks)
+    assert not (runner.generators or runner.matchers or runner.prompt_masks or runner.keep_logits)
     assert engine.stats.running == 0 and engine.stats.pages_used == 0
 
 
