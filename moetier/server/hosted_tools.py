@@ -10,12 +10,14 @@ import logging
 
 log = logging.getLogger("moetier.server")
 _said: set[str] = set()
+SAID_AT_MOST = 64  # tool types named in the log (types come from clients: a bounded set)
 
 
 def leave_out(kind: str, owner: str) -> None:
     """Note that a tool of type `kind`, one of `owner`'s own (OpenAI, Anthropic), is left out
-    of the prompt: a warning the first time this process meets the type, nothing after."""
-    if kind in _said:
+    of the prompt: a warning the first time this process meets the type, nothing after (nor
+    for new types once SAID_AT_MOST have been named)."""
+    if kind in _said or len(_said) >= SAID_AT_MOST:
         return
     _said.add(kind)
     log.warning("tools: %r is one of %s's own tools, not one this model has: left out", kind, owner)

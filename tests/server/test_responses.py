@@ -473,3 +473,18 @@ def test_a_call_withdrawn_midstream_leaves_its_output_index_to_no_other_item(cli
     with client.responses.stream(**args, max_output_tokens=cap, temperature=0) as stream:
         streamed = list(stream)  # the SDK accumulates every event
     assert streamed[-1].type == "response.incomplete"
+
+
+def test_the_left_out_tool_types_named_are_bounded(caplog, monkeypatch):
+    """Tool types come from clients (any `name_20250101` is one of Anthropic's own): the log
+    names each once, and stops naming new ones after SAID_AT_MOST, so a client sending a new
+    type with every request grows neither the log nor the process."""
+    from moetier.server import hosted_tools
+
+    monkeypatch.setattr(hosted_tools, "_said", set())
+    with caplog.at_level("WARNING", logger="moetier.server"):
+        for n in range(3 * hosted_tools.SAID_AT_MOST):
+            hosted_tools.leave_out(f"tool{n}_20250101", "Anthropic")
+    assert len(hosted_tools._said) == hosted_tools.SAID_AT_MOST
+    said = [r for r in caplog.records if "_20250101" in r.getMessage()]
+    assert len(said) == hosted_tools.SAID_AT_MOST
