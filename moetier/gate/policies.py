@@ -202,7 +202,8 @@ def budget_mask(scores: torch.Tensor, fraction: float, layer: int = 0) -> torch.
 
 
 def decide(rule: DeltaRule, x: GateInputs, layer: int = 0) -> torch.Tensor:
-    """The rule's [T, k] bool mask in layer `layer`'s call: which pairs use the delta."""
+    """The rule's [T, k] bool mask in the call of the `layer`-th MoE layer (counted from 0
+    over the MoE layers only: a budget's carried fraction): which pairs use the delta."""
     if rule.everywhere:
         mask = torch.ones(x.topk_ids.shape, dtype=torch.bool, device=x.topk_ids.device)
     else:

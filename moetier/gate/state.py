@@ -18,9 +18,18 @@ class Gate:
     """decide(layer, hidden, ids, weights, resident) -> [T, k] bool mask; an `act` rule's
     decision is finished inside the experts op (`decide_act` -> ActGate)."""
 
-    def __init__(self, rule: DeltaRule, store: Path | None = None, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        rule: DeltaRule,
+        store: Path | None = None,
+        device: str = "cpu",
+        moe_layers: list[int] | None = None,
+    ) -> None:
         self.rule = rule
         self.device = torch.device(device)
+        # a MoE layer's place among the model's MoE layers: a budget's carried fraction of a
+        # pair goes on to the next MoE layer (layer numbers skip dense layers)
+        self.ordinal = {layer: i for i, layer in enumerate(sorted(moe_layers or ()))}
         terms = rule.terms()
         self.needs_router = bool(terms & {"entropy", "margin"})
         # term (with @FILE) -> layer -> [E] table
@@ -119,4 +128,4 @@ class Gate:
         resident: torch.Tensor | None = None,
     ) -> torch.Tensor:
         inputs = self.inputs(layer, hidden, topk_ids, topk_weights, resident)
-        return decide(self.rule, inputs, layer)
+        return decide(self.rule, inputs, self.ordinal.get(layer, layer))

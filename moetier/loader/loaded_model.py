@@ -192,7 +192,7 @@ def experts_runtime(
         # the quality meter's twin) take the delta whatever the rule
         from moetier.gate.state import Gate
 
-        runtime.gate = Gate(rule, store.path, str(device))
+        runtime.gate = Gate(rule, store.path, str(device), moe_layers=list(runtime.formats))
     share = engine_config.cpu_share()
     if share is not None:  # hybrid misses (--cpu-experts)
         import sys

@@ -109,6 +109,21 @@ def test_a_budget_carries_fractions_of_a_pair_across_layers(fraction):
     assert sum(int(decide(rule, x, layer).sum()) for layer in range(8)) == 6
 
 
+def test_a_budget_carries_on_over_moe_layers_only():
+    """Layer numbers skip dense layers (DeepSeek's first three, models with a MoE layer every
+    other layer): the carried fraction goes to the next MoE layer, so 8 MoE layers at odd
+    numbers with 2 pairs a call at 25% take 4 pairs, not one in every layer."""
+    from moetier.gate.state import Gate
+
+    odd = list(range(1, 16, 2))
+    gate = Gate(DeltaRule.parse("budget:0.25:weight"), moe_layers=odd)
+    ids, weights = torch.tensor([[0, 1]]), torch.tensor([[0.7, 0.3]])
+    hidden = torch.zeros(1, 4)
+    masks = [gate.decide(layer, hidden, ids, weights) for layer in odd]
+    assert sum(int(m.sum()) for m in masks) == 4
+    assert all(not m[0, 1] for m in masks)  # the best pair first
+
+
 def test_forced_rows_and_resident_only():
     forced = torch.tensor([False, True, False])
     assert mask("weight:0.5", forced=forced) == [[True, False], [True, True], [True, False]]
