@@ -143,30 +143,14 @@ def _main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # (a reader gone by now fails here, not at exit)
         return status
     except BrokenPipeError:
+        from moetier.core.stdout import stdout_closed
+
         return stdout_closed()
     except (ValueError, FileNotFoundError) as err:
         print(f"moetier {argv[0]}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-
-
-def stdout_closed() -> int:
-    """The reader of stdout went away (`moetier generate ... | head`): stop quietly as a Unix
-    tool that SIGPIPE ends does, exit status 128 + SIGPIPE (141). stdout is pointed at
-    /dev/null first, so that the interpreter's flush at exit does not fail again (the "Note on
-    SIGPIPE" in Python's signal docs; SIGPIPE's default action is not restored, as it asks,
-    since it would also end a server whose client goes away)."""
-    import os
-    import signal
-
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):  # a stdout with no file descriptor (captured in a test)
-        pass
-    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

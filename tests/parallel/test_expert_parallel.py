@@ -133,7 +133,6 @@ def test_generate_gpus_2_spawns_ranks_with_the_same_text(tiny):
     assert two.stdout == one.stdout and one.stdout.strip()
 
 
-@pytest.mark.slow
 def test_a_closed_stdout_under_gpus_2_ends_quietly(tiny):
     """`moetier generate --gpus 2 ... | head -c 1`: the reader goes away; the run ends with
     status 141 as one process does (128 + SIGPIPE), not as a failed rank."""

@@ -1,0 +1,24 @@
+"""What a command does when the reader of its stdout goes away (`moetier generate ... | head`):
+the CLI's main and a spawned rank of `--gpus N` alike."""
+
+from __future__ import annotations
+
+import sys
+
+
+def stdout_closed() -> int:
+    """The reader of stdout went away (`moetier generate ... | head`): stop quietly as a Unix
+    tool that SIGPIPE ends does, exit status 128 + SIGPIPE (141). stdout is pointed at
+    /dev/null first, so that the interpreter's flush at exit does not fail again (the "Note on
+    SIGPIPE" in Python's signal docs; SIGPIPE's default action is not restored, as it asks,
+    since it would also end a server whose client goes away)."""
+    import os
+    import signal
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout with no file descriptor (captured in a test)
+        pass
+    return 128 + signal.SIGPIPE
