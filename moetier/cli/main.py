@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from moetier.core.stdout import stdout_closed
+
 VERBS = {
     "convert": "convert a Hugging Face MoE checkpoint into a moetier store",
     "generate": "generate text from a store, streamed to stdout (its speed to stderr)",
@@ -143,8 +145,6 @@ def _main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # (a reader gone by now fails here, not at exit)
         return status
     except BrokenPipeError:
-        from moetier.core.stdout import stdout_closed
-
         return stdout_closed()
     except (ValueError, FileNotFoundError) as err:
         print(f"moetier {argv[0]}: error: {err}", file=sys.stderr)

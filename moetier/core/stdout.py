@@ -3,7 +3,11 @@ the CLI's main and a spawned rank of `--gpus N` alike."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+
+STDOUT_CLOSED = 128 + signal.SIGPIPE  # 141: the exit status of a process whose reader left
 
 
 def stdout_closed() -> int:
@@ -12,13 +16,10 @@ def stdout_closed() -> int:
     /dev/null first, so that the interpreter's flush at exit does not fail again (the "Note on
     SIGPIPE" in Python's signal docs; SIGPIPE's default action is not restored, as it asks,
     since it would also end a server whose client goes away)."""
-    import os
-    import signal
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
     except (OSError, ValueError):  # a stdout with no file descriptor (captured in a test)
         pass
-    return 128 + signal.SIGPIPE
+    return STDOUT_CLOSED

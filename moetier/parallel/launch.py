@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from moetier.config import EngineConfig
+from moetier.core.stdout import STDOUT_CLOSED, stdout_closed
 from moetier.loader.load import load_model
 from moetier.loader.loaded_model import LoadedModel
 from moetier.parallel.experts import expert_shard
@@ -218,7 +219,6 @@ def spawn(verb: str, args: argparse.Namespace, ranks: int, env: dict[str, str]) 
     return 0
 
 
-STDOUT_CLOSED = 141  # a rank's exit status where its stdout's reader went away (core/stdout.py)
 GRACE_S = 15.0  # what an interrupted run gives rank 0 to stop the others before they are killed
 
 
@@ -252,8 +252,6 @@ def _rank_main(
         status = int(module.run(args) or 0)
         sys.stdout.flush()  # (a reader gone by now fails here, not at exit)
     except BrokenPipeError:  # `moetier generate --gpus 2 ... | head`: as the CLI's main
-        from moetier.core.stdout import stdout_closed
-
         status = stdout_closed()
     except (ValueError, FileNotFoundError) as err:
         print(f"moetier (rank {index} of {ranks}): error: {err}", file=sys.stderr)
