@@ -184,17 +184,20 @@ def profile_runs(engine: Engine, run: Callable[[], object], runs: int) -> dict:
 
 def compile_record(engine: Engine) -> dict:
     """Where the load's seconds went: each decode graph's capture (its compile included: the
-    first bucket's full, later ones recompiling with a symbolic row count) and inductor's disk
+    first bucket's full, later ones recompiling with a symbolic row count), the prefill's
+    compile (engine/prefill_compile.py; 0 where packed steps run eagerly) and inductor's disk
     cache (hits: an earlier process compiled the same graph; a second start should hit)."""
     from torch._dynamo.utils import compile_times, counters
 
     seconds = getattr(engine.runner, "capture_seconds", {})
+    prefill = getattr(engine.runner, "prefill", None)  # (the compiled prefill's warm-up)
     cache = {k: v for k, v in counters["inductor"].items() if "cache" in k}
     cache |= {k: v for k, v in counters["aot_autograd"].items() if "cache" in k}
     names, values = compile_times(repr="csv", aggregate=True)  # seconds per compile phase
     phases = sorted(zip(names, values, strict=True), key=lambda nv: -float(nv[1]))[:8]
     return {
         "capture_s": {f"{rows}x{width}": round(s, 2) for (rows, width), s in seconds.items()},
+        "prefill_compile_s": round(getattr(prefill, "compile_seconds", 0.0), 2),
         "compile_cache": cache,
         "graphs_compiled": dict(counters["stats"]),  # unique_graphs: recompiles show here
         "compile_s_by_phase": {name: round(float(v), 2) for name, v in phases},
@@ -322,6 +325,13 @@ def main() -> None:
         "--compile", default="on", choices=("on", "off"), help="torch.compile the decode step"
     )
     parser.add_argument(
+        "--compile-prefill",
+        default="on",
+        choices=("on", "off"),
+        help="torch.compile the packed (prefill) steps, where the engine does (every expert "
+        "pinned, GQA families)",
+    )
+    parser.add_argument(
         "--native",
         default="on",
         choices=("on", "off"),
@@ -350,6 +360,7 @@ def main() -> None:
             device=args.device,
             native=args.native == "on",
             compile_decode=args.compile == "on",
+            compile_prefill=args.compile_prefill == "on",
             lookahead=args.lookahead == "on",
             expert_cache_slots=slots,
             host_memory="1TiB" if slots else "",
@@ -373,6 +384,7 @@ def main() -> None:
             "layers": args.layers,
             "experts": "q2s",
             "compile": args.compile,
+            "compile_prefill": getattr(engine.runner, "prefill", None) is not None,
             "lookahead": args.lookahead,
             "path": decode_path(engine),
             "gpu_fraction": args.gpu_fraction,

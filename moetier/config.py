@@ -517,8 +517,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 # EngineConfig fields that only the native model files read (--mtp and --mtp-file: the
 # speculative drafter; --zero-copy-stage: the native decode's staging; --expert-hotness: the
-# expert-parallel split); cuda_graph, compile_decode and lookahead are left out, since turning
-# them off where there is nothing to turn off is harmless
+# expert-parallel split); cuda_graph, compile_decode, compile_prefill and lookahead are left out,
+# since turning them off where there is nothing to turn off is harmless
 NATIVE_ONLY_FIELDS = ("mtp", "mtp_file", "zero_copy_stage", "expert_hotness")
 
 
@@ -624,6 +624,15 @@ class EngineConfig:
             "help": "with the CUDA graph: compile the decode step with torch.compile first "
             "(faster steps; the serving engine compiles at load, kept in "
             "~/.cache/moetier/inductor; --no-compile-decode skips it)"
+        },
+    )
+    compile_prefill: bool = field(
+        default=True,
+        metadata={
+            "help": "with the CUDA graph and every expert on the GPU: compile the prefill steps "
+            "(prompt chunks, a conversation's new turn) with torch.compile at load, one graph "
+            "for every length (GQA families; less host time a layer); --no-compile-prefill "
+            "runs them eagerly"
         },
     )
     lookahead: bool = field(

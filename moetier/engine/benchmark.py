@@ -66,7 +66,7 @@ def random_prompts(rows: int, tokens: int, vocab_size: int, seed: int) -> list[l
 def decode_path(engine: Engine) -> str:
     """How the engine decodes: the transformers model class, or the native model file eagerly
     or replayed from CUDA graphs (compiled or not; experts pinned, or zero-copy from host
-    RAM)."""
+    RAM; the packed prefill steps compiled or not)."""
     runner = engine.runner
     if not isinstance(runner, PagedRunner):
         return "transformers"
@@ -74,7 +74,12 @@ def decode_path(engine: Engine) -> str:
         return "native"
     compiled = ", compiled" if engine.loaded.engine_config.compile_decode else ""
     zero_copy = engine.loaded.runtime.zero_copy is not None
-    return f"native, CUDA graphs{compiled}, " + ("zero-copy" if zero_copy else "experts pinned")
+    prefill = ", prefill compiled" if runner.prefill is not None else ""
+    return (
+        f"native, CUDA graphs{compiled}, "
+        + ("zero-copy" if zero_copy else "experts pinned")
+        + prefill
+    )
 
 
 _RUNS = itertools.count()

@@ -13,8 +13,9 @@ token and its k drafts) replay the same graphs where a batch bucket holds their 
 token a decode row of its request's page table at its own position, the step's K/V rows all
 written before any row attends (each layer writes, then attends), so a draft's row sees the
 rows before it (`_rows_step`). Any other step packs every item's tokens into one row [1, N]
-(prefill chunks and decodes mixed; models/attention_batch.py), and only the positions whose next
-token is sampled (and those whose prompt logprobs a request asks for) go through the LM head.
+(prefill chunks and decodes mixed; models/attention_batch.py), compiled where
+engine/prefill_compile.py applies, and only the positions whose next token is sampled (and those
+whose prompt logprobs a request asks for) go through the LM head.
 `TransformersRunner` (the transformers model class): each request its own DynamicCache, its
 items run one after another; no prefix cache (its KV is not in pages).
 Sampling the step's rows is engine/step_sampler.py's (both runners derive from StepSampler).
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from moetier.core.paths import cache_root
-from moetier.engine import decode_graphs
+from moetier.engine import decode_graphs, prefill_compile
 from moetier.engine.decode_graphs import (
     BATCH_BUCKETS,
     DecodeGraph,
@@ -44,6 +45,7 @@ from moetier.engine.decode_graphs import (
 )
 from moetier.engine.gate_rows import GateRows
 from moetier.engine.graph_placement import ZeroCopyRebalance, place_for_graphs
+from moetier.engine.prefill_compile import CompiledPrefill
 from moetier.engine.sampler import filtered_rows, sampling_tensors, to_device
 from moetier.engine.scheduler import Scheduled, Step
 from moetier.engine.speculative import (
@@ -129,6 +131,17 @@ class PagedRunner(StepSampler):
         if self.use_graphs and loaded.engine_config.compile_decode:
             self.compile_step()
         self.warm_up_seconds = self.warm_up(max_rows)
+        # packed steps (prefill chunks) through torch.compile (engine/prefill_compile.py)
+        self.prefill: CompiledPrefill | None = None
+        if self.use_graphs and loaded.engine_config.compile_prefill:
+            why = prefill_compile.refusal(loaded, with_gate=self.gate_rows is not None)
+            if why is None:
+                try:
+                    self.warm_up_seconds += self.compile_prefill()
+                except Exception as exc:  # (the compiler's failure: eager prefill steps)
+                    print(f"moetier: prefill steps run eagerly: compiling them failed "
+                          f"({type(exc).__name__}: {exc})", file=sys.stderr)  # fmt: skip
+                    self.prefill = None
 
     def enable_speculative(self, drafts: int = 0) -> MTPDrafter:
         """Draft with the model's MTP layer (engine/speculative.py), `drafts` a step: every
@@ -178,6 +191,15 @@ class PagedRunner(StepSampler):
         use_compile_cache()
         self._compiled = True
         self._step_fn = torch.compile(self._graph_step)
+
+    def compile_prefill(self) -> float:
+        """Run packed steps of two tokens or more through torch.compile, compiled now on a
+        dummy step (engine/prefill_compile.py; CPU tests call it) -> seconds it took."""
+        print("moetier: compiling the prefill step", file=sys.stderr, flush=True)
+        use_compile_cache()
+        self.prefill = CompiledPrefill(self.model.model)
+        vocab = int(self.model.config.vocab_size)
+        return self.prefill.warm_up(vocab, self.scratch_page, self.page_size, self.cache)
 
     @property
     def context_buckets(self) -> tuple[int, ...]:
@@ -623,6 +645,13 @@ class PagedRunner(StepSampler):
             + item.request.drafts[: item.drafts]
         ]
         ids = torch.tensor([tokens], device=self.device)
+        if self.prefill is not None and self.prefill.applies(ids, self.loaded.runtime):
+            try:
+                return self.prefill(ids, batch, self.cache)[0]
+            except Exception as exc:  # (a step the compiler fails on: eager from now on)
+                print(f"moetier: prefill steps run eagerly from now on: compiling one failed "
+                      f"({type(exc).__name__}: {exc})", file=sys.stderr)  # fmt: skip
+                self.prefill = None
         return self.model.model(ids, batch.positions, self.cache, batch)[0]
 
 

@@ -25,10 +25,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moetier.config import DecoderConfig
 from moetier.kernels.attention import decode_attention
+from moetier.kernels.masked_attention import masked_attention_op
 from moetier.kernels.mla_decode import mla_decode
 from moetier.kernels.router import router_topk
 from moetier.models.attention_batch import AttentionBatch
@@ -121,6 +121,9 @@ class Attention(nn.Module):
     # decode rows read their pages in the kernel: the engine's decode batches need no gathered
     # keys on CUDA, and its steps capture into CUDA graphs (engine/runner.py)
     pages_in_kernel = True
+    # the engine's packed steps may run compiled (engine/prefill_compile.py): the prefill's
+    # attention is one opaque op (kernels/masked_attention.py), the rest traces as is
+    prefill_compiles = True
 
     def __init__(
         self,
@@ -226,33 +229,17 @@ class Attention(nn.Module):
 MLA_DECODE_KERNEL = True
 
 
-# The SDPA backends of a prefill's attention (rows of more than one query, over a mask: the
-# engine's packed steps, the static prefill): not cuDNN's. Recent PyTorch puts cuDNN's SDPA first
-# on Hopper and Blackwell (sdp_utils.cpp's check_prefer_cudnn_attention: sm90 / sm100 with cuDNN
-# > 9.15), and cuDNN builds an execution plan for each new shape (query length, key length), tens
-# of milliseconds each (55-70 ms a shape on SM100: flashinfer-ai/flashinfer#5245). A prefill
-# step's shape is nearly always new (its chunk and its context, the cached prefix + the chunk,
-# vary with every prompt), so a warm agent turn would pay a plan for milliseconds of attention.
-# #42's H100 figures at 8c63926 fit that (inferred, not profiled there yet): 21 ms for 800 tokens
-# of the warm-up's shape, 60-110 ms for ~800 new tokens over any cached prefix, 1K to 7K.
-# Memory-efficient attention takes the mask with no per-shape plan; CPU runs as before.
-PREFILL_SDPA_BACKENDS = [
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
-
-
 def masked_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:  # fmt: skip
-    """SDPA of q [B, h, T, D] over keys and values [B, h, Lk, D] where mask [B, 1, T, Lk] allows;
-    a prefill (T > 1) on PREFILL_SDPA_BACKENDS. (Decode rows, T = 1, keep every backend: their
-    shapes are a graph's, fixed, and a compiled step traces no backend switch.)"""
-    if q.shape[-2] > 1:
-        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    """SDPA of q [B, h, T, D] over keys and values [B, h, Lk, D] where mask [B, 1, T, Lk] allows
+    -> [B, h, T, D]; a prefill (T > 1) as `moetier::masked_attention` (kernels/
+    masked_attention.py: PREFILL_SDPA_BACKENDS, and one opaque op in a compiled prefill).
+    (Decode rows, T = 1, keep every backend: their shapes are a graph's, fixed, and a compiled
+    step traces no backend switch.)"""
+    if q.shape[-2] > 1 and mask is not None:
+        return masked_attention_op(q, keys, values, mask, scale).transpose(1, 2)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 

@@ -46,9 +46,10 @@ from moetier.server.state import ServerState
 
 
 def _warm_up_said(engine: AsyncEngine) -> str:
-    """ ", of which N s capturing (and compiling) the decode steps" where the engine did."""
+    """ ", of which N s compiling and capturing the steps" where the engine did (the decode
+    steps' graphs, the compiled prefill)."""
     seconds = getattr(getattr(engine.engine, "runner", None), "warm_up_seconds", 0.0)
-    return f", of which {seconds:.1f} s compiling and capturing the decode steps" if seconds else ""
+    return f", of which {seconds:.1f} s compiling and capturing the steps" if seconds else ""
 
 
 def create_app(

@@ -1,6 +1,6 @@
 """A warm agent turn's first token (#42): a prompt whose prefix is in the prefix cache gets its
 first token from one step that computes only the new tokens, captures no decode step, and
-attends without cuDNN's SDPA (models/layers.py's PREFILL_SDPA_BACKENDS: cuDNN builds an
+attends without cuDNN's SDPA (kernels/masked_attention.py's PREFILL_SDPA_BACKENDS: cuDNN builds an
 execution plan for every new (query length, key length), and a prefill over a cached prefix has
 a new one at nearly every turn); decode rows keep every backend. On CUDA, a turn of a new shape
 costs about what a turn of a shape already seen costs."""
