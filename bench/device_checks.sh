@@ -13,8 +13,8 @@
 #           80-100 s on an H100)
 #   PART=7  on that store: the confidence gate off, at 10% / all / 25% of pairs (#46 item 6)
 #   PART=2  moetier tune's test and bench/tune.py (#51), the agent-shape TTFT (and a profile of
-#           a warm turn; then again with the prefill steps eager) and a 25% budget's steps
-#           against their floors (#42)
+#           a warm turn; then again with the prefill steps eager), a packed step's attention
+#           gathered against paged, and a 25% budget's steps against their floors (#42)
 #   PART=9  dense bf16 / fp8 / int4 (#52), the converter's speed (#53), the CPU expert kernel
 #           against DRAM (#54)
 #   PART=4  hybrid misses (#54): the CPU split's GPU tests (host nodes in a captured step), then
@@ -193,6 +193,9 @@ elif [[ "${PART:-1}" == 2 ]]; then
     # the same turns with the packed steps eager (the compiled prefill's gain, same call)
     step agent-eager 110 "$PY" bench/serve.py --agent-turns 8 --compile-prefill off \
         "${serve[@]}" >>"$OUT/engine.jsonl" 2>>"$OUT/engine.log"
+    # a packed step's attention: gathered keys + SDPA against the paged kernel (#42)
+    [[ "${SMOKE:-0}" == 1 ]] || step prefill-attn 45 "$PY" bench/prefill_attention.py \
+        >>"$OUT/engine.jsonl" 2>>"$OUT/engine.log"
     step budget-25 120 "$PY" -m moetier bench --shape "$shape" --layers "$layers" --native \
         --expert-cache-slots $((layers * 32)) --host-memory 1TiB --batch 1,4,16,64 --json \
         "${args[@]}" >>"$OUT/engine.jsonl" 2>>"$OUT/engine.log"

@@ -31,8 +31,9 @@ from moetier.loader.loaded_model import LoadedModel
 from moetier.models.attention_batch import AttentionBatch
 
 # each input's dims that vary from step to step: ids, positions, write_page, write_offset
-# [1, N]; mask [1, 1, N, Lk]; key_page, key_offset [1, Lk]
-_DYNAMIC_DIMS = ((1,), (1,), (1,), (1,), (2, 3), (1,), (1,))
+# [1, N]; the gathered path's mask [1, 1, N, Lk], key_page and key_offset [1, Lk]; the paged
+# path's seq_pages [S, W] and blocks [NB, 4]
+_DYNAMIC_DIMS = ((1,), (1,), (1,), (1,), (2, 3), (1,), (1,), (0, 1), (0,))
 MIN_TOKENS = 2
 
 
@@ -60,12 +61,15 @@ class CompiledPrefill:
             positions: torch.Tensor,
             write_page: torch.Tensor,
             write_offset: torch.Tensor,
-            mask: torch.Tensor,
-            key_page: torch.Tensor,
-            key_offset: torch.Tensor,
+            mask: torch.Tensor | None,
+            key_page: torch.Tensor | None,
+            key_offset: torch.Tensor | None,
+            seq_pages: torch.Tensor | None,
+            blocks: torch.Tensor | None,
             cache: torch.Tensor,
         ) -> torch.Tensor:
-            batch = AttentionBatch(positions, write_page, write_offset, mask, key_page, key_offset)
+            batch = AttentionBatch(positions, write_page, write_offset, mask, key_page,
+                                   key_offset, seq_pages=seq_pages, blocks=blocks)  # fmt: skip
             return body(ids, positions, cache, batch)
 
         self._forward: Callable[..., torch.Tensor] = torch.compile(forward)
@@ -83,24 +87,24 @@ class CompiledPrefill:
         """ids [1, N] and a packed batch (AttentionBatch.packed) -> hidden [1, N, H]; the
         tokens' KV written to `cache` as the eager forward writes it."""
         inputs = [ids, batch.positions, batch.write_page, batch.write_offset, batch.mask,
-                  batch.key_page, batch.key_offset]  # fmt: skip
-        tensors: list[torch.Tensor] = []
+                  batch.key_page, batch.key_offset, batch.seq_pages, batch.blocks]  # fmt: skip
         for tensor, dims in zip(inputs, _DYNAMIC_DIMS, strict=True):
-            assert tensor is not None  # (a packed batch has every one)
-            for dim in dims:
+            for dim in dims if tensor is not None else ():  # (None: the other path's)
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
-            tensors.append(tensor)
         self.steps += 1
-        return self._forward(*tensors, cache)
+        return self._forward(*inputs, cache)
 
-    def warm_up(self, vocab: int, scratch_page: int, page_size: int, cache: torch.Tensor) -> float:
+    def warm_up(
+        self, vocab: int, scratch_page: int, page_size: int, cache: torch.Tensor, paged: bool
+    ) -> float:
         """Compile on a dummy step of 5 tokens after 3 (every position on the scratch page; a
-        key count unlike the token count, so the two stay separate symbols) -> seconds."""
+        key count unlike the token count, so the two stay separate symbols), its batch built as
+        the runner builds its own (`paged`: the paged prefill's tables) -> seconds."""
         began = time.perf_counter()
         start, count = 3, 5
         pages = [scratch_page] * -(-(start + count) // page_size)
         with torch.inference_mode():  # (as the engine's steps: inference tensors)
-            batch = AttentionBatch.packed([(start, count, pages)], page_size, cache.device)
+            batch = AttentionBatch.packed([(start, count, pages)], page_size, cache.device, paged)
             ids = torch.arange(count, device=cache.device)[None] % vocab
             self(ids, batch, cache)
         self.steps -= 1

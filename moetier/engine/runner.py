@@ -14,8 +14,9 @@ token a decode row of its request's page table at its own position, the step's K
 written before any row attends (each layer writes, then attends), so a draft's row sees the
 rows before it (`_rows_step`). Any other step packs every item's tokens into one row [1, N]
 (prefill chunks and decodes mixed; models/attention_batch.py), compiled where
-engine/prefill_compile.py applies, and only the positions whose next token is sampled (and those
-whose prompt logprobs a request asks for) go through the LM head.
+engine/prefill_compile.py applies, its attention through the sequences' page tables where
+`paged_prefill` (kernels/prefill_attention.py), and only the positions whose next token is
+sampled (and those whose prompt logprobs a request asks for) go through the LM head.
 `TransformersRunner` (the transformers model class): each request its own DynamicCache, its
 items run one after another; no prefix cache (its KV is not in pages).
 Sampling the step's rows is engine/step_sampler.py's (both runners derive from StepSampler).
@@ -57,6 +58,7 @@ from moetier.engine.speculative import (
 from moetier.engine.step_sampler import Sampled, StepSampler
 from moetier.loader.hf_model import cache_argument
 from moetier.loader.loaded_model import LoadedModel
+from moetier.models import layers
 from moetier.models.attention_batch import AttentionBatch
 
 GRAPH_BUCKETS = BATCH_BUCKETS  # decode rows a CUDA graph is captured for
@@ -94,6 +96,15 @@ class PagedRunner(StepSampler):
             getattr(layer.self_attn, "pages_in_kernel", False) for layer in model.model.layers
         )
         self.gather_decode_keys = not (self.device.type == "cuda" and in_kernel)
+        # packed steps read the pages through the sequences' tables (kernels/
+        # prefill_attention.py) where every layer's attention can (CPU tests set it: the
+        # interpreter), else keys gathered and a mask
+        self.paged_prefill = (
+            layers.PAGED_PREFILL_KERNEL
+            and self.device.type == "cuda"
+            and all(getattr(layer.self_attn, "prefill_reads_pages", False)
+                    for layer in model.model.layers)
+        )  # fmt: skip
         context = int(model.config.max_position_embeddings)
         self.table_width = min(num_pages, -(-context // page_size))
         first = -(-decode_graphs.FIRST_CONTEXT_TOKENS // page_size)
@@ -199,7 +210,9 @@ class PagedRunner(StepSampler):
         use_compile_cache()
         self.prefill = CompiledPrefill(self.model.model)
         vocab = int(self.model.config.vocab_size)
-        return self.prefill.warm_up(vocab, self.scratch_page, self.page_size, self.cache)
+        return self.prefill.warm_up(
+            vocab, self.scratch_page, self.page_size, self.cache, self.paged_prefill
+        )
 
     @property
     def context_buckets(self) -> tuple[int, ...]:
@@ -637,7 +650,7 @@ class PagedRunner(StepSampler):
 
     def _packed(self, items: list[Scheduled]) -> torch.Tensor:
         spans = [(item.start, item.count, item.request.pages) for item in items]
-        batch = AttentionBatch.packed(spans, self.page_size, self.device)
+        batch = AttentionBatch.packed(spans, self.page_size, self.device, self.paged_prefill)
         tokens = [  # an item's known tokens, then its drafts (speculative decoding)
             t
             for item in items

@@ -12,7 +12,9 @@ shared by every layer:
 - `packed`: every scheduled token of a step in one row [1, N] (sequences one after another,
   prefill chunks and decodes mixed); the keys are each sequence's positions gathered from its
   pages, one after another, and the mask lets a token see only its own sequence's keys up to
-  its position.
+  its position. Or, `paged` (kernels/prefill_attention.py, GQA), each sequence's page row and
+  the step's blocks of one sequence's tokens, which the kernel reads the pages through: nothing
+  of tokens x context.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from moetier.kernels.paged_kv import write_kv_pages, write_pages
+from moetier.kernels.prefill_attention import page_rows, prefill_blocks
 
 
 @dataclass
@@ -36,6 +39,10 @@ class AttentionBatch:
     key_page: torch.Tensor | None = None  # [B, Lk] int64: the keys' pages (None: page b = row b)
     key_offset: torch.Tensor | None = None  # [B, Lk] int64
     page_table: torch.Tensor | None = None  # [B, W] int32: decode rows' pages, for the kernel
+    # a packed step read through page tables (kernels/prefill_attention.py): each sequence's
+    # pages [S, W] int32 and the step's blocks of one sequence's tokens [NB, 4] int32
+    seq_pages: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
 
     @property
     def static_rows(self) -> bool:
@@ -106,13 +113,18 @@ class AttentionBatch:
 
     @staticmethod
     def packed(
-        spans: Sequence[tuple[int, int, Sequence[int]]], page_size: int, device: torch.device | str
+        spans: Sequence[tuple[int, int, Sequence[int]]],
+        page_size: int,
+        device: torch.device | str,
+        paged: bool = False,
     ) -> AttentionBatch:
         """Sequences one after another in one row: spans (start, count, pages): positions
         [start, start + count) of a sequence whose KV lives in `pages` (positions before start
         already there). -> a batch of B = 1, T = sum of counts. Built with array operations: a
         chunk over a long cached prefix costs the host little more than one without (the keys,
-        every position up to the chunk's end, were a Python loop over the whole context)."""
+        every position up to the chunk's end, were a Python loop over the whole context).
+        paged: the tables of the paged prefill kernel (`seq_pages`, `blocks`) instead of the
+        gathered keys and the mask (None), which would grow with tokens x context."""
         starts = np.array([start for start, _, _ in spans], dtype=np.int64)
         counts = np.array([count for _, count, _ in spans], dtype=np.int64)
         ends = starts + counts
@@ -130,15 +142,23 @@ class AttentionBatch:
         seqs = np.arange(len(spans), dtype=np.int64)
         query_seq = np.repeat(seqs, counts)
         positions = _ranges(counts) + np.repeat(starts, counts)
-        key_seq = np.repeat(seqs, ends)
-        key_pos = _ranges(ends)
         write_page = flat[first[query_seq] + positions // page_size]
-        key_page = flat[first[key_seq] + key_pos // page_size]
 
         def tensor(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values).to(device)[None]
 
         pos = tensor(positions)
+        if paged:  # the kernel's tables: no keys or mask of tokens x context
+            widths = (-(-ends // page_size)).tolist()
+            table = page_rows([pages for _, _, pages in spans], widths)
+            blocks = prefill_blocks(starts.tolist(), counts.tolist())
+            return AttentionBatch(
+                pos, tensor(write_page), pos % page_size, None, seq_pages=tensor(table)[0],
+                blocks=tensor(blocks)[0],
+            )  # fmt: skip
+        key_seq = np.repeat(seqs, ends)
+        key_pos = _ranges(ends)
+        key_page = flat[first[key_seq] + key_pos // page_size]
         same = tensor(query_seq)[0][:, None] == tensor(key_seq)[0][None, :]
         causal = tensor(key_pos)[0][None, :] <= pos[0][:, None]
         mask = (same & causal)[None, None]  # [1, 1, N, Lk]

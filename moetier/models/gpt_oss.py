@@ -113,6 +113,7 @@ class GptOssAttention(Attention):
     # sinks and windows are not in moetier::decode_attention: decode rows need gathered keys
     pages_in_kernel = False
     prefill_compiles = False  # (its attention is not moetier::masked_attention)
+    prefill_reads_pages = False  # (nor moetier::prefill_attention)
 
     def __init__(self, config: DecoderConfig, layer: int, window: int | None) -> None:
         super().__init__(

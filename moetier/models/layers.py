@@ -30,6 +30,7 @@ from moetier.config import DecoderConfig
 from moetier.kernels.attention import decode_attention
 from moetier.kernels.masked_attention import masked_attention_op
 from moetier.kernels.mla_decode import mla_decode
+from moetier.kernels.prefill_attention import prefill_attention
 from moetier.kernels.router import router_topk
 from moetier.models.attention_batch import AttentionBatch
 from moetier.models.dense_linear import dense_weight
@@ -124,6 +125,9 @@ class Attention(nn.Module):
     # the engine's packed steps may run compiled (engine/prefill_compile.py): the prefill's
     # attention is one opaque op (kernels/masked_attention.py), the rest traces as is
     prefill_compiles = True
+    # a packed step's attention may read the pages through the sequences' tables
+    # (kernels/prefill_attention.py; the engine's `paged_prefill`)
+    prefill_reads_pages = True
 
     def __init__(
         self,
@@ -214,6 +218,12 @@ class Attention(nn.Module):
             out = decode_attention(
                 q, k_cache, v_cache, batch.page_table, batch.positions[:, 0], self.head_dim**-0.5
             )  # [B, h, 1, D]
+        elif batch.blocks is not None and batch.seq_pages is not None:  # a packed step, paged
+            out = prefill_attention(
+                q[0].transpose(0, 1), k_cache, v_cache, batch.seq_pages, batch.blocks,
+                self.head_dim**-0.5,
+            )  # [N, h, D]  # fmt: skip
+            return self.o_proj(out.reshape(rows, tokens, -1))
         else:
             groups = self.num_heads // self.num_kv_heads
             keys = _repeat_kv(batch.keys(k_cache), groups)  # [B, h, Lk, D]
@@ -227,6 +237,12 @@ class Attention(nn.Module):
 # greedy against alone, the native DeepSeek tests) passed on an H100 with it on; off, CUDA runs SDPA
 # over gathered pages (eager engine steps), as the CPU path does unless a test switches it on.
 MLA_DECODE_KERNEL = True
+
+# The engine's packed steps (GQA) attend through the sequences' page tables on CUDA
+# (`moetier::prefill_attention`: no gathered keys, no [tokens, context] mask) instead of SDPA over
+# gathered keys: off until its GPU test (tests/kernels/test_prefill_attention_kernel.py) and the
+# agent bench have run on a GPU; the CPU tests run it under Triton's interpreter.
+PAGED_PREFILL_KERNEL = False
 
 
 def masked_attention(
