@@ -786,7 +786,7 @@ def run_decode_cases(
                 if strategy == "resident":
                     rec["hit_rate"] = 1.0
                 if gpu_fraction in accelerate and disk_fraction == 0:
-                    rec["vs_accelerate"] = round(1e3 / t["ms"] / accelerate[gpu_fraction], 3)
+                    rec["vs_accelerate"] = float(f"{1e3 / t['ms'] / accelerate[gpu_fraction]:.4g}")
                 if per.get("staged"):  # zero-copy staging: guesses copied, and used
                     rec["staged_per_token"] = round(per["staged"], 2)
                     rec["staged_pairs_per_token"] = round(per["staged_used"], 2)

@@ -631,8 +631,8 @@ class EngineConfig:
         metadata={
             "help": "with the CUDA graph and every expert on the GPU: compile the prefill steps "
             "(prompt chunks, a conversation's new turn) with torch.compile at load, one graph "
-            "for every length (GQA families; less host time a layer); --no-compile-prefill "
-            "runs them eagerly"
+            "for every length (GQA families; fewer launches a layer for the host to issue); "
+            "--no-compile-prefill runs them eagerly"
         },
     )
     lookahead: bool = field(

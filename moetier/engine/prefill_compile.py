@@ -15,9 +15,9 @@ attention takes the compiled path (`prefill_compiles` on the attention module: t
 `Attention`); not with zero-copy experts (a long prompt streams the layer's experts, host state
 the compiled graph would guard on), hybrid CPU experts, the confidence gate, expert parallelism
 or an experts observer (`refusal`). A step of one token runs eagerly (a symbolic count of 1
-would specialise a second graph). Compiled at load on a dummy step whose tokens write the
-scratch page (`warm_up`), so the first request finds it ready; inductor's disk cache keeps it
-for the next start.
+would specialise a second graph; the paged tables are at least 2 x 2 for the same reason).
+Compiled at load on a dummy step whose tokens write the scratch page (`warm_up`), so the first
+request finds it ready; inductor's disk cache keeps it for the next start.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ from moetier.models.attention_batch import AttentionBatch
 # path's seq_pages [S, W] and blocks [NB, 4]
 _DYNAMIC_DIMS = ((1,), (1,), (1,), (1,), (2, 3), (1,), (1,), (0, 1), (0,))
 MIN_TOKENS = 2
+# what the compiler raises (dynamo's and inductor's errors): the runner then runs packed steps
+# eagerly; anything else (out of memory, a kernel's error) is the step's own and propagates
+COMPILE_ERRORS: tuple[type[Exception], ...] = (torch._dynamo.exc.TorchDynamoException,)
 
 
 def refusal(loaded: LoadedModel, with_gate: bool) -> str | None:
@@ -97,15 +100,21 @@ class CompiledPrefill:
     def warm_up(
         self, vocab: int, scratch_page: int, page_size: int, cache: torch.Tensor, paged: bool
     ) -> float:
-        """Compile on a dummy step of 5 tokens after 3 (every position on the scratch page; a
-        key count unlike the token count, so the two stay separate symbols), its batch built as
-        the runner builds its own (`paged`: the paged prefill's tables) -> seconds."""
+        """Compile on a dummy step of two sequences, 5 tokens after 3 and 70 from 0, every
+        position on the scratch page, its batch built as the runner builds its own (`paged`:
+        the paged prefill's tables) -> seconds. Every size that varies differs from the others
+        (75 tokens; 78 keys, or 2 sequences, 3 blocks and W pages a row), so torch.compile's
+        duck sizing gives each its own symbol and later steps reuse this graph."""
         began = time.perf_counter()
-        start, count = 3, 5
-        pages = [scratch_page] * -(-(start + count) // page_size)
+        spans = [(3, 5), (0, 70)]
         with torch.inference_mode():  # (as the engine's steps: inference tensors)
-            batch = AttentionBatch.packed([(start, count, pages)], page_size, cache.device, paged)
-            ids = torch.arange(count, device=cache.device)[None] % vocab
+            batch = AttentionBatch.packed(
+                [(start, count, [scratch_page] * -(-(start + count) // page_size))
+                 for start, count in spans],
+                page_size, cache.device, paged,
+            )  # fmt: skip
+            tokens = sum(count for _, count in spans)
+            ids = torch.arange(tokens, device=cache.device)[None] % vocab
             self(ids, batch, cache)
         self.steps -= 1
         if cache.is_cuda:

@@ -149,7 +149,7 @@ class PagedRunner(StepSampler):
             if why is None:
                 try:
                     self.warm_up_seconds += self.compile_prefill()
-                except Exception as exc:  # (the compiler's failure: eager prefill steps)
+                except prefill_compile.COMPILE_ERRORS as exc:  # (eager prefill steps)
                     print(f"moetier: prefill steps run eagerly: compiling them failed "
                           f"({type(exc).__name__}: {exc})", file=sys.stderr)  # fmt: skip
                     self.prefill = None
@@ -661,7 +661,7 @@ class PagedRunner(StepSampler):
         if self.prefill is not None and self.prefill.applies(ids, self.loaded.runtime):
             try:
                 return self.prefill(ids, batch, self.cache)[0]
-            except Exception as exc:  # (a step the compiler fails on: eager from now on)
+            except prefill_compile.COMPILE_ERRORS as exc:  # (eager from now on)
                 print(f"moetier: prefill steps run eagerly from now on: compiling one failed "
                       f"({type(exc).__name__}: {exc})", file=sys.stderr)  # fmt: skip
                 self.prefill = None

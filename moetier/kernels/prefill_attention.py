@@ -37,21 +37,24 @@ def prefill_blocks(
 ) -> np.ndarray:
     """Sequences whose tokens are consecutive rows of a packed step (counts[s] tokens from
     position starts[s]) -> [NB, 4] int32 blocks: (sequence, first row, tokens, first position),
-    each of at most block_m tokens of one sequence."""
+    each of at most block_m tokens of one sequence; at least two rows (an empty block, which
+    reads and writes nothing, after a single one: a compiled step never sees a size of 1,
+    which torch.compile would specialise)."""
     rows = []
     row = 0
     for seq, (start, count) in enumerate(zip(starts, counts, strict=True)):
         for first in range(0, count, block_m):
             rows.append((seq, row + first, min(block_m, count - first), start + first))
         row += count
-    return np.array(rows, dtype=np.int32).reshape(-1, 4)
+    while len(rows) < 2:
+        rows.append((0, 0, 0, 0))
+    return np.array(rows, dtype=np.int32)
 
 
 def page_rows(pages: Sequence[Sequence[int]], widths: Sequence[int]) -> np.ndarray:
-    """Each sequence's first widths[s] pages as a row of an [S, max width] int32 table (0 past
-    them: never read)."""
-    width = max(widths, default=0)
-    table = np.zeros((len(pages), max(width, 1)), dtype=np.int32)
+    """Each sequence's first widths[s] pages as a row of an [S, W] int32 table, W the widest
+    (0 past a row's own pages: never read); at least 2 x 2 (as `prefill_blocks`)."""
+    table = np.zeros((max(len(pages), 2), max([*widths, 2])), dtype=np.int32)
     for seq, (held, used) in enumerate(zip(pages, widths, strict=True)):
         table[seq, :used] = held[:used]
     return table
@@ -71,6 +74,8 @@ def prefill_attention_ref(
     out = torch.zeros_like(q)
     heads, kv_heads, page_size = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     for seq, first, count, position in blocks.tolist():
+        if count == 0:  # (an empty block: padding)
+            continue
         end = position + count  # keys [0, end)
         used = pages[seq, : -(-end // page_size)].long()
         keys = k_cache[used].transpose(0, 1).reshape(kv_heads, -1, k_cache.shape[3])[:, :end]
@@ -148,7 +153,7 @@ try:
                 p.to(v_tile.dtype), v_tile, input_precision=PRECISION
             )
             m_i = m_new
-        o = acc / l_i[:, None]
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (an empty padding block: l = 0)
         tl.store(
             out + (rows[:, None] * H + head) * D + d[None, :], o.to(out.dtype.element_ty),
             mask=m_ok[:, None] & d_ok[None, :],

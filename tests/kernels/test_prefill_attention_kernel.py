@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from moetier.kernels.prefill_attention import (
     BLOCK_M,
@@ -83,7 +84,10 @@ def test_blocks_cover_each_sequence_in_runs_of_block_m():
     blocks = prefill_blocks([10, 0, 3], [2, 130, 1], block_m=64).tolist()
     assert blocks == [[0, 0, 2, 10], [1, 2, 64, 0], [1, 66, 64, 64], [1, 130, 2, 128],
                       [2, 132, 1, 3]]  # fmt: skip
-    assert page_rows([[5, 6, 7], [2]], [2, 1]).tolist() == [[5, 6], [2, 0]]
+    assert page_rows([[5, 6, 7], [2]], [3, 1]).tolist() == [[5, 6, 7], [2, 0, 0]]
+    # never a size of 1 (a compiled step would specialise on it): an empty block, a zero row
+    assert prefill_blocks([7], [3]).tolist() == [[0, 0, 3, 7], [0, 0, 0, 0]]
+    assert page_rows([[4]], [1]).tolist() == [[4, 0], [0, 0]]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
@@ -128,9 +132,9 @@ def test_bf16_on_the_gpu():
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize(("compiled", "page"), [(False, 4), (True, 4), (True, 16)])
 def test_the_engine_reads_pages_through_the_kernel_as_each_request_alone(
-    tiny, compiled, monkeypatch
+    tiny, compiled, page, monkeypatch
 ):
     """The engine's packed steps with `paged_prefill` (the tables, no gathered keys or mask;
     on CPU the kernel under the interpreter): chunked prefill with decodes mixed in, staggered
@@ -145,11 +149,12 @@ def test_the_engine_reads_pages_through_the_kernel_as_each_request_alone(
     loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cpu", dtype="float32",
                                                               native=True))  # fmt: skip
     assert place_for_graphs(loaded)
-    engine = Engine(loaded, EngineLimits(num_pages=96, page_size=4, max_num_batched_tokens=16))
+    engine = Engine(loaded, EngineLimits(num_pages=96, page_size=page, max_num_batched_tokens=16))
     runner = engine.runner
     runner.paged_prefill = True
     if compiled:
         runner.compile_prefill()
+        graphs = counters["stats"]["unique_graphs"]
     blocks = []  # each kernel call's block count
     launch = kernel.prefill_attention_triton
 
@@ -162,8 +167,9 @@ def test_the_engine_reads_pages_through_the_kernel_as_each_request_alone(
     layers = loaded.model_config.num_layers
     assert blocks and len(blocks) % layers == 0  # every packed step's layers through it
     assert max(blocks) > 1  # steps of several sequences (decodes mixed into prompt chunks)
-    if compiled:
+    if compiled:  # every step on the warm-up's graph: one sequence or several, any width
         assert runner.prefill is not None and runner.prefill.steps > 3
+        assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.gpu
