@@ -10,7 +10,8 @@ less Python on the way; the custom ops (KV page writes, the router, the experts,
 attention: kernels/masked_attention.py) stay opaque calls, so the kernels and their numbers
 are an eager step's.
 
-Where: the CUDA-graph decode's placement (every expert pinned on the GPU) on families whose
+Where (with --compile-prefill, off by default: docs/benchmarks.md says why): the CUDA-graph
+decode's placement (every expert pinned on the GPU) on families whose
 attention takes the compiled path (`prefill_compiles` on the attention module: the GQA
 `Attention`); not with zero-copy experts (a long prompt streams the layer's experts, host state
 the compiled graph would guard on), hybrid CPU experts, the confidence gate, expert parallelism

@@ -183,8 +183,8 @@ def test_the_engine_on_cuda_reads_pages_through_the_kernel(tiny, monkeypatch):
     from tests.engine.test_engine import check_against_alone, random_requests
 
     monkeypatch.setattr(layers, "PAGED_PREFILL_KERNEL", True)
-    loaded = load_model(tiny.store("qwen3_moe"), EngineConfig(device="cuda", dtype="float32",
-                                                              native=True))  # fmt: skip
+    config = EngineConfig(device="cuda", dtype="float32", native=True, compile_prefill=True)
+    loaded = load_model(tiny.store("qwen3_moe"), config)
     limits = EngineLimits(num_pages=64, page_size=16, max_num_seqs=6, max_num_batched_tokens=16)
     engine = Engine(loaded, limits)
     assert engine.runner.paged_prefill and engine.runner.prefill is not None
