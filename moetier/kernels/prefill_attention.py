@@ -4,9 +4,10 @@
 The engine packs a step's tokens into one row (models/attention_batch.py): chunks of prompts,
 each the next positions of a sequence whose earlier positions are in its pages. SDPA needs each
 sequence's keys gathered from the pages, the kv heads repeated to the query heads and a
-[tokens, keys] mask: for a 2,048-token chunk at 100K of context, per layer, ~1.6 GB of copied
-keys and values (Qwen3-30B-A3B's 32 query heads) and a 400 MB bias. Here one Triton launch reads
-the pages in place:
+[tokens, keys] mask, all growing with tokens x context (one Qwen3-30B-A3B layer, a 2,048-token
+chunk at 64K of context: 1,425 MiB at the peak against 16 MiB here, and twice the time;
+bench/prefill_attention.py on an H100, docs/benchmarks.md). Here one Triton launch reads the
+pages in place:
 
 - the step's tokens in blocks of BLOCK_M tokens of one sequence (`blocks`, [NB, 4] int32: the
   sequence, its first token's row in the packed step, its token count, its first token's
@@ -22,12 +23,13 @@ mask) is the CPU path and the test oracle; the kernel also runs under TRITON_INT
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from moetier.kernels.attention import _runs_triton
 
 BLOCK_M = 64  # tokens of one sequence a program computes
 
@@ -163,18 +165,6 @@ except ImportError:  # pragma: no cover - triton is a dependency on Linux x86_64
     triton = None
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def runs_triton(q: torch.Tensor) -> bool:
-    """On CUDA; under Triton's interpreter (the CPU tests) only for fp32, since the interpreter
-    computes 16-bit `tl.dot` wrongly."""
-    if triton is None:
-        return False
-    return q.dtype == torch.float32 if _interpreted() else q.is_cuda
-
-
 def _check(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
     blocks: torch.Tensor,
@@ -237,7 +227,7 @@ def prefill_attention(
     v_cache [pages, KVH, page_size, D] (this layer's); pages [S, W] int32; blocks [NB, 4] int32
     (module docstring) -> [N, H, D] in q's dtype, contiguous. Triton on CUDA (and fp32 under
     TRITON_INTERPRET=1), `prefill_attention_ref` otherwise."""
-    if not runs_triton(q):
+    if not _runs_triton(q):  # (decode_attention's rule: CUDA, or fp32 under the interpreter)
         _check(q, k_cache, v_cache, pages, blocks)
         return prefill_attention_ref(q, k_cache, v_cache, pages, blocks, scale).contiguous()
     return prefill_attention_triton(q, k_cache, v_cache, pages, blocks, scale)

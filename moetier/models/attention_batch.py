@@ -153,8 +153,9 @@ class AttentionBatch:
             table = page_rows([pages for _, _, pages in spans], widths)
             blocks = prefill_blocks(starts.tolist(), counts.tolist())
             return AttentionBatch(
-                pos, tensor(write_page), pos % page_size, None, seq_pages=tensor(table)[0],
-                blocks=tensor(blocks)[0],
+                pos, tensor(write_page), pos % page_size, None,
+                seq_pages=torch.from_numpy(table).to(device),
+                blocks=torch.from_numpy(blocks).to(device),
             )  # fmt: skip
         key_seq = np.repeat(seqs, ends)
         key_pos = _ranges(ends)
